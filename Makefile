@@ -1,0 +1,46 @@
+# trt_sora — the two commands a fresh machine needs:
+#   make engine RECIPE=rtx4090-fp8      # every stage on the embedded default model
+#   make test                           # the test suite (what CI runs)
+PY      ?= python3
+VENV    ?= .venv
+RECIPE  ?= rtx4090-fp8
+MODEL   ?=
+OUT     ?= build
+BIN      = $(VENV)/bin
+EXTRAS  ?= export,tensorrt-rtx,dev
+
+.PHONY: install test test-fast engine export clean distclean help
+
+help:
+	@echo "make install | test | engine RECIPE=<recipe> [MODEL=<name-or-path>] | clean"
+
+# torch is pinned to 2.13.0: on our CPU machines pip takes the CPU build from local disk
+# instead of pulling a multi-GB CUDA build. On GPU boxes install your CUDA torch first.
+install: $(BIN)/.installed
+
+$(BIN)/.installed: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	@if command -v nvidia-smi >/dev/null 2>&1; then echo "GPU found: keeping pip's default torch build"; \
+	  else $(BIN)/pip install -q torch==2.13.0; fi
+	$(BIN)/pip install -q -e '.[$(EXTRAS)]' torch==2.13.0
+	@touch $@
+
+test: install
+	$(BIN)/python -m pytest -q
+
+test-fast: install
+	$(BIN)/python -m pytest -q -m "not slow"
+
+# export -> calibrate -> quantize -> build -> check under $(OUT)/<model>/$(RECIPE)/
+engine: install
+	$(BIN)/trt-sora engine --recipe $(RECIPE) $(if $(MODEL),--model $(MODEL)) --out $(OUT)
+
+export: install
+	$(BIN)/trt-sora export --recipe $(RECIPE) $(if $(MODEL),--model $(MODEL)) --out $(OUT)/export
+
+clean:
+	rm -rf $(OUT) .pytest_cache
+
+distclean: clean
+	rm -rf $(VENV) *.egg-info

@@ -1,0 +1,5 @@
+import sys
+
+from trt_sora.cli import main
+
+sys.exit(main())

@@ -1,0 +1,728 @@
+"""Calibration observers: turn a stream of activations into one ``amax`` per site.
+
+Every observer has the same small contract (after ModelOpt's calibrators)::
+
+    obs = make_observer("percentile", name="blocks.0.attn1.to_q", percentile=99.99)
+    for x in batches:          # any shape, any float dtype, any device
+        obs.collect(x)
+    amax = obs.compute_amax()  # fp32 tensor: shape [] per-tensor, [C] per-channel
+    obs.reset()
+
+* Pure torch and device-agnostic: state lives on the device of the first batch,
+  memory is O(1) per observer (a histogram of ``num_bins`` counts at most),
+  activations are never stored.
+* ``amax`` is always the symmetric clipping bound, ``>= 0``, in the units of
+  the activations; the quantization scale is ``amax / 448`` (FP8 E4M3) or
+  ``amax / 127`` (INT8), see :mod:`trt_sora.calibrate.fake_quant`.
+* NaN or inf in a batch raises :class:`~trt_sora.errors.CalibrationError`
+  naming the site. The check rides on the per-batch min/max reduction every
+  observer needs anyway, so it costs one scalar host sync per batch.
+* ``state_dict()`` / ``load_state_dict()`` serialise an observer (tensors and
+  plain values) so partial statistics can be saved, merged or resumed.
+
+Per denoising step and CFG branch statistics live in :class:`SiteStats`,
+which feeds one batch to several observers (e.g. all methods at once, so the
+report compares them from one calibration pass) and keeps a
+``[steps, branches]`` grid of abs-max values for drift plots.
+
+Methods (``make_observer`` names, same strings as ``trt_sora.config.CalibMethod``):
+
+=============  ==============================================================
+``minmax``     running ``max |x|`` (per tensor, or per channel with ``axis``)
+``ema``        exponential moving average of per-batch statistics
+``percentile`` ``p``-th percentile of ``|x|`` from a growing histogram
+``mse``        amax minimising FP8/INT8 fake-quant MSE over the histogram
+=============  ==============================================================
+"""
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any, ClassVar, Mapping, Sequence
+
+import torch
+from torch import Tensor
+
+from trt_sora.errors import CalibrationError, ConfigError
+
+log = logging.getLogger("trt_sora")
+
+__all__ = [
+    "Observer", "MinMaxObserver", "EmaObserver", "HistogramObserver", "PercentileObserver", "MseObserver",
+    "SiteStats", "OBSERVERS", "make_observer", "observer_from_state_dict", "batch_minmax",
+    "percentile_from_histogram",
+]
+
+# Elements per histc call: float32 bin counts are exact up to 2**24, and the
+# |x| temporary stays at 64 MB whatever the activation size.
+_HIST_CHUNK = 1 << 24
+
+
+def _fix_hint(name: str) -> str:
+    return (f"check the inputs and the model in fp32 for site {name!r} (an fp16 overflow is the usual cause), "
+            "or exclude the site from quantization (quantization.exclude in the recipe)")
+
+
+def batch_minmax(x: Tensor, name: str, axis: int | None = None) -> tuple[Tensor, Tensor]:
+    """Per-batch ``(min, max)`` of ``x`` as fp32, checked for NaN/inf in the same reduction.
+
+    Args:
+        x: activations or weights, any shape, floating dtype, ``numel > 0``.
+        name: site name used in error messages.
+        axis: ``None`` reduces over everything (two 0-d tensors); an int keeps
+            that dim (two ``[x.shape[axis]]`` tensors).
+
+    Raises:
+        CalibrationError: ``x`` has NaN/inf (names the site) or is not floating point.
+    """
+    if not torch.is_floating_point(x):
+        raise CalibrationError(f"site {name!r} got a {x.dtype} tensor; only floating-point activations can be "
+                               "calibrated: exclude this site from calibration")
+    if axis is None:
+        mn, mx = torch.aminmax(x)
+    else:
+        ax = axis % x.dim()
+        dims = tuple(d for d in range(x.dim()) if d != ax)
+        if dims:
+            mn, mx = torch.amin(x, dim=dims), torch.amax(x, dim=dims)
+        else:
+            mn, mx = x, x
+    mn, mx = mn.float(), mx.float()
+    # min/max propagate NaN and show +-inf, so this one check covers every element.
+    if not bool(torch.isfinite(mn).all() & torch.isfinite(mx).all()):
+        bad = "NaN" if bool(torch.isnan(mn).any() | torch.isnan(mx).any()) else "inf"
+        raise CalibrationError(f"site {name!r}: the calibration batch contains {bad} (shape {tuple(x.shape)}, "
+                               f"dtype {x.dtype}); {_fix_hint(name)}")
+    return mn, mx
+
+
+class Observer:
+    """Base class: ``collect(x)``, ``reset()``, ``compute_amax() -> Tensor``.
+
+    Args:
+        name: the site (module path, e.g. ``"blocks.0.ffn.net.0.proj"``); named in every error.
+        axis: ``None`` for one amax per tensor; an int for one amax per channel
+            along that dim (weights of ``nn.Linear``: ``axis=0``, per output channel).
+
+    Attributes:
+        num_batches: batches collected since the last reset.
+        num_elements: elements collected since the last reset.
+    """
+
+    method: ClassVar[str] = ""
+    supports_axis: ClassVar[bool] = True
+
+    def __init__(self, name: str = "<unnamed>", *, axis: int | None = None) -> None:
+        if axis is not None and not self.supports_axis:
+            raise ConfigError(f"site {name!r}: the {self.method!r} observer is per-tensor only; "
+                              "use method 'minmax' or 'ema' for per-channel (axis=...) statistics")
+        self.name = name
+        self.axis = axis
+        self.reset()
+
+    # -- contract -------------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Forget everything collected (settings are kept)."""
+        self.num_batches = 0
+        self.num_elements = 0
+        self._num_channels: int | None = None
+
+    def collect(self, x: Tensor) -> None:
+        """Add one batch. ``x``: any shape (per-channel: ``x.shape[axis]`` channels), float dtype.
+
+        Empty tensors are skipped. Raises CalibrationError on NaN/inf or a channel-count change.
+        """
+        if x.numel() == 0:
+            return
+        x = x.detach()
+        mn, mx = batch_minmax(x, self.name, self.axis)
+        self._observe(x, mn, mx)
+
+    def compute_amax(self) -> Tensor:
+        """The clipping bound: fp32, ``>= 0``; shape ``[]`` per-tensor or ``[C]`` per-channel.
+
+        Raises CalibrationError if nothing was collected.
+        """
+        if self.num_batches == 0:
+            raise CalibrationError(f"site {self.name!r}: observer {self.method!r} has collected no data; "
+                                   "check that the calibration forward reaches this module (hook registered, "
+                                   "at least one prompt and step)")
+        return self._amax()
+
+    def settings(self) -> dict[str, Any]:
+        """JSON-safe settings (method + constructor arguments except ``name``), for stats metadata."""
+        return {"method": self.method, "axis": self.axis}
+
+    # -- serialisation --------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Settings, counters and state tensors; plain values and tensors only."""
+        return {"method": self.method, "name": self.name, "settings": self.settings(),
+                "num_batches": self.num_batches, "num_elements": self.num_elements,
+                "num_channels": self._num_channels, "tensors": self._state_tensors()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore from :meth:`state_dict`; settings must match this observer's."""
+        if state.get("method") != self.method or dict(state.get("settings", {})) != self.settings():
+            raise CalibrationError(
+                f"site {self.name!r}: cannot load {state.get('method')!r} state with settings "
+                f"{state.get('settings')} into a {self.method!r} observer with {self.settings()}; "
+                "build the observer with observer_from_state_dict(state) instead")
+        self.num_batches = int(state["num_batches"])
+        self.num_elements = int(state["num_elements"])
+        self._num_channels = state.get("num_channels")
+        self._load_state_tensors(state["tensors"])
+
+    # -- subclass hooks -------------------------------------------------------------------------
+    def _observe(self, x: Tensor, mn: Tensor, mx: Tensor) -> None:
+        """Fold one batch in; ``mn``/``mx`` are this batch's (already checked) fp32 min/max."""
+        if self.axis is not None:
+            c = int(mn.numel())
+            if self._num_channels is None:
+                self._num_channels = c
+            elif c != self._num_channels:
+                raise CalibrationError(
+                    f"site {self.name!r}: got {c} channels along axis {self.axis} after {self._num_channels} "
+                    "before; the module's shape changed between calibration batches - check the model's "
+                    "forward, or calibrate this site per tensor (axis=None)")
+        self.num_batches += 1
+        self.num_elements += x.numel()
+        self._update(x, mn, mx)
+
+    def _update(self, x: Tensor, mn: Tensor, mx: Tensor) -> None:
+        raise NotImplementedError
+
+    def _amax(self) -> Tensor:
+        raise NotImplementedError
+
+    def _state_tensors(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def _load_state_tensors(self, tensors: Mapping[str, Any]) -> None:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.settings().items() if k != "method")
+        return f"{type(self).__name__}(name={self.name!r}, {args}, num_batches={self.num_batches})"
+
+
+def _absmax(mn: Tensor, mx: Tensor) -> Tensor:
+    return torch.maximum(mn.abs(), mx.abs())
+
+
+class MinMaxObserver(Observer):
+    """Running absolute max: ``amax = max(|min_val|, |max_val|)`` over every batch.
+
+    Equals ``torch.ao.quantization.MinMaxObserver`` (per-tensor) and
+    ``PerChannelMinMaxObserver(ch_axis=axis)`` (per-channel), reduced to a
+    symmetric bound.
+    """
+
+    method = "minmax"
+
+    def reset(self) -> None:
+        super().reset()
+        self.min_val: Tensor | None = None
+        self.max_val: Tensor | None = None
+
+    def _update(self, x: Tensor, mn: Tensor, mx: Tensor) -> None:
+        if self.min_val is None:
+            self.min_val, self.max_val = mn.clone(), mx.clone()
+        else:
+            self.min_val = torch.minimum(self.min_val, mn)
+            self.max_val = torch.maximum(self.max_val, mx)
+
+    def _amax(self) -> Tensor:
+        return _absmax(self.min_val, self.max_val)
+
+    def _state_tensors(self) -> dict[str, Any]:
+        return {"min_val": self.min_val, "max_val": self.max_val}
+
+    def _load_state_tensors(self, tensors: Mapping[str, Any]) -> None:
+        self.min_val, self.max_val = tensors["min_val"], tensors["max_val"]
+
+
+class EmaObserver(Observer):
+    """Exponential moving average of per-batch statistics.
+
+    The first batch initialises the average to that batch's statistics (no
+    bias towards 0, as in ``torch.ao``); every later batch ``b`` updates
+    ``s <- s + c * (s_b - s)`` with ``c = averaging_constant``.
+
+    ``track`` chooses what is averaged:
+
+    * ``"amax"`` (default): the per-batch abs-max ``max|x_b|``; ``amax = s``.
+      This is the quantity a symmetric scale needs.
+    * ``"minmax"``: min and max separately, then ``amax = max(|ema_min|, |ema_max|)``;
+      identical to ``torch.ao.quantization.MovingAverageMinMaxObserver`` (and
+      ``MovingAveragePerChannelMinMaxObserver``) with the same constant.
+
+    The two agree whenever the same side dominates every batch (e.g. all
+    ``max_b >= -min_b``, as for post-GELU activations). Otherwise, by the
+    triangle inequality, ``"minmax"`` <= ``"amax"``: averaging a large negative
+    min of one batch with a small one of the next under-states the range that
+    symmetric quantization must cover. Tested in ``tests/calibrate/test_observers.py``.
+
+    Note the result depends on batch order: with per-step collection the
+    average leans towards the last steps of the last prompts.
+    """
+
+    method = "ema"
+
+    def __init__(self, name: str = "<unnamed>", *, axis: int | None = None, averaging_constant: float = 0.01,
+                 track: str = "amax") -> None:
+        if not 0.0 < float(averaging_constant) <= 1.0:
+            raise ConfigError(f"site {name!r}: averaging_constant={averaging_constant} must be in (0, 1] "
+                              "(e.g. 0.01)")
+        if track not in ("amax", "minmax"):
+            from trt_sora.config.base import did_you_mean
+
+            raise ConfigError(f"site {name!r}: track={track!r}{did_you_mean(track, ('amax', 'minmax'))}; "
+                              "use 'amax' or 'minmax'")
+        self.averaging_constant = float(averaging_constant)
+        self.track = track
+        super().__init__(name, axis=axis)
+
+    def settings(self) -> dict[str, Any]:
+        return {**super().settings(), "averaging_constant": self.averaging_constant, "track": self.track}
+
+    def reset(self) -> None:
+        super().reset()
+        self.min_val: Tensor | None = None
+        self.max_val: Tensor | None = None
+        self.amax_val: Tensor | None = None
+
+    def _update(self, x: Tensor, mn: Tensor, mx: Tensor) -> None:
+        c = self.averaging_constant
+        if self.track == "amax":
+            a = _absmax(mn, mx)
+            self.amax_val = a.clone() if self.amax_val is None else self.amax_val + c * (a - self.amax_val)
+        elif self.min_val is None:
+            self.min_val, self.max_val = mn.clone(), mx.clone()
+        else:
+            self.min_val = self.min_val + c * (mn - self.min_val)
+            self.max_val = self.max_val + c * (mx - self.max_val)
+
+    def _amax(self) -> Tensor:
+        return self.amax_val.clone() if self.track == "amax" else _absmax(self.min_val, self.max_val)
+
+    def _state_tensors(self) -> dict[str, Any]:
+        return {"min_val": self.min_val, "max_val": self.max_val, "amax_val": self.amax_val}
+
+    def _load_state_tensors(self, tensors: Mapping[str, Any]) -> None:
+        self.min_val, self.max_val, self.amax_val = tensors["min_val"], tensors["max_val"], tensors["amax_val"]
+
+
+class HistogramObserver(Observer):
+    """Histogram of ``|x|`` over ``[0, range]`` with ``num_bins`` equal bins, range grown on demand.
+
+    The range starts at the first non-zero batch's abs-max and only ever
+    doubles: when a batch exceeds it, the range becomes ``range * 2**k``
+    (smallest ``k`` that covers the batch) and every ``2**k`` old bins are
+    summed into one new bin. Old bins nest exactly inside new ones, so the
+    histogram equals the one a single pass at the final range would give
+    (up to values on a bin edge) and no activation is ever stored.
+
+    Counts are int64 (exact); each value ``v`` lies inside its bin
+    ``[i*w, (i+1)*w]`` with ``w = range / num_bins``. The exact running
+    abs-max is kept too (:attr:`absmax`).
+
+    This class computes no amax itself; see :class:`PercentileObserver` and
+    :class:`MseObserver`.
+    """
+
+    supports_axis = False
+
+    def __init__(self, name: str = "<unnamed>", *, axis: int | None = None, num_bins: int = 2048) -> None:
+        if isinstance(num_bins, bool) or not isinstance(num_bins, int) or num_bins < 2:
+            raise ConfigError(f"site {name!r}: num_bins={num_bins!r} must be an integer >= 2 (e.g. 2048)")
+        self.num_bins = num_bins
+        super().__init__(name, axis=axis)
+
+    def settings(self) -> dict[str, Any]:
+        return {**super().settings(), "num_bins": self.num_bins}
+
+    def reset(self) -> None:
+        super().reset()
+        self.hist: Tensor | None = None  # int64 [num_bins]
+        self.range = 0.0  # upper edge of the last bin, in the units of x
+        self.absmax: Tensor | None = None  # exact running max |x|, fp32 []
+        self._zeros = 0  # elements seen while every value so far was 0 (range not yet known)
+
+    @property
+    def bin_width(self) -> float:
+        """Width of one bin (``range / num_bins``); 0 before any non-zero data."""
+        return self.range / self.num_bins
+
+    def histogram(self) -> tuple[Tensor, float]:
+        """``(counts int64 [num_bins], range)``: bin ``i`` covers ``[i, i+1] * range / num_bins``."""
+        if self.hist is None:
+            hist = torch.zeros(self.num_bins, dtype=torch.int64)
+            hist[0] = self._zeros
+            return hist, 0.0
+        return self.hist.clone(), self.range
+
+    def _update(self, x: Tensor, mn: Tensor, mx: Tensor) -> None:
+        a = _absmax(mn, mx)
+        self.absmax = a if self.absmax is None else torch.maximum(self.absmax, a)
+        amax_b = float(a)  # host sync; batch_minmax already synced for the finite check
+        if amax_b == 0.0 and self.hist is None:
+            self._zeros += x.numel()
+            return
+        if self.hist is None:
+            self.range = amax_b
+            self.hist = torch.zeros(self.num_bins, dtype=torch.int64, device=x.device)
+            self.hist[0] += self._zeros
+        elif amax_b > self.range:
+            self._grow(amax_b)
+        for chunk in x.reshape(-1).split(_HIST_CHUNK):
+            counts = torch.histc(chunk.float().abs(), bins=self.num_bins, min=0.0, max=self.range)
+            self.hist += counts.to(torch.int64)
+
+    def _grow(self, needed: float) -> None:
+        k = 0
+        new_range = self.range
+        while new_range < needed:  # doubling is exact in floating point
+            new_range *= 2.0
+            k += 1
+        factor = 2 ** k
+        if factor >= self.num_bins:
+            merged = torch.zeros_like(self.hist)
+            merged[0] = self.hist.sum()
+        else:
+            idx = torch.arange(self.num_bins, device=self.hist.device) // factor
+            merged = torch.zeros_like(self.hist).index_add_(0, idx, self.hist)
+        log.debug("site %r: histogram range %.6g -> %.6g", self.name, self.range, new_range)
+        self.hist, self.range = merged, new_range
+
+    def _state_tensors(self) -> dict[str, Any]:
+        return {"hist": self.hist, "range": self.range, "absmax": self.absmax, "zeros": self._zeros}
+
+    def _load_state_tensors(self, tensors: Mapping[str, Any]) -> None:
+        self.hist, self.range = tensors["hist"], float(tensors["range"])
+        self.absmax, self._zeros = tensors["absmax"], int(tensors["zeros"])
+
+    def _amax(self) -> Tensor:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+
+def percentile_from_histogram(hist: Tensor, hist_range: float, percentile: float) -> float:
+    """``percentile`` of the values a histogram holds, like ``numpy.percentile`` (linear method).
+
+    Each order statistic is estimated by the upper edge of its bin, so the
+    result is >= the exact value and exceeds it by less than one bin width
+    (``hist_range / len(hist)``). ``hist``: counts ``[num_bins]``; returns a float.
+    """
+    counts = hist.to(torch.float64)
+    n = int(hist.sum())
+    if n == 0 or hist_range == 0.0:
+        return 0.0
+    cdf = torch.cumsum(counts, 0)
+    rank = (n - 1) * percentile / 100.0
+    lo = math.floor(rank)
+    frac = rank - lo
+    hi = min(lo + 1, n - 1)
+    ranks = torch.tensor([lo, hi], dtype=torch.float64, device=cdf.device)
+    bins = torch.searchsorted(cdf, ranks, right=True).clamp_(max=len(hist) - 1)
+    upper = (bins.to(torch.float64) + 1.0) * (hist_range / len(hist))
+    return float((1.0 - frac) * upper[0] + frac * upper[1])
+
+
+class PercentileObserver(HistogramObserver):
+    """``amax`` = the ``percentile``-th percentile of ``|x|`` over all collected data.
+
+    Computed from the growing histogram (see :class:`HistogramObserver`): at
+    most one bin width (``range / num_bins``) above ``numpy.percentile(|x|, p)``
+    of the concatenated batches, and never above the exact max.
+
+    Args:
+        percentile: in ``(0, 100]``, e.g. ``99.99``; 100 gives the exact max.
+        num_bins: histogram resolution, e.g. 2048.
+    """
+
+    method = "percentile"
+
+    def __init__(self, name: str = "<unnamed>", *, axis: int | None = None, percentile: float = 99.99,
+                 num_bins: int = 2048) -> None:
+        if not 0.0 < float(percentile) <= 100.0:
+            raise ConfigError(f"site {name!r}: percentile={percentile} must be in (0, 100] (e.g. 99.99)")
+        self.percentile = float(percentile)
+        super().__init__(name, axis=axis, num_bins=num_bins)
+
+    def settings(self) -> dict[str, Any]:
+        return {**super().settings(), "percentile": self.percentile}
+
+    def _amax(self) -> Tensor:
+        if self.hist is None:  # only zeros so far
+            return torch.zeros((), dtype=torch.float32)
+        if self.percentile == 100.0:
+            return self.absmax.clone()
+        p = percentile_from_histogram(self.hist, self.range, self.percentile)
+        return torch.minimum(torch.tensor(p, dtype=torch.float32, device=self.absmax.device), self.absmax)
+
+
+class MseObserver(HistogramObserver):
+    """``amax`` minimising the fake-quantization MSE of the collected ``|x|`` histogram.
+
+    Candidates are ``num_candidates`` bin upper edges spread evenly over the
+    histogram's range plus the exact max; each bin's count is represented by
+    its centre, fake-quantized in ``fmt`` (``"fp8_e4m3"`` or ``"int8"``) with
+    the candidate amax; the candidate with the lowest weighted squared error
+    wins (ties: the smaller amax).
+    """
+
+    method = "mse"
+
+    def __init__(self, name: str = "<unnamed>", *, axis: int | None = None, fmt: str = "fp8_e4m3",
+                 num_bins: int = 2048, num_candidates: int = 256) -> None:
+        from trt_sora.calibrate.fake_quant import _format
+
+        self.fmt = _format(fmt).value
+        if isinstance(num_candidates, bool) or not isinstance(num_candidates, int) or num_candidates < 1:
+            raise ConfigError(f"site {name!r}: num_candidates={num_candidates!r} must be an integer >= 1")
+        self.num_candidates = num_candidates
+        super().__init__(name, axis=axis, num_bins=num_bins)
+
+    def settings(self) -> dict[str, Any]:
+        return {**super().settings(), "fmt": self.fmt, "num_candidates": self.num_candidates}
+
+    def _amax(self) -> Tensor:
+        from trt_sora.calibrate.fake_quant import fake_quant
+
+        if self.hist is None:
+            return torch.zeros((), dtype=torch.float32)
+        dev = self.hist.device
+        n = self.num_bins
+        w = self.range / n
+        counts = self.hist.to(torch.float64)
+        centres = (torch.arange(n, dtype=torch.float64, device=dev) + 0.5) * w
+        centres = torch.minimum(centres, self.absmax.double())
+        k = min(self.num_candidates, n)
+        edges = (torch.linspace(n / k, n, k, dtype=torch.float64, device=dev).round() * w)
+        cand = torch.cat([edges[edges < float(self.absmax)], self.absmax.double().reshape(1)]).float()
+        grid = centres.float().expand(len(cand), n)
+        err = (grid.double() - fake_quant(grid, cand, self.fmt, axis=0).double()).square() @ counts
+        return cand[int(torch.argmin(err))].clone()
+
+
+OBSERVERS: dict[str, type[Observer]] = {
+    cls.method: cls for cls in (MinMaxObserver, EmaObserver, PercentileObserver, MseObserver)
+}
+
+
+def make_observer(method: str, name: str = "<unnamed>", **kwargs: Any) -> Observer:
+    """Build an observer by method name (``minmax``, ``ema``, ``percentile``, ``mse``).
+
+    ``method`` may be a ``trt_sora.config.CalibMethod``. ``kwargs`` go to the
+    class (``axis``, ``averaging_constant``, ``track``, ``percentile``,
+    ``num_bins``, ``fmt``, ``num_candidates``); unknown ones are ConfigErrors.
+
+    Raises:
+        ConfigError: unknown method (with a close-match hint) or argument.
+    """
+    from trt_sora.config.base import did_you_mean
+
+    key = getattr(method, "value", method)
+    if key not in OBSERVERS:
+        raise ConfigError(f"unknown calibration method {key!r}{did_you_mean(key, OBSERVERS)}; "
+                          f"choose one of {', '.join(OBSERVERS)}")
+    cls = OBSERVERS[key]
+    try:
+        return cls(name, **kwargs)
+    except TypeError as exc:
+        import inspect
+
+        params = [p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "name")]
+        bad = next((k for k in kwargs if k not in params), None)
+        hint = did_you_mean(bad, params) if bad else ""
+        raise ConfigError(f"method {key!r} does not take {bad!r}{hint}; valid arguments: {', '.join(params)}"
+                          ) from exc
+
+
+def observer_from_state_dict(state: Mapping[str, Any]) -> Observer:
+    """Rebuild an observer (settings + state) from :meth:`Observer.state_dict`."""
+    settings = {k: v for k, v in state["settings"].items() if k != "method"}
+    obs = make_observer(state["method"], state.get("name", "<unnamed>"), **settings)
+    obs.load_state_dict(state)
+    return obs
+
+
+class SiteStats:
+    """Everything calibration keeps about one site: observers + a per-step, per-branch abs-max grid.
+
+    Args:
+        name: the site (module path).
+        methods: observers fed with every batch, as method names (built with
+            ``observer_kwargs[method]``) or ready observers keyed by method.
+            The first one is the *primary* method (``compute_amax()`` default).
+        branches: CFG branch names, the columns of :attr:`amax_per_step`;
+            ``("cond", "uncond")`` by default, ``("cond",)`` without CFG.
+        observer_kwargs: per-method constructor arguments, e.g.
+            ``{"percentile": {"percentile": 99.9}, "ema": {"averaging_constant": 0.05}}``;
+            ``axis`` given here applies to every method that supports it.
+
+    Memory: the observers (a histogram at most each) plus ``steps x branches``
+    fp32 values; no activation is stored.
+
+    The per-step grid is per tensor (max over channels for per-channel
+    sites) and holds 0 where a (step, branch) was never seen; see
+    :attr:`count_per_step`.
+    """
+
+    def __init__(self, name: str, methods: Sequence[str] | Mapping[str, Observer] = ("minmax",), *,
+                 branches: Sequence[str] = ("cond", "uncond"),
+                 observer_kwargs: Mapping[str, Mapping[str, Any]] | None = None) -> None:
+        if isinstance(methods, Mapping):
+            self.observers: dict[str, Observer] = dict(methods)
+        else:
+            kw = dict(observer_kwargs or {})
+            self.observers = {getattr(m, "value", m): make_observer(m, name, **dict(kw.get(getattr(m, "value", m), {})))
+                              for m in methods}
+        if not self.observers:
+            raise ConfigError(f"site {name!r}: SiteStats needs at least one method (e.g. ['minmax'])")
+        if not branches or len(set(branches)) != len(branches):
+            raise ConfigError(f"site {name!r}: branches must be unique names, got {list(branches)}")
+        axes = {o.axis for o in self.observers.values()}
+        if len(axes) != 1:
+            raise ConfigError(f"site {name!r}: all observers of a site must share one axis, got {axes}")
+        self.name = name
+        self.axis = axes.pop()
+        self.branches = tuple(branches)
+        self.reset()
+
+    @property
+    def primary(self) -> str:
+        """The method whose amax goes into ``<site>.amax`` (the first one given)."""
+        return next(iter(self.observers))
+
+    def reset(self) -> None:
+        """Reset every observer and the per-step grid."""
+        for o in self.observers.values():
+            o.reset()
+        self._grid: Tensor | None = None  # fp32 [steps, branches]
+        self._count: Tensor | None = None  # int64 [steps, branches]
+
+    def _branch_index(self, branch: str | int | None) -> int:
+        if branch is None:
+            if len(self.branches) == 1:
+                return 0
+            raise ConfigError(f"site {self.name!r}: pass branch= one of {self.branches} (CFG calibration)")
+        if isinstance(branch, int):
+            if not 0 <= branch < len(self.branches):
+                raise ConfigError(f"site {self.name!r}: branch index {branch} outside 0..{len(self.branches) - 1}")
+            return branch
+        if branch not in self.branches:
+            from trt_sora.config.base import did_you_mean
+
+            raise ConfigError(f"site {self.name!r}: unknown branch {branch!r}"
+                              f"{did_you_mean(branch, self.branches)}; known: {self.branches}")
+        return self.branches.index(branch)
+
+    def _record(self, step: int, col: int, amax: Tensor) -> None:
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ConfigError(f"site {self.name!r}: step must be an int >= 0 (the denoising step index), got {step!r}")
+        amax = amax.max() if amax.dim() else amax  # per-channel -> per tensor
+        if self._grid is None:
+            self._grid = torch.zeros(0, len(self.branches), dtype=torch.float32, device=amax.device)
+            self._count = torch.zeros(0, len(self.branches), dtype=torch.int64, device=amax.device)
+        if step >= self._grid.shape[0]:
+            extra = step + 1 - self._grid.shape[0]
+            self._grid = torch.cat([self._grid, self._grid.new_zeros(extra, len(self.branches))])
+            self._count = torch.cat([self._count, self._count.new_zeros(extra, len(self.branches))])
+        self._grid[step, col] = torch.maximum(self._grid[step, col], amax)
+        self._count[step, col] += 1
+
+    def collect(self, x: Tensor, *, step: int | None = None, branch: str | int | None = None) -> None:
+        """Feed one batch to every observer and, if ``step`` is given, to the per-step grid.
+
+        Args:
+            x: activations, any shape, float dtype (per-channel: ``x.shape[axis]`` channels).
+            step: denoising step index (0-based), or None to skip the per-step grid.
+            branch: CFG branch name or column index; may be None with a single branch.
+        """
+        if x.numel() == 0:
+            return
+        x = x.detach()
+        mn, mx = batch_minmax(x, self.name, self.axis)
+        for o in self.observers.values():
+            o._observe(x, mn, mx)
+        if step is not None:
+            self._record(step, self._branch_index(branch), _absmax(mn, mx))
+
+    def collect_cfg_batch(self, x: Tensor, *, step: int | None, order: Sequence[str] | None = None) -> None:
+        """Feed a forward that ran all CFG branches in one batch (concatenated along dim 0).
+
+        Observers see ``x`` whole (one batch); the per-step grid gets each
+        branch's own abs-max. ``order`` names the chunks in batch order
+        (default: :attr:`branches`); ``x.shape[0]`` must divide evenly.
+        """
+        order = tuple(order or self.branches)
+        if x.numel() == 0:
+            return
+        if x.dim() == 0 or x.shape[0] % len(order):
+            raise CalibrationError(f"site {self.name!r}: CFG-batched tensor of shape {tuple(x.shape)} cannot be "
+                                   f"split into {len(order)} branches {order} along dim 0; run the branches as "
+                                   "separate forwards and use collect(..., branch=...)")
+        x = x.detach()
+        parts = [batch_minmax(p, self.name, self.axis) for p in x.chunk(len(order), dim=0)]
+        mn = torch.stack([p[0] for p in parts]).amin(0)
+        mx = torch.stack([p[1] for p in parts]).amax(0)
+        for o in self.observers.values():
+            o._observe(x, mn, mx)
+        if step is not None:
+            for b, (pmn, pmx) in zip(order, parts):
+                self._record(step, self._branch_index(b), _absmax(pmn, pmx))
+
+    def compute_amax(self, method: str | None = None) -> Tensor:
+        """amax of ``method`` (default: :attr:`primary`); fp32 ``[]`` or ``[C]``."""
+        key = getattr(method, "value", method) or self.primary
+        if key not in self.observers:
+            from trt_sora.config.base import did_you_mean
+
+            raise ConfigError(f"site {self.name!r}: no {key!r} observer{did_you_mean(key, self.observers)}; "
+                              f"this site collected {list(self.observers)}")
+        return self.observers[key].compute_amax()
+
+    def compute_all(self) -> dict[str, Tensor]:
+        """``{method: amax}`` for every observer."""
+        return {m: o.compute_amax() for m, o in self.observers.items()}
+
+    @property
+    def amax_per_step(self) -> Tensor:
+        """fp32 ``[steps, len(branches)]`` abs-max per denoising step and branch (0 = not seen)."""
+        if self._grid is None:
+            return torch.zeros(0, len(self.branches), dtype=torch.float32)
+        return self._grid.clone()
+
+    @property
+    def count_per_step(self) -> Tensor:
+        """int64 ``[steps, len(branches)]`` batches seen per step and branch."""
+        if self._count is None:
+            return torch.zeros(0, len(self.branches), dtype=torch.int64)
+        return self._count.clone()
+
+    @property
+    def num_batches(self) -> int:
+        """Batches fed to the observers (a CFG-batched forward counts once)."""
+        return next(iter(self.observers.values())).num_batches
+
+    def state_dict(self) -> dict[str, Any]:
+        """Observers' states plus the per-step grid; tensors and plain values only."""
+        return {"name": self.name, "branches": list(self.branches),
+                "observers": {m: o.state_dict() for m, o in self.observers.items()},
+                "grid": self._grid, "count": self._count}
+
+    @classmethod
+    def from_state_dict(cls, state: Mapping[str, Any]) -> "SiteStats":
+        """Inverse of :meth:`state_dict`."""
+        obs = {m: observer_from_state_dict(s) for m, s in state["observers"].items()}
+        site = cls(state["name"], obs, branches=state["branches"])
+        for m, s in state["observers"].items():
+            site.observers[m].load_state_dict(s)  # __init__ reset them
+        site._grid, site._count = state["grid"], state["count"]
+        return site
+
+    def __repr__(self) -> str:
+        steps = 0 if self._grid is None else self._grid.shape[0]
+        return (f"SiteStats({self.name!r}, methods={list(self.observers)}, branches={self.branches}, "
+                f"steps={steps}, num_batches={self.num_batches})")
+

@@ -1,0 +1,58 @@
+"""``trt-sora`` command line: one subcommand per stage, a thin layer over the Python API.
+
+Only argparse and the config package load at start-up, so ``trt-sora --help``
+works without torch installed.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+from trt_sora import __version__
+from trt_sora.errors import TrtSoraError
+
+#: Subcommand modules (``trt_sora.cli.<name>``), each with ``add_parser(subparsers)``.
+COMMANDS = ("export", "calibrate", "quantize", "build", "check", "engine", "info")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="trt-sora",
+        description="Turn video diffusion transformers into calibrated, verified TensorRT engines.",
+    )
+    parser.add_argument("--version", action="version", version=f"trt-sora {__version__}")
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv: debug)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMANDS:
+        try:
+            mod = importlib.import_module(f"trt_sora.cli.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name == f"trt_sora.cli.{name}":
+                continue
+            raise
+        mod.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    level = {0: logging.WARNING, 1: logging.INFO}.get(args.verbose, logging.DEBUG)
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 1
+    try:
+        return int(args.func(args) or 0)
+    except TrtSoraError as exc:
+        print(f"trt-sora {args.command}: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

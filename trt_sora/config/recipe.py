@@ -1,0 +1,237 @@
+"""Stage configs and the ``Recipe`` that bundles them (one flat YAML per target)."""
+from __future__ import annotations
+
+import dataclasses
+import enum
+from pathlib import Path
+from typing import Mapping
+
+from trt_sora.config.base import did_you_mean, from_dict, to_dict
+from trt_sora.config.shapes import DIM_NAMES, DimRange, ShapeProfile
+from trt_sora.errors import ConfigError
+
+RECIPE_FORMAT_VERSION = 1
+
+
+class Backend(str, enum.Enum):
+    TENSORRT = "tensorrt"
+    TENSORRT_RTX = "tensorrt_rtx"
+
+
+class DType(str, enum.Enum):
+    FP32 = "fp32"
+    FP16 = "fp16"
+    BF16 = "bf16"
+
+
+class QuantFormat(str, enum.Enum):
+    NONE = "none"
+    FP8_E4M3 = "fp8_e4m3"
+    INT8 = "int8"
+
+
+class CalibMethod(str, enum.Enum):
+    MINMAX = "minmax"
+    EMA = "ema"
+    PERCENTILE = "percentile"
+    MSE = "mse"
+
+
+class AttentionMode(str, enum.Enum):
+    NATIVE = "native"
+    PLUGIN = "plugin"
+
+
+class ExternalData(str, enum.Enum):
+    AUTO = "auto"  # only when the model is over 2 GB (protobuf limit)
+    ALWAYS = "always"
+    NEVER = "never"
+
+
+def _default_dynamic() -> dict:
+    # Wide export ranges: the ONNX graph is dynamic over these; buckets must lie inside.
+    return {
+        "batch": DimRange(1, 2, 8),
+        "latent_frames": DimRange(1, 4, 64),
+        "latent_height": DimRange(2, 8, 256),
+        "latent_width": DimRange(2, 8, 256),
+        "text_len": DimRange(1, 16, 1024),
+    }
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Which model the recipe is for by default (``MODEL=`` overrides) and its load dtype."""
+
+    default: str = "wan-tiny"
+    dtype: DType = DType.FP32
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportConfig:
+    """torch -> ONNX. ``dynamic`` gives the exported range of each named latent dim."""
+
+    opset: int = 20
+    dtype: DType = DType.FP32
+    external_data: ExternalData = ExternalData.AUTO
+    dynamic: Mapping[str, DimRange] = dataclasses.field(default_factory=_default_dynamic)
+    # Verification: ONNX Runtime vs PyTorch at >= 2 points differing in every dim.
+    verify: bool = True
+    verify_points: tuple[Mapping[str, int], ...] = ()
+    min_cosine: float = 0.99999
+    max_abs: float = 1e-4  # relative to the reference's max |y| when > 1
+
+    def __post_init__(self) -> None:
+        if self.opset < 19:
+            raise ConfigError(f"export.opset={self.opset}: FP8 Q/DQ needs opset >= 19; use 20")
+        unknown = set(self.dynamic) - set(DIM_NAMES)
+        if unknown:
+            k = sorted(unknown)[0]
+            raise ConfigError(f"export.dynamic: unknown dim {k!r}{did_you_mean(k, DIM_NAMES)}")
+        merged = {**_default_dynamic(), **dict(self.dynamic)}
+        object.__setattr__(self, "dynamic", merged)
+        for i, p in enumerate(self.verify_points):
+            bad = set(p) ^ set(DIM_NAMES)
+            if bad:
+                raise ConfigError(f"export.verify_points[{i}]: needs exactly the dims {DIM_NAMES}")
+
+
+@dataclasses.dataclass(frozen=True)
+class CalibConfig:
+    """Calibration: which preset (prompt set, steps, shapes) and which observer."""
+
+    preset: str = "tiny"
+    method: CalibMethod = CalibMethod.PERCENTILE
+    percentile: float = 99.99
+    ema_constant: float = 0.01
+    num_bins: int = 2048
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.percentile <= 100.0:
+            raise ConfigError(f"calibration.percentile={self.percentile} must be in (0, 100]")
+        if not 0.0 < self.ema_constant <= 1.0:
+            raise ConfigError(f"calibration.ema_constant={self.ema_constant} must be in (0, 1]")
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantConfig:
+    """Q/DQ policy. ``exclude``/``include`` are fnmatch patterns over module paths."""
+
+    format: QuantFormat = QuantFormat.FP8_E4M3
+    graph_dtype: DType = DType.FP16
+    include: tuple[str, ...] = ("*",)
+    exclude: tuple[str, ...] = ()
+    default_excludes: bool = True  # patch embedding, time/text embedders, AdaLN, final proj
+    fused_qkv: bool = True
+    fp8_attention: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class BuildRequirements:
+    """What the built engine must prove in its build report, else the build fails."""
+
+    min_fp8_gemm_fraction: float = 0.0
+    min_int8_gemm_fraction: float = 0.0
+    require_fused_attention: bool = False
+    require_fused_qkv: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class BuildConfig:
+    """TensorRT / TensorRT-RTX builder settings."""
+
+    optimization_level: int = 3
+    workspace_gb: float = 8.0
+    timing_cache: bool = True
+    separate_engines: bool = False  # one engine per bucket instead of one profile per bucket
+    attention: AttentionMode = AttentionMode.NATIVE
+    plugins: tuple[str, ...] = ()
+    requirements: BuildRequirements = BuildRequirements()
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.optimization_level <= 5:
+            raise ConfigError(f"build.optimization_level={self.optimization_level} must be 0..5")
+
+
+@dataclasses.dataclass(frozen=True)
+class ParityGate:
+    """Thresholds for one comparison; ``None`` disables that metric's gate."""
+
+    min_cosine: float | None = None
+    min_psnr_db: float | None = None
+    max_abs: float | None = None
+    max_rel_l2: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ParityConfig:
+    """Gates per comparison level (see trt_sora.parity)."""
+
+    export: ParityGate = ParityGate(min_cosine=0.99999)
+    qdq: ParityGate = ParityGate(min_cosine=0.999)
+    quality: ParityGate = ParityGate(min_cosine=0.99, min_psnr_db=30.0)
+    loop: ParityGate = ParityGate(min_psnr_db=25.0)
+    frames: ParityGate = ParityGate(min_psnr_db=25.0)
+    num_samples: int = 2
+    loop_steps: int = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """One build target. Flat, self-contained YAML; see ``recipes/``."""
+
+    name: str
+    backend: Backend
+    compute_capability: str
+    buckets: tuple[ShapeProfile, ...]
+    description: str = ""
+    format_version: int = RECIPE_FORMAT_VERSION
+    model: ModelConfig = ModelConfig()
+    export: ExportConfig = ExportConfig()
+    calibration: CalibConfig = CalibConfig()
+    quantization: QuantConfig = QuantConfig()
+    build: BuildConfig = BuildConfig()
+    parity: ParityConfig = ParityConfig()
+
+    def __post_init__(self) -> None:
+        if self.format_version != RECIPE_FORMAT_VERSION:
+            raise ConfigError(
+                f"recipe {self.name!r}: format_version {self.format_version} is not supported "
+                f"(this trt_sora reads {RECIPE_FORMAT_VERSION})"
+            )
+        try:
+            major, minor = (int(x) for x in str(self.compute_capability).split("."))
+        except ValueError:
+            raise ConfigError(
+                f"recipe {self.name!r}: compute_capability {self.compute_capability!r} must look like '8.9'"
+            ) from None
+        if not self.buckets:
+            raise ConfigError(f"recipe {self.name!r}: needs at least one bucket")
+        names = [b.name for b in self.buckets]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"recipe {self.name!r}: bucket names must be unique, got {names}")
+        for b in self.buckets:
+            for dim, r in b.dims():
+                ex = self.export.dynamic[dim]
+                if r.min < ex.min or r.max > ex.max:
+                    raise ConfigError(
+                        f"recipe {self.name!r}: bucket {b.name!r} {dim} {r.min}..{r.max} lies outside "
+                        f"the exported range {ex.min}..{ex.max}; widen export.dynamic.{dim} or shrink the bucket"
+                    )
+
+    @property
+    def sm(self) -> int:
+        """Compute capability as an int, e.g. ``89``."""
+        major, minor = (int(x) for x in self.compute_capability.split("."))
+        return major * 10 + minor
+
+
+def recipe_from_dict(data: dict) -> Recipe:
+    return from_dict(Recipe, data, where="")
+
+
+def recipe_to_dict(recipe: Recipe) -> dict:
+    d = to_dict(recipe)
+    d["buckets"] = [b.to_yaml() for b in recipe.buckets]
+    d["export"]["dynamic"] = {k: v.to_yaml() for k, v in recipe.export.dynamic.items()}
+    return d

@@ -1,0 +1,70 @@
+"""Typed errors. Every message names the problem *and* the fix.
+
+All errors derive from :class:`TrtSoraError`, so a server or the CLI can catch
+one type and show a one-line message instead of a traceback from deep inside a
+library.
+"""
+from __future__ import annotations
+
+
+class TrtSoraError(Exception):
+    """Base class of every error trt_sora raises on purpose."""
+
+    exit_code = 2
+
+
+class ConfigError(TrtSoraError, ValueError):
+    """A recipe, preset or config value is invalid (unknown key, bad range, ...)."""
+
+
+class ModelError(TrtSoraError):
+    """A model name or checkpoint folder cannot be resolved or loaded."""
+
+
+class ShapeError(TrtSoraError, ValueError):
+    """An input shape is outside every supported profile/bucket, or malformed."""
+
+
+class ExportError(TrtSoraError):
+    """torch -> ONNX export failed or its verification missed the parity bar."""
+
+
+class CalibrationError(TrtSoraError):
+    """Calibration data or statistics are invalid (NaN/inf, empty prompt set, ...)."""
+
+
+class QuantizeError(TrtSoraError):
+    """Q/DQ insertion cannot be done as asked (unmatched sites, bad amax, ...)."""
+
+
+class BuildError(TrtSoraError):
+    """The TensorRT builder failed or the engine misses the recipe's requirements."""
+
+
+class BackendMissingError(TrtSoraError, ImportError):
+    """An optional backend (TensorRT, TensorRT-RTX, onnxruntime, torch) is not installed."""
+
+
+class ParityError(TrtSoraError):
+    """A parity gate failed."""
+
+
+class ArtifactError(TrtSoraError):
+    """An artifact folder is missing files, has a bad manifest, or failed its gates."""
+
+
+def require(module: str, *, extra: str, pip: str | None = None):
+    """Import ``module`` lazily or raise :class:`BackendMissingError` with the install command.
+
+    ``extra`` is the trt_sora extra that provides it (e.g. ``"export"``);
+    ``pip`` overrides the suggested pip command.
+    """
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:  # pragma: no cover - message path tested via monkeypatch
+        cmd = pip or f"pip install 'trt_sora[{extra}]'"
+        raise BackendMissingError(
+            f"{module!r} is not installed (needed here: {exc}). Install it with: {cmd}"
+        ) from exc

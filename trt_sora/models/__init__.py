@@ -1,0 +1,62 @@
+"""Model registry: a name (``wan-tiny``) or a local diffusers checkpoint folder -> adapter."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from trt_sora.config.base import did_you_mean
+from trt_sora.errors import ModelError
+from trt_sora.models.base import ModelAdapter, ModelSpec
+
+#: The embedded default model of ``make engine`` (a tiny random-weight Wan until a trained one ships).
+DEFAULT_MODEL = "wan-tiny"
+
+
+def _named() -> dict[str, ModelSpec]:
+    from trt_sora.models import wan
+
+    specs = {
+        name: ModelSpec(ref=name, family="wan", source="random-init", config=cfg, seed=0,
+                        text_encoder="hash", defaults=wan.DEFAULTS[name])
+        for name, cfg in wan.CONFIGS.items()
+    }
+    return specs
+
+
+def list_models() -> list[str]:
+    return sorted(_named())
+
+
+def resolve(ref: str) -> ModelSpec:
+    """Resolve a registry name or a checkpoint folder path to a :class:`ModelSpec`."""
+    named = _named()
+    if ref in named:
+        return named[ref]
+    path = Path(ref)
+    if path.exists():
+        if not path.is_dir():
+            raise ModelError(f"{ref} is a file; pass a diffusers checkpoint folder (with config.json or "
+                             "transformer/config.json) or one of: " + ", ".join(sorted(named)))
+        from trt_sora.models import wan
+
+        spec = wan.spec_from_folder(ref, path)
+        if spec is None:
+            raise ModelError(
+                f"{ref} is not a diffusers checkpoint of a supported model: expected config.json with "
+                f"_class_name {wan.CLASS_NAME!r} in it or in its transformer/ subfolder"
+            )
+        return spec
+    raise ModelError(f"unknown model {ref!r}{did_you_mean(ref, named)}: not a registered name "
+                     f"({', '.join(sorted(named))}) and no such folder")
+
+
+def get_adapter(ref: str | ModelSpec) -> ModelAdapter:
+    """The adapter for a model name, checkpoint folder or spec."""
+    spec = ref if isinstance(ref, ModelSpec) else resolve(ref)
+    if spec.family == "wan":
+        from trt_sora.models.wan import WanAdapter
+
+        return WanAdapter(spec)
+    raise ModelError(f"model family {spec.family!r} has no adapter yet")
+
+
+__all__ = ["DEFAULT_MODEL", "ModelAdapter", "ModelSpec", "get_adapter", "list_models", "resolve"]

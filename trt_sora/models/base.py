@@ -1,0 +1,165 @@
+"""The model-adapter contract: everything a stage needs to know about a model family.
+
+Model facts (input names, patch size, text encoder, scheduler, export rewrites)
+live in one file per family (``wan.py``); stages only talk to a
+:class:`ModelAdapter`.
+"""
+from __future__ import annotations
+
+import abc
+import dataclasses
+import hashlib
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Mapping
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+
+
+def torch_dtype(name: str):
+    """``"fp16"`` -> ``torch.float16`` (also accepts a torch.dtype)."""
+    import torch
+
+    if isinstance(name, torch.dtype):
+        return name
+    key = getattr(name, "value", name)
+    if key not in DTYPES:
+        from trt_sora.errors import ConfigError
+        from trt_sora.config.base import did_you_mean
+
+        raise ConfigError(f"unknown dtype {key!r}{did_you_mean(key, DTYPES)}; use one of {list(DTYPES)}")
+    return getattr(torch, DTYPES[key])
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """How a model was resolved: registry name or checkpoint folder, and its identity."""
+
+    ref: str                      # what the user typed
+    family: str                   # "wan"
+    source: str                   # "random-init" | "checkpoint"
+    config: Mapping[str, Any]     # constructor config (diffusers config dict)
+    path: str | None = None       # checkpoint folder holding config.json + weights
+    seed: int = 0                 # random-init seed
+    text_encoder: str | None = None  # "hash" | path to a text encoder | "minilm"
+    defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # scheduler etc.
+
+    @property
+    def name(self) -> str:
+        """A filesystem-safe short name for build/<model>/..."""
+        base = Path(self.ref).name if self.source == "checkpoint" and "/" in self.ref else self.ref
+        return "".join(c if c.isalnum() or c in "-_." else "-" for c in base) or "model"
+
+    def model_hash(self) -> str:
+        """Identity of the weights: config + seed for random init, file sizes/heads for checkpoints.
+
+        Cheap for 28 GB checkpoints: hashes the config, each weight file's size
+        and its first and last MiB rather than every byte.
+        """
+        h = hashlib.sha256(json.dumps(dict(self.config), sort_keys=True, default=str).encode())
+        if self.source == "random-init":
+            h.update(f"seed={self.seed}".encode())
+        elif self.path:
+            for f in sorted(Path(self.path).glob("*.safetensors")) + sorted(Path(self.path).glob("*.bin")):
+                size = f.stat().st_size
+                h.update(f"{f.name}:{size}".encode())
+                with open(f, "rb") as fh:
+                    h.update(fh.read(1 << 20))
+                    if size > 2 << 20:
+                        fh.seek(-(1 << 20), 2)
+                        h.update(fh.read(1 << 20))
+        return h.hexdigest()[:16]
+
+
+class ModelAdapter(abc.ABC):
+    """One model family. Input names/shapes, loading, example inputs, scheduler, text encoder."""
+
+    family: str = ""
+    input_names: tuple[str, ...] = ("hidden_states", "timestep", "encoder_hidden_states")
+    output_names: tuple[str, ...] = ("sample",)
+
+    def __init__(self, spec: ModelSpec):
+        self.spec = spec
+
+    # -- facts -------------------------------------------------------------------------
+    @property
+    @abc.abstractmethod
+    def patch_size(self) -> tuple[int, int, int]: ...
+
+    @property
+    @abc.abstractmethod
+    def latent_channels(self) -> int: ...
+
+    @property
+    @abc.abstractmethod
+    def text_dim(self) -> int: ...
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    def num_params(self) -> int:
+        """Parameter count from the config, without allocating weights."""
+        import torch
+
+        with torch.device("meta"):
+            m = self._construct()
+        return sum(p.numel() for p in m.parameters())
+
+    # -- loading -----------------------------------------------------------------------
+    @abc.abstractmethod
+    def _construct(self):
+        """Build the module from ``spec.config`` (called under a device context)."""
+
+    @abc.abstractmethod
+    def load(self, dtype: str = "fp32", device: str = "cpu"):
+        """The eval-mode ``torch.nn.Module`` in ``dtype`` on ``device``."""
+
+    # -- inputs ------------------------------------------------------------------------
+    @abc.abstractmethod
+    def example_inputs(self, point: Mapping[str, int], *, dtype: str = "fp32", device: str = "cpu",
+                       seed: int = 0) -> dict[str, "torch.Tensor"]:
+        """Random inputs at a latent-space point ``{batch, latent_frames, ...}``."""
+
+    @abc.abstractmethod
+    def input_dims(self) -> dict[str, dict[int, str]]:
+        """``{input_name: {axis: dim_name}}`` for the named dynamic dims (output too)."""
+
+    def point_of(self, inputs: Mapping[str, "torch.Tensor"]) -> dict[str, int]:
+        """The latent-space point of a set of inputs (inverse of ``example_inputs``)."""
+        point = {}
+        for name, axes in self.input_dims().items():
+            if name in inputs:
+                for axis, dim in axes.items():
+                    point[dim] = int(inputs[name].shape[axis])
+        return point
+
+    @abc.abstractmethod
+    def export_module(self, model):
+        """A module whose ``forward(*inputs in input_names order)`` returns the output tensor."""
+
+    def forward(self, model, inputs: Mapping[str, "torch.Tensor"]) -> "torch.Tensor":
+        return self.export_module(model)(*[inputs[n] for n in self.input_names])
+
+    # -- sampling ----------------------------------------------------------------------
+    @abc.abstractmethod
+    def scheduler(self, shift: float | None = None):
+        """A fresh diffusers scheduler of the family (flow matching for Wan)."""
+
+    @abc.abstractmethod
+    def text_encoder(self, source: str | None = None) -> Callable[[list[str], int], "torch.Tensor"]:
+        """``encode(prompts, text_len) -> [B, text_len, text_dim] float32``."""
+
+    def describe(self) -> dict:
+        """JSON-safe identity for manifests."""
+        return {
+            "ref": self.spec.ref,
+            "family": self.family,
+            "source": self.spec.source,
+            "path": self.spec.path,
+            "model_hash": self.spec.model_hash(),
+            "config": dict(self.spec.config),
+        }

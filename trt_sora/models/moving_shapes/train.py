@@ -1,0 +1,314 @@
+"""Train the moving-shapes Wan model (flow matching, pixel space).
+
+    python -m trt_sora.models.moving_shapes.train --out DIR [--minutes 7] [--batch 128]
+
+Runs on CUDA (bf16 autocast) or CPU (fp32, for smoke tests). Batches are
+rendered on the fly on the training device from fresh seeds, so the model
+never sees the same clip twice. Writes to ``--out``:
+
+    config.json, diffusion_pytorch_model.safetensors   (EMA weights, fp16;
+        ``WanTransformer3DModel.from_pretrained(out)`` loads them)
+    train_log.json    run facts, loss curve, held-out probe evaluation
+    samples.png       held-out captions, every frame
+
+Text embeddings: ``--embeddings FILE`` (a safetensors file made by
+``--make-embeddings FILE`` on a machine with the MiniLM package) or, without
+it, encoded here with :mod:`.text`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import time
+from pathlib import Path
+
+import numpy as np
+
+from . import data
+
+log = logging.getLogger("trt_sora")
+
+
+def model_config(layers: int = 6, heads: int = 4, head_dim: int = 64, ffn_mult: int = 4) -> dict:
+    """``WanTransformer3DModel`` constructor arguments of this model family."""
+    from .text import TEXT_DIM
+
+    return dict(
+        patch_size=(1, 2, 2),
+        num_attention_heads=heads,
+        attention_head_dim=head_dim,
+        in_channels=3,
+        out_channels=3,
+        text_dim=TEXT_DIM,
+        freq_dim=256,
+        ffn_dim=ffn_mult * heads * head_dim,
+        num_layers=layers,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        eps=1e-6,
+        image_dim=None,
+        added_kv_proj_dim=None,
+        rope_max_seq_len=1024,
+        pos_embed_seq_len=None,
+    )
+
+
+def needed_captions() -> list[str]:
+    """Every caption training and its evaluation look up: train, held-out, and ""."""
+    heldout = data.all_caption_specs("heldout")
+    return (
+        [""]
+        + data.train_captions()
+        + [s.caption() for s in heldout]
+        + [s.caption(data.HELDOUT_TEMPLATE) for s in heldout]
+    )
+
+
+def make_embeddings(path: Path, text_len: int) -> None:
+    """Encode :func:`needed_captions` with MiniLM into a fp16 safetensors file."""
+    import torch
+    from safetensors.torch import save_file
+
+    from . import text
+
+    caps = needed_captions()
+    chunks = [text.encode(caps[i : i + 256], text_len) for i in range(0, len(caps), 256)]
+    emb = torch.cat(chunks).to(torch.float16).contiguous()
+    save_file({"embeddings": emb}, str(path), metadata={"captions": json.dumps(caps), "text_len": str(text_len)})
+
+
+def load_embeddings(path: Path | None, text_len: int):
+    """(captions -> row index, float16 tensor [N, text_len, 384])."""
+    import torch
+
+    if path is None:
+        from . import text
+
+        caps = needed_captions()
+        emb = torch.cat([text.encode(caps[i : i + 256], text_len) for i in range(0, len(caps), 256)])
+        return {c: i for i, c in enumerate(caps)}, emb.to(torch.float16)
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        caps = json.loads(f.metadata()["captions"])
+        emb = f.get_tensor("embeddings")
+    if emb.shape[1] != text_len:
+        raise ValueError(f"{path} holds text_len {emb.shape[1]}, asked for {text_len}")
+    return {c: i for i, c in enumerate(caps)}, emb
+
+
+def sample_sigmas(n: int, generator, device):
+    """Flow-matching noise levels: logit-normal(0, 1) mixed with 10% uniform (tails)."""
+    import torch
+
+    s = torch.sigmoid(torch.randn(n, generator=generator))
+    u = torch.rand(n, generator=generator)
+    s = torch.where(torch.rand(n, generator=generator) < 0.1, u, s)
+    return s.clamp(1e-4, 1.0).to(device)
+
+
+def evaluate(model, cap_index, emb, device, dtype, settings, n_seeds: int = 1, template=None, limit=None):
+    """Probe accuracy on held-out captions for each (steps, guidance, shift) setting."""
+    import torch
+
+    from .probe import probe_clip
+    from .sample import SampleConfig, sample
+
+    specs = data.all_caption_specs("heldout")[:limit]
+    caps = [s.caption(template) if template else s.caption() for s in specs]
+    cond = emb[[cap_index[c] for c in caps]].to(device).float()
+    out = []
+    for steps, guidance, shift in settings:
+        hits = {"colour": 0, "motion": 0, "background": 0, "shape": 0, "pass": 0}
+        total = 0
+        for seed in range(n_seeds):
+            cfg = SampleConfig(steps=steps, guidance_scale=guidance, shift=shift, seed=data.HELDOUT_SEED_START + seed)
+            with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+                clips = sample(model, cond, cfg, dtype=torch.float32)
+            for spec, clip in zip(specs, clips):
+                r = probe_clip(clip)
+                for k, v in r.matches(spec).items():
+                    hits[k] += int(v)
+                hits["pass"] += int(r.passes(spec))
+                total += 1
+        out.append({"steps": steps, "guidance": guidance, "shift": shift, "n": total,
+                    **{k: v / total for k, v in hits.items()}})
+        log.info("eval %s", out[-1])
+    return out
+
+
+def save_frames_png(clips, captions, path: Path) -> None:
+    """Grid: one row per clip, one column per frame (4x nearest upscaling)."""
+    from PIL import Image, ImageDraw
+
+    x = ((clips.float().cpu().clamp(-1, 1) + 1) * 127.5).round().byte().numpy()  # [B, 3, F, H, W]
+    b, _, f, h, w = x.shape
+    s, label_h = 4, 12
+    img = Image.new("RGB", (f * w * s + (f - 1) * 2, b * (h * s + label_h + 4)), (255, 255, 255))
+    draw = ImageDraw.Draw(img)
+    for i in range(b):
+        y = i * (h * s + label_h + 4)
+        draw.text((2, y), captions[i], fill=(0, 0, 0))
+        for j in range(f):
+            frame = Image.fromarray(np.transpose(x[i, :, j], (1, 2, 0))).resize((w * s, h * s), Image.NEAREST)
+            img.paste(frame, (j * (w * s + 2), y + label_h))
+    img.save(path)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--embeddings", type=Path, default=None)
+    p.add_argument("--make-embeddings", type=Path, default=None, help="write the embeddings file and exit")
+    p.add_argument("--text-len", type=int, default=16)
+    p.add_argument("--steps", type=int, default=100_000, help="upper bound; --minutes usually ends the run")
+    p.add_argument("--minutes", type=float, default=7.0, help="training-loop wall-time budget")
+    p.add_argument("--batch", type=int, default=128)
+    p.add_argument("--lr", type=float, default=5e-4)
+    p.add_argument("--warmup", type=int, default=200)
+    p.add_argument("--ema", type=float, default=0.999)
+    p.add_argument("--drop-text", type=float, default=0.1)
+    p.add_argument("--layers", type=int, default=6)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default=None)
+    p.add_argument("--eval-steps", type=int, default=30)
+    p.add_argument("--no-eval", action="store_true")
+    p.add_argument("--eval-limit", type=int, default=None, help="held-out captions to evaluate (default all)")
+    p.add_argument("--save-every", type=float, default=120.0, help="seconds between checkpoints")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+
+    if args.make_embeddings:
+        make_embeddings(args.make_embeddings, args.text_len)
+        return 0
+
+    import copy
+
+    import torch
+    from diffusers import WanTransformer3DModel
+
+    t_start = time.time()
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    amp = torch.bfloat16 if device.type == "cuda" else torch.float32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+    torch.manual_seed(args.seed)
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    cap_index, emb_table = load_embeddings(args.embeddings, args.text_len)
+    emb_table = emb_table.to(device)
+    train_specs = data.all_caption_specs("train")
+    cap_ids = torch.tensor(
+        [[cap_index[s.caption(t)] for t in data.TRAIN_TEMPLATES] for s in train_specs], device=device
+    )
+    empty_id = cap_index[""]
+
+    cfg = model_config(layers=args.layers, heads=args.heads)
+    model = WanTransformer3DModel(**cfg).to(device).train()
+    ema = copy.deepcopy(model).eval().requires_grad_(False)
+    n_params = sum(p.numel() for p in model.parameters())
+    log.info("params %.2fM, device %s, train captions %d", n_params / 1e6, device, cap_ids.numel())
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.99), weight_decay=0.01, fused=device.type == "cuda")
+    gen = torch.Generator().manual_seed(args.seed)
+    budget = args.minutes * 60
+
+    def save(tag: str) -> None:
+        ema.to(torch.float16).save_pretrained(str(args.out), safe_serialization=True)
+        ema.to(torch.float32)
+        log.info("saved %s", tag)
+
+    curve, window, last_save = [], [], time.time()
+    t_loop = time.time()
+    step = 0
+    progress = 0.0
+    while step < args.steps:
+        elapsed = time.time() - t_loop
+        progress = max(step / args.steps, elapsed / budget)
+        if progress >= 1.0:
+            break
+        lr = args.lr * min(1.0, (step + 1) / args.warmup) * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * progress)))
+        for g in opt.param_groups:
+            g["lr"] = lr
+
+        rng = np.random.default_rng([args.seed, step])
+        idx = rng.integers(0, len(train_specs), size=args.batch)
+        tmpl = rng.integers(0, len(data.TRAIN_TEMPLATES), size=args.batch)
+        seeds = rng.integers(0, data.HELDOUT_SEED_START, size=args.batch)
+        clips = [data.sample_clip_spec(train_specs[i], int(s)) for i, s in zip(idx, seeds)]
+        x0 = data.render_batch(clips, device)
+        ids = cap_ids[torch.from_numpy(idx).to(device), torch.from_numpy(tmpl).to(device)]
+        # classifier-free guidance: drop the text, half to zeros, half to the encoding of ""
+        drop = torch.from_numpy(rng.random(args.batch) < args.drop_text).to(device)
+        to_empty = torch.from_numpy(rng.random(args.batch) < 0.5).to(device)
+        ids = torch.where(drop & to_empty, torch.full_like(ids, empty_id), ids)
+        cond = emb_table[ids].float() * (~(drop & ~to_empty)).float().view(-1, 1, 1)
+
+        sigma = sample_sigmas(args.batch, gen, device)
+        noise = torch.randn(x0.shape, generator=gen).to(device)
+        s = sigma.view(-1, 1, 1, 1, 1)
+        xt = (1 - s) * x0 + s * noise
+        target = noise - x0
+        with torch.autocast(device.type, dtype=amp, enabled=amp != torch.float32):
+            pred = model(hidden_states=xt, timestep=sigma * 1000, encoder_hidden_states=cond, return_dict=False)[0]
+        loss = torch.nn.functional.mse_loss(pred.float(), target)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        decay = min(args.ema, (1 + step) / (10 + step))
+        with torch.no_grad():
+            for pe, pm in zip(ema.parameters(), model.parameters()):
+                pe.lerp_(pm, 1 - decay)
+
+        window.append(loss.detach())
+        step += 1
+        if step % 25 == 0:
+            mean = torch.stack(window).mean().item()
+            window.clear()
+            curve.append({"step": step, "loss": mean, "lr": lr, "grad_norm": float(gnorm), "t": round(time.time() - t_loop, 1)})
+            if step % 200 == 0:
+                log.info("step %d loss %.4f lr %.2e gnorm %.2f %.1fs", step, mean, lr, float(gnorm), time.time() - t_loop)
+        if time.time() - last_save > args.save_every:
+            save(f"step {step}")
+            last_save = time.time()
+    train_s = time.time() - t_loop
+    save(f"final step {step}")
+
+    run = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "steps": step,
+        "batch": args.batch,
+        "clips_seen": step * args.batch,
+        "train_seconds": round(train_s, 1),
+        "final_loss": float(np.mean([c["loss"] for c in curve[-4:]])) if curve else None,
+        "params": n_params,
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "config": cfg,
+        "loss_curve": curve,
+    }
+    if not args.no_eval:
+        model_eval = ema.to(torch.float32)
+        settings = [(args.eval_steps, g, sh) for sh in (1.0, 2.0, 3.0) for g in (3.0, 5.0)] + [(20, 4.0, 2.0)]
+        run["eval_heldout"] = evaluate(model_eval, cap_index, emb_table, device, amp, settings, n_seeds=2, limit=args.eval_limit)
+        run["eval_heldout_template"] = evaluate(
+            model_eval, cap_index, emb_table, device, amp, [(args.eval_steps, 4.0, 2.0)], n_seeds=2, template=data.HELDOUT_TEMPLATE, limit=args.eval_limit
+        )
+        from .sample import SampleConfig, sample
+
+        specs = data.all_caption_specs("heldout")[::11][:8]
+        caps = [s.caption() for s in specs]
+        with torch.autocast(device.type, dtype=amp, enabled=amp != torch.float32):
+            clips = sample(model_eval, emb_table[[cap_index[c] for c in caps]].float(), SampleConfig(seed=7), dtype=torch.float32)
+        save_frames_png(clips, caps, args.out / "samples.png")
+    run["total_seconds"] = round(time.time() - t_start, 1)
+    (args.out / "train_log.json").write_text(json.dumps(run, indent=1))
+    log.info("done: %d steps in %.0fs, final loss %s", step, train_s, run["final_loss"])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

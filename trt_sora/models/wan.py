@@ -1,0 +1,274 @@
+"""Wan 2.x text-to-video (diffusers ``WanTransformer3DModel``; Wan 2.2 and SkyReels-V2 share it).
+
+Model facts live here and nowhere else: named configs, checkpoint loading,
+input names and dims, the export-friendly attention processor, the scheduler
+(flow matching with shift) and the text encoder.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from trt_sora.errors import ModelError, require
+from trt_sora.models.base import ModelAdapter, ModelSpec, torch_dtype
+
+CLASS_NAME = "WanTransformer3DModel"
+
+_COMMON = dict(
+    patch_size=[1, 2, 2], in_channels=16, out_channels=16, freq_dim=256, cross_attn_norm=True,
+    qk_norm="rms_norm_across_heads", eps=1e-6, image_dim=None, added_kv_proj_dim=None,
+    rope_max_seq_len=1024, pos_embed_seq_len=None,
+)
+
+#: Named architectures. Real sizes come from the Wan 2.1 release configs.
+CONFIGS: dict[str, dict[str, Any]] = {
+    "wan-tiny": {**_COMMON, "num_attention_heads": 2, "attention_head_dim": 32, "text_dim": 64,
+                 "freq_dim": 32, "ffn_dim": 128, "num_layers": 2},
+    "wan2.1-t2v-1.3b": {**_COMMON, "num_attention_heads": 12, "attention_head_dim": 128, "text_dim": 4096,
+                        "ffn_dim": 8960, "num_layers": 30},
+    "wan2.1-t2v-14b": {**_COMMON, "num_attention_heads": 40, "attention_head_dim": 128, "text_dim": 4096,
+                       "ffn_dim": 13824, "num_layers": 40},
+}
+
+#: Sampling defaults per named config (Wan: shift 3.0 at 480p, 5.0 at 720p).
+DEFAULTS: dict[str, dict[str, Any]] = {
+    # A random-weight test model cannot run at 480p on a CI CPU: it declares its own small buckets,
+    # which replace a recipe's production buckets (the build report says so).
+    "wan-tiny": {"shift": 3.0, "guidance_scale": 5.0, "num_steps": 4, "buckets": [
+        {"name": "tiny-small", "batch": [1, 2, 2], "latent_frames": [2, 3, 4], "latent_height": [4, 4, 8],
+         "latent_width": [4, 6, 8], "text_len": [4, 16, 16]},
+        {"name": "tiny-large", "batch": [1, 2, 2], "latent_frames": [4, 5, 8], "latent_height": [8, 8, 16],
+         "latent_width": [8, 12, 16], "text_len": [4, 16, 32]},
+    ]},
+    "wan2.1-t2v-1.3b": {"shift": 3.0, "guidance_scale": 5.0, "num_steps": 50},
+    "wan2.1-t2v-14b": {"shift": 5.0, "guidance_scale": 5.0, "num_steps": 50},
+}
+
+
+class WanExportAttnProcessor:
+    """``WanAttnProcessor`` for text-to-video, rewritten for ONNX/TensorRT.
+
+    Same math as diffusers' processor. Differences: RoPE is computed with
+    ``stack`` + ``flatten`` instead of strided in-place writes (no ScatterND in
+    the graph), attention is a plain ``scaled_dot_product_attention`` on
+    ``[B, H, S, D]`` (TensorRT fuses MatMul-Softmax-MatMul into one kernel), and
+    an optional ``observer(site, tensor)`` sees Q, K, V after norm + RoPE so
+    calibration can measure the attention inputs.
+    """
+
+    def __init__(self, observer: Callable[[str, Any], None] | None = None):
+        self.observer = observer
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
+        import torch.nn.functional as F
+
+        if attn.add_k_proj is not None:
+            raise ModelError("image-to-video Wan (added_kv_proj_dim) is not supported by the export processor yet; "
+                             "use a text-to-video checkpoint")
+        context = hidden_states if encoder_hidden_states is None else encoder_hidden_states
+        if getattr(attn, "fused_projections", False):
+            if encoder_hidden_states is None:
+                q, k, v = attn.to_qkv(hidden_states).chunk(3, dim=-1)
+            else:
+                q = attn.to_q(hidden_states)
+                k, v = attn.to_kv(context).chunk(2, dim=-1)
+        else:
+            q, k, v = attn.to_q(hidden_states), attn.to_k(context), attn.to_v(context)
+        q, k = attn.norm_q(q), attn.norm_k(k)
+        q, k, v = (t.unflatten(2, (attn.heads, -1)) for t in (q, k, v))  # [B, S, H, D]
+        if rotary_emb is not None:
+            cos, sin = rotary_emb
+            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        if self.observer is not None:
+            for site, t in (("q", q), ("k", k), ("v", v)):
+                self.observer(site, t)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                             attn_mask=attention_mask, dropout_p=0.0, is_causal=False)
+        out = out.transpose(1, 2).flatten(2, 3).type_as(q)
+        return attn.to_out[1](attn.to_out[0](out))
+
+
+def _rope(x, cos, sin):
+    """Interleaved-pair RoPE: ``x`` [B, S, H, D], ``cos``/``sin`` [1, S, 1, D] (pairs repeated)."""
+    import torch
+
+    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
+    c, s = cos[..., 0::2], sin[..., 1::2]
+    return torch.stack([x1 * c - x2 * s, x1 * s + x2 * c], dim=-1).flatten(-2).type_as(x)
+
+
+class _ExportWrapper:
+    """Built lazily as an nn.Module subclass (torch is imported only when needed)."""
+
+
+def _make_wrapper(model):
+    import torch
+
+    class WanForExport(torch.nn.Module):
+        """``forward(hidden_states, timestep, encoder_hidden_states) -> sample``; timestep stays fp32."""
+
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, hidden_states, timestep, encoder_hidden_states):
+            return self.inner(hidden_states=hidden_states, timestep=timestep,
+                              encoder_hidden_states=encoder_hidden_states, return_dict=False)[0]
+
+    return WanForExport(model)
+
+
+class WanAdapter(ModelAdapter):
+    family = "wan"
+
+    @property
+    def patch_size(self) -> tuple[int, int, int]:
+        return tuple(self.spec.config["patch_size"])  # type: ignore[return-value]
+
+    @property
+    def latent_channels(self) -> int:
+        return int(self.spec.config["in_channels"])
+
+    @property
+    def text_dim(self) -> int:
+        return int(self.spec.config["text_dim"])
+
+    @property
+    def head_dim(self) -> int:
+        return int(self.spec.config["attention_head_dim"])
+
+    def _construct(self):
+        diffusers = require("diffusers", extra="export")
+        cfg = {k: v for k, v in self.spec.config.items() if not k.startswith("_")}
+        return diffusers.WanTransformer3DModel(**cfg)
+
+    def load(self, dtype: str = "fp32", device: str = "cpu"):
+        """Load in ``dtype`` on ``device``. Random-init configs are built on the meta device first
+        and materialised straight in the target dtype, so a 14B model never needs fp32 host memory."""
+        import torch
+
+        tdtype = torch_dtype(dtype)
+        if self.spec.source == "checkpoint":
+            diffusers = require("diffusers", extra="export")
+            require("accelerate", extra="export")
+            try:
+                model = diffusers.WanTransformer3DModel.from_pretrained(self.spec.path, torch_dtype=tdtype)
+            except (OSError, ValueError, RuntimeError) as exc:
+                raise ModelError(f"cannot load a Wan transformer from {self.spec.path}: {exc}") from None
+            model = model.to(device)
+        else:
+            with torch.device("meta"):
+                model = self._construct()
+            _cast_keep_fp32(model, tdtype)
+            model = model.to_empty(device=device)
+            _init_random(model, self.spec.seed, self.spec.config)
+        model.set_attn_processor(WanExportAttnProcessor())
+        return model.eval().requires_grad_(False)
+
+    def input_dims(self) -> dict[str, dict[int, str]]:
+        return {
+            "hidden_states": {0: "batch", 2: "latent_frames", 3: "latent_height", 4: "latent_width"},
+            "timestep": {0: "batch"},
+            "encoder_hidden_states": {0: "batch", 1: "text_len"},
+            "sample": {0: "batch", 2: "latent_frames", 3: "latent_height", 4: "latent_width"},
+        }
+
+    def example_inputs(self, point: Mapping[str, int], *, dtype: str = "fp32", device: str = "cpu",
+                       seed: int = 0):
+        """``hidden_states`` [B, C, F, H, W] (dtype), ``timestep`` [B] fp32 in [0, 1000),
+        ``encoder_hidden_states`` [B, L, text_dim] (dtype)."""
+        import torch
+
+        g = torch.Generator().manual_seed(seed)
+        b, f, h, w, l = (int(point[k]) for k in ("batch", "latent_frames", "latent_height", "latent_width",
+                                                  "text_len"))
+        td = torch_dtype(dtype)
+        return {
+            "hidden_states": torch.randn(b, self.latent_channels, f, h, w, generator=g).to(device, td),
+            "timestep": (torch.rand(b, generator=g) * 999.0).to(device, torch.float32),
+            "encoder_hidden_states": torch.randn(b, l, self.text_dim, generator=g).to(device, td),
+        }
+
+    def export_module(self, model):
+        return _make_wrapper(model)
+
+    def scheduler(self, shift: float | None = None):
+        diffusers = require("diffusers", extra="export")
+        shift = self.spec.defaults.get("shift", 3.0) if shift is None else shift
+        return diffusers.FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=float(shift))
+
+    def text_encoder(self, source: str | None = None):
+        """``source``: None (the model's default), ``"hash"``, a ``.safetensors`` embedding file,
+        a pipeline folder with ``text_encoder/`` + ``tokenizer/``, or ``"minilm"``."""
+        from trt_sora.models import text
+
+        source = source or self.spec.text_encoder or "hash"
+        if source == "hash":
+            return text.HashTextEncoder(self.text_dim, seed=self.spec.seed)
+        if source == "minilm":
+            from trt_sora.models.moving_shapes.text import encode
+
+            return encode
+        if str(source).endswith(".safetensors"):
+            return text.PrecomputedTextEncoder(source)
+        return text.T5TextEncoder(source)
+
+
+def _cast_keep_fp32(model, dtype) -> None:
+    """Cast to ``dtype`` but keep diffusers' ``_keep_in_fp32_modules`` (time embedder, norms,
+    AdaLN tables) in fp32, exactly as ``from_pretrained(torch_dtype=...)`` does."""
+    import torch
+
+    keep = tuple(getattr(model, "_keep_in_fp32_modules", None) or ())
+    for name, p in model.named_parameters():
+        target = torch.float32 if any(k in name.split(".") for k in keep) else dtype
+        p.data = p.data.to(target)
+    for name, b in model.named_buffers():
+        if b.is_floating_point() and not any(k in name.split(".") for k in keep):
+            b.data = b.data.to(dtype)
+
+
+def _init_random(model, seed: int, config: Mapping[str, Any]) -> None:
+    """Deterministic init after ``to_empty``: each module's own ``reset_parameters``, diffusers'
+    ``randn / sqrt(dim)`` for the AdaLN tables, and RoPE tables recomputed (non-persistent buffers)."""
+    import torch
+    from diffusers.models.transformers.transformer_wan import WanRotaryPosEmbed
+
+    device = next(model.parameters()).device
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        if device.type == "cuda":
+            torch.cuda.manual_seed(seed)
+        with torch.no_grad():
+            for m in model.modules():
+                if hasattr(m, "reset_parameters") and m is not model:
+                    m.reset_parameters()
+            for name, p in model.named_parameters():
+                if name.endswith("scale_shift_table"):
+                    p.copy_(torch.randn(p.shape, device=device, dtype=torch.float32) / p.shape[-1] ** 0.5)
+    fresh = WanRotaryPosEmbed(config["attention_head_dim"], tuple(config["patch_size"]), config["rope_max_seq_len"])
+    model.rope.freqs_cos = fresh.freqs_cos.to(device)
+    model.rope.freqs_sin = fresh.freqs_sin.to(device)
+
+
+def spec_from_folder(ref: str, folder: Path) -> ModelSpec | None:
+    """A ModelSpec for a diffusers checkpoint folder (pipeline root or ``transformer/``), or None."""
+    for cand in (folder / "transformer", folder):
+        cfg = cand / "config.json"
+        if cfg.is_file():
+            try:
+                config = json.loads(cfg.read_text())
+            except json.JSONDecodeError as exc:
+                raise ModelError(f"{cfg} is not valid JSON ({exc}); re-save the checkpoint") from None
+            if config.get("_class_name") != CLASS_NAME:
+                return None
+            if not any(cand.glob("*.safetensors")) and not any(cand.glob("*.bin")):
+                raise ModelError(f"{cand} has a config.json but no weight files (*.safetensors); "
+                                 "the checkpoint is incomplete")
+            pipe_root = folder if cand != folder else None
+            te = str(pipe_root) if pipe_root and (pipe_root / "text_encoder").is_dir() else None
+            return ModelSpec(ref=ref, family="wan", source="checkpoint", path=str(cand),
+                             config={k: v for k, v in config.items() if not k.startswith("_")},
+                             text_encoder=te, defaults={"shift": 3.0, "guidance_scale": 5.0, "num_steps": 50})
+    return None
