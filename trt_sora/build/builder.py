@@ -1,0 +1,484 @@
+"""Q/DQ ONNX -> TensorRT / TensorRT-RTX engine(s) + build report + ``manifest.json``.
+
+One function, :func:`build_engine`, uses the TensorRT Python API (never a
+subprocess): strongly typed network, ONNX parser reading external data from the
+ONNX's folder, one optimization profile per shape bucket (or one engine per
+bucket), timing cache next to the engine, optimization level, workspace,
+compute-capability target (TensorRT-RTX), plugin libraries (full TensorRT). The
+engine file name states the model, SM and backend version:
+``wan-tiny.sm89.trtrtx-1.7.1.plan``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import resource
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from trt_sora.build import report as rep
+from trt_sora.build.backend import backend_version, check_target, is_rtx, load_backend
+from trt_sora.config.recipe import AttentionMode, Backend, BuildConfig, QuantFormat, Recipe
+from trt_sora.config.shapes import DIM_NAMES, ShapeProfile
+from trt_sora.errors import BuildError, ConfigError, ShapeError
+from trt_sora.manifest import file_entry, read_manifest, staged_dir, write_json, write_manifest
+
+log = logging.getLogger("trt_sora")
+
+TIMING_CACHE = "timing.cache"
+BUILD_LOG = "build_log.txt"
+
+
+@dataclasses.dataclass(frozen=True)
+class BuildTarget:
+    """Where the engine runs: backend, compute capability ``"8.9"``, GEMM quant format."""
+
+    backend: Backend
+    compute_capability: str
+    quant_format: QuantFormat = QuantFormat.NONE
+
+    @property
+    def sm(self) -> int:
+        major, minor = (int(x) for x in str(self.compute_capability).split("."))
+        return major * 10 + minor
+
+
+@dataclasses.dataclass(frozen=True)
+class BuildResult:
+    """Engine file(s) (one per bucket when ``separate_engines``), report and manifest."""
+
+    out_dir: Path
+    engine_paths: tuple[Path, ...]
+    report: dict
+    manifest: dict
+
+    @property
+    def engine_path(self) -> Path:
+        return self.engine_paths[0]
+
+
+# ----------------------------------------------------------------------------- helpers
+
+def _capture_logger(trt):
+    """A ``trt.ILogger`` that keeps the lines the report needs and forwards problems to logging."""
+
+    class CaptureLogger(trt.ILogger):
+        def __init__(self):
+            trt.ILogger.__init__(self)
+            self.kept: list[str] = []
+            self.errors: list[str] = []
+            self.quiet_cuda = True  # CPU-only builders log a CUDA driver error at start-up; expected
+
+        def log(self, severity, msg):  # noqa: D401 - TensorRT callback
+            S = trt.ILogger.Severity
+            if severity in (S.INTERNAL_ERROR, S.ERROR):
+                if self.quiet_cuda and "cudaError" in msg:
+                    log.debug("TensorRT (expected without a GPU): %s", msg)
+                    return
+                self.errors.append(msg)
+                self.kept.append(f"[E] {msg}")
+                log.warning("TensorRT: %s", msg)
+            elif severity == S.WARNING:
+                self.kept.append(f"[W] {msg}")
+                log.info("TensorRT: %s", msg)
+            elif msg.startswith("Layers:") or "I/O Tensors:" in msg or msg.startswith("Engine generation") \
+                    or "Total Weights Memory" in msg or "Total Activation Memory" in msg:
+                self.kept.append(msg)
+
+        @property
+        def text(self) -> str:
+            return "\n".join(self.kept)
+
+    return CaptureLogger()
+
+
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux: KiB
+
+
+def _load_export_manifest(export_manifest, onnx_path: Path) -> dict | None:
+    if isinstance(export_manifest, Mapping):
+        return dict(export_manifest)
+    if export_manifest is not None:
+        p = Path(export_manifest)
+        return read_manifest(p.parent if p.is_file() else p, stage="export")
+    for cand in (onnx_path.parent, onnx_path.parent.parent / "export"):  # beside it, or build/<m>/<r>/export
+        mp = cand / "manifest.json"
+        if mp.is_file():
+            try:
+                m = json.loads(mp.read_text())
+            except json.JSONDecodeError:
+                continue
+            if m.get("stage") == "export":
+                return m
+    return None
+
+
+def _input_dims(model) -> dict[str, list]:
+    """ONNX graph inputs -> per-axis dim_param name or static int."""
+    out = {}
+    inits = {i.name for i in model.graph.initializer}
+    for vi in model.graph.input:
+        if vi.name in inits:
+            continue
+        out[vi.name] = [d.dim_param if d.dim_param else (d.dim_value if d.HasField("dim_value") else None)
+                        for d in vi.type.tensor_type.shape.dim]
+    return out
+
+
+def _check_buckets(buckets: Sequence[ShapeProfile], dims: Mapping[str, list], export: dict | None) -> None:
+    """Buckets must lie inside the exported dynamic ranges and agree with static ONNX sizes."""
+    ranges = (export or {}).get("results", {}).get("dynamic") or {}
+    for b in buckets:
+        for dim, r in b.dims():
+            if dim in ranges:
+                lo, _, hi = ranges[dim]
+                if r.min < lo or r.max > hi:
+                    raise ShapeError(
+                        f"bucket {b.name!r}: {dim} {r.min}..{r.max} lies outside the exported range {lo}..{hi}; "
+                        f"re-export with a wider export.dynamic.{dim} or shrink the bucket")
+    named = {d for ds in dims.values() for d in ds if isinstance(d, str)}
+    dim_names = (export or {}).get("results", {}).get("dim_names") or {}
+    for inp, axes in dim_names.items():  # static axes that the export manifest says are named dims
+        for axis, dim in axes.items():
+            shape = dims.get(inp)
+            if shape is None or int(axis) >= len(shape) or not isinstance(shape[int(axis)], int):
+                continue
+            size = shape[int(axis)]
+            for b in buckets:
+                r = getattr(b, dim)
+                if (r.min, r.max) != (size, size):
+                    raise ShapeError(f"bucket {b.name!r}: {dim} {r.min}..{r.max} but the ONNX input {inp!r} has "
+                                     f"a static size {size} on axis {axis}; re-export with {dim} dynamic or "
+                                     f"set the bucket's {dim} to {size}")
+    for inp, shape in dims.items():
+        for axis, d in enumerate(shape):
+            if isinstance(d, str) and d not in DIM_NAMES:
+                raise BuildError(f"ONNX input {inp!r} axis {axis} is dynamic with the unknown name {d!r}; "
+                                 f"expected one of {DIM_NAMES} — export with `trt-sora export`")
+            if d is None:
+                raise BuildError(f"ONNX input {inp!r} axis {axis} is dynamic without a name; "
+                                 "export with `trt-sora export` so every dynamic axis is named")
+    if not named and dims:
+        log.info("ONNX inputs are fully static; every bucket must match them")
+
+
+def _shape(spec: list, point: Mapping[str, int]) -> tuple[int, ...]:
+    return tuple(point[d] if isinstance(d, str) else int(d) for d in spec)
+
+
+def _check_quantized(facts: rep.OnnxFacts, fmt: QuantFormat, onnx_path: Path) -> None:
+    want = {QuantFormat.FP8_E4M3: "fp8", QuantFormat.INT8: "int8"}.get(fmt)
+    if want is None:
+        return
+    if facts.num_qdq == 0:
+        raise BuildError(f"{onnx_path} has no Q/DQ nodes but the recipe asks for {fmt.value} GEMMs; "
+                         "run the quantize stage first (`trt-sora quantize`, giving quant/model.qdq.onnx) "
+                         "and build that file")
+    if want not in facts.q_formats:
+        raise BuildError(f"{onnx_path} holds {', '.join(sorted(facts.q_formats)) or 'unknown'} Q/DQ but the recipe "
+                         f"asks for {fmt.value}; re-run the quantize stage with this recipe")
+
+
+def _resolve_plugins(names: Sequence[str]) -> list[Path]:
+    from trt_sora.config import repo_root
+
+    out = []
+    for n in names:
+        p = Path(n)
+        if p.is_file():
+            out.append(p)
+            continue
+        folder = repo_root() / "plugins" / n
+        libs = sorted(folder.glob("**/*.so")) if folder.is_dir() else []
+        if not libs:
+            raise BuildError(f"plugin {n!r}: no shared library found (looked for {p} and {folder}/**/*.so); "
+                             f"build it first (see plugins/{n}/README.md) or remove it from build.plugins")
+        out.append(libs[0])
+    return out
+
+
+def _timing_cache(trt, config, cache_file: Path | None, lg) -> tuple[Any, str]:
+    """Create the builder's timing cache from ``cache_file`` if it is sound, else an empty one.
+
+    Soundness: our sidecar ``<cache>.json`` sha256 must match, and TensorRT must accept
+    the bytes without logging an error. Returns ``(cache, status)``.
+    """
+    with warnings.catch_warnings():  # TensorRT-RTX >= 1.2: timing cache ops are deprecated no-ops
+        warnings.simplefilter("ignore", DeprecationWarning)
+        status = "none"
+        if cache_file is not None and cache_file.is_file():
+            data = cache_file.read_bytes()
+            side = cache_file.with_name(cache_file.name + ".json")
+            problem = None
+            try:
+                meta = json.loads(side.read_text()) if side.is_file() else {}
+            except json.JSONDecodeError:
+                meta = {"sha256": "unreadable"}
+            if meta.get("sha256") and meta["sha256"] != hashlib.sha256(data).hexdigest():
+                problem = "its checksum does not match (corrupted or truncated)"
+            cache = None
+            if problem is None:
+                n_err = len(lg.errors)
+                try:
+                    cache = config.create_timing_cache(data)
+                except Exception as exc:  # TensorRT raises several types for bad caches
+                    problem = f"TensorRT rejected it ({exc})"
+                if cache is None and problem is None:
+                    problem = "TensorRT rejected it"
+                if len(lg.errors) > n_err and problem is None:
+                    problem = f"TensorRT rejected it ({lg.errors[-1]})"
+                    del lg.errors[n_err:]
+            if problem is None:
+                return cache, "loaded"
+            log.warning("timing cache %s is unusable: %s; building without it (a fresh cache is written)",
+                        cache_file, problem)
+            status = "corrupt_ignored"
+        return config.create_timing_cache(b""), status
+
+
+def _save_timing_cache(config, path: Path, backend_ver: str) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        cache = config.get_timing_cache()
+        if cache is None:
+            return
+        data = bytes(cache.serialize())
+    path.write_bytes(data)
+    write_json(path.with_name(path.name + ".json"),
+               {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data), "backend_version": backend_ver})
+
+
+def engine_file_name(model: str, sm: int, backend: Backend, version: str, bucket: str | None = None) -> str:
+    """``<model>[.<bucket>].sm<SM>.<trt|trtrtx>-<x.y.z>.plan``."""
+    tag = "trtrtx" if Backend(backend) is Backend.TENSORRT_RTX else "trt"
+    safe = lambda s: "".join(c if c.isalnum() or c in "-_." else "-" for c in s)  # noqa: E731
+    parts = [safe(model)] + ([safe(bucket)] if bucket else []) + [f"sm{sm}", f"{tag}-{version}", "plan"]
+    return ".".join(parts)
+
+
+# ----------------------------------------------------------------------------- the stage
+
+def build_engine(onnx_path: str | os.PathLike, config: Recipe | BuildConfig, out_dir: str | os.PathLike, *,
+                 buckets: Sequence[ShapeProfile] | None = None, target: BuildTarget | None = None,
+                 export_manifest: Mapping | str | os.PathLike | None = None, model_name: str | None = None,
+                 timing_cache: str | os.PathLike | None = None) -> BuildResult:
+    """Build TensorRT engine(s) from a (Q/DQ) ONNX file into ``out_dir``.
+
+    ``config`` is a :class:`Recipe` (buckets, backend, target and quant format come from
+    it) or a :class:`BuildConfig` plus ``buckets`` and ``target``. ``export_manifest``
+    (dict, folder or file; default: found beside the ONNX or in ``../export``) gives the
+    exported dynamic ranges that buckets must lie in. ``timing_cache`` defaults to
+    ``out_dir/timing.cache`` (read from an earlier build, written by this one).
+
+    Writes ``out_dir/<model>.sm<SM>.<trt|trtrtx>-<ver>.plan`` (one per bucket with
+    ``build.separate_engines``), ``build_report.json`` + ``.md``, ``build_log.txt``,
+    ``timing.cache`` and ``manifest.json``, atomically. Raises :class:`ConfigError`
+    (unsupported target), :class:`ShapeError` (bucket outside the exported ranges),
+    :class:`BackendMissingError`, or :class:`BuildError` (parse/build failure, missing
+    Q/DQ, unmet ``build.requirements`` — then ``build_report.failed.json`` is written
+    to ``out_dir`` and any earlier artifact there is kept).
+    """
+    t_start = time.perf_counter()
+    onnx_path = Path(onnx_path)
+    out_dir = Path(out_dir)
+    if isinstance(config, Recipe):
+        recipe = config
+        build_cfg = recipe.build
+        buckets = tuple(buckets or recipe.buckets)
+        target = target or BuildTarget(recipe.backend, recipe.compute_capability, recipe.quantization.format)
+        model_name = model_name or None
+        name = recipe.name
+    else:
+        recipe, build_cfg, name = None, config, "build"
+        if not buckets or target is None:
+            raise ConfigError("build_engine with a BuildConfig needs `buckets` and `target`; or pass a Recipe")
+        buckets = tuple(buckets)
+    if not onnx_path.is_file():
+        raise BuildError(f"{onnx_path} does not exist; run the export (and quantize) stage first")
+    check_target(target.backend, target.sm, target.quant_format)
+    if target.backend is Backend.TENSORRT_RTX and (build_cfg.plugins or build_cfg.attention is AttentionMode.PLUGIN):
+        raise BuildError("TensorRT-RTX cannot build plugins (its network has no add_plugin_v3); set "
+                         "`build.attention: native` and remove `build.plugins`, or use a `backend: tensorrt` recipe")
+
+    import onnx
+
+    model = onnx.load(str(onnx_path), load_external_data=False)
+    facts = rep.onnx_facts(model)
+    _check_quantized(facts, target.quant_format, onnx_path)
+    export = _load_export_manifest(export_manifest, onnx_path)
+    dims = _input_dims(model)
+    del model
+    _check_buckets(buckets, dims, export)
+    patch = ((export or {}).get("results", {}).get("model", {}).get("config", {}) or {}).get("patch_size")
+    if patch:
+        for b in buckets:
+            b.validate(tuple(patch))
+    if model_name is None:
+        ref = (export or {}).get("results", {}).get("model", {}).get("ref")
+        model_name = Path(str(ref)).name if ref else (recipe.model.default if recipe else onnx_path.stem)
+
+    trt = load_backend(target.backend)  # after the cheap checks: a missing backend fails fast, nothing lost
+    version = backend_version(trt)
+    rtx = is_rtx(trt)
+    groups = [(b.name, [b]) for b in buckets] if build_cfg.separate_engines else [(None, list(buckets))]
+    cache_file = Path(timing_cache) if timing_cache else out_dir / TIMING_CACHE
+
+    engines: list[tuple[str, bytes, str, int]] = []  # (file, bytes, log text, profiles built)
+    lg = _capture_logger(trt)
+    builder = trt.Builder(lg)
+    lg.quiet_cuda = False
+    if not rtx:
+        for lib in _resolve_plugins(build_cfg.plugins):
+            if trt.get_plugin_registry().load_library(str(lib)) is None:
+                raise BuildError(f"TensorRT could not load plugin library {lib}; rebuild it for TensorRT {version}")
+    cache_status = "disabled"
+    t_build = 0.0
+    cfg_keep = None
+    for bucket_name, group in groups:
+        flags = 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)
+        network = builder.create_network(flags)
+        parser = trt.OnnxParser(network, lg)
+        if not parser.parse_from_file(str(onnx_path)):  # resolves model.onnx.data next to the file
+            errs = "; ".join(str(parser.get_error(i).desc()) for i in range(parser.num_errors))
+            raise BuildError(f"TensorRT's ONNX parser rejected {onnx_path}: {errs or 'unknown error'}; "
+                             "check that the .onnx.data file lies beside it and the opset is >= 19")
+        bcfg = builder.create_builder_config()
+        bcfg.builder_optimization_level = build_cfg.optimization_level
+        bcfg.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(build_cfg.workspace_gb * (1 << 30)))
+        bcfg.profiling_verbosity = trt.ProfilingVerbosity.DETAILED
+        if rtx:
+            cc = getattr(trt.ComputeCapability, f"SM{target.sm}", None)
+            if cc is None:
+                raise ConfigError(f"TensorRT-RTX {version} has no compute capability SM{target.sm}; "
+                                  f"choose one of {[m for m in trt.ComputeCapability.__members__ if m.startswith('SM')]}")
+            bcfg.num_compute_capabilities = 1
+            bcfg.set_compute_capability(cc, 0)
+        if build_cfg.timing_cache:
+            tc, cache_status = _timing_cache(trt, bcfg, cache_file, lg)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeprecationWarning)
+                bcfg.set_timing_cache(tc, ignore_mismatch=False)
+        for b in group:
+            prof = builder.create_optimization_profile()
+            for i in range(network.num_inputs):
+                inp = network.get_input(i)
+                spec = dims.get(inp.name)
+                if spec is None:
+                    raise BuildError(f"network input {inp.name!r} is not an ONNX graph input")
+                prof.set_shape(inp.name, *(_shape(spec, b.point(w)) for w in ("min", "opt", "max")))
+            if bcfg.add_optimization_profile(prof) < 0:
+                raise BuildError(f"TensorRT rejected the profile for bucket {b.name!r}; check its shapes")
+        n_prof = bcfg.num_optimization_profiles
+        log.info("building %s for SM%d with %d profile(s) (%s %s)", onnx_path.name, target.sm, n_prof,
+                 target.backend.value, version)
+        t0 = time.perf_counter()
+        n_err = len(lg.errors)
+        serialized = builder.build_serialized_network(network, bcfg)
+        t_build += time.perf_counter() - t0
+        if serialized is None:
+            raise BuildError(f"TensorRT failed to build the engine for SM{target.sm}: "
+                             f"{'; '.join(lg.errors[n_err:][-3:]) or 'no error message'}")
+        fname = engine_file_name(model_name, target.sm, target.backend, version, bucket_name)
+        engines.append((fname, bytes(serialized), lg.text, n_prof))
+        lg.kept.clear()
+        cfg_keep = bcfg
+        del serialized, parser, network
+
+    # ---- report
+    reports = []
+    for fname, blob, text, n_prof in engines:
+        layers, in_engine, evidence = _layer_info(trt, blob, text, lg)
+        reports.append({"file": fname, "bytes": len(blob), "profiles_built": n_prof,
+                        "profiles_in_engine": in_engine, "evidence": evidence,
+                        "analysis": rep.analyze(layers, facts)})
+    first = reports[0]
+    report = {
+        "name": name,
+        "status": "ok",
+        "failures": [],
+        "backend": target.backend.value,
+        "backend_version": str(getattr(trt, "__version__", version)),
+        "sm": target.sm,
+        "quant_format": QuantFormat(target.quant_format).value,
+        "onnx": str(onnx_path.resolve()),
+        "buckets": [b.to_yaml() for b in buckets],
+        "separate_engines": build_cfg.separate_engines,
+        "engines": [{"file": r["file"], "bytes": r["bytes"], "profiles": r["profiles_in_engine"]} for r in reports],
+        "engine_bytes": sum(r["bytes"] for r in reports),
+        "profiles": {"built": sum(r["profiles_built"] for r in reports),
+                     "in_engine": sum(r["profiles_in_engine"] or 0 for r in reports),
+                     "evidence": first["evidence"]},
+        "build_seconds": round(t_build, 2),
+        "total_seconds": round(time.perf_counter() - t_start, 2),
+        "peak_rss_mb": round(_peak_rss_mb(), 1),
+        "timing_cache": cache_status + (" (TensorRT-RTX: timing cache ops are no-ops)" if rtx and
+                                        build_cfg.timing_cache else ""),
+        "onnx_qdq_nodes": facts.num_qdq,
+        "analysis": first["analysis"],
+        "per_engine": [{"file": r["file"], "analysis": r["analysis"]} for r in reports[1:]],
+    }
+    fails = [f for f in rep.check_requirements(report, build_cfg.requirements)]
+    for r in reports[1:]:
+        fails += [f"{r['file']}: {f}" for f in rep.check_requirements({"analysis": r["analysis"]},
+                                                                     build_cfg.requirements)]
+    if fails:
+        report["status"] = "failed"
+        report["failures"] = fails
+        path = rep.write_report(out_dir, report, failed=True)
+        (out_dir / BUILD_LOG).write_text("\n\n".join(t for _, _, t, _ in engines))
+        raise BuildError(f"engine misses the recipe's requirements: {'; '.join(fails)}. "
+                         f"Report: {path}. Fix: {rep.requirement_fix_hint(fails)}")
+
+    with staged_dir(out_dir) as tmp:
+        paths = []
+        for fname, blob, _, _ in engines:
+            (tmp / fname).write_bytes(blob)
+            paths.append(fname)
+        (tmp / BUILD_LOG).write_text("\n\n".join(t for _, _, t, _ in engines))
+        if build_cfg.timing_cache and cfg_keep is not None:
+            _save_timing_cache(cfg_keep, tmp / TIMING_CACHE, version)
+        rep.write_report(tmp, report)
+        spec = {"target": target, "buckets": [b.to_yaml() for b in buckets], "build": build_cfg}
+        inputs = {"onnx": file_entry(onnx_path)}
+        if export:
+            inputs["export_manifest_created"] = export.get("created")
+        manifest = write_manifest(
+            tmp, stage="build", inputs=inputs, config=spec,
+            outputs={"engines": paths, "report": rep.REPORT_JSON, "report_md": rep.REPORT_MD},
+            results={k: report[k] for k in ("backend", "backend_version", "sm", "engine_bytes", "profiles",
+                                            "build_seconds", "peak_rss_mb")}
+            | {"fp8_gemm_fraction": report["analysis"]["fp8_gemm_fraction"],
+               "int8_gemm_fraction": report["analysis"]["int8_gemm_fraction"],
+               "gemm_counts": report["analysis"]["gemm_counts"],
+               "attention_fused": report["analysis"]["attention"]["fused"]})
+    log.info("built %s: %.1f MB, %d profile(s), FP8 GEMMs %d/%d, %.1f s", paths[0], report["engine_bytes"] / 1e6,
+             report["profiles"]["in_engine"], report["analysis"]["gemm_counts"].get("fp8", 0),
+             report["analysis"]["gemm_total"], t_build)
+    return BuildResult(out_dir, tuple(out_dir / p for p in paths), report, manifest)
+
+
+def _layer_info(trt, blob: bytes, text: str, lg) -> tuple[list[rep.LayerInfo], int | None, str]:
+    """Layers + profile count: EngineInspector when the engine deserializes (GPU), else the log."""
+    lg.quiet_cuda = True
+    try:
+        runtime = trt.Runtime(lg)
+        engine = runtime.deserialize_cuda_engine(blob)
+    except Exception:  # no GPU: deserialization is impossible; fall back to the builder's log
+        engine = None
+    finally:
+        lg.quiet_cuda = False
+    if engine is not None:
+        insp = engine.create_engine_inspector()
+        lines = insp.get_engine_information(trt.LayerInformationFormat.ONELINE)
+        return rep.parse_layer_dump(lines), engine.num_optimization_profiles, "deserialized engine"
+    layers = rep.parse_layer_dump(text)
+    if not layers:
+        log.warning("the builder log has no per-layer dump; the report cannot prove precisions "
+                    "(needs profiling verbosity DETAILED)")
+    return layers, rep.parse_profile_count(text), "builder log (I/O tensor ProfileInfo; no GPU to deserialize)"
