@@ -6,6 +6,7 @@ silently falls back to a default.
 """
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import difflib
 import enum
@@ -67,7 +68,7 @@ def _convert(tp: Any, value: Any, where: str) -> Any:
             return tuple(_convert(a, v, f"{where}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
         inner = args[0] if args else Any
         return tuple(_convert(inner, v, f"{where}[{i}]") for i, v in enumerate(value))
-    if origin is dict:
+    if origin in (dict, collections.abc.Mapping):
         if not isinstance(value, dict):
             raise ConfigError(f"{where}: expected a mapping, got {value!r}")
         kt, vt = args if args else (Any, Any)

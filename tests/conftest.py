@@ -1,0 +1,55 @@
+"""Shared fixtures: one wan-tiny export per test session (export costs ~20 s on 2 cores)."""
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+# The points where export parity is checked: non-square, odd latent frames, batch 1 and 2,
+# different text lengths; every dim differs between consecutive points.
+TINY_POINTS = (
+    {"batch": 1, "latent_frames": 3, "latent_height": 4, "latent_width": 6, "text_len": 7},
+    {"batch": 2, "latent_frames": 2, "latent_height": 6, "latent_width": 4, "text_len": 12},
+    {"batch": 3, "latent_frames": 5, "latent_height": 8, "latent_width": 2, "text_len": 3},
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    missing = {
+        "trt_rtx": importlib.util.find_spec("tensorrt_rtx") is None,
+        "trt": importlib.util.find_spec("tensorrt") is None,
+    }
+    try:
+        import torch
+
+        missing["gpu"] = not torch.cuda.is_available()
+    except ImportError:
+        missing["gpu"] = True
+    reasons = {"trt_rtx": "tensorrt-rtx-cu13 is not installed", "trt": "full TensorRT is not installed",
+               "gpu": "needs an NVIDIA GPU"}
+    for item in items:
+        for mark, is_missing in missing.items():
+            if is_missing and mark in item.keywords:
+                item.add_marker(pytest.mark.skip(reason=reasons[mark]))
+
+
+@pytest.fixture(scope="session")
+def tiny_adapter():
+    from trt_sora.models import get_adapter
+
+    return get_adapter("wan-tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_adapter):
+    return tiny_adapter.load("fp32", "cpu")
+
+
+@pytest.fixture(scope="session")
+def tiny_export(tmp_path_factory, tiny_adapter, tiny_model):
+    """``ExportResult`` of wan-tiny (fp32, opset 20), verified at the three TINY_POINTS."""
+    from trt_sora.config import ExportConfig
+    from trt_sora.export import export_onnx
+
+    out = tmp_path_factory.mktemp("tiny_export") / "export"
+    return export_onnx(tiny_adapter, ExportConfig(verify_points=TINY_POINTS), out, model=tiny_model)

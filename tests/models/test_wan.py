@@ -1,0 +1,90 @@
+"""Wan adapter: registry, named configs on the meta device, loading local diffusers checkpoints."""
+import json
+
+import pytest
+import torch
+
+from trt_sora.errors import ModelError
+from trt_sora.models import get_adapter, list_models, resolve
+
+
+def test_registry_names():
+    assert {"wan-tiny", "wan2.1-t2v-1.3b", "wan2.1-t2v-14b"} <= set(list_models())
+
+
+@pytest.mark.parametrize("name,params", [("wan2.1-t2v-1.3b", 1.3e9), ("wan2.1-t2v-14b", 14e9)])
+def test_real_architectures_on_meta(name, params):
+    n = get_adapter(name).num_params()  # meta device: nothing allocated
+    assert 0.9 * params < n < 1.15 * params
+
+
+def test_tiny_forward_shapes_and_determinism(tiny_adapter):
+    m1, m2 = tiny_adapter.load(), tiny_adapter.load()
+    point = {"batch": 2, "latent_frames": 3, "latent_height": 4, "latent_width": 6, "text_len": 5}
+    x = tiny_adapter.example_inputs(point)
+    assert x["timestep"].dtype == torch.float32 and x["hidden_states"].shape == (2, 16, 3, 4, 6)
+    y1, y2 = tiny_adapter.forward(m1, x), tiny_adapter.forward(m2, x)
+    assert y1.shape == x["hidden_states"].shape
+    torch.testing.assert_close(y1, y2, rtol=0, atol=0)  # seeded random init
+    assert tiny_adapter.point_of(x) == point
+
+
+def test_export_processor_matches_diffusers(tiny_adapter, tiny_model):
+    from diffusers.models.transformers.transformer_wan import WanAttnProcessor
+
+    from trt_sora.models.wan import WanExportAttnProcessor
+
+    x = tiny_adapter.example_inputs({"batch": 1, "latent_frames": 2, "latent_height": 4, "latent_width": 4,
+                                     "text_len": 3})
+    ours = tiny_adapter.forward(tiny_model, x)
+    tiny_model.set_attn_processor(WanAttnProcessor())
+    try:
+        theirs = tiny_adapter.forward(tiny_model, x)
+    finally:
+        tiny_model.set_attn_processor(WanExportAttnProcessor())
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+
+
+def test_keep_fp32_modules_in_half(tiny_adapter):
+    m = tiny_adapter.load("bf16")
+    dtypes = {n: p.dtype for n, p in m.named_parameters()}
+    assert dtypes["blocks.0.attn1.to_q.weight"] == torch.bfloat16
+    assert dtypes["condition_embedder.time_embedder.linear_1.weight"] == torch.float32
+
+
+@pytest.mark.parametrize("layout", ["transformer", "pipeline"])
+def test_load_from_checkpoint_folder_and_export(tmp_path, tiny_adapter, tiny_model, layout):
+    from conftest import TINY_POINTS
+    from trt_sora.config import ExportConfig
+    from trt_sora.export import export_onnx
+
+    root = tmp_path / "ckpt"
+    target = root / "transformer" if layout == "pipeline" else root
+    tiny_model.save_pretrained(target)
+    if layout == "pipeline":
+        (root / "model_index.json").write_text(json.dumps({"_class_name": "WanPipeline"}))
+    adapter = get_adapter(str(root))
+    assert adapter.spec.source == "checkpoint" and adapter.spec.path == str(target)
+    loaded = adapter.load("fp32")
+    x = tiny_adapter.example_inputs(TINY_POINTS[0])
+    torch.testing.assert_close(adapter.forward(loaded, x), tiny_adapter.forward(tiny_model, x))
+    if layout == "transformer":
+        res = export_onnx(str(root), ExportConfig(verify_points=TINY_POINTS[:2]), tmp_path / "exp")
+        assert res.manifest["results"]["model"]["source"] == "checkpoint"
+        assert all(p["cosine"] >= 0.99999 for p in res.parity)
+
+
+def test_bad_model_refs(tmp_path):
+    with pytest.raises(ModelError, match="did you mean 'wan-tiny'"):
+        resolve("wan-tiny2")
+    (tmp_path / "notackpt").mkdir()
+    (tmp_path / "notackpt" / "config.json").write_text(json.dumps({"_class_name": "UNet2DModel"}))
+    with pytest.raises(ModelError, match="not a diffusers checkpoint"):
+        resolve(str(tmp_path / "notackpt"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelError, match="not a diffusers checkpoint"):
+        resolve(str(tmp_path / "empty"))
+    (tmp_path / "noweights").mkdir()
+    (tmp_path / "noweights" / "config.json").write_text(json.dumps({"_class_name": "WanTransformer3DModel"}))
+    with pytest.raises(ModelError, match="no weight files"):
+        resolve(str(tmp_path / "noweights"))
