@@ -151,7 +151,7 @@ def quant_error(x: Tensor, amax: Tensor | float, fmt: QuantFormat | str, *, axis
     """Error metrics of fake-quantizing ``x`` (any shape) at ``amax`` in format ``fmt``; fp64 sums."""
     a = _broadcast_amax(x, amax, axis)
     xf = x.float()
-    err = (xf - fake_quant(xf, a if axis is None else a.flatten(), fmt, axis=axis)).double()
+    err = xf.double() - fake_quant(xf, a if axis is None else a.flatten(), fmt, axis=axis).double()
     n = max(xf.numel(), 1)
     mse = float(err.square().sum()) / n
     signal = float(xf.double().square().sum()) / n
