@@ -35,7 +35,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
 DEFAULTS: dict[str, dict[str, Any]] = {
     # A random-weight test model cannot run at 480p on a CI CPU: it declares its own small buckets,
     # which replace a recipe's production buckets (the build report says so).
-    "wan-tiny": {"shift": 3.0, "guidance_scale": 5.0, "num_steps": 4, "buckets": [
+    "wan-tiny": {"shift": 3.0, "guidance_scale": 5.0, "num_steps": 4, "calib_preset": "tiny", "buckets": [
         {"name": "tiny-small", "batch": [1, 2, 2], "latent_frames": [2, 3, 4], "latent_height": [4, 4, 8],
          "latent_width": [4, 6, 8], "text_len": [4, 16, 16]},
         {"name": "tiny-large", "batch": [1, 2, 2], "latent_frames": [4, 5, 8], "latent_height": [8, 8, 16],

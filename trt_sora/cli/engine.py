@@ -1,0 +1,33 @@
+"""``trt-sora engine --recipe R [--model M] --out build``: every stage, reusing unchanged ones."""
+from __future__ import annotations
+
+import sys
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("engine", help="export -> calibrate -> quantize -> build -> check (what `make engine` runs)")
+    p.add_argument("--recipe", required=True, help="recipe name (recipes/*.yaml) or path")
+    p.add_argument("--model", default=None, help="registry name or diffusers checkpoint folder "
+                   "(default: the recipe's model.default)")
+    p.add_argument("--out", default="build", help="artifact root; the run lands in OUT/<model>/<recipe>/")
+    p.add_argument("--force", action="store_true", help="redo every stage even if its inputs did not change")
+    p.add_argument("--stages", default=None, help="comma-separated subset, e.g. export,calibrate")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from trt_sora.pipeline import STAGES, EnginePipeline
+
+    def progress(o):
+        secs = f" in {o.seconds:.1f} s" if o.status == "ran" else ""
+        print(f"[{o.stage:9s}] {o.status}{secs}  {o.detail}", file=sys.stderr, flush=True)
+
+    pipe = EnginePipeline(args.recipe, args.model, args.out, force=args.force, progress=progress)
+    print(f"[engine   ] model {pipe.adapter.name}, recipe {pipe.recipe.name} "
+          f"({pipe.recipe.backend.value}, SM {pipe.recipe.compute_capability}), buckets from "
+          f"{pipe.bucket_source}: {', '.join(b.name for b in pipe.buckets)} -> {pipe.run_dir}",
+          file=sys.stderr, flush=True)
+    stages = tuple(s.strip() for s in args.stages.split(",")) if args.stages else STAGES
+    pipe.run(stages)
+    print(pipe.run_dir)
+    return 0
