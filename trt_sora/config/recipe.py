@@ -124,6 +124,7 @@ class QuantConfig:
     default_excludes: bool = True  # patch embedding, time/text embedders, AdaLN, final proj
     fused_qkv: bool = True
     fp8_attention: bool = False
+    external_data: ExternalData = ExternalData.AUTO  # model.qdq.onnx.data: auto = only over 2 GB
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,6 +162,7 @@ class ParityGate:
     min_psnr_db: float | None = None
     max_abs: float | None = None
     max_rel_l2: float | None = None
+    min_ssim: float | None = None  # decoded frames only (worst frame)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,6 +176,8 @@ class ParityConfig:
     frames: ParityGate = ParityGate(min_psnr_db=25.0)
     num_samples: int = 2
     loop_steps: int = 4
+    guidance_scale: float = 5.0  # CFG scale of the sampling-loop level
+    jump_factor: float = 10.0    # localisation: a layer whose error grows this much over the layers before it
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,99 @@
+"""Helpers for the quantize tests (importable: this folder is on sys.path under pytest)."""
+from __future__ import annotations
+
+# Calibration points (all dims >= 2) and the evaluation point (different from both).
+CALIB_POINTS = (
+    {"batch": 2, "latent_frames": 2, "latent_height": 4, "latent_width": 4, "text_len": 8},
+    {"batch": 1, "latent_frames": 3, "latent_height": 6, "latent_width": 4, "text_len": 12},
+)
+EVAL_POINT = {"batch": 2, "latent_frames": 2, "latent_height": 6, "latent_width": 4, "text_len": 12}
+
+
+def collect_stats(adapter, model, points, path):
+    """Run the torch model on random inputs; abs-max of every nn.Linear input and of the attention q/k/v
+    (per-module processor observers), saved as CalibStats with the model hash."""
+    import torch
+
+    from trt_sora.calibrate.stats import CalibStats, StatsMetadata
+    from trt_sora.models.wan import WanExportAttnProcessor
+
+    amax: dict[str, torch.Tensor] = {}
+
+    def upd(name, t):
+        v = t.detach().abs().max().float()
+        amax[name] = torch.maximum(amax[name], v) if name in amax else v
+
+    hooks = [m.register_forward_pre_hook(lambda mod, args, name=name: upd(name, args[0]))
+             for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    saved = {}
+    for name, m in model.named_modules():
+        if isinstance(getattr(m, "processor", None), WanExportAttnProcessor):
+            saved[name] = (m, m.processor)
+            m.processor = WanExportAttnProcessor(observer=lambda site, t, name=name: upd(f"{name}.{site}", t))
+    try:
+        with torch.no_grad():
+            for i, p in enumerate(points):
+                adapter.forward(model, adapter.example_inputs(p, seed=100 + i))
+    finally:
+        for h in hooks:
+            h.remove()
+        for m, proc in saved.values():
+            m.processor = proc
+    meta = StatsMetadata(method="minmax", model=adapter.spec.ref, model_hash=adapter.spec.model_hash(),
+                         num_samples=len(points))
+    stats = CalibStats(amax={k: v.reshape(()) for k, v in amax.items()}, metadata=meta)
+    stats.save(path)
+    return stats
+
+
+def run_ort(onnx_path, inputs, graph_dtype="fp32", optimize=False):
+    """ONNX Runtime CPU. ``optimize=False`` runs the Q/DQ ops as written (exact ONNX semantics);
+    with optimizations ORT fuses INT8 Q/DQ into integer kernels whose rounding differs slightly."""
+    import numpy as np
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    if not optimize:
+        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    sess = ort.InferenceSession(str(onnx_path), sess_options=opts, providers=["CPUExecutionProvider"])
+    feeds = {}
+    for k, v in inputs.items():
+        a = v.numpy()
+        if k != "timestep" and graph_dtype == "fp16":
+            a = a.astype(np.float16)
+        feeds[k] = a
+    return sess.run(None, feeds)[0].astype(np.float32)
+
+
+def torch_fake_quant_run(adapter, model, inputs, qdq_map, fmt):
+    """Independent reference: the torch model with every quantized nn.Linear's input and weight
+    fake-quantized by torch ops (calibrate.fake_quant) at the scales of ``qdq_map``."""
+    import torch
+
+    from trt_sora.calibrate.fake_quant import fake_quant
+
+    by_site = {e["site"]: e for e in qdq_map}
+    act: dict[str, float] = {}
+    for e in qdq_map:
+        if e["kind"] != "linear" or e["excluded"] or "members" in e:
+            continue
+        src = by_site[e["fused_into"]] if "fused_into" in e else e
+        act[e["site"]] = src["amax"]
+    modules = dict(model.named_modules())
+    hooks, saved = [], {}
+    try:
+        for site, amax in act.items():
+            m = modules[site]
+            saved[site] = m.weight.data
+            w = m.weight.data.float()
+            m.weight.data = fake_quant(w, w.abs().amax(dim=1), fmt, axis=0)
+            hooks.append(m.register_forward_pre_hook(
+                lambda mod, args, a=amax: (fake_quant(args[0], torch.tensor(a), fmt),) + tuple(args[1:])))
+        with torch.no_grad():
+            return adapter.forward(model, inputs).float().numpy()
+    finally:
+        for h in hooks:
+            h.remove()
+        for site, w in saved.items():
+            modules[site].weight.data = w

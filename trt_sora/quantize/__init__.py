@@ -1,0 +1,31 @@
+"""Stage 3: calibrated FP8 / INT8 Q/DQ insertion into an exported ONNX graph.
+
+Light on purpose: importing ``trt_sora.quantize`` loads no torch, onnx or
+graphsurgeon. The public names resolve lazily:
+
+* :func:`quantize_onnx` (``model.onnx`` + ``stats.safetensors`` -> ``model.qdq.onnx``,
+  ``qdq_map.json``, ``manifest.json``) and :class:`QuantResult` - :mod:`trt_sora.quantize.api`.
+* :func:`site_policy`, :data:`DEFAULT_EXCLUDES` - :mod:`trt_sora.quantize.policy`.
+* graph passes: :mod:`~trt_sora.quantize.sites` (site -> node resolution),
+  :mod:`~trt_sora.quantize.dtype` (graph float type), :mod:`~trt_sora.quantize.fuse_qkv`,
+  :mod:`~trt_sora.quantize.qdq`.
+"""
+from __future__ import annotations
+
+import importlib
+
+_LAZY = {
+    "quantize_onnx": "trt_sora.quantize.api",
+    "QuantResult": "trt_sora.quantize.api",
+    "QDQ_NAME": "trt_sora.quantize.api",
+    "site_policy": "trt_sora.quantize.policy",
+    "DEFAULT_EXCLUDES": "trt_sora.quantize.policy",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'trt_sora.quantize' has no attribute {name!r}")
