@@ -1,0 +1,106 @@
+"""Session-scoped wan-tiny run folder: export (~25-80 s) -> stats -> Q/DQ, shared by tests/parity and tests/runtime."""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+RECIPE = "rtx4090-fp8"
+
+
+def make_stats(adapter, model, path: Path) -> None:
+    """Min-max input amax of every nn.Linear over a short CFG sampling loop (calibration stand-in)."""
+    import torch
+
+    from trt_sora.calibrate.stats import CalibStats, StatsMetadata
+    from trt_sora.parity.loop import loop_inputs, sample_loop
+
+    amax: dict = {}
+
+    def hook(name):
+        def h(_m, args):
+            v = args[0].detach().abs().max().float()
+            amax[name] = torch.maximum(amax.get(name, v), v)
+        return h
+
+    hs = [m.register_forward_pre_hook(hook(n)) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    fwd = adapter.export_module(model)
+    point = {"batch": 1, "latent_frames": 3, "latent_height": 4, "latent_width": 6, "text_len": 16}
+    noise, cond, unc = loop_inputs(adapter, point, seed=99, prompts=("a cat walks", "a dog runs"))
+    sample_loop(lambda f: {"sample": fwd(*[f[n] for n in adapter.input_names])}, noise, cond, unc,
+                adapter.scheduler(), steps=4, guidance=5.0, batched=True)
+    for h in hs:
+        h.remove()
+    CalibStats(amax={k: v.reshape(()) for k, v in amax.items()},
+               metadata=StatsMetadata(method="minmax", model=adapter.name, model_hash=adapter.spec.model_hash())
+               ).save(path)
+
+
+def _shared(tmp_path_factory, name: str, build) -> Path:
+    """Build ``name`` once per session under the base temp folder (tests/parity and tests/runtime
+    both register these fixtures; the marker file makes the second one reuse the first's work)."""
+    root = tmp_path_factory.getbasetemp() / "shared" / name
+    done = root.parent / f"{name}.done"
+    if not done.exists():
+        shutil.rmtree(root, ignore_errors=True)
+        build(root)
+        done.write_text("ok")
+    return root
+
+
+@pytest.fixture(scope="session")
+def base_run(tmp_path_factory, tiny_export):
+    """``build/wan-tiny/rtx4090-fp8``-like folder: export/ (the session's tiny export), calib/, quant/."""
+
+    def build(run: Path):
+        from trt_sora.config import load_recipe
+        from trt_sora.models import get_adapter
+        from trt_sora.quantize import quantize_onnx
+
+        recipe = load_recipe(RECIPE)
+        adapter = get_adapter("wan-tiny")
+        shutil.copytree(tiny_export.onnx_path.parent, run / "export")
+        make_stats(adapter, adapter.load("fp32", "cpu"), run / "calib" / "stats.safetensors")
+        quantize_onnx(run / "export" / "model.onnx", run / "calib" / "stats.safetensors", recipe.quantization,
+                      run / "quant")
+
+    return _shared(tmp_path_factory, "base_run", build)
+
+
+@pytest.fixture(scope="session")
+def checked_run(base_run, tmp_path_factory):
+    """A copy of ``base_run`` with a passing parity report (ORT backend)."""
+
+    def build(run: Path):
+        from trt_sora.parity import check_artifacts
+
+        shutil.copytree(base_run, run)
+        check_artifacts(run, RECIPE)
+
+    return _shared(tmp_path_factory, "checked_run", build)
+
+
+def corrupt_scale(run: Path, site: str, factor: float) -> str:
+    """Multiply the activation Q/DQ scale of ``site`` in quant/model.qdq.onnx by ``factor``; returns the tensor."""
+    import json
+
+    import numpy as np
+    import onnx
+    from onnx import numpy_helper
+
+    qmap = json.loads((run / "quant" / "qdq_map.json").read_text())
+    tensor = next(e["tensor"] for e in qmap["sites"] if e["site"] == site)
+    path = run / "quant" / "model.qdq.onnx"
+    m = onnx.load(str(path))
+    q = next(n for n in m.graph.node if n.op_type == "QuantizeLinear" and n.input[0] == tensor)
+    scale_names = {q.input[1]}
+    for n in m.graph.node:
+        if n.op_type == "DequantizeLinear" and n.input[0] == q.output[0]:
+            scale_names.add(n.input[1])
+    for init in m.graph.initializer:
+        if init.name in scale_names:
+            a = numpy_helper.to_array(init)
+            init.CopyFrom(numpy_helper.from_array((a * factor).astype(a.dtype), init.name))
+    onnx.save(m, str(path))
+    return tensor

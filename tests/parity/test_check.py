@@ -1,0 +1,72 @@
+"""The parity matrix on wan-tiny with ONNX Runtime: passing run, and a wrong scale caught + localised."""
+import json
+import shutil
+
+import pytest
+
+import importlib.util
+import sys
+from pathlib import Path
+
+_h = sys.modules.get("_trt_sora_parity_fixtures")
+if _h is None:
+    _s = importlib.util.spec_from_file_location("_trt_sora_parity_fixtures", Path(__file__).with_name("conftest.py"))
+    _h = importlib.util.module_from_spec(_s)
+    _s.loader.exec_module(_h)
+    sys.modules["_trt_sora_parity_fixtures"] = _h
+RECIPE, corrupt_scale = _h.RECIPE, _h.corrupt_scale
+
+
+def _by_level(rep):
+    return {c["level"]: c for c in rep["comparisons"]}
+
+
+def test_full_matrix_passes(checked_run):
+    rep = json.loads((checked_run / "parity" / "report.json").read_text())
+    lv = _by_level(rep)
+    assert rep["passed"], rep["failed"]
+    assert set(lv) == {"export", "qdq", "quality", "loop", "frames"}
+    assert lv["export"]["metrics"]["cosine"] >= 0.99999 and lv["export"]["metrics"]["max_abs"] < 1e-4
+    assert lv["qdq"]["metrics"]["cosine"] >= 0.999
+    assert lv["quality"]["metrics"]["psnr_db"] >= 30.0
+    assert len(lv["loop"]["per_step"]) == 4
+    assert lv["frames"]["metrics"]["frames"] >= 1 and 0 < lv["frames"]["metrics"]["worst_ssim"] <= 1
+    for c in rep["comparisons"]:  # every comparison carries its numbers and thresholds
+        assert c["checks"] and all({"value", "threshold", "op", "passed"} <= set(ch) for ch in c["checks"])
+    assert lv["quality"]["metrics"]["psnr_peak_def"] == "reference max - min"
+    md = (checked_run / "parity" / "report.md").read_text()
+    assert "PASSED" in md and "PSNR peak" in md
+    man = json.loads((checked_run / "parity" / "manifest.json").read_text())
+    assert man["stage"] == "parity" and "qdq" in man["inputs"] and man["results"]["passed"]
+
+
+def test_wrong_scale_is_caught_and_localised(base_run, tmp_path):
+    from trt_sora.parity import check_artifacts
+
+    run = tmp_path / "bad"
+    shutil.copytree(base_run, run)
+    site = "blocks.1.ffn.net.0.proj"
+    corrupt_scale(run, site, 0.02)  # clips that linear's input to 2% of its range
+    rep = check_artifacts(run, RECIPE)
+    assert not rep["passed"] and "qdq" in rep["failed"]
+    loc = rep["localization"]["qdq"]
+    assert loc["first_jump"] == site and loc["block"] == "blocks.1"
+    assert site in (run / "parity" / "report.md").read_text()
+
+
+def test_cli_check_exit_codes(checked_run, tmp_path):
+    from trt_sora.cli import main
+
+    bad = tmp_path / "bad"
+    shutil.copytree(checked_run, bad)
+    corrupt_scale(bad, "blocks.1.ffn.net.0.proj", 0.02)
+    assert main(["check", "--run", str(bad), "--recipe", RECIPE]) == 1
+    assert not json.loads((bad / "parity" / "report.json").read_text())["passed"]
+
+
+def test_missing_export_is_a_typed_error(tmp_path):
+    from trt_sora.errors import ArtifactError
+    from trt_sora.parity import check_artifacts
+
+    with pytest.raises(ArtifactError, match="trt-sora export"):
+        check_artifacts(tmp_path, RECIPE)

@@ -1,0 +1,29 @@
+"""``trt-sora check --run DIR --recipe R``: the parity matrix; exit 1 when a gate fails."""
+from __future__ import annotations
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("check", help="parity matrix (export / Q/DQ / quality; call, loop, frames) with gates",
+                       description="Compare every stage of a run folder against PyTorch and write "
+                                   "DIR/parity/report.json + report.md. Exit 1 when a gate fails.")
+    p.add_argument("--run", required=True, help="run folder build/<model>/<recipe>/ (holds export/, quant/, ...)")
+    p.add_argument("--recipe", required=True, help="recipe name (recipes/*.yaml) or path; gates from its parity:")
+    p.add_argument("--model", default=None, help="override the model (default: the export manifest's)")
+    p.add_argument("--backend", choices=["ort", "trt"], default="ort", help="candidate backend (default ort)")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from trt_sora.cli.common import stage_line
+    from trt_sora.parity import check_artifacts
+
+    with stage_line("check"):
+        rep = check_artifacts(args.run, args.recipe, model=args.model, backend=args.backend)
+    for c in rep["comparisons"]:
+        shown = ", ".join(f"{ch['metric']} {ch['value']:.6g} ({ch['op']} {ch['threshold']})" for ch in c["checks"])
+        print(f"  {c['level']:8s} {'ok  ' if c['passed'] else 'FAIL'} {shown}")
+    for level, loc in rep["localization"].items():
+        if level in rep["failed"]:
+            print(f"  {level}: error first jumps at {loc['first_jump']} ({loc['block']})")
+    print(f"{'PASSED' if rep['passed'] else 'FAILED'}: {args.run}/parity/report.md")
+    return 0 if rep["passed"] else 1

@@ -1,0 +1,364 @@
+"""``check_artifacts``: the parity matrix over one run folder, gates from the recipe, report files.
+
+Each comparison isolates one failure:
+
+==========  ===============================  ====================================  ============
+level       reference                        candidate                             gate
+==========  ===============================  ====================================  ============
+export      PyTorch fp32                     ORT on ``export/model.onnx``          parity.export
+qdq         PyTorch fake-quant (same stats)  ORT / TRT on ``quant/model.qdq.onnx``  parity.qdq
+quality     PyTorch fp32                     the deployable candidate              parity.quality
+loop        sampling loop, PyTorch           same loop, candidate as transformer   parity.loop
+frames      decoded reference video          decoded candidate video               parity.frames
+==========  ===============================  ====================================  ============
+
+When a single-call gate fails, the report names the first layer where the error jumps
+(per-linear and per-block intermediate tensors, PyTorch hooks vs extra ONNX outputs).
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+from trt_sora.errors import ArtifactError
+from trt_sora.parity.metrics import compare, frame_metrics, gate_check
+
+log = logging.getLogger("trt_sora")
+
+REPORT_JSON = "report.json"
+REPORT_MD = "report.md"
+
+
+# -- artifacts ----------------------------------------------------------------------------------------
+def find_artifacts(run_dir: str | Path) -> dict[str, Path | None]:
+    """Paths of one run's artifacts (``None`` where a stage has not run)."""
+    run = Path(run_dir)
+    if not (run / "export" / "model.onnx").is_file():
+        raise ArtifactError(f"{run} has no export/model.onnx; run `trt-sora export --out {run}/export` first")
+    plans = sorted((run / "engine").glob("*.plan")) if (run / "engine").is_dir() else []
+    q = run / "quant" / "model.qdq.onnx"
+    stats = run / "calib" / "stats.safetensors"
+    return {"export": run / "export" / "model.onnx",
+            "qdq": q if q.is_file() else None,
+            "qdq_map": (run / "quant" / "qdq_map.json") if q.is_file() else None,
+            "stats": stats if stats.is_file() else None,
+            "engine": plans[0] if plans else None}
+
+
+def effective_buckets(recipe, adapter) -> tuple:
+    """The recipe's buckets, or the model's own (test models declare small ones in their defaults)."""
+    from trt_sora.config.shapes import ShapeProfile
+
+    own = adapter.spec.defaults.get("buckets") if adapter.spec.defaults else None
+    if own:
+        return tuple(ShapeProfile.from_yaml(b, where=f"model buckets[{i}]") for i, b in enumerate(own))
+    return tuple(recipe.buckets)
+
+
+def _adapter_for(run: Path, model):
+    from trt_sora.manifest import read_manifest
+    from trt_sora.models import ModelAdapter, get_adapter
+
+    if isinstance(model, ModelAdapter):
+        return model
+    if model is None:
+        m = read_manifest(run / "export", stage="export")
+        ref = m["results"]["model"]
+        model = ref.get("path") or ref["ref"] if ref.get("source") == "checkpoint" else ref["ref"]
+    return get_adapter(model)
+
+
+# -- localisation -------------------------------------------------------------------------------------
+def probe_names(model) -> list[str]:
+    """Module paths to compare inside the transformer: every ``nn.Linear`` and every block."""
+    import torch
+
+    out = []
+    for name, mod in model.named_modules():
+        if isinstance(mod, torch.nn.Linear) or (name.startswith("blocks.") and name.count(".") == 1):
+            out.append(name)
+    return out
+
+
+def localize(ref_runner, cand_runner, feeds, probes: Sequence[str], *, jump_factor: float = 10.0,
+             floor: float = 1e-3) -> dict[str, Any]:
+    """Compare intermediate tensors in execution order; name the first layer where error jumps.
+
+    A probe "jumps" when its relative L2 error exceeds ``jump_factor`` x the largest error of every
+    probe before it (floored at ``floor``). Without a clear jump the largest relative increase wins.
+    Returns ``{"first_jump": name|None, "block": "blocks.N"|None, "layers": [{"name", "rel_l2", "cosine",
+    "ratio"}], "reference", "candidate"}``.
+    """
+    _, ref_p = ref_runner.infer_probes(feeds, probes)
+    _, cand_p = cand_runner.infer_probes(feeds, probes)
+    layers, worst_before, first = [], 0.0, None
+    for name in ref_p:  # insertion order = execution order (forward hooks)
+        if name not in cand_p or ref_p[name].size != cand_p[name].size:
+            continue
+        m = compare(ref_p[name], cand_p[name].reshape(ref_p[name].shape))
+        ratio = m["rel_l2"] / max(worst_before, floor)
+        layers.append({"name": name, "rel_l2": m["rel_l2"], "cosine": m["cosine"], "ratio": ratio})
+        if first is None and ratio >= jump_factor:
+            first = name
+        worst_before = max(worst_before, m["rel_l2"])
+    if first is None and layers:
+        first = max(layers, key=lambda x: x["ratio"])["name"]
+    block = None
+    if first and first.startswith("blocks."):
+        block = ".".join(first.split(".")[:2])
+    return {"first_jump": first, "block": block, "layers": layers, "reference": ref_runner.name,
+            "candidate": cand_runner.name, "compared": len(layers)}
+
+
+# -- the matrix -----------------------------------------------------------------------------------------
+def _worst(per_sample: list[dict]) -> dict:
+    keys_min = ("cosine", "psnr_db")
+    keys_max = ("rel_l2", "max_abs")
+    out = {}
+    for k in keys_min:
+        out[k] = min(m[k] for m in per_sample)
+    for k in keys_max:
+        out[k] = max(m[k] for m in per_sample)
+    out["psnr_peak"] = per_sample[0]["psnr_peak"]
+    out["psnr_peak_def"] = per_sample[0]["psnr_peak_def"]
+    return out
+
+
+def _single_call(ref, cand, samples, gate, level: str, what: str) -> dict:
+    per = []
+    for i, (point, feeds) in enumerate(samples):
+        y_ref = next(iter(ref.infer(feeds).values()))
+        y_c = next(iter(cand.infer(feeds).values()))
+        m = compare(y_ref, y_c)
+        m.update({"sample": i, "point": dict(point)})
+        per.append(m)
+    worst = _worst(per)
+    checks = gate_check(worst, gate)
+    return {"level": level, "what": what, "reference": ref.name, "candidate": cand.name,
+            "metrics": worst, "per_sample": per, "checks": checks,
+            "passed": all(c["passed"] for c in checks)}
+
+
+def _samples(adapter, ref_runner, buckets, num: int, steps: int, guidance: float, seed: int):
+    """Held-out single-call inputs: transformer inputs met along a reference sampling loop with
+    held-out prompts (first bucket's opt point, CFG batch), plus one random point per other bucket."""
+    import torch
+
+    from trt_sora.parity.loop import loop_inputs
+
+    point = buckets[0].point("opt")
+    b = max(1, min(point["batch"], buckets[0].batch.max // 2 or 1))
+    p = {**point, "batch": b}
+    noise, cond, uncond = loop_inputs(adapter, p, seed=seed + 7)
+    sched = adapter.scheduler()
+    sched.set_timesteps(steps)
+    want = sorted({int(round(i * (steps - 1) / max(1, num - 1))) for i in range(num)})
+    out, latents = [], noise.clone()
+    batched = 2 * b <= buckets[0].batch.max
+    with torch.inference_mode():
+        for i, t in enumerate(sched.timesteps):
+            x = torch.cat([latents, latents]) if batched else latents
+            e = torch.cat([cond, uncond]) if batched else cond
+            feeds = {"hidden_states": x.numpy().copy(), "timestep": t.float().expand(x.shape[0]).numpy().copy(),
+                     "encoder_hidden_states": e.numpy().copy()}
+            if i in want:
+                out.append(({**p, "batch": x.shape[0]}, feeds))
+            v = torch.from_numpy(next(iter(ref_runner.infer(feeds).values())))
+            if batched:
+                v = v[b:] + guidance * (v[:b] - v[b:])
+            latents = sched.step(v, t, latents, return_dict=False)[0]
+    for j, bucket in enumerate(buckets[1:], 1):
+        pt = bucket.point("opt")
+        inputs = adapter.example_inputs(pt, seed=seed + 100 + j)
+        out.append((pt, {k: v.numpy() for k, v in inputs.items()}))
+    return out
+
+
+def check_artifacts(run_dir: str | Path, recipe, *, model=None, backend: str = "ort", write: bool = True,
+                    seed: int = 0, localize_always: bool = False) -> dict[str, Any]:
+    """Run the parity matrix on ``run_dir`` (``build/<model>/<recipe>/``) and write ``parity/``.
+
+    Args:
+        run_dir: run folder holding ``export/`` and optionally ``calib/``, ``quant/``, ``engine/``.
+        recipe: a :class:`Recipe` or its name/path; gates from ``recipe.parity``.
+        model: override the model (name, folder, adapter); default: the export manifest's.
+        backend: candidate backend, ``"ort"`` (ONNX Runtime on the Q/DQ ONNX, else the plain export)
+            or ``"trt"`` (the engine; needs a GPU and TensorRT).
+        write: write ``parity/report.json``, ``report.md``, ``manifest.json`` (atomically).
+        seed: noise / sample seed.
+
+    Returns the report dict: ``passed``, ``comparisons`` (each with metrics, thresholds, checks),
+    ``localization`` for failed single-call comparisons, ``buckets``, ``artifacts``.
+    """
+    import torch
+
+    from trt_sora.config import load_recipe
+    from trt_sora.manifest import file_entry, staged_dir, write_json, write_manifest
+    from trt_sora.parity.loop import decoder, loop_inputs, sample_loop
+    from trt_sora.runners import OrtRunner, TorchFakeQuantRunner, TorchRunner
+
+    t0 = time.perf_counter()
+    run = Path(run_dir)
+    recipe = recipe if hasattr(recipe, "parity") else load_recipe(recipe)
+    pc = recipe.parity
+    arts = find_artifacts(run)
+    adapter = _adapter_for(run, model)
+    buckets = effective_buckets(recipe, adapter)
+    ref_model = adapter.load("fp32", "cpu")
+    ref = TorchRunner(adapter, model=ref_model, name="torch-fp32").activate()
+    export_ort = OrtRunner(arts["export"], name="ort:export/model.onnx").activate()
+    probe_src = arts["export"]
+    comparisons: list[dict] = []
+    localization: dict[str, Any] = {}
+    probes = probe_names(ref_model)
+
+    if backend == "trt":
+        if arts["engine"] is None:
+            raise ArtifactError(f"{run}/engine has no .plan; run `trt-sora build` or use backend='ort'")
+        from trt_sora.runners import TrtRunner
+
+        cand = TrtRunner(arts["engine"], name=f"trt:{arts['engine'].name}").activate()
+        cand_onnx = None
+    elif arts["qdq"] is not None:
+        cand = OrtRunner(arts["qdq"], probe_source=probe_src, name="ort:quant/model.qdq.onnx").activate()
+        cand_onnx = arts["qdq"]
+    else:
+        cand, cand_onnx = export_ort, arts["export"]
+    fq = None
+    if arts["qdq"] is not None:
+        fq = TorchFakeQuantRunner(adapter, arts["qdq_map"], arts["stats"], model=ref_model,
+                                  name="torch-fakequant").activate()
+
+    samples = _samples(adapter, ref, buckets, pc.num_samples, pc.loop_steps, pc.guidance_scale, seed)
+
+    def run_level(level, r, c, gate, what):
+        res = _single_call(r, c, samples, gate, level, what)
+        comparisons.append(res)
+        if (not res["passed"] or localize_always) and hasattr(c, "infer_probes"):
+            pair = (r, c)
+            if level == "quality" and fq is not None:  # a Q/DQ bug shows against fake-quant; else the quant error
+                qdq = next((x for x in comparisons if x["level"] == "qdq"), None)
+                pair = (fq, c) if qdq is not None and not qdq["passed"] else (r, fq)
+            worst = min(range(len(res["per_sample"])), key=lambda i: res["per_sample"][i]["cosine"])
+            localization[level] = localize(pair[0], pair[1], samples[worst][1], probes, jump_factor=pc.jump_factor)
+        return res
+
+    run_level("export", ref, export_ort, pc.export, "export fidelity: PyTorch vs ONNX Runtime on the exported ONNX")
+    if fq is not None:
+        run_level("qdq", fq, cand, pc.qdq, "Q/DQ correctness: PyTorch fake-quant (same stats) vs the Q/DQ candidate")
+    run_level("quality", ref, cand, pc.quality, "quality: PyTorch fp32 vs the deployable candidate")
+
+    # -- sampling loop + decoded frames ---------------------------------------------------------------
+    point = buckets[0].point("opt")
+    b = max(1, buckets[0].batch.max // 2)
+    b = min(b, point["batch"])
+    lp = {**point, "batch": b}
+    batched = 2 * b <= buckets[0].batch.max
+    noise, cond, uncond = loop_inputs(adapter, lp, seed=seed)
+    rec_ref, rec_c = [], []
+
+    def as_torch_infer(runner):
+        def infer(feeds):
+            out = runner.infer({k: v.detach().cpu().numpy() for k, v in feeds.items()})
+            return {k: torch.from_numpy(v) for k, v in out.items()}
+        return infer
+
+    lat_ref = sample_loop(as_torch_infer(ref), noise, cond, uncond, adapter.scheduler(), steps=pc.loop_steps,
+                          guidance=pc.guidance_scale, batched=batched, record=rec_ref)
+    lat_c = sample_loop(as_torch_infer(cand), noise, cond, uncond, adapter.scheduler(), steps=pc.loop_steps,
+                        guidance=pc.guidance_scale, batched=batched, record=rec_c)
+    per_step = [{"step": i, **{k: v for k, v in compare(a, c).items() if k in ("cosine", "rel_l2", "psnr_db")}}
+                for i, (a, c) in enumerate(zip(rec_ref, rec_c))]
+    final = compare(lat_ref, lat_c)
+    checks = gate_check(final, pc.loop)
+    comparisons.append({"level": "loop", "what": f"sampling loop: {pc.loop_steps} steps, CFG {pc.guidance_scale} "
+                        f"({'one batch-2 call' if batched else 'two calls'} per step), final latents",
+                        "reference": ref.name, "candidate": cand.name, "point": lp, "metrics": final,
+                        "per_step": per_step, "checks": checks, "passed": all(c["passed"] for c in checks)})
+    decode, ddesc = decoder(adapter)
+    fr = frame_metrics(decode(lat_ref), decode(lat_c))
+    fm = {**fr, "psnr_db": fr["worst_psnr_db"], "worst_frame_ssim": fr["worst_ssim"]}
+    checks = gate_check(fm, pc.frames, ssim_key="worst_frame_ssim")
+    for c in checks:
+        c["metric"] = {"psnr_db": "worst_frame_psnr_db"}.get(c["metric"], c["metric"])
+    comparisons.append({"level": "frames", "what": f"decoded frames ({ddesc}); gate on the worst frame",
+                        "reference": ref.name, "candidate": cand.name, "metrics": fr, "checks": checks,
+                        "passed": all(c["passed"] for c in checks)})
+    if not comparisons[-1]["passed"] or not comparisons[-2]["passed"]:
+        if "quality" not in localization and hasattr(cand, "infer_probes"):
+            localization["loop"] = localize(fq or ref, cand, samples[0][1], probes, jump_factor=pc.jump_factor)
+
+    for r in {id(x): x for x in (ref, export_ort, cand, fq) if x is not None}.values():
+        r.deactivate()
+    passed = all(c["passed"] for c in comparisons)
+    inputs = {k: file_entry(v) for k, v in arts.items() if v is not None}
+    report = {
+        "passed": passed,
+        "recipe": recipe.name,
+        "model": adapter.describe()["ref"],
+        "backend": backend,
+        "candidate": {"runner": cand.name, "path": str(cand_onnx or arts["engine"]),
+                      "sha256": inputs.get("qdq" if cand_onnx == arts["qdq"] and arts["qdq"] else
+                                           ("engine" if backend == "trt" else "export"), {}).get("sha256")},
+        "buckets": [bk.to_yaml() for bk in buckets],
+        "comparisons": comparisons,
+        "localization": localization,
+        "failed": [c["level"] for c in comparisons if not c["passed"]],
+        "seconds": round(time.perf_counter() - t0, 2),
+    }
+    if write:
+        from trt_sora.config import recipe_to_dict
+
+        with staged_dir(run / "parity") as tmp:
+            write_json(tmp / REPORT_JSON, report)
+            (tmp / REPORT_MD).write_text(render_markdown(report))
+            write_manifest(tmp, stage="parity", inputs=inputs, config=recipe_to_dict(recipe)["parity"],
+                           results={"passed": passed, "failed": report["failed"], "backend": backend,
+                                    "candidate": report["candidate"], "buckets": report["buckets"]},
+                           outputs={"report": REPORT_JSON, "markdown": REPORT_MD})
+    log.info("parity %s: %s", "passed" if passed else "FAILED", ", ".join(
+        f"{c['level']}={'ok' if c['passed'] else 'fail'}" for c in comparisons))
+    return report
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        if math.isinf(v) or math.isnan(v):
+            return str(v)
+        return f"{v:.6g}"
+    return str(v)
+
+
+def render_markdown(report: dict) -> str:
+    """Human-readable ``report.md``: verdict, one table row per check, localisation, per-step errors."""
+    lines = [f"# Parity report: {'PASSED' if report['passed'] else 'FAILED'}", "",
+             f"model `{report['model']}`, recipe `{report['recipe']}`, candidate `{report['candidate']['runner']}` "
+             f"(`{report['candidate']['path']}`)", "",
+             "PSNR peak: tensor levels use the reference's max - min; decoded frames use the pixel range 2.0 "
+             "([-1, 1]).", "",
+             "| level | metric | value | threshold | result |", "|---|---|---|---|---|"]
+    for c in report["comparisons"]:
+        if not c["checks"]:
+            lines.append(f"| {c['level']} | (no gate) | | | - |")
+        for ch in c["checks"]:
+            lines.append(f"| {c['level']} | {ch['metric']} | {_fmt(ch['value'])} | {ch['op']} {_fmt(ch['threshold'])} "
+                         f"| {'pass' if ch['passed'] else '**FAIL**'} |")
+    lines += ["", "## Comparisons", ""]
+    for c in report["comparisons"]:
+        m = c["metrics"]
+        lines.append(f"- **{c['level']}** ({c['what']}): {c['reference']} vs {c['candidate']}: " + ", ".join(
+            f"{k} {_fmt(m[k])}" for k in ("cosine", "rel_l2", "max_abs", "psnr_db", "mean_psnr_db", "worst_psnr_db",
+                                          "mean_ssim", "worst_ssim") if k in m))
+        if c["level"] == "loop":
+            lines.append("  - per step: " + "; ".join(f"{s['step']}: PSNR {_fmt(s['psnr_db'])} dB" for s in c["per_step"]))
+    for level, loc in report.get("localization", {}).items():
+        lines += ["", f"## Where the error starts ({level})", "",
+                  f"First layer where the error jumps: **{loc['first_jump']}** (block {loc['block']}); "
+                  f"{loc['reference']} vs {loc['candidate']}.", "", "| layer | rel L2 | x before |", "|---|---|---|"]
+        for lay in loc["layers"]:
+            mark = " <-" if lay["name"] == loc["first_jump"] else ""
+            lines.append(f"| {lay['name']}{mark} | {_fmt(lay['rel_l2'])} | {_fmt(lay['ratio'])} |")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,194 @@
+"""ONNX Runtime runner for plain and Q/DQ ONNX graphs (CUDA provider first when present)."""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from trt_sora.errors import ArtifactError
+from trt_sora.runners.base import Runner, is_torch, to_numpy
+
+log = logging.getLogger("trt_sora")
+
+_ORT_TO_NP = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(double)": "float64",
+              "tensor(int64)": "int64", "tensor(int32)": "int32"}
+_SCOPES = "pkg.torch.onnx.name_scopes"
+
+
+def onnx_probe_tensors(onnx_path: str | Path, probes: Sequence[str]) -> dict[str, str]:
+    """``{probe: tensor name}``: the output of the last node (graph order is topological) whose
+    recorded module scope is ``probe`` (the dynamo exporter stores scopes in node metadata, with
+    the export wrapper's ``inner.`` prefix). Probes with no node are left out."""
+    import onnx
+
+    model = onnx.load(str(onnx_path), load_external_data=False)
+    want = set(probes)
+    last: dict[str, str] = {}
+    for node in model.graph.node:
+        md = {p.key: p.value for p in node.metadata_props}
+        raw = md.get(_SCOPES)
+        if not raw or not node.output:
+            continue
+        try:
+            import ast
+
+            scopes = ast.literal_eval(raw)
+        except (ValueError, SyntaxError):
+            continue
+        for s in scopes:
+            s = s[len("inner."):] if s.startswith("inner.") else s
+            if s in want:
+                last[s] = node.output[0]
+    return {p: last[p] for p in probes if p in last}
+
+
+def _ensure_outputs(model, names: Sequence[str]) -> list[str]:
+    """Add graph outputs for ``names`` that exist in ``model`` (typed via shape inference)."""
+    import onnx
+
+    produced = {o for n in model.graph.node for o in n.output}
+    existing = {o.name for o in model.graph.output}
+    types: dict[str, int] = {}
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model)
+        for vi in list(inferred.graph.value_info) + list(inferred.graph.output):
+            types[vi.name] = vi.type.tensor_type.elem_type
+    except Exception:  # shape inference is best effort; untyped outputs fall back to float
+        pass
+    added = []
+    for n in names:
+        if n in produced and n not in existing:
+            model.graph.output.append(onnx.helper.make_tensor_value_info(n, types.get(n) or onnx.TensorProto.FLOAT,
+                                                                         None))
+            added.append(n)
+        elif n in existing:
+            added.append(n)
+    return added
+
+
+class OrtRunner(Runner):
+    """ONNX Runtime session on ``onnx_path`` (plain export or ``model.qdq.onnx``).
+
+    Args:
+        onnx_path: the ``.onnx`` file (external data beside it is found automatically).
+        providers: ORT providers; default CUDA first when available, else CPU.
+        threads: intra-op threads (None: ORT's default).
+        probe_source: an ONNX with the exporter's scope metadata (the plain export) used to map
+            probe names to tensor names when ``onnx_path`` lost that metadata (Q/DQ rewrite).
+
+    Feeds are cast to the session's input dtypes (fp16 graphs take fp32 arrays);
+    outputs are fp32 numpy (torch tensors when fed torch tensors).
+    """
+
+    def __init__(self, onnx_path, *, providers: Sequence[str] | None = None, threads: int | None = None,
+                 probe_source=None, name: str | None = None):
+        super().__init__()
+        self.path = Path(onnx_path)
+        if not self.path.is_file():
+            raise ArtifactError(f"{self.path} does not exist; run the stage that writes it "
+                                "(trt-sora export / quantize)")
+        self.providers = providers
+        self.threads = threads
+        self.probe_source = Path(probe_source) if probe_source else None
+        self.name = name or f"ort:{self.path.name}"
+        self.session = None
+        self._in_types: dict[str, str] = {}
+        self._probe_sessions: dict[tuple, tuple] = {}
+
+    def _make_session(self, path_or_bytes):
+        from trt_sora.export.exporter import ort_session
+
+        if isinstance(path_or_bytes, bytes):
+            ort = __import__("onnxruntime")
+            opts = ort.SessionOptions()
+            opts.log_severity_level = 3
+            if self.threads:
+                opts.intra_op_num_threads = self.threads
+            avail = ort.get_available_providers()
+            provs = list(self.providers) if self.providers else [
+                p for p in ("CUDAExecutionProvider", "CPUExecutionProvider") if p in avail]
+            return ort.InferenceSession(path_or_bytes, sess_options=opts, providers=provs)
+        return ort_session(path_or_bytes, providers=self.providers, threads=self.threads)
+
+    def _activate_impl(self) -> None:
+        from trt_sora.errors import require
+
+        ort = require("onnxruntime", extra="export")
+        del ort
+        self.session = self._make_session(self.path)
+        self._in_types = {i.name: _ORT_TO_NP.get(i.type, "float32") for i in self.session.get_inputs()}
+        self.input_names = tuple(i.name for i in self.session.get_inputs())
+        self.output_names = tuple(o.name for o in self.session.get_outputs())
+        log.debug("%s: providers %s", self.name, self.session.get_providers())
+
+    def _deactivate_impl(self) -> None:
+        self.session = None
+        self._probe_sessions.clear()
+
+    @property
+    def providers_in_use(self) -> list[str]:
+        return list(self.session.get_providers()) if self.session is not None else []
+
+    def _feeds(self, feeds: Mapping[str, Any]) -> dict:
+        return {n: to_numpy(feeds[n], self._in_types.get(n)) for n in self.input_names}
+
+    def _wrap(self, names, arrays, as_torch: bool, device=None):
+        out = {}
+        for n, a in zip(names, arrays):
+            a = a.astype("float32", copy=False) if a.dtype.kind == "f" else a
+            if as_torch:
+                import torch
+
+                t = torch.from_numpy(a)
+                out[n] = t.to(device) if device is not None else t
+            else:
+                out[n] = a
+        return out
+
+    def _infer_impl(self, feeds):
+        first = feeds[self.input_names[0]]
+        as_torch = is_torch(first)
+        arrays = self.session.run(list(self.output_names), self._feeds(feeds))
+        return self._wrap(self.output_names, arrays, as_torch, first.device if as_torch else None)
+
+    # -- probes ------------------------------------------------------------------------------
+    def _probe_session(self, probes: tuple[str, ...]):
+        if probes in self._probe_sessions:
+            return self._probe_sessions[probes]
+        import onnx
+
+        mapping = onnx_probe_tensors(self.path, probes)
+        if self.probe_source is not None:
+            for p, t in onnx_probe_tensors(self.probe_source, probes).items():
+                mapping.setdefault(p, t)
+        model = onnx.load(str(self.path), load_external_data=False)
+        present = _ensure_outputs(model, list(dict.fromkeys(mapping.values())))
+        mapping = {p: t for p, t in mapping.items() if t in present}
+        has_external = any(init.data_location == onnx.TensorProto.EXTERNAL for init in model.graph.initializer)
+        if has_external:  # keep external data next to the temp model (symlinks, no copy)
+            tmp = Path(tempfile.mkdtemp(prefix="trt_sora_probe_"))
+            for f in self.path.parent.iterdir():
+                if f.is_file() and f.suffix != ".onnx":
+                    os.symlink(f.resolve(), tmp / f.name)
+            onnx.save(model, str(tmp / self.path.name))
+            sess = self._make_session(tmp / self.path.name)
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            sess = self._make_session(model.SerializeToString())
+        entry = (sess, mapping)
+        self._probe_sessions[probes] = entry
+        return entry
+
+    def infer_probes(self, feeds, probes: Sequence[str]):
+        """Run a copy of the graph with the probes' tensors as extra outputs."""
+        self._check_active()
+        sess, mapping = self._probe_session(tuple(probes))
+        tensor_names = list(dict.fromkeys(mapping.values()))
+        names = list(self.output_names) + tensor_names
+        arrays = sess.run(names, self._feeds(feeds))
+        by_name = dict(zip(names, arrays))
+        out = self._wrap(self.output_names, arrays[:len(self.output_names)], False)
+        return out, {p: by_name[t].astype("float32") for p, t in mapping.items()}
