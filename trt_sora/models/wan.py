@@ -163,7 +163,8 @@ class WanAdapter(ModelAdapter):
             _cast_keep_fp32(model, tdtype)
             model = model.to_empty(device=device)
             _init_random(model, self.spec.seed, self.spec.config)
-        model.set_attn_processor(WanExportAttnProcessor())
+        # one processor per attention module, so each one's observer hook knows its own site
+        model.set_attn_processor({name: WanExportAttnProcessor() for name in model.attn_processors})
         return model.eval().requires_grad_(False)
 
     def input_dims(self) -> dict[str, dict[int, str]]:
