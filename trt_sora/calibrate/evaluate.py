@@ -1,0 +1,252 @@
+"""The report's measurements: the fake-quantized model against the unquantized one on held-out prompts.
+
+Everything here runs full denoising trajectories (the preset's scheduler, shift,
+guidance and steps) at the preset's first shape on held-out prompts (split
+``heldout``) and compares the FINAL latents ``[B, C, F, H, W]`` with
+:func:`trt_sora.parity.metrics.compare` (cosine, max-abs, relative L2, PSNR with
+the peak = the reference's max - min):
+
+* **calibrator comparison**: every collected method x format, all sites the
+  quantize stage will quantize (its policy, default exclusions included) with
+  that method's activation amax per tensor and weights per output channel;
+* **sensitivity**: one layer group at a time (a *kind* over all blocks, e.g.
+  ``ffn.down`` = ``blocks.*.ffn.net.2``, or one block ``blocks.N``) with the
+  recipe's method and format;
+* **skip list**: the groups whose solo quantization costs the most, as
+  ``quantization.exclude`` patterns, verified by one more run with them excluded.
+"""
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+
+from trt_sora.calibrate.data import prompts_for_preset
+from trt_sora.calibrate.fakequant_model import fake_quantized, quantized_sites
+from trt_sora.errors import ConfigError
+
+log = logging.getLogger("trt_sora")
+
+__all__ = ["KIND_NAMES", "evaluate", "layer_groups", "site_kind"]
+
+_BLOCK_RE = re.compile(r"^(?P<container>[A-Za-z_][A-Za-z0-9_]*)\.(?P<index>\d+)\.(?P<rest>.+)$")
+
+#: Linear paths inside a block -> the kind they belong to (diffusers DiT naming; Wan 2.x).
+KIND_NAMES: dict[str, str] = {
+    "attn1.to_q": "attn1.qkv", "attn1.to_k": "attn1.qkv", "attn1.to_v": "attn1.qkv",
+    "attn1.to_out.0": "attn1.out",
+    "attn2.to_q": "attn2.q", "attn2.to_k": "attn2.kv", "attn2.to_v": "attn2.kv",
+    "attn2.to_out.0": "attn2.out",
+    "ffn.net.0.proj": "ffn.up", "ffn.net.2": "ffn.down",
+}
+
+
+def site_kind(site: str) -> tuple[str | None, str | None, str]:
+    """``(container, block index, kind)`` of a linear site; container/index None outside blocks.
+
+    ``blocks.3.ffn.net.2`` -> ``("blocks", "3", "ffn.down")``; ``proj_out`` -> ``(None, None, "proj_out")``.
+    """
+    m = _BLOCK_RE.match(site)
+    if not m:
+        return None, None, site
+    return m["container"], m["index"], KIND_NAMES.get(m["rest"], m["rest"])
+
+
+def layer_groups(sites: Sequence[str], by: str = "both") -> list[dict[str, Any]]:
+    """Layer groups for the sensitivity ranking: ``{"name", "type", "sites", "patterns"}``.
+
+    ``by``: ``"kind"`` (one group per kind across blocks; patterns ``blocks.*.<path>``),
+    ``"block"`` (one per block; pattern ``blocks.N.*``), ``"both"`` or ``"none"``.
+    Sites outside blocks form one group each (type ``"layer"``) under ``"kind"``.
+    """
+    if by not in ("kind", "block", "both", "none"):
+        raise ConfigError(f"sensitivity grouping {by!r}; use kind, block, both or none")
+    groups: list[dict[str, Any]] = []
+    if by in ("kind", "both"):
+        kinds: dict[str, dict[str, Any]] = {}
+        for s in sites:
+            container, _, kind = site_kind(s)
+            if container is None:
+                g = kinds.setdefault(s, {"name": s, "type": "layer", "sites": [], "patterns": [s]})
+            else:
+                rest = _BLOCK_RE.match(s)["rest"]
+                g = kinds.setdefault(kind, {"name": kind, "type": "kind", "sites": [], "patterns": []})
+                pat = f"{container}.*.{rest}"
+                if pat not in g["patterns"]:
+                    g["patterns"].append(pat)
+            g["sites"].append(s)
+        groups.extend(kinds.values())
+    if by in ("block", "both"):
+        blocks: dict[str, dict[str, Any]] = {}
+        for s in sites:
+            container, index, _ = site_kind(s)
+            if container is None:
+                continue
+            name = f"{container}.{index}"
+            blocks.setdefault(name, {"name": name, "type": "block", "sites": [], "patterns": [f"{name}.*"]})
+            blocks[name]["sites"].append(s)
+        groups.extend(blocks.values())
+    return groups
+
+
+def _act_amax(stats, method: str, sites: Sequence[str]) -> dict[str, torch.Tensor]:
+    out = {}
+    for s in sites:
+        if method == stats.metadata.method:
+            out[s] = stats.amax[s]
+        else:
+            out[s] = stats.method_amax[s][method]
+    return out
+
+
+def evaluate(adapter, model, stats, preset, quant_config, options, *, encode: Callable,
+             model_dtype=None, progress: Callable[[str, int, int], None] | None = None) -> dict[str, Any]:
+    """Run the comparison, sensitivity ranking and skip-list check; see the module docstring.
+
+    Args:
+        adapter, model: the family adapter and the loaded (unquantized) transformer.
+        stats: the :class:`~trt_sora.calibrate.stats.CalibStats` just collected (all methods).
+        preset: the :class:`~trt_sora.calibrate.data.CalibPreset` (scheduler, shift, CFG, first shape).
+        quant_config: the recipe's ``QuantConfig`` (site policy; ``format`` for the sensitivity runs).
+        options: :class:`trt_sora.calibrate.run.ReportOptions`.
+        encode: the text encoder ``(prompts, text_len) -> [B, L, D]``.
+        model_dtype: dtype fed to the model (default fp32).
+        progress: ``progress("evaluate", done, total)``.
+
+    Returns:
+        JSON-safe dict: ``eval`` (setup, PSNR peak), ``quantized_sites``, ``comparison`` (rows of
+        method, format, cosine, max_abs, rel_l2, psnr_db), ``sensitivity`` (rows sorted worst first),
+        ``skip`` (groups, patterns, YAML, verification metrics).
+    """
+    from trt_sora.calibrate.run import _chunks, _encode, _noise, denoise
+    from trt_sora.parity.metrics import compare
+
+    progress = progress or (lambda phase, done, total: None)
+    device = next(model.parameters()).device
+    model_dtype = model_dtype or torch.float32
+    shape = preset.shapes[0]
+    steps = int(options.eval_steps or preset.num_steps)
+    try:
+        prompts = prompts_for_preset(preset, split="heldout", num_prompts=options.eval_prompts)
+    except ConfigError:  # fewer held-out prompts than asked: take them all
+        prompts = prompts_for_preset(preset, split="heldout", num_prompts=None)
+    chunks = _chunks(prompts, shape.batch)
+    feeds = []
+    for k, chunk in enumerate(chunks):
+        cond = _encode(encode, [p.prompt for p in chunk], shape.text_len, device)
+        uncond = _encode(encode, [preset.negative_prompt] * len(chunk), shape.text_len, device) \
+            if preset.uses_cfg else None
+        feeds.append((_noise(adapter, shape, preset.seed * 1_000_003 + 500_000 + k, device), cond, uncond, chunk))
+
+    fmt_main = quant_config.format.value
+    methods = [stats.metadata.method] + sorted({m for per in stats.method_amax.values() for m in per})
+    formats = list(dict.fromkeys(options.formats))
+    candidates = [s for s in quantized_sites(model, quant_config) if s in stats.amax]
+    groups = layer_groups(candidates, options.sensitivity)
+    modules = dict(model.named_modules())
+    w_bytes = sum(modules[s].weight.numel() * modules[s].weight.element_size() for s in candidates)
+    cache = options.cache_weights if options.cache_weights is not None else w_bytes < (1 << 30)
+    per_run = len(chunks) * steps * len(preset.branches)
+    total = per_run * (1 + len(methods) * len(formats) + len(groups) + 1)
+    done = 0
+
+    def run(quant: Mapping[str, torch.Tensor] | None, fmt: str | None, sites=None):
+        nonlocal done
+        outs = []
+        for noise, cond, uncond, chunk in feeds:
+            def fwd(step, branch, t):
+                nonlocal done
+                done += 1
+                progress("evaluate", done, total)
+                import contextlib
+
+                return contextlib.nullcontext()
+
+            kw = dict(scheduler=adapter.scheduler(preset.shift), num_steps=steps,
+                      guidance_scale=preset.guidance_scale, model_dtype=model_dtype, on_forward=fwd,
+                      label=f"evaluation, held-out prompts {[p.id for p in chunk]}")
+            if quant is None:
+                outs.append(denoise(adapter, model, noise, cond, uncond, **kw))
+            else:
+                weight_amax = {s: stats.amax[f"{s}.weight"] for s in quant if f"{s}.weight" in stats.amax}
+                with fake_quantized(model, quant, fmt, sites=sites, weight_amax=weight_amax, cache_weights=cache):
+                    outs.append(denoise(adapter, model, noise, cond, uncond, **kw))
+        return torch.cat(outs).cpu()
+
+    progress("evaluate", 0, total)
+    ref = run(None, None)
+    peak = float(ref.max() - ref.min())
+
+    def metrics(got) -> dict[str, float]:
+        m = compare(ref, got, peak=peak)
+        return {k: float(m[k]) for k in ("cosine", "max_abs", "rel_l2", "psnr_db")}
+
+    comparison = []
+    for method in methods:
+        amax = _act_amax(stats, method, candidates)
+        for fmt in formats:
+            row = {"method": method, "format": fmt, **metrics(run(amax, fmt, candidates))}
+            comparison.append(row)
+            log.info("calibrator %s %s: cosine %.6f psnr %.2f dB", method, fmt, row["cosine"], row["psnr_db"])
+
+    main_amax = _act_amax(stats, stats.metadata.method, candidates)
+    sensitivity = []
+    for g in groups:
+        row = {"group": g["name"], "type": g["type"], "num_sites": len(g["sites"]), "patterns": g["patterns"],
+               **metrics(run(main_amax, fmt_main, g["sites"]))}
+        sensitivity.append(row)
+    sensitivity.sort(key=lambda r: (-r["rel_l2"], r["group"]))
+
+    skip = _skip_list(sensitivity, options.max_skip)
+    full = next((r for r in comparison if r["method"] == stats.metadata.method and r["format"] == fmt_main), None)
+    if skip["groups"]:
+        import fnmatch
+
+        kept = [s for s in candidates if not any(fnmatch.fnmatchcase(s, p) for p in skip["patterns"])]
+        skip["with_skip"] = metrics(run(main_amax, fmt_main, kept))
+        skip["num_sites_kept"] = len(kept)
+    else:
+        done = total
+        progress("evaluate", done, total)
+    skip["all_quantized"] = {k: full[k] for k in ("cosine", "max_abs", "rel_l2", "psnr_db")} if full else None
+    return {
+        "eval": {"prompt_ids": [p.id for p in prompts], "shape": shape.as_dict(), "num_steps": steps,
+                 "guidance_scale": preset.guidance_scale, "shift": preset.shift,
+                 "psnr_peak": peak, "psnr_peak_def": "reference final latent max - min",
+                 "ref_max_abs": float(ref.abs().max())},
+        "quantized_sites": candidates,
+        "excluded_sites": [s for s in stats.amax if s not in candidates and not s.endswith(".weight")
+                           and s not in stats.metadata.extra.get("attention_sites", [])],
+        "methods": methods, "formats": formats,
+        "sensitivity_method": stats.metadata.method, "sensitivity_format": fmt_main,
+        "comparison": comparison, "sensitivity": sensitivity, "skip": skip,
+    }
+
+
+def _skip_list(rows: Sequence[Mapping[str, Any]], max_skip: int) -> dict[str, Any]:
+    """Groups whose solo error (relative L2 of the final latent) is at least twice the median of their
+    type (kind/block/layer), worst first, at most ``max_skip``; patterns deduplicated."""
+    import statistics
+
+    rule = (f"groups whose solo quantization error (relative L2 of the final latent) is >= 2x the median "
+            f"of their grouping (kinds vs blocks), worst first, at most {max_skip}")
+    by_type: dict[str, list[float]] = {}
+    for r in rows:
+        by_type.setdefault(r["type"], []).append(r["rel_l2"])
+    med = {t: statistics.median(v) for t, v in by_type.items()}
+    chosen = [r for r in rows if len(by_type[r["type"]]) > 1 and r["rel_l2"] > 0
+              and r["rel_l2"] >= 2.0 * med[r["type"]]][:max_skip]
+    patterns: list[str] = []
+    lines = ["quantization:", "  exclude:"]
+    for r in chosen:
+        for p in r["patterns"]:
+            if p not in patterns:
+                patterns.append(p)
+                lines.append(f'    - "{p}"   # {r["group"]}: solo cosine {r["cosine"]:.6f}, '
+                             f'PSNR {r["psnr_db"]:.1f} dB')
+    if not chosen:
+        lines = ["quantization:", "  exclude: []   # no group stands out"]
+    return {"rule": rule, "groups": [r["group"] for r in chosen], "patterns": patterns,
+            "yaml": "\n".join(lines) + "\n"}

@@ -1,0 +1,383 @@
+"""The calibration stage: real denoising trajectories -> per-site amax -> ``stats.safetensors`` + report.
+
+:func:`calibrate` is the stage function (``trt-sora calibrate``, ``make engine``)::
+
+    res = calibrate(get_adapter("wan-tiny"), CalibConfig(method="percentile"), "build/.../calib",
+                    preset="tiny", quant_format="fp8_e4m3")
+    res.stats.amax["blocks.0.attn1.to_q"]      # fp32 []: input amax of that linear
+    res.stats_path, res.report_path, res.manifest
+
+What it runs, for every shape of the preset and every chunk of ``shape.batch``
+prompts (prompt set split ``preset.split``, ``preset.num_prompts`` of them,
+chosen by ``preset.seed``): the family's scheduler with ``preset.shift`` set to
+``preset.num_steps`` steps, from seeded Gaussian noise, with classifier-free
+guidance ``v = v_u + g (v_c - v_u)``; the cond and uncond branches run as
+separate forwards so each batch is labelled with its branch. Every ``nn.Linear``
+input and every attention q/k/v (through the processor's observer seam) feeds all
+four observers (minmax, ema, percentile, mse) at once, plus a per-step x
+per-branch abs-max grid (:mod:`trt_sora.calibrate.hooks`). The chosen method's
+amax becomes ``<site>.amax``; the others are kept as ``<site>.amax_<method>`` so
+the report compares methods from this one pass. Weights get a per-output-channel
+amax (``<linear>.weight.amax``, ``max |W|`` per row).
+
+Memory: activations are reduced on their device inside the hooks and never
+stored; the observers hold at most a 2048-bin histogram per site. Peak memory is
+the model plus one forward's activations: a 14B Wan in bf16 (28 GB) calibrates on
+one 80 GB GPU (``adapter.load("bf16", "cuda")``, pass it as ``model=``); if weights
+plus activations do not fit, :func:`trt_sora.calibrate.hooks.offload_blocks` keeps
+the blocks on the host and moves one at a time.
+
+Deterministic for a seed: prompts, noise (drawn on the CPU, then moved) and the
+trajectory order are fixed, and the observers are order-stable.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+from trt_sora.calibrate.data import CalibPreset, CalibShape, load_preset, prompts_for_preset
+from trt_sora.config.recipe import CalibConfig, CalibMethod, QuantConfig, QuantFormat
+from trt_sora.errors import CalibrationError, ConfigError
+
+log = logging.getLogger("trt_sora")
+
+__all__ = ["ALL_METHODS", "CalibResult", "ReportOptions", "calibrate", "denoise", "observer_kwargs",
+           "Progress"]
+
+#: Every method collected in one pass (the chosen one first).
+ALL_METHODS = tuple(m.value for m in CalibMethod)
+
+#: ``progress(phase, done, total)``: phases ``"calibrate"`` (forwards), ``"evaluate"`` (forwards).
+Progress = Callable[[str, int, int], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class ReportOptions:
+    """What the report's PyTorch evaluation runs (held-out prompts, fake-quantized model).
+
+    Attributes:
+        eval_prompts: held-out prompts (split ``heldout`` of the preset's prompt set).
+        eval_steps: denoising steps of each evaluation trajectory; ``None`` = the preset's.
+        formats: formats of the comparison table's columns.
+        sensitivity: layer groups quantized one at a time: ``"kind"`` (attn1.qkv, ffn.up, ...
+            over all blocks), ``"block"`` (blocks.N), ``"both"`` or ``"none"``.
+        max_skip: at most this many groups in the suggested skip list.
+        top_k: layers shown in the drift / outlier / CFG figures and tables.
+        cache_weights: keep fake-quantized weight copies during evaluation runs (faster, one extra
+            copy of the quantized weights); ``None`` = only when they total under 1 GiB.
+    """
+
+    eval_prompts: int = 2
+    eval_steps: int | None = None
+    formats: tuple[str, ...] = ("fp8_e4m3", "int8")
+    sensitivity: str = "both"
+    max_skip: int = 3
+    top_k: int = 6
+    cache_weights: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.sensitivity not in ("kind", "block", "both", "none"):
+            raise ConfigError(f"ReportOptions.sensitivity={self.sensitivity!r}; use kind, block, both or none")
+        if self.eval_prompts < 1:
+            raise ConfigError(f"ReportOptions.eval_prompts={self.eval_prompts} must be >= 1")
+
+
+@dataclasses.dataclass
+class CalibResult:
+    """What :func:`calibrate` produced.
+
+    Attributes:
+        stats: the :class:`~trt_sora.calibrate.stats.CalibStats` written.
+        stats_path: ``out_dir/stats.safetensors``.
+        report_path: ``out_dir/report.md``, or ``None`` when ``report=False``.
+        manifest: the ``manifest.json`` content.
+        evaluation: the report's numbers (calibrator comparison, sensitivity, skip list), or None.
+    """
+
+    stats: Any
+    stats_path: Path
+    report_path: Path | None
+    manifest: dict
+    evaluation: dict | None = None
+
+
+def _method(value) -> str:
+    key = getattr(value, "value", value)
+    if key not in ALL_METHODS:
+        from trt_sora.config.base import did_you_mean
+
+        raise ConfigError(f"unknown calibration method {key!r}{did_you_mean(str(key), ALL_METHODS)}; "
+                          f"choose one of {', '.join(ALL_METHODS)} (recipe calibration.method or --method)")
+    return key
+
+
+def observer_kwargs(config: CalibConfig, quant_format: QuantFormat | str) -> dict[str, dict[str, Any]]:
+    """Observer constructor arguments from the recipe's ``calibration`` section."""
+    fmt = getattr(quant_format, "value", quant_format)
+    return {
+        "ema": {"averaging_constant": float(config.ema_constant)},
+        "percentile": {"percentile": float(config.percentile), "num_bins": int(config.num_bins)},
+        "mse": {"fmt": fmt if fmt in ("fp8_e4m3", "int8") else "fp8_e4m3", "num_bins": int(config.num_bins)},
+    }
+
+
+def _chunks(prompts: Sequence[Any], batch: int) -> list[list[Any]]:
+    """Consecutive chunks of ``batch`` prompts; the last one is filled by cycling from the start."""
+    out = []
+    for i in range(0, len(prompts), batch):
+        c = list(prompts[i:i + batch])
+        j = 0
+        while len(c) < batch:
+            c.append(prompts[j % len(prompts)])
+            j += 1
+        out.append(c)
+    return out
+
+
+def _noise(adapter, shape: CalibShape, seed: int, device, dtype=None):
+    """Seeded Gaussian latents ``[B, C, F, H, W]`` fp32, drawn on the CPU (same on every device)."""
+    import torch
+
+    g = torch.Generator().manual_seed(int(seed))
+    x = torch.randn(shape.batch, adapter.latent_channels, shape.latent_frames, shape.latent_height,
+                    shape.latent_width, generator=g)
+    return x.to(device)
+
+
+def denoise(adapter, model, noise, cond, uncond, *, scheduler, num_steps: int, guidance_scale: float,
+            model_dtype=None, on_forward: Callable[[int, str, float], Any] | None = None,
+            label: str = ""):
+    """One flow-matching trajectory with CFG; returns the final latents ``[B, C, F, H, W]`` fp32.
+
+    Args:
+        adapter, model: the family adapter and its loaded transformer.
+        noise: initial latents ``[B, C, F, H, W]`` (fp32, on the model's device).
+        cond, uncond: text embeddings ``[B, L, D]`` (any float dtype; cast to ``model_dtype``).
+            ``uncond`` is unused when ``guidance_scale <= 1``.
+        scheduler: a fresh diffusers scheduler (``adapter.scheduler(shift)``).
+        num_steps: denoising steps.
+        guidance_scale: CFG scale; the uncond branch runs only when ``> 1``.
+        model_dtype: dtype of ``hidden_states``/``encoder_hidden_states`` fed to the model
+            (``timestep`` is always fp32 ``[B]``); default: ``cond.dtype``.
+        on_forward: ``on_forward(step, branch, timestep)`` returns a context manager entered
+            around each forward (the collection hooks label batches with it); may be None.
+        label: what to name in errors (shape, prompts).
+
+    Raises:
+        CalibrationError: the model's output shape differs from the latents' (names step and branch),
+            or an observer rejected an activation (re-raised with the step, branch and timestep).
+    """
+    import contextlib
+
+    import torch
+
+    dtype = model_dtype or cond.dtype
+    scheduler.set_timesteps(num_steps, device=noise.device)
+    latents = noise.float()
+    branches = ("cond", "uncond") if guidance_scale > 1.0 else ("cond",)
+    with torch.inference_mode():
+        for step, t in enumerate(scheduler.timesteps):
+            ts = t.to(torch.float32).reshape(1).expand(latents.shape[0]).contiguous()
+            out = {}
+            for branch in branches:
+                emb = cond if branch == "cond" else uncond
+                inputs = {"hidden_states": latents.to(dtype), "timestep": ts, "encoder_hidden_states": emb.to(dtype)}
+                ctx = on_forward(step, branch, float(t)) if on_forward else contextlib.nullcontext()
+                try:
+                    with ctx:
+                        v = adapter.forward(model, inputs)
+                except CalibrationError as exc:
+                    raise CalibrationError(f"{exc} [at denoising step {step}/{num_steps} (timestep {float(t):.2f}), "
+                                           f"CFG branch {branch!r}, {label}]") from exc
+                if tuple(v.shape) != tuple(latents.shape):
+                    raise CalibrationError(
+                        f"the model returned a sample of shape {tuple(v.shape)} at denoising step {step} "
+                        f"(timestep {float(t):.2f}, branch {branch!r}, {label}) but the latents are "
+                        f"{tuple(latents.shape)}; the forward must keep the latent shape at every step - check "
+                        "the adapter's forward (patching/unpatching) or the model config")
+                out[branch] = v.float()
+            v = out["cond"] if len(branches) == 1 else out["uncond"] + guidance_scale * (out["cond"] - out["uncond"])
+            latents = scheduler.step(v, t, latents, return_dict=False)[0]
+    return latents
+
+
+def compute_dtype(model):
+    """The dtype most of ``model``'s parameters have (bf16 for a bf16 load that keeps norms in fp32)."""
+    counts: dict = {}
+    for p in model.parameters():
+        if p.is_floating_point():
+            counts[p.dtype] = counts.get(p.dtype, 0) + p.numel()
+    return max(counts, key=counts.get)
+
+
+def _encode(encode, texts: list[str], text_len: int, device):
+    import torch
+
+    emb = encode(texts, text_len)
+    if not isinstance(emb, torch.Tensor) or emb.dim() != 3 or emb.shape[:2] != (len(texts), text_len):
+        raise CalibrationError(f"the text encoder returned {getattr(emb, 'shape', type(emb))} for {len(texts)} "
+                               f"prompts at text_len {text_len}; expected [B, text_len, D]")
+    return emb.float().to(device)
+
+
+def _resolve_preset(adapter, config: CalibConfig, preset) -> CalibPreset:
+    if isinstance(preset, CalibPreset):
+        return preset
+    return load_preset(preset or config.preset)
+
+
+def calibrate(adapter, config: CalibConfig, out_dir, *, model=None, preset: CalibPreset | str | None = None,
+              quant_format: QuantFormat = QuantFormat.FP8_E4M3, text_encoder: str | None = None,
+              device="cpu", progress: Progress | None = None, report: bool = True,
+              quant_config: QuantConfig | None = None, report_options: ReportOptions | None = None,
+              dtype: str | None = None) -> CalibResult:
+    """Calibrate ``adapter``'s model over real denoising trajectories; write stats, report, manifest.
+
+    Args:
+        adapter: a :class:`~trt_sora.models.base.ModelAdapter`.
+        config: the recipe's ``calibration`` section (``method`` picks ``<site>.amax``).
+        out_dir: the artifact folder, written atomically: ``stats.safetensors``, ``report.md``,
+            ``figures/*.png``, ``manifest.json``.
+        model: the loaded transformer (default: ``adapter.load(dtype or "fp32", device)``).
+        preset: a :class:`CalibPreset`, a preset name/path, or None for ``config.preset``.
+        quant_format: the format the engine will use (MSE observer target, sensitivity format).
+        text_encoder: text source for :meth:`adapter.text_encoder` (``"hash"``, an embedding
+            ``.safetensors``, a pipeline folder); None = the model's default.
+        device: where the forwards run (``"cpu"``, ``"cuda"``); a given ``model`` stays where it is.
+        progress: ``progress(phase, done, total)`` callback (the CLI draws a bar with it).
+        report: also run the PyTorch evaluation and write ``report.md`` + figures.
+        quant_config: the recipe's ``quantization`` section, so the report quantizes exactly the
+            sites the quantize stage will (default ``QuantConfig(format=quant_format)``).
+        report_options: see :class:`ReportOptions`.
+        dtype: load dtype when ``model`` is None (``"fp32"``, ``"bf16"``, ``"fp16"``).
+
+    Returns:
+        :class:`CalibResult`.
+
+    Raises:
+        ConfigError: unknown method (with a hint), bad preset.
+        CalibrationError: missing or empty prompt set, NaN/inf activations (naming site, step,
+            branch), a forward that changes the sample shape, a site that only saw zeros.
+    """
+    import torch
+
+    from trt_sora.calibrate.hooks import CollectionHooks
+    from trt_sora.calibrate.stats import CalibStats, StatsMetadata
+    from trt_sora.config.base import to_dict
+    from trt_sora.manifest import staged_dir, write_manifest
+
+    t_start = time.perf_counter()
+    method = _method(config.method)
+    qfmt = QuantFormat(getattr(quant_format, "value", quant_format))
+    preset = _resolve_preset(adapter, config, preset)
+    prompts = prompts_for_preset(preset)
+    if not prompts:
+        raise CalibrationError(f"preset {preset.name!r} selected no prompts; set num_prompts >= 1 and check "
+                               f"prompt set {preset.prompt_set!r}")
+    progress = progress or (lambda phase, done, total: None)
+    if model is None:
+        model = adapter.load(dtype or "fp32", str(device))
+    model_device = next(model.parameters()).device
+    model_dtype = compute_dtype(model)
+    encode = adapter.text_encoder(text_encoder)
+    methods = (method,) + tuple(m for m in ALL_METHODS if m != method)
+    okw = observer_kwargs(config, qfmt)
+    branches = preset.branches
+
+    plan = [(si, shape, chunk) for si, shape in enumerate(preset.shapes) for chunk in _chunks(prompts, shape.batch)]
+    total = len(plan) * preset.num_steps * len(branches)
+    done = 0
+    progress("calibrate", 0, total)
+    timesteps: list[float] = []
+    log.info("calibrating %s: %d trajectories x %d steps x %d branches (%s, methods %s)", adapter.name, len(plan),
+             preset.num_steps, len(branches), preset.name, ", ".join(methods))
+
+    with CollectionHooks(model, methods=methods, branches=branches, observer_kwargs=okw) as hooks:
+        def on_forward(step, branch, t):
+            nonlocal done
+            if len(timesteps) <= step:
+                timesteps.append(t)
+            done += 1
+            progress("calibrate", done, total)
+            return hooks.at(step=step, branch=branch)
+
+        for k, (si, shape, chunk) in enumerate(plan):
+            cond = _encode(encode, [p.prompt for p in chunk], shape.text_len, model_device)
+            uncond = _encode(encode, [preset.negative_prompt] * len(chunk), shape.text_len, model_device) \
+                if preset.uses_cfg else None
+            noise = _noise(adapter, shape, preset.seed * 1_000_003 + k, model_device)
+            label = f"shape {shape.as_dict()}, prompts {[p.id for p in chunk]}"
+            denoise(adapter, model, noise, cond, uncond, scheduler=adapter.scheduler(preset.shift),
+                    num_steps=preset.num_steps, guidance_scale=preset.guidance_scale, model_dtype=model_dtype,
+                    on_forward=on_forward, label=label)
+        sites = hooks.used_sites()
+    if not sites:
+        raise CalibrationError("no calibration site saw data: the model has no nn.Linear reached by its forward; "
+                               "check the adapter's forward")
+    t_collect = time.perf_counter() - t_start
+    modules = dict(model.named_modules())
+
+    meta = StatsMetadata(
+        method=method, num_samples=sum(shape.batch for _, shape, _ in plan),
+        num_steps=preset.num_steps, timesteps=timesteps, branches=list(branches),
+        shapes=[s.as_dict() for s in preset.shapes], model=adapter.spec.ref, model_hash=adapter.spec.model_hash(),
+        preset=preset.name, prompt_set=preset.prompt_set, seed=preset.seed, guidance_scale=preset.guidance_scale,
+        shift=preset.shift,
+        extra={"prompt_ids": [p.id for p in prompts], "negative_prompt": preset.negative_prompt,
+               "model_dtype": str(model_dtype).replace("torch.", ""), "device": str(model_device),
+               "quant_format": qfmt.value, "collect_seconds": round(t_collect, 3),
+               "weight_sites": [], "attention_sites": [n for n in sites if not isinstance(modules.get(n),
+                                                                                         torch.nn.Linear)]})
+    stats = CalibStats.from_sites(sites, meta)
+    # Weights: per-output-channel max |W| (what the Q/DQ graph's weight DequantizeLinear uses).
+    for name in list(sites):
+        mod = modules.get(name)
+        if isinstance(mod, torch.nn.Linear):
+            with torch.no_grad():
+                wa = mod.weight.detach().float().abs().amax(dim=1).cpu()
+            # an all-zero output row quantizes to zero at any scale; 1.0 keeps the file valid (amax > 0)
+            stats.amax[f"{name}.weight"] = torch.where(wa > 0, wa, torch.ones_like(wa))
+            meta.extra["weight_sites"].append(f"{name}.weight")
+
+    evaluation = None
+    with staged_dir(out_dir) as tmp:
+        stats_path = stats.save(tmp / "stats.safetensors")
+        report_path = None
+        if report:
+            from trt_sora.calibrate import evaluate as ev
+            from trt_sora.calibrate.report import write_report
+
+            opts = report_options or ReportOptions()
+            qcfg = quant_config or QuantConfig(format=qfmt)
+            if qcfg.format is QuantFormat.NONE:  # an unquantized recipe: still show what FP8 would cost
+                qcfg = dataclasses.replace(qcfg, format=QuantFormat.FP8_E4M3)
+            evaluation = ev.evaluate(adapter, model, stats, preset, qcfg, opts, encode=encode,
+                                     model_dtype=model_dtype, progress=progress)
+            report_path = write_report(tmp, stats, evaluation, preset=preset, options=opts,
+                                       quant_format=qcfg.format.value)
+        seconds = time.perf_counter() - t_start
+        results = {"num_sites": len(stats.amax), "method": method, "methods": list(methods),
+                   "collect_seconds": round(t_collect, 3), "seconds": round(seconds, 3),
+                   "num_forwards": total, "timesteps": timesteps}
+        if evaluation is not None:
+            results["comparison"] = evaluation.get("comparison")
+            results["suggested_exclude"] = evaluation.get("skip", {}).get("patterns", [])
+        outputs = {"stats": "stats.safetensors"}
+        if report_path is not None:
+            outputs["report"] = "report.md"
+        manifest = write_manifest(
+            tmp, stage="calibrate",
+            inputs={"model": adapter.describe(), "preset": preset.to_dict(),
+                    "text_encoder": text_encoder or adapter.spec.text_encoder or "default"},
+            config={"calibration": to_dict(config), "quant_format": qfmt.value,
+                    "quantization": to_dict(quant_config) if quant_config is not None else None},
+            results=results, outputs=outputs)
+    out = Path(out_dir)
+    log.info("calibration of %s: %d sites in %.1f s -> %s", adapter.name, len(stats.amax), seconds, out)
+    return CalibResult(stats=stats, stats_path=out / "stats.safetensors",
+                       report_path=(out / "report.md") if report else None, manifest=manifest,
+                       evaluation=evaluation)
