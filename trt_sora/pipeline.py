@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from trt_sora import __version__
-from trt_sora.config import Recipe, ShapeProfile, load_recipe, to_dict
-from trt_sora.errors import ArtifactError, ConfigError
+from trt_sora.config import Recipe, load_recipe, to_dict
+from trt_sora.errors import ConfigError
 from trt_sora.manifest import MANIFEST, sha256_file, write_json
 
 log = logging.getLogger("trt_sora")
@@ -33,20 +33,6 @@ class StageOutcome:
     seconds: float = 0.0
     folder: str = ""
     detail: str = ""
-
-
-def resolve_buckets(recipe: Recipe, adapter) -> tuple[tuple[ShapeProfile, ...], str]:
-    """The recipe's buckets, or the model's own when it declares them (toy models trained or
-    sized for one small resolution cannot run at 480p); returns ``(buckets, source)``."""
-    own = adapter.spec.defaults.get("buckets")
-    if own:
-        buckets = tuple(ShapeProfile.from_yaml(b, where=f"model {adapter.name} bucket") for b in own)
-        source = f"model {adapter.name} (replaces the recipe's {[b.name for b in recipe.buckets]})"
-    else:
-        buckets, source = recipe.buckets, f"recipe {recipe.name}"
-    for b in buckets:
-        b.validate(adapter.patch_size)
-    return buckets, source
 
 
 def _fingerprint(*parts) -> str:
@@ -72,7 +58,7 @@ class EnginePipeline:
 
         self.recipe = load_recipe(recipe) if isinstance(recipe, str) else recipe
         self.adapter = get_adapter(model or self.recipe.model.default)
-        self.buckets, self.bucket_source = resolve_buckets(self.recipe, self.adapter)
+        self.buckets, self.bucket_source = self.adapter.buckets_for(self.recipe)
         self.run_dir = Path(out_root) / self.adapter.name / self.recipe.name
         self.force = force
         self.progress = progress or (lambda o: None)
@@ -142,7 +128,8 @@ class EnginePipeline:
 
         def go():
             res = calibrate(self.adapter, self.recipe.calibration, self.folder("calibrate"), model=self.model,
-                            preset=preset, quant_format=self.recipe.quantization.format)
+                            preset=preset, quant_format=self.recipe.quantization.format,
+                            quant_config=self.recipe.quantization)
             return f"{len(res.stats.sites)} sites -> {res.stats_path.name}"
 
         return self._run("calibrate", fp, go)
@@ -171,9 +158,10 @@ class EnginePipeline:
         def go():
             res = build_engine(qdq, self.recipe, self.folder("build"), buckets=self.buckets,
                                export_manifest=self.folder("export"), model_name=self.adapter.name)
-            rep = res.report
-            g = rep.get("gemms", {}) if isinstance(rep, dict) else {}
-            return f"{len(res.engine_paths)} engine(s); GEMMs {g.get('counts', g)}"
+            a = res.report["analysis"]
+            return (f"{len(res.engine_paths)} engine(s), {res.report['profiles']['built']} profile(s); "
+                    f"GEMMs {a['gemm_counts']}, FP8 fraction of quantized {a['fp8_gemm_fraction']:.2f}; "
+                    f"attention fused: {a['attention']['fused']}")
 
         return self._run("build", fp, go)
 
@@ -184,8 +172,7 @@ class EnginePipeline:
         fp = _fingerprint("check", __version__, to_dict(self.recipe.parity), _file_hashes(*inputs))
 
         def go():
-            rep = check_artifacts(self.run_dir, self.recipe, adapter=self.adapter, model=self.model,
-                                  buckets=self.buckets)
+            rep = check_artifacts(self.run_dir, self.recipe, model=self.adapter)
             return f"passed={rep.get('passed')}" if isinstance(rep, dict) else ""
 
         return self._run("check", fp, go)

@@ -70,3 +70,21 @@ def test_requirements():
     assert len(fails) == 2
     assert "0.500" in fails[0] and "__myl_CastMulFc_myl0_7" in fails[0]
     assert rep.check_requirements({"analysis": a}, BuildRequirements(min_fp8_gemm_fraction=0.5)) == []
+
+
+def test_fraction_counts_only_gemms_the_graph_quantized():
+    """Excluded layers (embedders, proj_out) stay fp16 on purpose: they must not lower the fraction."""
+    layers = rep.parse_layer_dump(_log(FP8_GEMM, MIXED_FC, KGEN))
+    fp8_node = next(n for n in layers[0].onnx_nodes if n.startswith("MatMul"))
+    mixed = next(li for li in layers if li.name == "__myl_CastMulFc_myl0_7")
+    facts = rep.OnnxFacts(linear={fp8_node, *mixed.onnx_nodes}, bmm=set(), qkv={}, q_formats={"fp8"}, num_qdq=2,
+                          quantized={fp8_node})
+    a = rep.analyze(layers, facts)
+    assert a["quantized_gemm_total"] == 1 and a["fp8_gemm_fraction"] == 1.0
+    assert a["fp8_gemm_fraction_all"] == 0.5
+    assert rep.check_requirements({"analysis": a}, BuildRequirements(min_fp8_gemm_fraction=0.9)) == []
+    # once the same fp16 GEMM is one the graph asked for, it fails the requirement
+    facts.quantized.update(mixed.onnx_nodes)
+    a = rep.analyze(layers, facts)
+    assert a["fp8_gemm_fraction"] == 0.5
+    assert rep.check_requirements({"analysis": a}, BuildRequirements(min_fp8_gemm_fraction=0.9))

@@ -153,6 +153,23 @@ class ModelAdapter(abc.ABC):
     def text_encoder(self, source: str | None = None) -> Callable[[list[str], int], "torch.Tensor"]:
         """``encode(prompts, text_len) -> [B, text_len, text_dim] float32``."""
 
+    def buckets_for(self, recipe) -> tuple[tuple, str]:
+        """``(buckets, source)``: the recipe's shape buckets, or the model's own when it declares
+        them (toy models trained or sized for one small resolution cannot run at 480p). Each
+        bucket is checked against the model's patch size."""
+        from trt_sora.config.shapes import ShapeProfile
+
+        own = self.spec.defaults.get("buckets")
+        if own:
+            buckets = tuple(ShapeProfile.from_yaml(b, where=f"model {self.name} buckets[{i}]")
+                            for i, b in enumerate(own))
+            source = f"model {self.name} (replaces the recipe's {[b.name for b in recipe.buckets]})"
+        else:
+            buckets, source = tuple(recipe.buckets), f"recipe {recipe.name}"
+        for b in buckets:
+            b.validate(self.patch_size)
+        return buckets, source
+
     def describe(self) -> dict:
         """JSON-safe identity for manifests."""
         return {

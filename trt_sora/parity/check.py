@@ -49,13 +49,8 @@ def find_artifacts(run_dir: str | Path) -> dict[str, Path | None]:
 
 
 def effective_buckets(recipe, adapter) -> tuple:
-    """The recipe's buckets, or the model's own (test models declare small ones in their defaults)."""
-    from trt_sora.config.shapes import ShapeProfile
-
-    own = adapter.spec.defaults.get("buckets") if adapter.spec.defaults else None
-    if own:
-        return tuple(ShapeProfile.from_yaml(b, where=f"model buckets[{i}]") for i, b in enumerate(own))
-    return tuple(recipe.buckets)
+    """The buckets the run was built for (see :meth:`ModelAdapter.buckets_for`)."""
+    return adapter.buckets_for(recipe)[0]
 
 
 def _adapter_for(run: Path, model):
