@@ -299,6 +299,7 @@ def check_artifacts(run_dir: str | Path, recipe, *, model=None, backend: str = "
                       "sha256": inputs.get("qdq" if cand_onnx == arts["qdq"] and arts["qdq"] else
                                            ("engine" if backend == "trt" else "export"), {}).get("sha256")},
         "buckets": [bk.to_yaml() for bk in buckets],
+        "engine": _engine_status(arts["engine"], backend),
         "comparisons": comparisons,
         "localization": localization,
         "failed": [c["level"] for c in comparisons if not c["passed"]],
@@ -319,6 +320,18 @@ def check_artifacts(run_dir: str | Path, recipe, *, model=None, backend: str = "
     return report
 
 
+def _engine_status(plan: Path | None, backend: str) -> dict[str, Any]:
+    """Whether the engine itself was executed; when not, say why and what stood in for it."""
+    if plan is None:
+        return {"path": None, "executed": False, "note": "no engine built yet"}
+    if backend == "trt":
+        return {"path": str(plan), "executed": True, "note": "the engine is the candidate"}
+    return {"path": str(plan), "executed": False,
+            "note": "the engine was built but not executed here (needs its GPU and a TensorRT runtime); "
+                    "the candidate is ONNX Runtime on the same Q/DQ graph the engine was built from. "
+                    "Re-run `trt-sora check --backend trt` on the target GPU before serving."}
+
+
 def _fmt(v) -> str:
     if isinstance(v, float):
         if math.isinf(v) or math.isnan(v):
@@ -332,6 +345,7 @@ def render_markdown(report: dict) -> str:
     lines = [f"# Parity report: {'PASSED' if report['passed'] else 'FAILED'}", "",
              f"model `{report['model']}`, recipe `{report['recipe']}`, candidate `{report['candidate']['runner']}` "
              f"(`{report['candidate']['path']}`)", "",
+             f"engine: {report['engine']['note']}", "",
              "PSNR peak: tensor levels use the reference's max - min; decoded frames use the pixel range 2.0 "
              "([-1, 1]).", "",
              "| level | metric | value | threshold | result |", "|---|---|---|---|---|"]

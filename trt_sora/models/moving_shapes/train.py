@@ -33,15 +33,13 @@ log = logging.getLogger("trt_sora")
 
 def model_config(layers: int = 6, heads: int = 4, head_dim: int = 64, ffn_mult: int = 4) -> dict:
     """``WanTransformer3DModel`` constructor arguments of this model family."""
-    from .text import TEXT_DIM
-
     return dict(
         patch_size=(1, 2, 2),
         num_attention_heads=heads,
         attention_head_dim=head_dim,
         in_channels=3,
         out_channels=3,
-        text_dim=TEXT_DIM,
+        text_dim=384,  # all-MiniLM-L6-v2 hidden size (text.TEXT_DIM)
         freq_dim=256,
         ffn_dim=ffn_mult * heads * head_dim,
         num_layers=layers,
@@ -161,6 +159,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--embeddings", type=Path, default=None)
+    p.add_argument("--init", type=Path, default=None, help="start from these weights (a from_pretrained folder)")
     p.add_argument("--make-embeddings", type=Path, default=None, help="write the embeddings file and exit")
     p.add_argument("--text-len", type=int, default=16)
     p.add_argument("--steps", type=int, default=100_000, help="upper bound; --minutes usually ends the run")
@@ -207,7 +206,14 @@ def main(argv=None) -> int:
     empty_id = cap_index[""]
 
     cfg = model_config(layers=args.layers, heads=args.heads)
-    model = WanTransformer3DModel(**cfg).to(device).train()
+    if args.init:
+        model = WanTransformer3DModel.from_pretrained(str(args.init), torch_dtype=torch.float32)
+        cfg = {k: model.config[k] for k in cfg}
+        prior = json.loads((args.init / "train_log.json").read_text()) if (args.init / "train_log.json").exists() else {}
+    else:
+        model = WanTransformer3DModel(**cfg)
+        prior = {}
+    model = model.to(device).train()
     ema = copy.deepcopy(model).eval().requires_grad_(False)
     n_params = sum(p.numel() for p in model.parameters())
     log.info("params %.2fM, device %s, train captions %d", n_params / 1e6, device, cap_ids.numel())
@@ -290,19 +296,22 @@ def main(argv=None) -> int:
         "config": cfg,
         "loss_curve": curve,
     }
+    if prior:  # a continued run: keep the earlier run's record
+        run["previous_runs"] = prior.get("previous_runs", []) + [{k: v for k, v in prior.items() if k != "previous_runs"}]
+        run["steps_total"] = prior.get("steps_total", prior.get("steps", 0)) + step
     if not args.no_eval:
         model_eval = ema.to(torch.float32)
-        settings = [(args.eval_steps, g, sh) for sh in (1.0, 2.0, 3.0) for g in (3.0, 5.0)] + [(20, 4.0, 2.0)]
+        settings = [(args.eval_steps, g, sh) for sh in (1.0, 2.0, 3.0) for g in (3.0, 5.0)] + [(max(2, args.eval_steps // 2), 4.0, 2.0)]
         run["eval_heldout"] = evaluate(model_eval, cap_index, emb_table, device, amp, settings, n_seeds=2, limit=args.eval_limit)
         run["eval_heldout_template"] = evaluate(
             model_eval, cap_index, emb_table, device, amp, [(args.eval_steps, 4.0, 2.0)], n_seeds=2, template=data.HELDOUT_TEMPLATE, limit=args.eval_limit
         )
         from .sample import SampleConfig, sample
 
-        specs = data.all_caption_specs("heldout")[::11][:8]
+        specs = data.all_caption_specs("heldout")[::11][: min(8, args.eval_limit or 8)]
         caps = [s.caption() for s in specs]
         with torch.autocast(device.type, dtype=amp, enabled=amp != torch.float32):
-            clips = sample(model_eval, emb_table[[cap_index[c] for c in caps]].float(), SampleConfig(seed=7), dtype=torch.float32)
+            clips = sample(model_eval, emb_table[[cap_index[c] for c in caps]].float(), SampleConfig(steps=args.eval_steps, seed=7), dtype=torch.float32)
         save_frames_png(clips, caps, args.out / "samples.png")
     run["total_seconds"] = round(time.time() - t_start, 1)
     (args.out / "train_log.json").write_text(json.dumps(run, indent=1))
