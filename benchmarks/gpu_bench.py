@@ -39,7 +39,7 @@ def quant_eager(x, inv_scale):
     return (x * inv_scale).clamp_(-448.0, 448.0).to(torch.float8_e4m3fn)
 
 
-quant_compiled = torch.compile(quant_eager, dynamic=False)
+quant_compiled = torch.compile(quant_eager, dynamic=True)
 
 
 def gemm_study(cfg: dict, tokens: int, text_len: int) -> dict:
