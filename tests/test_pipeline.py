@@ -1,0 +1,92 @@
+"""`make engine` end to end on the CPU: every stage for wan-tiny + rtx4090-fp8, with a real
+TensorRT-RTX build, stage reuse by fingerprint, and the fail-fast path of a TensorRT recipe."""
+import dataclasses
+import json
+import shutil
+
+import pytest
+
+from trt_sora.config import load_recipe
+from trt_sora.errors import BackendMissingError
+from trt_sora.pipeline import STAGES, EnginePipeline
+
+pytestmark = pytest.mark.trt_rtx
+
+
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("engine")
+    seen = []
+    pipe = EnginePipeline("rtx4090-fp8", "wan-tiny", out, progress=seen.append)
+    pipe.run()
+    return pipe, seen
+
+
+def test_every_stage_ran_and_wrote_its_manifest(first_run):
+    pipe, seen = first_run
+    assert [o.stage for o in seen] == list(STAGES)
+    assert all(o.status == "ran" for o in seen)
+    for stage in STAGES:
+        m = json.loads((pipe.folder(stage) / "manifest.json").read_text())
+        assert m["inputs"], stage
+    assert (pipe.folder("calibrate") / "report.md").is_file()
+    assert (pipe.folder("quantize") / "qdq_map.json").is_file()
+
+
+def test_build_report_proves_fp8_and_profiles(first_run):
+    pipe, _ = first_run
+    report = json.loads((pipe.folder("build") / "build_report.json").read_text())
+    a = report["analysis"]
+    assert report["backend"] == "tensorrt_rtx" and report["sm"] in (89, "89", "8.9")
+    assert a["quantized_gemm_total"] >= 10
+    assert a["fp8_gemm_fraction"] >= 0.9, a["gemm_counts"]
+    assert a["attention"]["fused"]
+    assert report["profiles"]["built"] == len(pipe.buckets) == 2
+    assert report["profiles"]["in_engine"] == 2
+    plans = list(pipe.folder("build").glob("*.plan"))
+    assert len(plans) == 1 and "sm89" in plans[0].name and plans[0].stat().st_size > 0
+
+
+def test_parity_passed_and_says_engine_not_executed(first_run):
+    pipe, _ = first_run
+    rep = json.loads((pipe.folder("check") / "report.json").read_text())
+    assert rep["passed"], rep["failed"]
+    assert {c["level"] for c in rep["comparisons"]} >= {"export", "qdq", "quality", "loop", "frames"}
+    assert rep["engine"]["executed"] is False and rep["engine"]["path"].endswith(".plan")
+
+
+def test_unchanged_stages_are_reused_and_a_changed_one_reruns(first_run):
+    pipe, _ = first_run
+    seen = []
+    again = EnginePipeline(pipe.recipe, "wan-tiny", pipe.run_dir.parent.parent, progress=seen.append)
+    again.run(("export", "calibrate", "quantize", "build"))
+    assert [o.status for o in seen] == ["reused"] * 4
+    # a builder setting changed: only the build reruns
+    seen.clear()
+    recipe = dataclasses.replace(pipe.recipe, build=dataclasses.replace(pipe.recipe.build, optimization_level=1))
+    EnginePipeline(recipe, "wan-tiny", pipe.run_dir.parent.parent, progress=seen.append).run(
+        ("export", "calibrate", "quantize", "build"))
+    assert [o.status for o in seen] == ["reused", "reused", "reused", "ran"]
+
+
+def test_tensorrt_recipe_fails_fast_after_earlier_stages(first_run, tmp_path):
+    """h100-fp8 needs full TensorRT (not installable here): the earlier stages' artifacts stay,
+    and the error names the install command."""
+    pytest.importorskip("tensorrt_rtx")
+    import importlib.util
+
+    if importlib.util.find_spec("tensorrt") is not None:
+        pytest.skip("full TensorRT is installed here")
+    pipe, _ = first_run
+    h100 = load_recipe("h100-fp8")
+    run_dir = tmp_path / "wan-tiny" / "h100-fp8"
+    run_dir.mkdir(parents=True)
+    for stage in ("export", "calibrate", "quantize"):  # same sections as rtx4090-fp8: reused, not redone
+        shutil.copytree(pipe.folder(stage), run_dir / pipe.folder(stage).name)
+    shutil.copy(pipe.run_dir / "pipeline.json", run_dir / "pipeline.json")
+    seen = []
+    with pytest.raises(BackendMissingError, match="pip install .*tensorrt"):
+        EnginePipeline(h100, "wan-tiny", tmp_path, progress=seen.append).run()
+    assert [o.status for o in seen] == ["reused"] * 3
+    assert (run_dir / "quant" / "model.qdq.onnx").is_file()
+    assert not (run_dir / "engine").exists()
