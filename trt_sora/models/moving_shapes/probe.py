@@ -6,8 +6,8 @@ Method (works on generated clips as on ground truth):
    most 4 of 9 frames, see ``data.SPEED_RANGE``);
 2. foreground = pixels farther than ``FG_THRESHOLD`` (RGB, [0, 1] units) from it;
 3. colour = nearest palette colour to the median foreground pixel;
-4. motion = sign of the larger least-squares slope of the foreground centroid
-   over frames (pixels per frame), "static" below ``MIN_SPEED``;
+4. motion = sign of the larger component of the median frame-to-frame step of
+   the foreground centroid (pixels per frame), "static" below ``MIN_SPEED``;
 5. background colour = majority vote of the nearest background tone per pixel;
    shape = foreground fill ratio of its bounding box (square ~1, circle ~0.75,
    triangle ~0.55), informative only.
@@ -89,9 +89,13 @@ def probe_clip(clip) -> ProbeResult:
         fills.append(len(xs) / ((xs.max() - xs.min() + 1) * (ys.max() - ys.min() + 1)))
     if len(frames) < 2:
         return ProbeResult(colour, None, background, None, (0.0, 0.0), float(fg.mean()))
+    # median frame-to-frame centroid step: the direction the shape moves most of
+    # the time, so one jump (a shape leaving one edge and re-entering at the
+    # opposite one) does not flip the answer; equals the speed on ground truth
     t = np.array(frames, dtype=np.float64)
-    vx = float(np.polyfit(t, cxs, 1)[0])
-    vy = float(np.polyfit(t, cys, 1)[0])
+    dt = np.diff(t)
+    vx = float(np.median(np.diff(cxs) / dt))
+    vy = float(np.median(np.diff(cys) / dt))
     if max(abs(vx), abs(vy)) < MIN_SPEED:
         motion = "static"
     else:
