@@ -134,7 +134,7 @@ def test_generated_clips_on_heldout_captions_beat_chance_on_motion(heldout_resul
 
 @pytest.mark.xfail(
     reason="known shortfall (MODEL_CARD.md): the shipped weights get the direction of motion right on "
-    "about half of held-out captions (41-43% on 180 H200 clips, 5/8 on CPU); needs a longer training run",
+    "about half of held-out captions (48-53% on 120 H200 clips after run 3); needs a longer training run",
     strict=False,
 )
 def test_generated_clips_on_heldout_captions_move_as_captioned(heldout_results):

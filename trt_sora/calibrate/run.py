@@ -351,7 +351,8 @@ def calibrate(adapter, config: CalibConfig, out_dir, *, model=None, preset: Cali
             from trt_sora.calibrate import evaluate as ev
             from trt_sora.calibrate.report import write_report
 
-            opts = report_options or ReportOptions()
+            opts = report_options or ReportOptions(eval_prompts=config.eval_prompts, eval_steps=config.eval_steps,
+                                                   sensitivity=config.sensitivity)
             qcfg = quant_config or QuantConfig(format=qfmt)
             if qcfg.format is QuantFormat.NONE:  # an unquantized recipe: still show what FP8 would cost
                 qcfg = dataclasses.replace(qcfg, format=QuantFormat.FP8_E4M3)

@@ -105,8 +105,16 @@ class CalibConfig:
     percentile: float = 99.99
     ema_constant: float = 0.01
     num_bins: int = 2048
+    # The calibration report's PyTorch evaluation (held-out trajectories, fake-quantized model):
+    eval_prompts: int = 2
+    eval_steps: int | None = None  # None: the preset's num_steps
+    sensitivity: str = "both"  # layer groups quantized one at a time: kind | block | both | none
 
     def __post_init__(self) -> None:
+        if self.sensitivity not in ("kind", "block", "both", "none"):
+            raise ConfigError(f"calibration.sensitivity={self.sensitivity!r}: use kind, block, both or none")
+        if self.eval_prompts < 1 or (self.eval_steps is not None and self.eval_steps < 1):
+            raise ConfigError("calibration.eval_prompts and eval_steps must be >= 1")
         if not 0.0 < self.percentile <= 100.0:
             raise ConfigError(f"calibration.percentile={self.percentile} must be in (0, 100]")
         if not 0.0 < self.ema_constant <= 1.0:

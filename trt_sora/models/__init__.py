@@ -7,8 +7,8 @@ from trt_sora.config.base import did_you_mean
 from trt_sora.errors import ModelError
 from trt_sora.models.base import ModelAdapter, ModelSpec
 
-#: The embedded default model of ``make engine`` (a tiny random-weight Wan until a trained one ships).
-DEFAULT_MODEL = "wan-tiny"
+#: The embedded default model of ``make engine``: a small Wan trained here (weights ship in the repo).
+DEFAULT_MODEL = "wan-shapes"
 
 
 def _named() -> dict[str, ModelSpec]:
@@ -19,7 +19,29 @@ def _named() -> dict[str, ModelSpec]:
                         text_encoder="hash", defaults=wan.DEFAULTS[name])
         for name, cfg in wan.CONFIGS.items()
     }
+    specs["wan-shapes"] = _wan_shapes_spec()
     return specs
+
+
+def _wan_shapes_spec() -> ModelSpec:
+    """The trained pixel-space reference model (``trt_sora/models/moving_shapes``, MODEL_CARD.md)."""
+    import json
+
+    from trt_sora.models import moving_shapes as ms
+
+    config = json.loads((ms.WEIGHTS_DIR / "config.json").read_text())
+    bucket = {"latent_frames": ms.LATENT_FRAMES, "latent_height": ms.LATENT_HEIGHT,
+              "latent_width": ms.LATENT_WIDTH, "text_len": ms.TEXT_LEN}
+    return ModelSpec(
+        ref="wan-shapes", family="wan", source="checkpoint", path=str(ms.WEIGHTS_DIR),
+        config={k: v for k, v in config.items() if not k.startswith("_")}, text_encoder="minilm",
+        defaults={
+            "shift": 2.0, "guidance_scale": 4.0, "num_steps": 30, "calib_preset": "moving-shapes",
+            "heldout_prompts": "moving_shapes_v1",
+            # trained at one resolution only: one clip with CFG (batch 1-2) and two clips (3-4)
+            "buckets": [{"name": "shapes-1clip", "batch": [1, 2, 2], **bucket},
+                        {"name": "shapes-2clips", "batch": [3, 4, 4], **bucket}],
+        })
 
 
 def list_models() -> list[str]:

@@ -170,6 +170,16 @@ class ModelAdapter(abc.ABC):
             b.validate(self.patch_size)
         return buckets, source
 
+    def heldout_prompts(self) -> list[str] | None:
+        """Held-out prompts the model's quality checks should use (its own prompt set's ``heldout``
+        split when the model names one, e.g. wan-shapes' captions), else None."""
+        ref = self.spec.defaults.get("heldout_prompts")
+        if not ref:
+            return None
+        from trt_sora.calibrate.data import load_prompts
+
+        return [p.prompt for p in load_prompts(ref, split="heldout")]
+
     def describe(self) -> dict:
         """JSON-safe identity for manifests."""
         return {

@@ -68,6 +68,7 @@ def loop_inputs(adapter, point: Mapping[str, int], *, seed: int = 0, prompts=HEL
     import torch
 
     b = int(point["batch"])
+    prompts = adapter.heldout_prompts() or prompts
     enc = adapter.text_encoder()
     cond = enc([prompts[i % len(prompts)] for i in range(b)], int(point["text_len"])).float()
     uncond = enc([""] * b, int(point["text_len"])).float()

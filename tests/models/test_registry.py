@@ -1,0 +1,27 @@
+"""The embedded default model: wan-shapes is registered with its own buckets, preset and prompts."""
+from trt_sora.config import load_recipe
+from trt_sora.models import DEFAULT_MODEL, get_adapter, list_models
+from trt_sora.models.moving_shapes import data
+
+
+def test_default_model_is_the_trained_one():
+    assert DEFAULT_MODEL == "wan-shapes" in list_models()
+    assert load_recipe("rtx4090-fp8").model.default == DEFAULT_MODEL
+
+
+def test_wan_shapes_facts():
+    a = get_adapter("wan-shapes")
+    assert a.spec.source == "checkpoint" and a.latent_channels == 3 and a.text_dim == 384
+    buckets, source = a.buckets_for(load_recipe("rtx4090-fp8"))
+    assert [b.name for b in buckets] == ["shapes-1clip", "shapes-2clips"] and "wan-shapes" in source
+    assert all(b.latent_height.opt == 32 and b.latent_frames.opt == 9 for b in buckets)
+    held = a.heldout_prompts()
+    assert sorted(held) == sorted(s.caption() for s in data.all_caption_specs("heldout"))
+    assert not set(held) & {s.caption() for s in data.all_caption_specs("train")}
+    assert a.spec.model_hash() == get_adapter("wan-shapes").spec.model_hash()
+
+
+def test_wan_tiny_keeps_recipe_buckets_only_when_it_has_none():
+    r = load_recipe("h100-fp8")
+    big = get_adapter("wan2.1-t2v-1.3b").buckets_for(r)
+    assert big[0] == r.buckets and big[1] == "recipe h100-fp8"
