@@ -117,6 +117,20 @@ class Fp8StaticLinear(torch.nn.Module):
         return y.reshape(*shp[:-1], self.out_features)
 
 
+def timed_calls(fn, iters: int):
+    """``(output of a warm-up call, best wall time in s of ``iters`` synchronized calls)``."""
+    with torch.no_grad():
+        out = fn()
+        torch.cuda.synchronize()
+        ts = []
+        for _ in range(iters):
+            t = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            ts.append(time.perf_counter() - t)
+    return out, round(min(ts), 3)
+
+
 def e2e_model(name: str, iters: int) -> dict:
     from trt_sora.models import get_adapter
 
@@ -128,16 +142,8 @@ def e2e_model(name: str, iters: int) -> dict:
     out = {}
     for b in (1, 2):
         x = a.example_inputs({**POINT_480P, "batch": b}, dtype="bf16", device="cuda")
-        with torch.no_grad():
-            ref = a.forward(model, x)  # warm-up
-            torch.cuda.synchronize()
-            ts = []
-            for _ in range(iters):
-                t = time.perf_counter()
-                a.forward(model, x)
-                torch.cuda.synchronize()
-                ts.append(time.perf_counter() - t)
-        out[f"bf16_eager_batch{b}_s"] = round(min(ts), 3)
+        ref, best = timed_calls(lambda: a.forward(model, x), iters)
+        out[f"bf16_eager_batch{b}_s"] = best
         if b == 1:
             ref1, x1 = ref.float(), x
     # FP8 static-scale linears on the block linears (embedders / proj_out stay BF16, as in the recipes)
@@ -157,16 +163,8 @@ def e2e_model(name: str, iters: int) -> dict:
         lin = owner.get_submodule(child)
         setattr(owner, child, Fp8StaticLinear(lin, amx))
     torch.cuda.empty_cache()
-    with torch.no_grad():
-        got = a.forward(model, x1).float()  # also compiles the quant kernels
-        torch.cuda.synchronize()
-        ts = []
-        for _ in range(iters):
-            t = time.perf_counter()
-            a.forward(model, x1)
-            torch.cuda.synchronize()
-            ts.append(time.perf_counter() - t)
-    out["fp8_static_batch1_s"] = round(min(ts), 3)
+    got, out["fp8_static_batch1_s"] = timed_calls(lambda: a.forward(model, x1), iters)  # warm-up compiles
+    got = got.float()
     out["fp8_linears"] = len(amax)
     out["fp8_vs_bf16_cosine"] = round(torch.nn.functional.cosine_similarity(ref1.flatten(), got.flatten(), 0).item(), 5)
     out["speedup_fp8_static"] = round(out["bf16_eager_batch1_s"] / out["fp8_static_batch1_s"], 3)
