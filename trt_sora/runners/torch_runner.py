@@ -179,10 +179,10 @@ def _stats_amax(stats, site: str):
 class TorchFakeQuantRunner(TorchRunner):
     """The PyTorch model with simulated Q/DQ exactly where the Q/DQ graph has it.
 
-    For every site of ``qdq_map``: a forward pre-hook fake-quantizes the ``nn.Linear``'s input
-    per tensor at the calibration amax (``stats``; the map's own amax when stats lack the site),
-    and its weight is replaced by the per-output-channel fake-quantized weight (amax = max |w| of
-    each output row), using :mod:`trt_sora.calibrate.fake_quant` (ONNX Q/DQ semantics).
+    For every site of ``qdq_map``: the ``nn.Linear``'s input is fake-quantized per tensor at the
+    calibration amax (``stats``; the map's own amax when stats lack the site) and its weight per
+    output channel (stats' weight amax, else max |w| of each row), through
+    :func:`trt_sora.calibrate.fakequant_model.fake_quantized` (ONNX Q/DQ semantics).
 
     Args:
         model_ref, dtype, device, model: as :class:`TorchRunner` (a given ``model`` is deep-copied).
@@ -197,7 +197,7 @@ class TorchFakeQuantRunner(TorchRunner):
                          name=name or f"torch-fakequant-{dtype}")
         self.sites, self.qdq_meta = read_qdq_map(qdq_map)
         self._stats_src = stats
-        self._hooks: list = []
+        self._stack = None
         self.site_amax: dict[str, float] = {}
 
     def _load_model(self):
@@ -206,9 +206,11 @@ class TorchFakeQuantRunner(TorchRunner):
         return copy.deepcopy(self._given_model) if self._given_model is not None else super()._load_model()
 
     def _activate_impl(self) -> None:
+        import contextlib
+
         import torch
 
-        from trt_sora.calibrate.fake_quant import fake_quant
+        from trt_sora.calibrate.fakequant_model import fake_quantized
 
         stats = self._stats_src
         if stats is not None and not hasattr(stats, "amax"):
@@ -217,6 +219,7 @@ class TorchFakeQuantRunner(TorchRunner):
             stats = CalibStats.load(stats)
         super()._activate_impl()
         modules = dict(self.model.named_modules())
+        by_format: dict[str, tuple[dict, dict]] = {}  # format -> ({site: act amax}, {site: weight amax})
         for s in self.sites:
             mod = modules.get(s.module)
             if not isinstance(mod, torch.nn.Linear):
@@ -232,23 +235,20 @@ class TorchFakeQuantRunner(TorchRunner):
                 amax_f = s.graph_amax
             else:
                 amax_f = max(group)
-            amax = torch.tensor(amax_f, dtype=torch.float32)
             self.site_amax[s.module] = amax_f
-            fmt = s.format
-
-            def pre_hook(_m, args, _a=amax, _f=fmt):
-                return (fake_quant(args[0], _a.to(args[0].device), _f),) + tuple(args[1:])
-
-            self._hooks.append(mod.register_forward_pre_hook(pre_hook))
-            with torch.no_grad():
-                w = mod.weight.float()
-                w_amax = stats.amax.get(f"{s.module}.weight") if stats is not None else None
-                w_amax = w.abs().amax(dim=1) if w_amax is None else w_amax.float().reshape(-1)
-                mod.weight.copy_(fake_quant(w, w_amax, fmt, axis=0).to(mod.weight.dtype))
+            act, wam = by_format.setdefault(s.format, ({}, {}))
+            act[s.module] = amax_f
+            w_amax = stats.amax.get(f"{s.module}.weight") if stats is not None else None
+            if w_amax is not None:
+                wam[s.module] = w_amax
+        # the same fake-quant model the calibration report evaluates (one implementation of the math)
+        self._stack = contextlib.ExitStack()
+        for fmt, (act, wam) in by_format.items():
+            self._stack.enter_context(fake_quantized(self.model, act, fmt, weight_amax=wam or None))
         log.info("%s: simulating Q/DQ at %d sites", self.name, len(self.sites))
 
     def _deactivate_impl(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
+        if getattr(self, "_stack", None) is not None:
+            self._stack.close()
+            self._stack = None
         super()._deactivate_impl()
