@@ -34,6 +34,13 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(scope="session")
+def tiny_points():
+    """TINY_POINTS as a fixture: `from conftest import ...` is ambiguous once sub-folders have
+    their own conftest.py."""
+    return TINY_POINTS
+
+
+@pytest.fixture(scope="session")
 def tiny_adapter():
     from trt_sora.models import get_adapter
 

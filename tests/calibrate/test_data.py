@@ -69,7 +69,7 @@ def test_selection_is_deterministic_and_nested():
 
 
 def test_load_prompts_errors(tmp_path):
-    with pytest.raises(CalibrationError, match="nope.jsonl.*available sets: video_prompts_v1"):
+    with pytest.raises(CalibrationError, match="nope.jsonl.*available sets: .*video_prompts_v1"):
         load_prompts(str(tmp_path / "nope.jsonl"))
     with pytest.raises(CalibrationError, match="did you mean 'video_prompts_v1'"):
         load_prompts("video_prompts_v2")

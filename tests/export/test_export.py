@@ -5,20 +5,19 @@ import numpy as np
 import onnx
 import pytest
 
-from conftest import TINY_POINTS
 from trt_sora.config import DIM_NAMES, ExportConfig, ExternalData
 from trt_sora.errors import ExportError
 from trt_sora.export import export_onnx, verify_onnx
 from trt_sora.export.exporter import compare, export_point, ort_session
 
 
-def test_export_writes_onnx_and_manifest(tiny_export):
+def test_export_writes_onnx_and_manifest(tiny_export, tiny_points):
     out = tiny_export.onnx_path.parent
     m = json.loads((out / "manifest.json").read_text())
     assert m["stage"] == "export" and m["config"]["opset"] == 20
     assert m["results"]["model"]["model_hash"]
     assert "torch" in m["tools"] and "onnx" in m["tools"]
-    assert [p["point"] for p in m["results"]["parity"]] == [dict(p) for p in TINY_POINTS]
+    assert [p["point"] for p in m["results"]["parity"]] == [dict(p) for p in tiny_points]
     onnx.checker.check_model(str(tiny_export.onnx_path))
     assert not list(out.glob(".*tmp*")), "staging folder left behind"
 
@@ -36,11 +35,11 @@ def test_named_dynamic_dims_and_fp32_timestep(tiny_export):
     assert ts.type.tensor_type.elem_type == onnx.TensorProto.FLOAT
 
 
-def test_ort_matches_pytorch_at_every_point(tiny_export):
+def test_ort_matches_pytorch_at_every_point(tiny_export, tiny_points):
     parity = tiny_export.parity
-    assert len(parity) == len(TINY_POINTS) >= 3
+    assert len(parity) == len(tiny_points) >= 3
     # consecutive points differ in every dynamic dim, batch included
-    for a, b in zip(TINY_POINTS, TINY_POINTS[1:]):
+    for a, b in zip(tiny_points, tiny_points[1:]):
         assert all(a[d] != b[d] for d in DIM_NAMES)
     for p in parity:
         assert p["cosine"] >= 0.99999, p
@@ -58,8 +57,8 @@ def test_independent_rerun_at_new_shape(tiny_export, tiny_adapter, tiny_model):
     assert compare(inputs["hidden_states"].numpy(), got)["cosine"] < 0.9
 
 
-def test_external_data_always(tmp_path, tiny_adapter, tiny_model):
-    cfg = ExportConfig(external_data=ExternalData.ALWAYS, verify_points=TINY_POINTS[:2])
+def test_external_data_always(tmp_path, tiny_adapter, tiny_model, tiny_points):
+    cfg = ExportConfig(external_data=ExternalData.ALWAYS, verify_points=tiny_points[:2])
     res = export_onnx(tiny_adapter, cfg, tmp_path / "ext", model=tiny_model)
     data = tmp_path / "ext" / "model.onnx.data"
     assert data.is_file() and data.stat().st_size > 0.9 * res.manifest["results"]["param_bytes"]
@@ -74,18 +73,18 @@ def test_export_point_avoids_size_one(tiny_adapter):
     assert point["latent_height"] % 2 == 0 and point["latent_width"] % 2 == 0
 
 
-def test_failed_parity_leaves_nothing(tmp_path, tiny_adapter, tiny_model):
+def test_failed_parity_leaves_nothing(tmp_path, tiny_adapter, tiny_model, tiny_points):
     out = tmp_path / "bad"
     with pytest.raises(ExportError, match="ONNX Runtime disagrees"):
         # an impossible bar: the stage must fail and write nothing
-        export_onnx(tiny_adapter, ExportConfig(min_cosine=1.0 + 1e-9, verify_points=TINY_POINTS[:2]), out,
+        export_onnx(tiny_adapter, ExportConfig(min_cosine=1.0 + 1e-9, verify_points=tiny_points[:2]), out,
                     model=tiny_model)
     assert not out.exists()
     assert not [p for p in tmp_path.iterdir()], "half-written staging folder left behind"
 
 
-def test_verify_point_outside_range(tmp_path, tiny_adapter, tiny_model):
-    bad = dict(TINY_POINTS[0], batch=99)
+def test_verify_point_outside_range(tmp_path, tiny_adapter, tiny_model, tiny_points):
+    bad = dict(tiny_points[0], batch=99)
     with pytest.raises(ExportError, match="outside the exported range"):
-        export_onnx(tiny_adapter, ExportConfig(verify_points=(bad, TINY_POINTS[1])), tmp_path / "x",
+        export_onnx(tiny_adapter, ExportConfig(verify_points=(bad, tiny_points[1])), tmp_path / "x",
                     model=tiny_model)

@@ -53,8 +53,7 @@ def test_keep_fp32_modules_in_half(tiny_adapter):
 
 
 @pytest.mark.parametrize("layout", ["transformer", "pipeline"])
-def test_load_from_checkpoint_folder_and_export(tmp_path, tiny_adapter, tiny_model, layout):
-    from conftest import TINY_POINTS
+def test_load_from_checkpoint_folder_and_export(tmp_path, tiny_adapter, tiny_model, layout, tiny_points):
     from trt_sora.config import ExportConfig
     from trt_sora.export import export_onnx
 
@@ -66,10 +65,10 @@ def test_load_from_checkpoint_folder_and_export(tmp_path, tiny_adapter, tiny_mod
     adapter = get_adapter(str(root))
     assert adapter.spec.source == "checkpoint" and adapter.spec.path == str(target)
     loaded = adapter.load("fp32")
-    x = tiny_adapter.example_inputs(TINY_POINTS[0])
+    x = tiny_adapter.example_inputs(tiny_points[0])
     torch.testing.assert_close(adapter.forward(loaded, x), tiny_adapter.forward(tiny_model, x))
     if layout == "transformer":
-        res = export_onnx(str(root), ExportConfig(verify_points=TINY_POINTS[:2]), tmp_path / "exp")
+        res = export_onnx(str(root), ExportConfig(verify_points=tiny_points[:2]), tmp_path / "exp")
         assert res.manifest["results"]["model"]["source"] == "checkpoint"
         assert all(p["cosine"] >= 0.99999 for p in res.parity)
 
