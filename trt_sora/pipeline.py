@@ -144,7 +144,9 @@ class EnginePipeline:
         def go():
             res = quantize_onnx(onnx, stats, self.recipe.quantization, self.folder("quantize"),
                                 model_hash=self.adapter.spec.model_hash())
-            return getattr(res, "summary", lambda: "")() if callable(getattr(res, "summary", None)) else ""
+            c = res.counts
+            return (f"{c['quantized_linears']} of {c['graph_linears']} linears quantized "
+                    f"({self.recipe.quantization.format.value}), {c['fused_groups']} fused groups")
 
         return self._run("quantize", fp, go)
 
