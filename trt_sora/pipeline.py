@@ -138,8 +138,10 @@ class EnginePipeline:
         from trt_sora.quantize import quantize_onnx
 
         onnx = self.folder("export") / "model.onnx"
-        stats = self.folder("calibrate") / "stats.safetensors"
-        fp = _fingerprint("quantize", __version__, to_dict(self.recipe.quantization), _file_hashes(onnx, stats))
+        # unquantized recipes (bf16): the graph is only cast to the graph dtype, no stats
+        stats = self.folder("calibrate") / "stats.safetensors" if self.quantized else None
+        fp = _fingerprint("quantize", __version__, to_dict(self.recipe.quantization),
+                          _file_hashes(onnx, *([stats] if stats else [])))
 
         def go():
             res = quantize_onnx(onnx, stats, self.recipe.quantization, self.folder("quantize"),
@@ -179,36 +181,23 @@ class EnginePipeline:
 
         return self._run("check", fp, go)
 
+    @property
+    def quantized(self) -> bool:
+        return self.recipe.quantization.format.value != "none"
+
     def run(self, stages: Sequence[str] = STAGES) -> list[StageOutcome]:
         unknown = [s for s in stages if s not in STAGES]
         if unknown:
             raise ConfigError(f"unknown stage(s) {unknown}; stages are {list(STAGES)}")
-        quantized = self.recipe.quantization.format.value != "none"
         outcomes = []
-        for stage in STAGES:
-            if stage not in stages:
-                continue
-            if stage in ("calibrate", "quantize") and not quantized:
-                o = StageOutcome(stage, "skipped", detail="recipe has quantization.format none")
-                self.progress(o)
-                outcomes.append(o)
-                if stage == "quantize":
-                    self._passthrough_quant()
-                continue
-            outcomes.append(getattr(self, stage)())
+        for stage in (s for s in STAGES if s in stages):
+            if stage == "calibrate" and not self.quantized:
+                outcome = StageOutcome(stage, "skipped", detail="recipe has quantization.format none")
+                self.progress(outcome)
+            else:
+                outcome = getattr(self, stage)()
+            outcomes.append(outcome)
         return outcomes
-
-    def _passthrough_quant(self) -> None:
-        """Unquantized recipes (bf16): the build reads the exported graph cast to the graph dtype."""
-        from trt_sora.quantize import quantize_onnx
-
-        onnx = self.folder("export") / "model.onnx"
-        fp = _fingerprint("quantize", __version__, to_dict(self.recipe.quantization), _file_hashes(onnx))
-        if self._reusable("quantize", fp):
-            return
-        quantize_onnx(onnx, None, self.recipe.quantization, self.folder("quantize"),
-                      model_hash=self.adapter.spec.model_hash())
-        self._record("quantize", fp)
 
 
 def run_engine(recipe: Recipe | str, model: str | None = None, out_root: str | Path = "build", *,

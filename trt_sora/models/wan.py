@@ -98,10 +98,6 @@ def _rope(x, cos, sin):
     return torch.stack([x1 * c - x2 * s, x1 * s + x2 * c], dim=-1).flatten(-2).type_as(x)
 
 
-class _ExportWrapper:
-    """Built lazily as an nn.Module subclass (torch is imported only when needed)."""
-
-
 def _make_wrapper(model):
     import torch
 
