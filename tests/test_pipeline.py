@@ -92,3 +92,23 @@ def test_tensorrt_recipe_fails_fast_after_earlier_stages(first_run, tmp_path):
     assert [o.status for o in seen] == ["reused"] * 3
     assert (run_dir / "quant" / "model.qdq.onnx").is_file()
     assert not (run_dir / "engine").exists()
+
+
+def test_unquantized_recipe_skips_calibration_and_casts_the_graph(first_run, tmp_path):
+    """h100-bf16: no calibration, the quantize stage only casts the exported graph to bf16."""
+    import onnx
+
+    pipe, _ = first_run
+    bf16 = load_recipe("h100-bf16")
+    assert bf16.export == pipe.recipe.export
+    run_dir = tmp_path / "wan-tiny" / "h100-bf16"
+    run_dir.mkdir(parents=True)
+    shutil.copytree(pipe.folder("export"), run_dir / "export")
+    shutil.copy(pipe.run_dir / "pipeline.json", run_dir / "pipeline.json")
+    seen = []
+    EnginePipeline(bf16, "wan-tiny", tmp_path, progress=seen.append).run(("export", "calibrate", "quantize"))
+    assert [o.status for o in seen] == ["reused", "skipped", "ran"]
+    model = onnx.load(str(run_dir / "quant" / "model.qdq.onnx"), load_external_data=False)
+    assert not [n for n in model.graph.node if n.op_type in ("QuantizeLinear", "DequantizeLinear")]
+    types = {i.name: i.type.tensor_type.elem_type for i in model.graph.input}
+    assert types["hidden_states"] == onnx.TensorProto.BFLOAT16 and types["timestep"] == onnx.TensorProto.FLOAT
