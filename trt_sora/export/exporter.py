@@ -18,6 +18,7 @@ from typing import Any, Mapping, Sequence
 from trt_sora.config import DIM_NAMES, DimRange, ExportConfig, ExternalData
 from trt_sora.errors import ExportError, require
 from trt_sora.manifest import file_entry, staged_dir, write_manifest
+from trt_sora.parity.metrics import compare  # one metric implementation for every stage
 
 log = logging.getLogger("trt_sora")
 
@@ -207,30 +208,6 @@ def export_onnx(model_ref, config: ExportConfig, out_dir: str | Path, *, model=N
 
 def _passes(p: dict, config: ExportConfig) -> bool:
     return p["cosine"] >= config.min_cosine and p["max_abs"] <= p["max_abs_limit"]
-
-
-def compare(ref, got) -> dict[str, float]:
-    """Cosine, max-abs, relative L2 and PSNR (peak = ref max - min) of two arrays (fp64 math)."""
-    import numpy as np
-
-    r = np.asarray(ref, dtype=np.float64).ravel()
-    g = np.asarray(got, dtype=np.float64).ravel()
-    if r.shape != g.shape:
-        raise ExportError(f"output shapes differ: reference {np.shape(ref)} vs candidate {np.shape(got)}")
-    diff = r - g
-    denom = np.linalg.norm(r) * np.linalg.norm(g)
-    cos = float(r @ g / denom) if denom > 0 else float(np.array_equal(r, g))
-    mse = float(np.mean(diff ** 2))
-    peak = float(r.max() - r.min()) if r.size else 0.0
-    psnr = float("inf") if mse == 0 else float(10 * np.log10(peak ** 2 / mse)) if peak > 0 else float("-inf")
-    return {
-        "cosine": cos,
-        "max_abs": float(np.abs(diff).max()) if r.size else 0.0,
-        "rel_l2": float(np.linalg.norm(diff) / max(np.linalg.norm(r), 1e-30)),
-        "psnr_db": psnr,
-        "psnr_peak": peak,
-        "ref_max_abs": float(np.abs(r).max()) if r.size else 0.0,
-    }
 
 
 def ort_session(onnx_path: str | Path, *, providers: Sequence[str] | None = None, threads: int | None = None):
