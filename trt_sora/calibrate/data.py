@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from trt_sora.errors import CalibrationError, ConfigError
+from trt_sora.config.base import did_you_mean
 
 log = logging.getLogger("trt_sora")
 
@@ -58,12 +59,6 @@ def list_prompt_sets() -> dict[str, Path]:
     return {p.stem: p for p in sorted(d.glob("*.jsonl"))} if d.is_dir() else {}
 
 
-def _did_you_mean(word: str, choices) -> str:
-    from trt_sora.config.base import did_you_mean
-
-    return did_you_mean(word, choices)
-
-
 # -- prompts ---------------------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +85,7 @@ def resolve_prompt_set(ref: str | os.PathLike) -> Path:
         return path
     raise CalibrationError(
         f"prompt set {s!r} not found (looked for {path} and {calib_dir() / 'prompts' / (s + '.jsonl')})"
-        f"{_did_you_mean(s, known)}; available sets: {', '.join(known) or '(none)'} - pass a name from "
+        f"{did_you_mean(s, known)}; available sets: {', '.join(known) or '(none)'} - pass a name from "
         "that list or a path to a .jsonl file")
 
 
@@ -112,7 +107,7 @@ def _check_lines(path: Path) -> int:
             unknown = set(row) - {"id", "prompt", "tags", "split"}
             if unknown:
                 k = sorted(unknown)[0]
-                raise CalibrationError(f"{where}: unknown field {k!r}{_did_you_mean(k, ('id', 'prompt', 'tags', 'split'))}"
+                raise CalibrationError(f"{where}: unknown field {k!r}{did_you_mean(k, ('id', 'prompt', 'tags', 'split'))}"
                                        "; fields are id, prompt, tags, split")
             if not isinstance(row.get("id"), str) or not row["id"]:
                 raise CalibrationError(f"{where}: 'id' must be a non-empty string")
@@ -175,7 +170,7 @@ def load_prompts(ref: str | os.PathLike, *, split: str = "calib", num_prompts: i
     import numpy as np
 
     if split not in SPLITS:
-        raise ConfigError(f"split {split!r}{_did_you_mean(split, SPLITS)}; use one of {', '.join(SPLITS)}")
+        raise ConfigError(f"split {split!r}{did_you_mean(split, SPLITS)}; use one of {', '.join(SPLITS)}")
     ds = load_prompt_dataset(ref, cache_dir=cache_dir)
     rows_in_split = [i for i, s in enumerate(ds["split"]) if split == "all" or (s or "calib") == split]
     n_avail = len(rows_in_split)
@@ -250,7 +245,7 @@ class CalibPreset:
 
     def __post_init__(self) -> None:
         if self.split not in SPLITS:
-            raise ConfigError(f"preset {self.name!r}: split {self.split!r}{_did_you_mean(self.split, SPLITS)}; "
+            raise ConfigError(f"preset {self.name!r}: split {self.split!r}{did_you_mean(self.split, SPLITS)}; "
                               f"use one of {', '.join(SPLITS)}")
         for key in ("num_prompts", "num_steps"):
             v = getattr(self, key)
@@ -300,7 +295,7 @@ def load_preset(name_or_path: str | os.PathLike) -> CalibPreset:
         if not path.is_file():
             raise ConfigError(
                 f"calibration preset {ref!r} not found (no file {path} and no "
-                f"{calib_dir() / 'presets' / (ref + '.yaml')}){_did_you_mean(ref, known)}; "
+                f"{calib_dir() / 'presets' / (ref + '.yaml')}){did_you_mean(ref, known)}; "
                 f"existing presets: {', '.join(known) or '(none)'}")
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
