@@ -25,3 +25,18 @@ def test_wan_tiny_keeps_recipe_buckets_only_when_it_has_none():
     r = load_recipe("h100-fp8")
     big = get_adapter("wan2.1-t2v-1.3b").buckets_for(r)
     assert big[0] == r.buckets and big[1] == "recipe h100-fp8"
+
+
+def test_manifest_entry_of_a_named_checkpoint_keeps_its_buckets():
+    # `trt-sora check` / runtime.load resolve the model from the export manifest; wan-shapes is a
+    # checkpoint folder too, but must come back as wan-shapes (its own 9x32x32 buckets), not as a
+    # bare folder that takes the recipe's 480p buckets
+    from trt_sora.models import adapter_for_manifest
+
+    entry = get_adapter("wan-shapes").describe()
+    assert entry["source"] == "checkpoint" and entry.get("path")
+    a = adapter_for_manifest(entry)
+    assert a.name == "wan-shapes"
+    assert [b.name for b in a.buckets_for(load_recipe("rtx4090-fp8"))[0]] == ["shapes-1clip", "shapes-2clips"]
+    folder_only = adapter_for_manifest({**entry, "ref": "/some/renamed/copy", "path": entry["path"]})
+    assert folder_only.spec.path == entry["path"]

@@ -28,6 +28,13 @@ def test_full_matrix_passes(checked_run):
     assert set(lv) == {"export", "qdq", "quality", "loop", "frames"}
     assert lv["export"]["metrics"]["cosine"] >= 0.99999 and lv["export"]["metrics"]["max_abs"] < 1e-4
     assert lv["qdq"]["metrics"]["cosine"] >= 0.999
+    # the Q/DQ gate is judged against the rounding floor of the fp16 graph, sample by sample
+    assert lv["qdq"]["floor_reference"].endswith("fp16-inputs")
+    for m in lv["qdq"]["per_sample"]:
+        assert 0 < m["floor_1_minus_cosine"] < 1e-3
+        assert m["allowed_1_minus_cosine"] == pytest.approx(max(1e-3, 4 * m["floor_1_minus_cosine"]))
+        assert m["distance_over_allowed"] == pytest.approx((1 - m["cosine"]) / m["allowed_1_minus_cosine"])
+    assert lv["qdq"]["checks"][0]["value"] <= 1.0
     assert lv["quality"]["metrics"]["psnr_db"] >= 30.0
     assert len(lv["loop"]["per_step"]) == 4
     assert lv["frames"]["metrics"]["frames"] >= 1 and 0 < lv["frames"]["metrics"]["worst_ssim"] <= 1
@@ -49,6 +56,7 @@ def test_wrong_scale_is_caught_and_localised(base_run, tmp_path):
     corrupt_scale(run, site, 0.02)  # clips that linear's input to 2% of its range
     rep = check_artifacts(run, RECIPE)
     assert not rep["passed"] and "qdq" in rep["failed"]
+    assert _by_level(rep)["qdq"]["checks"][0]["value"] > 1.0  # beyond what rounding explains
     loc = rep["localization"]["qdq"]
     assert loc["first_jump"] == site and loc["block"] == "blocks.1"
     assert site in (run / "parity" / "report.md").read_text()

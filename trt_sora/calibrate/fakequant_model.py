@@ -61,7 +61,7 @@ def _scalar_amax(site: str, a) -> torch.Tensor:
 def fake_quantized(model: torch.nn.Module, act_amax: Mapping[str, torch.Tensor | float],
                    fmt: QuantFormat | str, *, sites: Callable[[str], bool] | Iterable[str] | None = None,
                    weight_amax: Mapping[str, torch.Tensor] | None = None, quantize_weights: bool = True,
-                   cache_weights: bool = True) -> Iterator[list[str]]:
+                   cache_weights: bool = True, round_inputs: torch.dtype | None = None) -> Iterator[list[str]]:
     """Simulate FP8/INT8 Q/DQ on the selected linears of ``model`` while the context is open.
 
     Args:
@@ -76,6 +76,10 @@ def fake_quantized(model: torch.nn.Module, act_amax: Mapping[str, torch.Tensor |
         cache_weights: precompute the fake-quantized weights once (one extra copy of the
             quantized linears' weights in their dtype); ``False`` recomputes them in every
             forward (no extra memory; for models that fill the device).
+        round_inputs: round each quantized input to this dtype (e.g. ``torch.float16``) before
+            quantizing it, as a Q/DQ graph in that dtype holds its activations. The parity
+            checker uses it to measure the rounding floor: how far an fp16 graph's FP8
+            roundings may legitimately drift from an fp32 simulation.
 
     Yields:
         the list of quantized module paths (module order).
@@ -110,7 +114,7 @@ def fake_quantized(model: torch.nn.Module, act_amax: Mapping[str, torch.Tensor |
                 if cache_weights:
                     w_fq = _fq_weight(mod.weight, w_a, fmt)
             patched.append((mod, "forward" in mod.__dict__))
-            mod.forward = _make_forward(mod, a, fmt, quantize_weights, w_fq, w_a)
+            mod.forward = _make_forward(mod, a, fmt, quantize_weights, w_fq, w_a, round_inputs)
             names.append(name)
         log.debug("fake-quantizing %d linears in %s", len(names), fmt)
         yield names
@@ -129,8 +133,10 @@ def _fq_weight(w: torch.Tensor, w_amax: torch.Tensor | None, fmt: str) -> torch.
 
 
 def _make_forward(mod: torch.nn.Linear, amax: torch.Tensor, fmt: str, quantize_weights: bool,
-                  w_fq: torch.Tensor | None, w_amax: torch.Tensor | None):
+                  w_fq: torch.Tensor | None, w_amax: torch.Tensor | None, round_inputs: torch.dtype | None = None):
     def forward(x: torch.Tensor) -> torch.Tensor:
+        if round_inputs is not None:
+            x = x.to(round_inputs).to(x.dtype)
         xq = fake_quant(x, amax, fmt)
         if not quantize_weights:
             w = mod.weight

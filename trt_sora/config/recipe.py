@@ -171,6 +171,11 @@ class ParityGate:
     max_abs: float | None = None
     max_rel_l2: float | None = None
     min_ssim: float | None = None  # decoded frames only (worst frame)
+    # Q/DQ level only: ``min_cosine`` is relaxed, per sample, to ``max_floor_ratio`` x the rounding
+    # floor, the distance between two correct references (PyTorch fake-quant in fp32 and in the
+    # graph's dtype). FP8 rounds to 3 mantissa bits, so fp16-vs-fp32 differences flip some roundings;
+    # on a trained model near the end of sampling that alone costs more than 1e-3 in cosine.
+    max_floor_ratio: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,7 +183,7 @@ class ParityConfig:
     """Gates per comparison level (see trt_sora.parity)."""
 
     export: ParityGate = ParityGate(min_cosine=0.99999)
-    qdq: ParityGate = ParityGate(min_cosine=0.999)
+    qdq: ParityGate = ParityGate(min_cosine=0.999, max_floor_ratio=4.0)
     quality: ParityGate = ParityGate(min_cosine=0.99, min_psnr_db=30.0)
     loop: ParityGate = ParityGate(min_psnr_db=25.0)
     frames: ParityGate = ParityGate(min_psnr_db=25.0)

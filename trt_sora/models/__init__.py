@@ -82,3 +82,15 @@ def get_adapter(ref: str | ModelSpec) -> ModelAdapter:
 
 
 __all__ = ["DEFAULT_MODEL", "ModelAdapter", "ModelSpec", "get_adapter", "list_models", "resolve"]
+
+
+def adapter_for_manifest(entry: dict) -> ModelAdapter:
+    """The adapter for an export manifest's ``results.model`` entry: its registry name when that is
+    registered (so a named checkpoint such as ``wan-shapes`` keeps its own buckets, text encoder and
+    defaults), else its checkpoint folder, else its ref."""
+    ref = entry.get("ref")
+    if ref in _named():
+        return get_adapter(ref)
+    if entry.get("source") == "checkpoint" and entry.get("path"):
+        return get_adapter(entry["path"])
+    return get_adapter(ref)

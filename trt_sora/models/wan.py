@@ -148,8 +148,11 @@ class WanAdapter(ModelAdapter):
         if self.spec.source == "checkpoint":
             diffusers = require("diffusers", extra="export")
             require("accelerate", extra="export")
+            from trt_sora.models import frame_embed
+
             try:
-                model = diffusers.WanTransformer3DModel.from_pretrained(self.spec.path, torch_dtype=tdtype)
+                # a stock checkpoint, or one with wan-shapes' absolute frame embedding (frame_embed.py)
+                model = frame_embed.load(self.spec.path, tdtype)
             except (OSError, ValueError, RuntimeError) as exc:
                 raise ModelError(f"cannot load a Wan transformer from {self.spec.path}: {exc}") from None
             model = model.to(device)

@@ -189,12 +189,15 @@ class TorchFakeQuantRunner(TorchRunner):
         qdq_map: path to / parsed ``qdq_map.json``.
         stats: path to ``stats.safetensors`` or a ``CalibStats`` (the ones the Q/DQ graph was made
             from); ``None``: the map's recorded amax (then a wrong scale in the graph is invisible).
+        round_inputs: ``"fp16"``/``"bf16"``: round each quantized input to that dtype first, as a
+            Q/DQ graph in that dtype holds it (the parity checker's rounding-floor reference).
     """
 
     def __init__(self, model_ref, qdq_map, stats=None, *, dtype: str = "fp32", device: str = "cpu",
-                 model=None, name: str | None = None):
+                 model=None, name: str | None = None, round_inputs: str | None = None):
         super().__init__(model_ref, dtype=dtype, device=device, model=model,
                          name=name or f"torch-fakequant-{dtype}")
+        self.round_inputs = round_inputs
         self.sites, self.qdq_meta = read_qdq_map(qdq_map)
         self._stats_src = stats
         self._stack = None
@@ -211,6 +214,7 @@ class TorchFakeQuantRunner(TorchRunner):
         import torch
 
         from trt_sora.calibrate.fakequant_model import fake_quantized
+        from trt_sora.models.base import torch_dtype
 
         stats = self._stats_src
         if stats is not None and not hasattr(stats, "amax"):
@@ -244,7 +248,9 @@ class TorchFakeQuantRunner(TorchRunner):
         # the same fake-quant model the calibration report evaluates (one implementation of the math)
         self._stack = contextlib.ExitStack()
         for fmt, (act, wam) in by_format.items():
-            self._stack.enter_context(fake_quantized(self.model, act, fmt, weight_amax=wam or None))
+            self._stack.enter_context(fake_quantized(
+                self.model, act, fmt, weight_amax=wam or None,
+                round_inputs=torch_dtype(self.round_inputs) if self.round_inputs else None))
         log.info("%s: simulating Q/DQ at %d sites", self.name, len(self.sites))
 
     def _deactivate_impl(self) -> None:

@@ -285,11 +285,10 @@ def load(artifact_dir, backend: str = "auto", *, force: bool = False, concurrenc
         sess = OrtRunner(candidate, threads=threads).activate()  # ORT's run() is thread-safe: share it
         runners, pool_n = [sess], concurrency
     else:
-        from trt_sora.models import get_adapter
+        from trt_sora.models import adapter_for_manifest
         from trt_sora.runners.torch_runner import TorchRunner
 
-        m = res["model"]
-        adapter = get_adapter(m.get("path") if m.get("source") == "checkpoint" else m["ref"])
+        adapter = adapter_for_manifest(res["model"])
         if device is None:
             import torch
 

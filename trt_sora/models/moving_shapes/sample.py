@@ -94,12 +94,12 @@ def sample(
 def load_transformer(folder=None, dtype: "torch.dtype | None" = None):
     """``WanTransformer3DModel`` from ``folder`` (default: the shipped weights), eval mode."""
     import torch
-    from diffusers import WanTransformer3DModel
+
+    from trt_sora.models import frame_embed
 
     from . import WEIGHTS_DIR
 
-    model = WanTransformer3DModel.from_pretrained(str(folder or WEIGHTS_DIR), torch_dtype=dtype or torch.float32)
-    return model.eval()
+    return frame_embed.load(folder or WEIGHTS_DIR, dtype or torch.float32).eval()
 
 
 def generate(prompts: list[str], config: SampleConfig = SampleConfig(), transformer=None) -> "torch.Tensor":
@@ -108,3 +108,61 @@ def generate(prompts: list[str], config: SampleConfig = SampleConfig(), transfor
 
     transformer = transformer or load_transformer()
     return sample(transformer, text.encode(prompts, text.TEXT_LEN), config)
+
+
+def save_gif(clips: "torch.Tensor", path, columns: int = 4, scale: int = 4, gap: int = 2) -> None:
+    """Clips [B, 3, F, H, W] in [-1, 1] -> one animated GIF, clips tiled ``columns`` wide."""
+    import numpy as np
+    from PIL import Image
+
+    x = ((clips.float().cpu().clamp(-1, 1) + 1) * 127.5).round().byte().numpy()  # [B, 3, F, H, W]
+    b, _, f, h, w = x.shape
+    rows = (b + columns - 1) // columns
+    frames = []
+    for j in range(f):
+        canvas = np.full((rows * (h * scale + gap), columns * (w * scale + gap), 3), 255, np.uint8)
+        for i in range(b):
+            r, c = divmod(i, columns)
+            tile = np.transpose(x[i, :, j], (1, 2, 0)).repeat(scale, 0).repeat(scale, 1)
+            canvas[r * (h * scale + gap):r * (h * scale + gap) + h * scale,
+                   c * (w * scale + gap):c * (w * scale + gap) + w * scale] = tile
+        frames.append(Image.fromarray(canvas))
+    frames[0].save(path, save_all=True, append_images=frames[1:], duration=180, loop=0)
+
+
+def main(argv=None) -> int:
+    """Generate clips for captions on this machine, probe them, optionally save a GIF."""
+    import argparse
+
+    from . import data
+    from .probe import probe_batch
+
+    p = argparse.ArgumentParser(description="wan-shapes: captions -> clips (+ probe verdicts)")
+    p.add_argument("captions", nargs="*", help="captions (default: --heldout N of the held-out split)")
+    p.add_argument("--heldout", type=int, default=8, help="held-out captions to use when none are given")
+    p.add_argument("--steps", type=int, default=DEFAULT_STEPS)
+    p.add_argument("--guidance", type=float, default=DEFAULT_GUIDANCE)
+    p.add_argument("--shift", type=float, default=DEFAULT_SHIFT)
+    p.add_argument("--seed", type=int, default=data.HELDOUT_SEED_START)
+    p.add_argument("--gif", default=None, help="write the clips, tiled, as an animated GIF")
+    args = p.parse_args(argv)
+    captions = args.captions or [s.caption() for s in data.all_caption_specs("heldout")[::11][: args.heldout]]
+    clips = generate(captions, SampleConfig(args.steps, args.guidance, args.shift, args.seed))
+    hits = 0
+    for caption, r in zip(captions, probe_batch(clips)):
+        try:
+            ok = r.passes(data.parse_caption(caption))
+        except ValueError:
+            ok = None
+        hits += bool(ok)
+        print(f"{caption!r}: probe colour={r.colour} motion={r.motion} background={r.background} "
+              f"shape={r.shape} -> {'pass' if ok else 'FAIL' if ok is False else 'n/a'}")
+    print(f"colour+motion right on {hits}/{len(captions)}")
+    if args.gif:
+        save_gif(clips, args.gif)
+        print(f"wrote {args.gif}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -2,12 +2,17 @@
 
     python -m trt_sora.models.moving_shapes.train --out DIR [--minutes 7] [--batch 128]
 
+The shipped weights came from four such runs (MODEL_CARD.md). The last one
+added ``--frame-embed --hi-sigma 0.5``: without an absolute frame embedding
+and training at high noise the model never learns the *sign* of the motion
+(the caption's "up" vs "down"); pass both for any new run.
+
 Runs on CUDA (bf16 autocast) or CPU (fp32, for smoke tests). Batches are
 rendered on the fly on the training device from fresh seeds, so the model
 never sees the same clip twice. Writes to ``--out``:
 
     config.json, diffusion_pytorch_model.safetensors   (EMA weights, fp16;
-        ``WanTransformer3DModel.from_pretrained(out)`` loads them)
+        ``trt_sora.models.frame_embed.load(out)`` loads them, frame embedding included)
     train_log.json    run facts, loss curve, held-out probe evaluation
     samples.png       held-out captions, every frame
 
@@ -97,29 +102,69 @@ def load_embeddings(path: Path | None, text_len: int):
     return {c: i for i, c in enumerate(caps)}, emb
 
 
-def sample_sigmas(n: int, generator, device):
-    """Flow-matching noise levels: logit-normal(0, 1) mixed with 10% uniform (tails)."""
+#: the noise band where the caption alone must decide the motion's sign (see ``--hi-sigma``)
+HI_SIGMA_BAND = (0.75, 1.0)
+
+
+def sample_sigmas(n: int, generator, device, hi_fraction: float = 0.0):
+    """Flow-matching noise levels: logit-normal(0, 1) mixed with 10% uniform (tails).
+
+    ``hi_fraction`` of the batch is drawn uniformly from :data:`HI_SIGMA_BAND`
+    instead. Logit-normal(0, 1) puts only ~2 % of samples above sigma 0.9, yet
+    that is where the direction of motion gets decided: below ~0.85 the shape's
+    trajectory is already visible in the noisy clip and the model only has to
+    follow it, so a model trained on logit-normal alone learns the axis of
+    motion from the verb and never the sign.
+    """
     import torch
 
     s = torch.sigmoid(torch.randn(n, generator=generator))
     u = torch.rand(n, generator=generator)
     s = torch.where(torch.rand(n, generator=generator) < 0.1, u, s)
+    lo, hi = HI_SIGMA_BAND
+    band = lo + (hi - lo) * torch.rand(n, generator=generator)
+    s = torch.where(torch.rand(n, generator=generator) < hi_fraction, band, s)
     return s.clamp(1e-4, 1.0).to(device)
 
 
-def evaluate(model, cap_index, emb, device, dtype, settings, n_seeds: int = 1, template=None, limit=None):
-    """Probe accuracy on held-out captions for each (steps, guidance, shift) setting."""
+def foreground_weights(x0, weight: float):
+    """Per-pixel loss weights: ``weight`` on the moving shape, 1 elsewhere, mean 1 per clip.
+
+    The background is static, so the shape is where a frame differs from the
+    clip's temporal median.
+    """
+    import torch
+
+    bg = x0.median(dim=2, keepdim=True).values
+    fg = ((x0 - bg).abs().amax(dim=1, keepdim=True) > 0.2).float()  # [B, 1, F, H, W]
+    w = 1.0 + (weight - 1.0) * fg
+    return w / w.mean(dim=(1, 2, 3, 4), keepdim=True)
+
+
+def evaluate(model, cap_index, emb, device, dtype, settings, n_seeds: int = 1, template=None, limit=None,
+             split: str = "heldout"):
+    """Probe accuracy on ``split`` captions for each (steps, guidance, shift) setting.
+
+    Besides per-attribute accuracy, reports the motion confusion (caption
+    direction -> probed direction) and how often the *axis* of the motion is
+    right: a model that knows the axis but not the sign sits at ~50 % motion.
+    """
     import torch
 
     from .probe import probe_clip
     from .sample import SampleConfig, sample
 
-    specs = data.all_caption_specs("heldout")[:limit]
+    specs = data.all_caption_specs(split)
+    if split != "heldout":  # an even spread over the (larger) training set
+        specs = specs[:: max(1, len(specs) // (limit or len(specs)))]
+    specs = specs[:limit]
     caps = [s.caption(template) if template else s.caption() for s in specs]
     cond = emb[[cap_index[c] for c in caps]].to(device).float()
+    axis = {m: ("x" if v[0] else "y") for m, v in data.MOTIONS.items()}
     out = []
     for steps, guidance, shift in settings:
-        hits = {"colour": 0, "motion": 0, "background": 0, "shape": 0, "pass": 0}
+        hits = {"colour": 0, "motion": 0, "background": 0, "shape": 0, "pass": 0, "motion_axis": 0}
+        confusion: dict[str, dict[str, int]] = {}
         total = 0
         for seed in range(n_seeds):
             cfg = SampleConfig(steps=steps, guidance_scale=guidance, shift=shift, seed=data.HELDOUT_SEED_START + seed)
@@ -130,9 +175,12 @@ def evaluate(model, cap_index, emb, device, dtype, settings, n_seeds: int = 1, t
                 for k, v in r.matches(spec).items():
                     hits[k] += int(v)
                 hits["pass"] += int(r.passes(spec))
+                hits["motion_axis"] += int(axis.get(r.motion) == axis[spec.motion])
+                row = confusion.setdefault(spec.motion, {})
+                row[str(r.motion)] = row.get(str(r.motion), 0) + 1
                 total += 1
-        out.append({"steps": steps, "guidance": guidance, "shift": shift, "n": total,
-                    **{k: v / total for k, v in hits.items()}})
+        out.append({"split": split, "steps": steps, "guidance": guidance, "shift": shift, "n": total,
+                    **{k: v / total for k, v in hits.items()}, "motion_confusion": confusion})
         log.info("eval %s", out[-1])
     return out
 
@@ -177,6 +225,16 @@ def main(argv=None) -> int:
     p.add_argument("--no-eval", action="store_true")
     p.add_argument("--eval-limit", type=int, default=None, help="held-out captions to evaluate (default all)")
     p.add_argument("--save-every", type=float, default=120.0, help="seconds between checkpoints")
+    p.add_argument("--frame-embed", action="store_true",
+                   help="add the absolute frame-index embedding (frame_embed.py); zero-initialised when --init lacks one")
+    p.add_argument("--hi-sigma", type=float, default=0.0,
+                   help=f"fraction of each batch drawn from sigma in {HI_SIGMA_BAND} (see sample_sigmas)")
+    p.add_argument("--fg-weight", type=float, default=1.0, help="loss weight of the moving shape's pixels")
+    p.add_argument("--frame-init-std", type=float, default=0.1, help="initial std of a new frame embedding's weight")
+    p.add_argument("--frame-lr-mult", type=float, default=10.0, help="learning-rate multiplier of the frame embedding")
+    p.add_argument("--compile", action="store_true", help="torch.compile the training forward (falls back to eager)")
+    p.add_argument("--eval-only", action="store_true", help="evaluate --init and exit (no training)")
+    p.add_argument("--quick-eval", action="store_true", help="one sampler setting, held-out and train captions")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
 
@@ -206,18 +264,29 @@ def main(argv=None) -> int:
     empty_id = cap_index[""]
 
     cfg = model_config(layers=args.layers, heads=args.heads)
+    from trt_sora.models import frame_embed
+
     if args.init:
-        model = WanTransformer3DModel.from_pretrained(str(args.init), torch_dtype=torch.float32)
+        model = frame_embed.load(args.init, torch.float32)
         cfg = {k: model.config[k] for k in cfg}
         prior = json.loads((args.init / "train_log.json").read_text()) if (args.init / "train_log.json").exists() else {}
     else:
         model = WanTransformer3DModel(**cfg)
         prior = {}
+    if args.frame_embed and not isinstance(model.patch_embedding, frame_embed.FrameEmbeddedConv3d):
+        frame_embed.attach(model)
+        if args.frame_init_std > 0:
+            # a non-zero start: with W = 0 the data's time symmetry keeps W's gradient near zero
+            torch.nn.init.normal_(model.patch_embedding.frame_weight, std=args.frame_init_std)
+    has_frame_embed = isinstance(model.patch_embedding, frame_embed.FrameEmbeddedConv3d)
     model = model.to(device).train()
     ema = copy.deepcopy(model).eval().requires_grad_(False)
     n_params = sum(p.numel() for p in model.parameters())
     log.info("params %.2fM, device %s, train captions %d", n_params / 1e6, device, cap_ids.numel())
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.99), weight_decay=0.01, fused=device.type == "cuda")
+    frame_params = [p for n, p in model.named_parameters() if n == frame_embed.PARAM_NAME]
+    other_params = [p for n, p in model.named_parameters() if n != frame_embed.PARAM_NAME]
+    groups = [{"params": other_params, "mult": 1.0}] + ([{"params": frame_params, "mult": args.frame_lr_mult}] if frame_params else [])
+    opt = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.99), weight_decay=0.01, fused=device.type == "cuda")
     gen = torch.Generator().manual_seed(args.seed)
     budget = args.minutes * 60
 
@@ -225,6 +294,15 @@ def main(argv=None) -> int:
         ema.to(torch.float16).save_pretrained(str(args.out), safe_serialization=True)
         ema.to(torch.float32)
         log.info("saved %s", tag)
+
+    fwd = model
+    if args.compile:
+        try:
+            fwd = torch.compile(model)
+        except Exception as exc:  # noqa: BLE001 - an optimisation only
+            log.warning("torch.compile unavailable (%s); eager", exc)
+    if args.eval_only:
+        args.steps = 0
 
     curve, window, last_save = [], [], time.time()
     t_loop = time.time()
@@ -237,7 +315,7 @@ def main(argv=None) -> int:
             break
         lr = args.lr * min(1.0, (step + 1) / args.warmup) * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * progress)))
         for g in opt.param_groups:
-            g["lr"] = lr
+            g["lr"] = lr * g["mult"]
 
         rng = np.random.default_rng([args.seed, step])
         idx = rng.integers(0, len(train_specs), size=args.batch)
@@ -252,14 +330,24 @@ def main(argv=None) -> int:
         ids = torch.where(drop & to_empty, torch.full_like(ids, empty_id), ids)
         cond = emb_table[ids].float() * (~(drop & ~to_empty)).float().view(-1, 1, 1)
 
-        sigma = sample_sigmas(args.batch, gen, device)
+        sigma = sample_sigmas(args.batch, gen, device, args.hi_sigma)
         noise = torch.randn(x0.shape, generator=gen).to(device)
         s = sigma.view(-1, 1, 1, 1, 1)
         xt = (1 - s) * x0 + s * noise
         target = noise - x0
         with torch.autocast(device.type, dtype=amp, enabled=amp != torch.float32):
-            pred = model(hidden_states=xt, timestep=sigma * 1000, encoder_hidden_states=cond, return_dict=False)[0]
-        loss = torch.nn.functional.mse_loss(pred.float(), target)
+            try:
+                pred = fwd(hidden_states=xt, timestep=sigma * 1000, encoder_hidden_states=cond, return_dict=False)[0]
+            except Exception as exc:  # noqa: BLE001 - a failed compile falls back to eager
+                if fwd is model:
+                    raise
+                log.warning("compiled forward failed (%s); eager from here", str(exc).splitlines()[0][:200])
+                fwd = model
+                pred = fwd(hidden_states=xt, timestep=sigma * 1000, encoder_hidden_states=cond, return_dict=False)[0]
+        if args.fg_weight != 1.0:
+            loss = (foreground_weights(x0, args.fg_weight) * (pred.float() - target) ** 2).mean()
+        else:
+            loss = torch.nn.functional.mse_loss(pred.float(), target)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -281,7 +369,8 @@ def main(argv=None) -> int:
             save(f"step {step}")
             last_save = time.time()
     train_s = time.time() - t_loop
-    save(f"final step {step}")
+    if not args.eval_only:
+        save(f"final step {step}")
 
     run = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -292,14 +381,24 @@ def main(argv=None) -> int:
         "train_seconds": round(train_s, 1),
         "final_loss": float(np.mean([c["loss"] for c in curve[-4:]])) if curve else None,
         "params": n_params,
+        "frame_embedding": has_frame_embed,
+        "frame_weight_norm": float(model.patch_embedding.frame_weight.detach().norm()) if has_frame_embed else None,
         "args": {k: str(v) for k, v in vars(args).items()},
         "config": cfg,
         "loss_curve": curve,
     }
-    if prior:  # a continued run: keep the earlier run's record
+    if prior and not args.eval_only:  # a continued run: keep the earlier run's record
         run["previous_runs"] = prior.get("previous_runs", []) + [{k: v for k, v in prior.items() if k != "previous_runs"}]
         run["steps_total"] = prior.get("steps_total", prior.get("steps", 0)) + step
-    if not args.no_eval:
+    if args.eval_only:
+        ema = model.eval()
+    if not args.no_eval and args.quick_eval:
+        model_eval = ema.to(torch.float32)
+        quick = [(args.eval_steps, 4.0, 2.0)]
+        run["eval_heldout"] = evaluate(model_eval, cap_index, emb_table, device, amp, quick, n_seeds=2, limit=args.eval_limit)
+        run["eval_train"] = evaluate(model_eval, cap_index, emb_table, device, amp, quick, n_seeds=2,
+                                     limit=args.eval_limit, split="train")
+    elif not args.no_eval:
         model_eval = ema.to(torch.float32)
         settings = [(args.eval_steps, g, sh) for sh in (1.0, 2.0, 3.0) for g in (3.0, 5.0)] + [(max(2, args.eval_steps // 2), 4.0, 2.0)]
         run["eval_heldout"] = evaluate(model_eval, cap_index, emb_table, device, amp, settings, n_seeds=2, limit=args.eval_limit)
@@ -309,6 +408,14 @@ def main(argv=None) -> int:
         from .sample import SampleConfig, sample
 
         specs = data.all_caption_specs("heldout")[::11][: min(8, args.eval_limit or 8)]
+        caps = [s.caption() for s in specs]
+        with torch.autocast(device.type, dtype=amp, enabled=amp != torch.float32):
+            clips = sample(model_eval, emb_table[[cap_index[c] for c in caps]].float(), SampleConfig(steps=args.eval_steps, seed=7), dtype=torch.float32)
+        save_frames_png(clips, caps, args.out / "samples.png")
+    if not args.no_eval and args.quick_eval:
+        from .sample import SampleConfig, sample
+
+        specs = data.all_caption_specs("heldout")[::11][:8]
         caps = [s.caption() for s in specs]
         with torch.autocast(device.type, dtype=amp, enabled=amp != torch.float32):
             clips = sample(model_eval, emb_table[[cap_index[c] for c in caps]].float(), SampleConfig(steps=args.eval_steps, seed=7), dtype=torch.float32)
