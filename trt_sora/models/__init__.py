@@ -81,9 +81,6 @@ def get_adapter(ref: str | ModelSpec) -> ModelAdapter:
     raise ModelError(f"model family {spec.family!r} has no adapter yet")
 
 
-__all__ = ["DEFAULT_MODEL", "ModelAdapter", "ModelSpec", "get_adapter", "list_models", "resolve"]
-
-
 def adapter_for_manifest(entry: dict) -> ModelAdapter:
     """The adapter for an export manifest's ``results.model`` entry: its registry name when that is
     registered (so a named checkpoint such as ``wan-shapes`` keeps its own buckets, text encoder and
@@ -94,3 +91,7 @@ def adapter_for_manifest(entry: dict) -> ModelAdapter:
     if entry.get("source") == "checkpoint" and entry.get("path"):
         return get_adapter(entry["path"])
     return get_adapter(ref)
+
+
+__all__ = ["DEFAULT_MODEL", "ModelAdapter", "ModelSpec", "adapter_for_manifest", "get_adapter", "list_models",
+           "resolve"]

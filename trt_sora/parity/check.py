@@ -273,6 +273,9 @@ def check_artifacts(run_dir: str | Path, recipe, *, model=None, backend: str = "
     if fq is not None:
         run_level("qdq", fq, cand, pc.qdq, "Q/DQ correctness: PyTorch fake-quant (same stats) vs the Q/DQ candidate",
                   floor_ref=fq_floor)
+        if fq_floor is not None:  # only the qdq level needs it: free its model copy now
+            fq_floor.deactivate()
+            fq_floor = None
     run_level("quality", ref, cand, pc.quality, "quality: PyTorch fp32 vs the deployable candidate")
 
     # -- sampling loop + decoded frames ---------------------------------------------------------------
@@ -315,7 +318,7 @@ def check_artifacts(run_dir: str | Path, recipe, *, model=None, backend: str = "
         if "quality" not in localization and hasattr(cand, "infer_probes"):
             localization["loop"] = localize(fq or ref, cand, samples[0][1], probes, jump_factor=pc.jump_factor)
 
-    for r in {id(x): x for x in (ref, export_ort, cand, fq, fq_floor) if x is not None}.values():
+    for r in {id(x): x for x in (ref, export_ort, cand, fq) if x is not None}.values():
         r.deactivate()
     passed = all(c["passed"] for c in comparisons)
     inputs = {k: file_entry(v) for k, v in arts.items() if v is not None}
