@@ -390,32 +390,23 @@ def main(argv=None) -> int:
     if prior and not args.eval_only:  # a continued run: keep the earlier run's record
         run["previous_runs"] = prior.get("previous_runs", []) + [{k: v for k, v in prior.items() if k != "previous_runs"}]
         run["steps_total"] = prior.get("steps_total", prior.get("steps", 0)) + step
-    if args.eval_only:
-        ema = model.eval()
-    if not args.no_eval and args.quick_eval:
-        model_eval = ema.to(torch.float32)
-        quick = [(args.eval_steps, 4.0, 2.0)]
-        run["eval_heldout"] = evaluate(model_eval, cap_index, emb_table, device, amp, quick, n_seeds=2, limit=args.eval_limit)
-        run["eval_train"] = evaluate(model_eval, cap_index, emb_table, device, amp, quick, n_seeds=2,
-                                     limit=args.eval_limit, split="train")
-    elif not args.no_eval:
-        model_eval = ema.to(torch.float32)
-        settings = [(args.eval_steps, g, sh) for sh in (1.0, 2.0, 3.0) for g in (3.0, 5.0)] + [(max(2, args.eval_steps // 2), 4.0, 2.0)]
-        run["eval_heldout"] = evaluate(model_eval, cap_index, emb_table, device, amp, settings, n_seeds=2, limit=args.eval_limit)
-        run["eval_heldout_template"] = evaluate(
-            model_eval, cap_index, emb_table, device, amp, [(args.eval_steps, 4.0, 2.0)], n_seeds=2, template=data.HELDOUT_TEMPLATE, limit=args.eval_limit
-        )
+    if not args.no_eval:
+        model_eval = (model if args.eval_only else ema).eval().to(torch.float32)
+        if args.quick_eval:
+            quick = [(args.eval_steps, 4.0, 2.0)]
+            run["eval_heldout"] = evaluate(model_eval, cap_index, emb_table, device, amp, quick, n_seeds=2,
+                                           limit=args.eval_limit)
+            run["eval_train"] = evaluate(model_eval, cap_index, emb_table, device, amp, quick, n_seeds=2,
+                                         limit=args.eval_limit, split="train")
+        else:
+            settings = [(args.eval_steps, g, sh) for sh in (1.0, 2.0, 3.0) for g in (3.0, 5.0)] + [(max(2, args.eval_steps // 2), 4.0, 2.0)]
+            run["eval_heldout"] = evaluate(model_eval, cap_index, emb_table, device, amp, settings, n_seeds=2, limit=args.eval_limit)
+            run["eval_heldout_template"] = evaluate(
+                model_eval, cap_index, emb_table, device, amp, [(args.eval_steps, 4.0, 2.0)], n_seeds=2, template=data.HELDOUT_TEMPLATE, limit=args.eval_limit
+            )
         from .sample import SampleConfig, sample
 
         specs = data.all_caption_specs("heldout")[::11][: min(8, args.eval_limit or 8)]
-        caps = [s.caption() for s in specs]
-        with torch.autocast(device.type, dtype=amp, enabled=amp != torch.float32):
-            clips = sample(model_eval, emb_table[[cap_index[c] for c in caps]].float(), SampleConfig(steps=args.eval_steps, seed=7), dtype=torch.float32)
-        save_frames_png(clips, caps, args.out / "samples.png")
-    if not args.no_eval and args.quick_eval:
-        from .sample import SampleConfig, sample
-
-        specs = data.all_caption_specs("heldout")[::11][:8]
         caps = [s.caption() for s in specs]
         with torch.autocast(device.type, dtype=amp, enabled=amp != torch.float32):
             clips = sample(model_eval, emb_table[[cap_index[c] for c in caps]].float(), SampleConfig(steps=args.eval_steps, seed=7), dtype=torch.float32)
