@@ -9,7 +9,9 @@ def add_parser(sub) -> None:
     p.add_argument("--run", required=True, help="run folder build/<model>/<recipe>/ (holds export/, quant/, ...)")
     p.add_argument("--recipe", required=True, help="recipe name (recipes/*.yaml) or path; gates from its parity:")
     p.add_argument("--model", default=None, help="override the model (default: the export manifest's)")
-    p.add_argument("--backend", choices=["ort", "trt"], default="ort", help="candidate backend (default ort)")
+    p.add_argument("--backend", choices=["ort", "trt", "torch-fp8"], default="ort",
+                   help="candidate backend (default ort; torch-fp8: FP8 tensor-core GEMMs + Triton kernels on a GPU)")
+    p.add_argument("--device", default=None, help="torch-fp8: CUDA device (default cuda)")
     p.set_defaults(func=run)
 
 
@@ -18,12 +20,16 @@ def run(args) -> int:
     from trt_sora.parity import check_artifacts
 
     with stage_line("check"):
-        rep = check_artifacts(args.run, args.recipe, model=args.model, backend=args.backend)
+        rep = check_artifacts(args.run, args.recipe, model=args.model, backend=args.backend, device=args.device)
     for c in rep["comparisons"]:
         shown = ", ".join(f"{ch['metric']} {ch['value']:.6g} ({ch['op']} {ch['threshold']})" for ch in c["checks"])
         print(f"  {c['level']:8s} {'ok  ' if c['passed'] else 'FAIL'} {shown}")
     for level, loc in rep["localization"].items():
         if level in rep["failed"]:
             print(f"  {level}: error first jumps at {loc['first_jump']} ({loc['block']})")
+    ran = rep["candidate"].get("device")
+    if ran:
+        print(f"  executed on {ran.get('gpu', ran.get('device'))}: {ran['fp8_gemms_per_call']} FP8 GEMMs, "
+              f"{ran['fp8_attention_layers']} 8-bit attention layers per call, {ran['cuda_graphs']} CUDA graph(s)")
     print(f"{'PASSED' if rep['passed'] else 'FAILED'}: {args.run}/parity/report.md")
     return 0 if rep["passed"] else 1

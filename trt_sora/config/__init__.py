@@ -21,6 +21,7 @@ from trt_sora.config.recipe import (
     QuantConfig,
     QuantFormat,
     Recipe,
+    TorchFp8Config,
     recipe_from_dict,
     recipe_to_dict,
 )
@@ -30,7 +31,7 @@ from trt_sora.errors import ConfigError
 __all__ = [
     "AttentionMode", "Backend", "BuildConfig", "BuildRequirements", "CalibConfig", "CalibMethod",
     "DIM_NAMES", "DType", "DimRange", "ExportConfig", "ExternalData", "ModelConfig", "ParityConfig",
-    "ParityGate", "QuantConfig", "QuantFormat", "Recipe", "ShapeProfile", "check_point",
+    "ParityGate", "QuantConfig", "QuantFormat", "Recipe", "ShapeProfile", "TorchFp8Config", "check_point",
     "from_dict", "to_dict", "load_recipe", "dump_recipe", "recipe_dirs", "list_recipes",
     "recipe_from_dict", "recipe_to_dict", "repo_root",
 ]

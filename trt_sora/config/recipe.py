@@ -163,6 +163,32 @@ class BuildConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class TorchFp8Config:
+    """The GPU FP8 backend (``torch-fp8``: PyTorch + Triton on SM >= 8.9 where TensorRT is absent).
+
+    The GEMMs follow ``quantization`` (the same sites and scales as the Q/DQ graph); this section
+    holds what only that backend has: the 8-bit self-attention (INT8 QK^T, FP8 PV, per-block
+    scales, K smoothing), switched off per block (``attention_exclude``, fnmatch over ``blocks.N``)
+    or outside a timestep range (``attention_timesteps: [lo, hi]`` in 0..1000), and CUDA graphs.
+    """
+
+    fp8_attention: bool = True
+    attention_exclude: tuple[str, ...] = ()
+    attention_timesteps: tuple[float, float] = (0.0, 1000.0)
+    cuda_graphs: bool = True
+
+    def __post_init__(self) -> None:
+        lo, hi = self.attention_timesteps
+        if not 0.0 <= lo <= hi <= 1000.0:
+            raise ConfigError(f"torch_fp8.attention_timesteps={[lo, hi]}: need 0 <= lo <= hi <= 1000")
+
+    def attention_policy(self) -> dict:
+        """As :meth:`trt_sora.runners.fp8_runner.AttentionPolicy.from_dict` reads it."""
+        return {"enabled": self.fp8_attention, "exclude": list(self.attention_exclude),
+                "timesteps": list(self.attention_timesteps)}
+
+
+@dataclasses.dataclass(frozen=True)
 class ParityGate:
     """Thresholds for one comparison; ``None`` disables that metric's gate."""
 
@@ -209,6 +235,7 @@ class Recipe:
     quantization: QuantConfig = QuantConfig()
     build: BuildConfig = BuildConfig()
     parity: ParityConfig = ParityConfig()
+    torch_fp8: TorchFp8Config = TorchFp8Config()
 
     def __post_init__(self) -> None:
         if self.format_version != RECIPE_FORMAT_VERSION:

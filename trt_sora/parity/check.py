@@ -17,6 +17,7 @@ When a single-call gate fails, the report names the first layer where the error 
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -192,16 +193,48 @@ def _samples(adapter, ref_runner, buckets, num: int, steps: int, guidance: float
     return out
 
 
+def _torch_fp8_candidate(adapter, arts, recipe, device: str | None):
+    """The ``torch-fp8`` runner on this GPU, under the recipe's ``torch_fp8`` policy."""
+    from trt_sora.runners.fp8_runner import AttentionPolicy, TorchFp8Runner
+
+    if arts["qdq"] is None:
+        raise ArtifactError("backend torch-fp8 runs the calibrated Q/DQ sites; this run has no quant/ - run "
+                            "`trt-sora quantize` first")
+    tf = recipe.torch_fp8
+    return TorchFp8Runner(adapter, arts["qdq_map"], arts["stats"], device=device or "cuda",
+                          attention=AttentionPolicy.from_dict(tf.attention_policy()), cuda_graphs=tf.cuda_graphs,
+                          name="torch-fp8").activate()
+
+
+@contextlib.contextmanager
+def _without_8bit_attention(cand):
+    """The qdq level isolates the GEMM calibration (what the Q/DQ graph holds): a torch-fp8
+    candidate runs it with BF16 attention; every other level runs the deployed policy."""
+    pol = getattr(cand, "attention", None)
+    if pol is None:
+        yield
+        return
+    import dataclasses
+
+    cand.attention = dataclasses.replace(pol, enabled=False)
+    try:
+        yield
+    finally:
+        cand.attention = pol
+
+
 def check_artifacts(run_dir: str | Path, recipe, *, model=None, backend: str = "ort", write: bool = True,
-                    seed: int = 0, localize_always: bool = False) -> dict[str, Any]:
+                    seed: int = 0, localize_always: bool = False, device: str | None = None) -> dict[str, Any]:
     """Run the parity matrix on ``run_dir`` (``build/<model>/<recipe>/``) and write ``parity/``.
 
     Args:
         run_dir: run folder holding ``export/`` and optionally ``calib/``, ``quant/``, ``engine/``.
         recipe: a :class:`Recipe` or its name/path; gates from ``recipe.parity``.
         model: override the model (name, folder, adapter); default: the export manifest's.
-        backend: candidate backend, ``"ort"`` (ONNX Runtime on the Q/DQ ONNX, else the plain export)
-            or ``"trt"`` (the engine; needs a GPU and TensorRT).
+        backend: candidate backend, ``"ort"`` (ONNX Runtime on the Q/DQ ONNX, else the plain export),
+            ``"trt"`` (the engine; needs a GPU and TensorRT) or ``"torch-fp8"`` (the calibrated sites
+            as FP8 tensor-core GEMMs + Triton kernels on this GPU; needs SM >= 8.9).
+        device: ``torch-fp8``: the CUDA device (default ``cuda``).
         write: write ``parity/report.json``, ``report.md``, ``manifest.json`` (atomically).
         seed: noise / sample seed.
 
@@ -237,6 +270,8 @@ def check_artifacts(run_dir: str | Path, recipe, *, model=None, backend: str = "
 
         cand = TrtRunner(arts["engine"], name=f"trt:{arts['engine'].name}").activate()
         cand_onnx = None
+    elif backend == "torch-fp8":
+        cand, cand_onnx = _torch_fp8_candidate(adapter, arts, recipe, device), None
     elif arts["qdq"] is not None:
         cand = OrtRunner(arts["qdq"], probe_source=probe_src, name="ort:quant/model.qdq.onnx").activate()
         cand_onnx = arts["qdq"]
@@ -246,7 +281,7 @@ def check_artifacts(run_dir: str | Path, recipe, *, model=None, backend: str = "
     if arts["qdq"] is not None:
         fq = TorchFakeQuantRunner(adapter, arts["qdq_map"], arts["stats"], model=ref_model,
                                   name="torch-fakequant").activate()
-        graph_dtype = fq.qdq_meta.get("graph_dtype", "fp32")
+        graph_dtype = "bf16" if backend == "torch-fp8" else fq.qdq_meta.get("graph_dtype", "fp32")
         if pc.qdq.max_floor_ratio and graph_dtype in ("fp16", "bf16"):
             # the same simulation with every quantized input rounded to the graph's dtype first: how far
             # rounding alone moves a correct result (within ~10 % of a full fp16 simulation on
@@ -271,8 +306,10 @@ def check_artifacts(run_dir: str | Path, recipe, *, model=None, backend: str = "
 
     run_level("export", ref, export_ort, pc.export, "export fidelity: PyTorch vs ONNX Runtime on the exported ONNX")
     if fq is not None:
-        run_level("qdq", fq, cand, pc.qdq, "Q/DQ correctness: PyTorch fake-quant (same stats) vs the Q/DQ candidate",
-                  floor_ref=fq_floor)
+        with _without_8bit_attention(cand):
+            run_level("qdq", fq, cand, pc.qdq, "Q/DQ correctness: PyTorch fake-quant (same stats) vs the Q/DQ "
+                      "candidate" + (" (its GEMMs: 8-bit attention off at this level)" if backend == "torch-fp8" else ""),
+                      floor_ref=fq_floor)
         if fq_floor is not None:  # only the qdq level needs it: free its model copy now
             fq_floor.deactivate()
             fq_floor = None
@@ -318,6 +355,7 @@ def check_artifacts(run_dir: str | Path, recipe, *, model=None, backend: str = "
         if "quality" not in localization and hasattr(cand, "infer_probes"):
             localization["loop"] = localize(fq or ref, cand, samples[0][1], probes, jump_factor=pc.jump_factor)
 
+    executed = cand.report() if backend == "torch-fp8" else None
     for r in {id(x): x for x in (ref, export_ort, cand, fq) if x is not None}.values():
         r.deactivate()
     passed = all(c["passed"] for c in comparisons)
@@ -327,9 +365,7 @@ def check_artifacts(run_dir: str | Path, recipe, *, model=None, backend: str = "
         "recipe": recipe.name,
         "model": adapter.describe()["ref"],
         "backend": backend,
-        "candidate": {"runner": cand.name, "path": str(cand_onnx or arts["engine"]),
-                      "sha256": inputs.get("qdq" if cand_onnx == arts["qdq"] and arts["qdq"] else
-                                           ("engine" if backend == "trt" else "export"), {}).get("sha256")},
+        "candidate": _candidate_entry(backend, cand.name, cand_onnx, arts, inputs, executed),
         "buckets": [bk.to_yaml() for bk in buckets],
         "engine": _engine_status(arts["engine"], backend),
         "comparisons": comparisons,
@@ -350,6 +386,20 @@ def check_artifacts(run_dir: str | Path, recipe, *, model=None, backend: str = "
     log.info("parity %s: %s", "passed" if passed else "FAILED", ", ".join(
         f"{c['level']}={'ok' if c['passed'] else 'fail'}" for c in comparisons))
     return report
+
+
+def _candidate_entry(backend: str, runner: str, cand_onnx, arts, inputs, executed: dict | None) -> dict[str, Any]:
+    """What was checked: the runner, the file(s) it loaded with their sha256, and for torch-fp8
+    what really executed on which GPU (FP8 GEMMs and 8-bit attention layers per call, graphs)."""
+    if backend == "torch-fp8":
+        return {"runner": runner, "backend": backend, "path": str(arts["qdq_map"]),
+                "sha256": inputs["qdq_map"]["sha256"],
+                "files": {k: inputs[k]["sha256"] for k in ("qdq_map", "stats") if k in inputs},
+                "executed": True, "device": executed}
+    return {"runner": runner, "backend": backend, "path": str(cand_onnx or arts["engine"]),
+            "sha256": inputs.get("qdq" if cand_onnx == arts["qdq"] and arts["qdq"] else
+                                 ("engine" if backend == "trt" else "export"), {}).get("sha256"),
+            "executed": True}
 
 
 def _engine_status(plan: Path | None, backend: str) -> dict[str, Any]:

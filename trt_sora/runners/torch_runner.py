@@ -176,6 +176,34 @@ def _stats_amax(stats, site: str):
     return float(a.float().max())
 
 
+def load_stats(stats):
+    """``stats.safetensors`` path -> ``CalibStats``; a ``CalibStats`` or None passes through."""
+    if stats is not None and not hasattr(stats, "amax"):
+        from trt_sora.calibrate.stats import CalibStats
+
+        return CalibStats.load(stats)
+    return stats
+
+
+def site_amaxes(sites: Sequence[QdqSite], stats) -> list[tuple[float, Any]]:
+    """``(input amax, per-output-channel weight amax or None)`` of each quantized site, as the Q/DQ
+    graph computes them: one input scale per shared tensor (the max over the site's group: fused
+    QKV members, linears reading one tensor), from the calibration ``stats`` when they cover the
+    whole group, else the map's recorded amax. Shared by the fake-quant and the FP8 runners."""
+    out = []
+    for s in sites:
+        group = [_stats_amax(stats, m) for m in s.group]
+        if stats is None or any(a is None for a in group):
+            if s.graph_amax is None:
+                raise QuantizeError(f"no input amax for {s.module!r} in the stats nor in qdq_map.json; "
+                                    "pass the calibration stats the Q/DQ graph was made from")
+            amax_f = s.graph_amax
+        else:
+            amax_f = max(group)
+        out.append((amax_f, stats.amax.get(f"{s.module}.weight") if stats is not None else None))
+    return out
+
+
 class TorchFakeQuantRunner(TorchRunner):
     """The PyTorch model with simulated Q/DQ exactly where the Q/DQ graph has it.
 
@@ -216,33 +244,19 @@ class TorchFakeQuantRunner(TorchRunner):
         from trt_sora.calibrate.fakequant_model import fake_quantized
         from trt_sora.models.base import torch_dtype
 
-        stats = self._stats_src
-        if stats is not None and not hasattr(stats, "amax"):
-            from trt_sora.calibrate.stats import CalibStats
-
-            stats = CalibStats.load(stats)
+        stats = load_stats(self._stats_src)
         super()._activate_impl()
         modules = dict(self.model.named_modules())
         by_format: dict[str, tuple[dict, dict]] = {}  # format -> ({site: act amax}, {site: weight amax})
-        for s in self.sites:
+        for s, (amax_f, w_amax) in zip(self.sites, site_amaxes(self.sites, stats)):
             mod = modules.get(s.module)
             if not isinstance(mod, torch.nn.Linear):
                 raise QuantizeError(f"qdq_map site {s.module!r} is not an nn.Linear of {self.adapter.name} "
                                     f"(got {type(mod).__name__}); the map belongs to another model - re-run "
                                     "`trt-sora quantize` on this model's export")
-            # one activation scale per shared tensor: the max over the group, as the Q/DQ graph does
-            group = [_stats_amax(stats, m) for m in s.group]
-            if stats is None or any(a is None for a in group):
-                if s.graph_amax is None:
-                    raise QuantizeError(f"no input amax for {s.module!r} in the stats nor in qdq_map.json; "
-                                        "pass the calibration stats the Q/DQ graph was made from")
-                amax_f = s.graph_amax
-            else:
-                amax_f = max(group)
             self.site_amax[s.module] = amax_f
             act, wam = by_format.setdefault(s.format, ({}, {}))
             act[s.module] = amax_f
-            w_amax = stats.amax.get(f"{s.module}.weight") if stats is not None else None
             if w_amax is not None:
                 wam[s.module] = w_amax
         # the same fake-quant model the calibration report evaluates (one implementation of the math)

@@ -28,7 +28,7 @@ log = logging.getLogger("trt_sora")
 
 __all__ = ["InputError", "ServingRunner", "as_diffusers_transformer", "load"]
 
-BACKENDS = ("auto", "trt", "ort", "torch")
+BACKENDS = ("auto", "trt", "ort", "torch", "torch-fp8")
 
 
 class InputError(ShapeError):
@@ -57,6 +57,52 @@ def _check_parity(run: Path, force: bool, candidate: Path | None) -> dict | None
         if sha256_file(candidate) != want and not force:
             raise ArtifactError(f"{candidate} changed after its parity check (sha256 differs); {fix} again")
     return rep
+
+
+def _gpu_sm() -> int | None:
+    """SM of GPU 0 as an int (90 for an H100/H200), or None without a CUDA GPU / torch."""
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+        major, minor = torch.cuda.get_device_capability()
+        return major * 10 + minor
+    except ImportError:
+        return None
+
+
+def _auto_backend(run: Path, plans: list, qdq: Path) -> str:
+    """A TensorRT engine when one was built and TensorRT + a GPU are here; else ``torch-fp8`` when
+    the artifact is FP8, the GPU has FP8 tensor cores and parity passed on that backend; else ORT
+    (logging what to run for the GPU paths)."""
+    import importlib.util
+
+    sm = _gpu_sm()
+    if plans and sm is not None and (importlib.util.find_spec("tensorrt") or importlib.util.find_spec("tensorrt_rtx")):
+        return "trt"
+    if sm is not None and sm >= 89 and qdq.is_file():
+        fmt = json.loads((run / "quant" / "qdq_map.json").read_text()).get("format")
+        rep_path = run / "parity" / "report.json"
+        rep = json.loads(rep_path.read_text()) if rep_path.is_file() else {}
+        if fmt == "fp8_e4m3" and rep.get("passed") and rep.get("backend") == "torch-fp8":
+            return "torch-fp8"
+        if fmt == "fp8_e4m3":
+            log.warning("runtime: this FP8 artifact was not checked on the GPU backend; serving ONNX Runtime. For "
+                        "FP8 tensor cores run `trt-sora check --run %s --backend torch-fp8` on this GPU first", run)
+    return "ort"
+
+
+def _require_checked_backend(run: Path, rep: dict | None, backend: str, force: bool) -> None:
+    """The backend that serves is the backend that passed (unless ``force``, logged loudly)."""
+    got = (rep or {}).get("backend")
+    if got == backend:
+        return
+    msg = (f"{run}/parity/report.json checked backend {got!r}, not {backend!r}: the {backend} kernels never ran "
+           f"against PyTorch; run `trt-sora check --run {run} --backend {backend}` on this GPU")
+    if not force:
+        raise ArtifactError(msg + ", or pass force=True")
+    log.warning("LOADING UNCHECKED BACKEND (force=True): %s", msg)
 
 
 def _buckets(run: Path, rep: dict | None) -> tuple[ShapeProfile, ...]:
@@ -224,8 +270,11 @@ def load(artifact_dir, backend: str = "auto", *, force: bool = False, concurrenc
     Args:
         artifact_dir: run folder with ``export/``, ``parity/`` and optionally ``quant/``, ``engine/``.
         backend: ``"trt"`` (engine; GPU + TensorRT), ``"ort"`` (Q/DQ ONNX, else plain ONNX),
-            ``"torch"`` (PyTorch reference; for GPU benchmarks without TensorRT) or ``"auto"``
-            (trt when an engine, a GPU and TensorRT are present, else ort).
+            ``"torch"`` (PyTorch reference), ``"torch-fp8"`` (the calibrated sites as FP8
+            tensor-core GEMMs + Triton kernels; SM >= 8.9; needs a parity report from that
+            backend) or ``"auto"`` (trt when an engine, a GPU and TensorRT are present; else
+            torch-fp8 when the artifact is FP8, the GPU has FP8 tensor cores and torch-fp8 passed
+            parity; else ort).
         force: load even when the parity report is missing or failed (logged as a warning).
         concurrency: pooled runners (TensorRT execution contexts / ORT sessions / torch replicas
             share one model) = concurrent callers served at once; more callers wait.
@@ -248,20 +297,12 @@ def load(artifact_dir, backend: str = "auto", *, force: bool = False, concurrenc
     plans = sorted((run / "engine").glob("*.plan")) if (run / "engine").is_dir() else []
     qdq = run / "quant" / "model.qdq.onnx"
     if backend == "auto":
-        backend = "ort"
-        if plans:
-            try:
-                import importlib.util
-
-                if (importlib.util.find_spec("tensorrt") or importlib.util.find_spec("tensorrt_rtx")):
-                    import torch
-
-                    backend = "trt" if torch.cuda.is_available() else "ort"
-            except ImportError:
-                pass
+        backend = _auto_backend(run, plans, qdq)
     candidate = {"trt": plans[0] if plans else None, "ort": qdq if qdq.is_file() else run / "export" / "model.onnx",
-                 "torch": None}[backend]
+                 "torch": None, "torch-fp8": run / "quant" / "qdq_map.json"}[backend]
     rep = _check_parity(run, force, candidate)
+    if backend == "torch-fp8":
+        _require_checked_backend(run, rep, backend, force)
     buckets = _buckets(run, rep)
     res = exp["results"]
     cfg = dict(res["model"].get("config") or {})
@@ -278,6 +319,15 @@ def load(artifact_dir, backend: str = "auto", *, force: bool = False, concurrenc
         dev = int(str(device or "cuda:0").split(":")[-1]) if device and ":" in str(device) else 0
         tr = TrtRunner(candidate, device=dev, contexts=concurrency).activate()
         runners = [tr]
+        pool_n = concurrency
+    elif backend == "torch-fp8":
+        from trt_sora.models import adapter_for_manifest
+        from trt_sora.runners.fp8_runner import AttentionPolicy, TorchFp8Runner
+
+        ran = ((rep or {}).get("candidate") or {}).get("device") or {}
+        runners = [TorchFp8Runner(adapter_for_manifest(res["model"]), run / "quant" / "qdq_map.json",
+                                  run / "calib" / "stats.safetensors", device=device or "cuda",
+                                  attention=AttentionPolicy.from_dict(ran.get("attention_policy"))).activate()]
         pool_n = concurrency
     elif backend == "ort":
         from trt_sora.runners.ort_runner import OrtRunner

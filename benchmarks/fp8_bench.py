@@ -1,0 +1,273 @@
+"""torch-fp8 backend on one GPU, side by side in one run (the benchmark of issue #11).
+
+Parts (``--parts``):
+
+* ``attention``: self-attention at Wan 14B 480p x 81 (1 x 40 heads x 32,760 tokens x 128): our
+  8-bit kernel (INT8 QK^T, FP8 PV), its QKV epilogue, cuDNN and flash BF16 SDPA; TFLOP/s and
+  cosine vs fp32 attention on inputs with a per-channel K bias.
+* ``models``: one transformer call of Wan 1.3B / 14B (random weights, real sizes) per resolution
+  and batch: eager BF16 (cuDNN SDPA), ``torch.compile`` BF16 (diffusers' regional compilation),
+  and the torch-fp8 ladder: FP8 GEMMs (eager quantize) -> + fused quantization -> + 8-bit
+  attention -> + CUDA graph. Median of ``--iters`` calls after warm-up, cosine vs eager BF16,
+  what the backend reports it ran, and a profiler split (GEMM / attention / other) of the BF16
+  and the full FP8 call with achieved TFLOP/s against the measured ceilings.
+
+    python benchmarks/fp8_bench.py --parts attention,models --models wan2.1-t2v-1.3b,wan2.1-t2v-14b \
+        --sizes 480p --batches 1,2 --iters 10 --out benchmarks/results/h200_fp8_bench.json
+
+The plan (input amax per site) comes from one BF16 forward over the benchmark input with the
+recipe's default exclusions and the Q/DQ graph's grouping (fused QKV, one scale for every
+cross-attention K/V reading the text), so the FP8 path quantizes the sites a real artifact would.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+SIZES = {"480p": (60, 104), "720p": (90, 160)}
+CEILING = {"fp8_tflops": 1450.0, "bf16_tflops": 790.0}  # _scaled_mm / bf16 mm at 8192^3 on our H200
+
+
+def cos(a, b) -> float:
+    return torch.nn.functional.cosine_similarity(a.double().flatten(), b.double().flatten(), dim=0).item()
+
+
+def bench_ms(fn, iters=20) -> float:
+    import triton
+
+    return triton.testing.do_bench(fn, warmup=25, rep=max(100, iters * 10), return_mode="median")
+
+
+# -- attention -----------------------------------------------------------------------------------------------
+def attention_part(s=32760, h=40, d=128) -> dict:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from trt_sora.kernels import reference as ref
+    from trt_sora.kernels import triton_ops as t
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    qkv = torch.randn(1, s, 3 * h * d, device="cuda", generator=g)
+    qkv[..., h * d:2 * h * d] += 3.0 * torch.randn(h * d, device="cuda", generator=g)
+    qkv = qkv.to(torch.bfloat16)
+    wq = (1 + 0.2 * torch.randn(h * d, device="cuda", generator=g)).to(torch.bfloat16)
+    wk = (1 + 0.2 * torch.randn(h * d, device="cuda", generator=g)).to(torch.bfloat16)
+    ang = torch.rand(s, d // 2, device="cuda", generator=g) * 6.28
+    cs, sn = ang.cos().repeat_interleave(2, -1), ang.sin().repeat_interleave(2, -1)
+    ops8 = t.qkv_rmsnorm_rope(qkv, wq, wk, cs, sn, h, fp8=True)
+    q, k, v = t.qkv_rmsnorm_rope(qkv, wq, wk, cs, sn, h, fp8=False)
+    flops = 4.0 * s * s * d * h
+    out = {"tokens": s, "heads": h, "head_dim": d, "flops": flops}
+    out["ours_8bit_ms"] = bench_ms(lambda: t.attention_fp8(*ops8))
+    out["ours_epilogue_8bit_ms"] = bench_ms(lambda: t.qkv_rmsnorm_rope(qkv, wq, wk, cs, sn, h, fp8=True))
+    out["ours_epilogue_bf16_ms"] = bench_ms(lambda: t.qkv_rmsnorm_rope(qkv, wq, wk, cs, sn, h, fp8=False))
+    for name, be in (("cudnn_bf16", SDPBackend.CUDNN_ATTENTION), ("flash_bf16", SDPBackend.FLASH_ATTENTION)):
+        try:
+            with sdpa_kernel([be]):
+                out[f"{name}_ms"] = bench_ms(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v))
+        except RuntimeError as exc:
+            out[f"{name}_ms"] = None
+            out[f"{name}_error"] = str(exc).splitlines()[0]
+    for key in [k for k in out if k.endswith("_ms") and "epilogue" not in k and out[k]]:
+        out[key.replace("_ms", "_tflops")] = flops / (out[key] * 1e-3) / 1e12
+    o8 = t.attention_fp8(*ops8).float().view(1, s, h, d)
+    heads = list(range(0, h, max(1, h // 4)))[:4]
+    want = ref.attention(q[:, heads], k[:, heads], v[:, heads]).transpose(1, 2)
+    out["cosine_vs_fp32"] = cos(o8[:, :, heads], want)
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+        bf = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    out["cudnn_bf16_cosine_vs_fp32"] = cos(bf[:, heads].transpose(1, 2).float(), want)
+    return out
+
+
+# -- whole transformer calls ---------------------------------------------------------------------------------
+def timed_calls(fn, iters: int, warmup: int = 2):
+    for _ in range(warmup):
+        y = fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        y = fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return y, statistics.median(times), times
+
+
+def calibrate_plan(model, fwd, inputs):
+    """Input amax of every linear the recipe's default policy quantizes, grouped like the Q/DQ graph."""
+    from trt_sora.config.recipe import QuantConfig
+    from trt_sora.quantize.policy import site_policy
+    from trt_sora.runners.fp8_runner import SitePlan
+
+    amax, hooks = {}, []
+    for name, m in model.named_modules():
+        if isinstance(m, torch.nn.Linear) and site_policy(name, QuantConfig())[0]:
+            hooks.append(m.register_forward_pre_hook(
+                lambda _m, a, _n=name: amax.__setitem__(_n, max(amax.get(_n, 0.0), a[0].abs().max().item()))))
+    with torch.inference_mode():
+        fwd(*inputs)
+    for hk in hooks:
+        hk.remove()
+    groups: dict[str, list[str]] = {}
+    for n in amax:
+        blk, _, rest = n.partition(".attn")
+        key = n
+        if rest[:1] == "1" and n.rsplit(".", 1)[1] in ("to_q", "to_k", "to_v"):
+            key = blk + ".attn1.qkv"
+        elif rest[:1] == "2" and n.rsplit(".", 1)[1] in ("to_k", "to_v"):
+            key = "text.kv"  # every block's cross K/V reads the one text tensor
+        groups.setdefault(key, []).append(n)
+    plan = {}
+    for members in groups.values():
+        a = max(amax[m] for m in members)
+        plan.update({m: SitePlan(m, a) for m in members})
+    return plan
+
+
+def profile_split(fn) -> dict:
+    """GPU time of one call by kernel class (ms)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    split = {"gemm": 0.0, "attention": 0.0, "other": 0.0}
+    for ev in prof.key_averages():
+        name = ev.key.lower()
+        t_ms = getattr(ev, "device_time_total", getattr(ev, "cuda_time_total", 0.0)) / 1e3
+        if any(k in name for k in ("attn_fp8", "fmha", "flash", "cudnn", "attention", "sdpa")):
+            split["attention"] += t_ms
+        elif any(k in name for k in ("gemm", "xmma", "cutlass", "sm90", "_mm", "matmul", "nvjet")):
+            split["gemm"] += t_ms
+        else:
+            split["other"] += t_ms
+    return split
+
+
+def model_flops(cfg, point) -> dict:
+    c = cfg["num_attention_heads"] * cfg["attention_head_dim"]
+    s = point["latent_frames"] * point["latent_height"] // 2 * point["latent_width"] // 2
+    b, L, f = point["batch"], point["text_len"], cfg["ffn_dim"]
+    gemm = 2.0 * b * cfg["num_layers"] * (s * c * 3 * c + s * c * c + s * c * c + L * c * 2 * c + s * c * c
+                                          + 2 * s * c * f)
+    attn = 4.0 * b * cfg["num_layers"] * (s * s * c + s * L * c)
+    return {"gemm": gemm, "attention": attn, "tokens": s}
+
+
+def model_part(name: str, size: str, batch: int, iters: int, rungs: list[str]) -> dict:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from trt_sora.models import get_adapter
+    from trt_sora.runners.fp8_runner import AttentionPolicy, TorchFp8Runner
+
+    adapter = get_adapter(name)
+    h, w = SIZES[size]
+    point = {"batch": batch, "latent_frames": 21, "latent_height": h, "latent_width": w, "text_len": 512}
+    feeds = adapter.example_inputs(point, dtype="bf16", device="cuda", seed=1)
+    feeds["timestep"] = torch.full((batch,), 700.0, device="cuda")
+    inputs = [feeds[n] for n in adapter.input_names]
+    res = {"model": name, "size": size, "batch": batch, "point": point,
+           "flops": model_flops(dict(adapter.spec.config), point), "rungs": {}}
+    model = adapter.load("bf16", "cuda")
+    fwd = adapter.export_module(model)
+    cudnn = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]
+
+    def eager():
+        with torch.inference_mode(), sdpa_kernel(cudnn):
+            return fwd(*inputs)
+
+    y_ref, t, ts = timed_calls(eager, iters)
+    res["rungs"]["eager_bf16"] = {"s": t, "all_s": ts, "split_ms": profile_split(eager)}
+    plan = calibrate_plan(model, lambda *a: eager(), inputs)
+    res["quantized_sites"] = len(plan)
+    if "compile_bf16" in rungs:
+        t0 = time.perf_counter()
+        model.compile_repeated_blocks(fullgraph=True)
+        y, t, ts = timed_calls(eager, iters, warmup=3)
+        res["rungs"]["compile_bf16"] = {"s": t, "all_s": ts, "cosine_vs_eager_bf16": cos(y, y_ref),
+                                        "compile_and_warmup_s": time.perf_counter() - t0 - t * (iters + 3)}
+    del model, fwd
+    torch.cuda.empty_cache()
+    ladder = {"fp8_gemm": dict(mode="gemm", attention=AttentionPolicy(enabled=False), cuda_graphs=False),
+              "fp8_fused": dict(mode="fused", attention=AttentionPolicy(enabled=False), cuda_graphs=False),
+              "fp8_fused_attn8": dict(mode="fused", attention=AttentionPolicy(enabled=True), cuda_graphs=False),
+              "fp8_fused_attn8_graph": dict(mode="fused", attention=AttentionPolicy(enabled=True), cuda_graphs=True)}
+    for rung, kw in ladder.items():
+        if rung not in rungs:
+            continue
+        r = TorchFp8Runner(adapter, None, plan=plan, device="cuda", load_dtype="bf16", **kw).activate()
+        feeds_r = {n: x for n, x in zip(adapter.input_names, inputs)}
+        call = lambda: r.infer(feeds_r)["sample"]  # noqa: E731
+        y, t, ts = timed_calls(call, iters)
+        rep = r.report()
+        if not r.cuda_graphs:
+            rep["split_ms"] = profile_split(call) if rung == "fp8_fused_attn8" else None
+        rep.update({"s": t, "all_s": ts, "cosine_vs_eager_bf16": cos(y, y_ref), "expected_fp8_gemms": r.expected_gemms()})
+        if not r.cuda_graphs and rep["fp8_gemms_per_call"] != rep["expected_fp8_gemms"]:
+            raise SystemExit(f"{rung}: ran {rep['fp8_gemms_per_call']} FP8 GEMMs, the plan needs "
+                             f"{rep['expected_fp8_gemms']}: a silent no-op")
+        res["rungs"][rung] = rep
+        r.deactivate()
+        del r
+        torch.cuda.empty_cache()
+    base = res["rungs"]["eager_bf16"]["s"]
+    comp = res["rungs"].get("compile_bf16", {}).get("s")
+    for rung, v in res["rungs"].items():
+        v["speedup_vs_eager_bf16"] = base / v["s"]
+        if comp:
+            v["speedup_vs_compile_bf16"] = comp / v["s"]
+    fl = res["flops"]
+    for rung in ("eager_bf16", "fp8_fused_attn8"):
+        sp = res["rungs"].get(rung, {}).get("split_ms")
+        if sp:
+            res["rungs"][rung]["achieved_tflops"] = {
+                "gemm": fl["gemm"] / (sp["gemm"] * 1e-3) / 1e12 if sp["gemm"] else None,
+                "attention": fl["attention"] / (sp["attention"] * 1e-3) / 1e12 if sp["attention"] else None}
+    return res
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--parts", default="attention,models")
+    ap.add_argument("--models", default="wan2.1-t2v-1.3b,wan2.1-t2v-14b")
+    ap.add_argument("--sizes", default="480p")
+    ap.add_argument("--batches", default="1,2")
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--rungs", default="compile_bf16,fp8_gemm,fp8_fused,fp8_fused_attn8,fp8_fused_attn8_graph")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    out = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "ceilings": CEILING, "runs": []}
+    import triton
+
+    out["triton"] = triton.__version__
+    if "attention" in a.parts:
+        out["attention"] = attention_part()
+        print(json.dumps(out["attention"]), flush=True)
+    if "models" in a.parts:
+        for m in a.models.split(","):
+            for sz in a.sizes.split(","):
+                for b in (int(x) for x in a.batches.split(",")):
+                    r = model_part(m, sz, b, a.iters, a.rungs.split(","))
+                    out["runs"].append(r)
+                    print(json.dumps({k: r[k] for k in ("model", "size", "batch")} | {
+                        k: {kk: v.get(kk) for kk in ("s", "speedup_vs_eager_bf16", "speedup_vs_compile_bf16",
+                                                       "cosine_vs_eager_bf16", "fp8_gemms_per_call",
+                                                       "fp8_attention_layers", "cuda_graphs")}
+                        for k, v in r["rungs"].items()}), flush=True)
+                    if a.out:
+                        Path(a.out).write_text(json.dumps(out, indent=1))
+    if a.out:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()

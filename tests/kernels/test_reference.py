@@ -1,0 +1,97 @@
+"""The torch-fp8 kernels' math on the CPU: scales, quantization, K smoothing, FP8 attention accuracy."""
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from trt_sora.calibrate.fake_quant import fake_quant_fp8_e4m3  # noqa: E402
+from trt_sora.kernels import reference as ref  # noqa: E402
+
+
+def test_quantize_matches_the_qdq_fake_quant_bit_for_bit():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 48, generator=g) * torch.logspace(-3, 2, 48)
+    amax = torch.tensor(7.5)
+    got = ref.quantize(x, ref.dequant_scale(amax)).float() * ref.dequant_scale(amax)
+    assert torch.equal(got, fake_quant_fp8_e4m3(x, amax))
+    per_row = x.abs().amax(1)
+    got_rows = ref.quantize(x, ref.dequant_scale(per_row)[:, None]).float() * ref.dequant_scale(per_row)[:, None]
+    assert torch.equal(got_rows, fake_quant_fp8_e4m3(x, per_row, axis=0))
+    assert ref.dequant_scale(torch.tensor(0.0)).item() == 1.0  # zeros stay zeros, no NaN
+
+
+def test_block_quant_maps_each_block_amax_onto_448():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 3, 150, 16, generator=g)
+    x[:, :, 64:128] *= 50.0  # one loud block must not crush the others' resolution
+    blocks = torch.nn.functional.pad(x, (0, 0, 0, 42)).view(2, 3, 3, 64, 16).abs().amax((3, 4))
+    for fmt, qmax, tol in (("fp8", 448.0, 0.04), ("int8", 127.0, 0.01)):
+        q, s = ref.block_quant(x, 64, fmt)
+        assert s.shape == (2, 3, 3)
+        torch.testing.assert_close(s, blocks / qmax)
+        assert q.float().abs().amax().item() == qmax
+        deq = q.float() * s.repeat_interleave(64, 2)[:, :, :150, None]
+        assert (deq - x).norm() / x.norm() < tol  # E4M3: 3 mantissa bits; INT8: 7 bits over each block
+
+
+def _biased_qkv(s=512, d=64, h=2, seed=2):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, h, s, d, generator=g)
+    k = torch.randn(1, h, s, d, generator=g) + 4.0 * torch.randn(1, h, 1, d, generator=g)  # per-channel K bias
+    v = torch.randn(1, h, s, d, generator=g)
+    return q, k, v
+
+
+def test_fp8_attention_with_k_smoothing_tracks_fp32_attention():
+    q, k, v = _biased_qkv()
+    want = ref.attention(q, k, v)
+    q8, qs = ref.block_quant(q, 128)
+    k_mean = k.mean(2, keepdim=True)
+    k8, ks = ref.block_quant(k - k_mean, 128)
+    vs = ref.dequant_scale(v.abs().amax(2))
+    v8 = ref.quantize(v, vs[:, :, None, :])
+    got = ref.attention_fp8(q8, qs, k8, ks, v8, vs)
+    cos = torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0)
+    assert cos > 0.999
+    # without smoothing the bias eats K's range: strictly worse
+    k8b, ksb = ref.block_quant(k, 128)
+    worse = ref.attention_fp8(q8, qs, k8b, ksb, v8, vs)
+    cos_b = torch.nn.functional.cosine_similarity(worse.flatten(), want.flatten(), dim=0)
+    assert (1 - cos_b) > 1.5 * (1 - cos)
+    # FP8 logits instead of INT8: the error Sage-style INT8 QK avoids
+    q8f, qsf = ref.block_quant(q, 128, "fp8")
+    k8f, ksf = ref.block_quant(k - k_mean, 128, "fp8")
+    fp8_qk = ref.attention_fp8(q8f, qsf, k8f, ksf, v8, vs)
+    assert 1 - torch.nn.functional.cosine_similarity(fp8_qk.flatten(), want.flatten(), dim=0) > 1.5 * (1 - cos)
+
+
+def test_qkv_epilogue_matches_the_plugin_oracle():
+    """RMSNorm across heads + RoPE (BF16 path) equals plugins/fused_qkv_attention's reference up to
+    the attention call, and the FP8 path dequantizes back to it."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "fqa_ref", Path(__file__).parents[2] / "plugins" / "fused_qkv_attention" / "reference.py")
+    oracle = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(oracle)
+    g = torch.Generator().manual_seed(3)
+    b, s, h, d = 2, 70, 2, 32
+    qkv = torch.randn(b, s, 3 * h * d, generator=g).to(torch.bfloat16)
+    wq, wk = (1 + 0.1 * torch.randn(h * d, generator=g)).to(torch.bfloat16), torch.ones(h * d, dtype=torch.bfloat16)
+    ang = torch.rand(s, d // 2, generator=g) * 6.28
+    cos, sin = ang.cos().repeat_interleave(2, -1), ang.sin().repeat_interleave(2, -1)
+    q, k, v = ref.qkv_rmsnorm_rope(qkv, wq, wk, cos, sin, h, 1e-6, fp8=False)
+    qo, ko, vo = qkv.chunk(3, -1)
+    qo = oracle.rope(oracle.rms_norm(qo, wq, 1e-6).unflatten(-1, (h, d)), cos, sin).transpose(1, 2)
+    ko = oracle.rope(oracle.rms_norm(ko, wk, 1e-6).unflatten(-1, (h, d)), cos, sin).transpose(1, 2)
+    torch.testing.assert_close(q.float(), qo.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(k.float(), ko.float(), atol=2e-2, rtol=2e-2)
+    assert torch.equal(v, vo.unflatten(-1, (h, d)).transpose(1, 2))
+    q8, qs, k8, ks, v8, vs, k_mean = ref.qkv_rmsnorm_rope(qkv, wq, wk, cos, sin, h, 1e-6, fp8=True)
+    kd = k8.float() * ks.repeat_interleave(128, 2)[:, :, :s, None] + k_mean[:, :, None]
+    assert (kd - k.float()).norm() / k.float().norm() < 0.05
+    out = ref.attention_fp8(q8, qs, k8, ks, v8, vs)
+    want = ref.attention(q, k, v)
+    assert torch.nn.functional.cosine_similarity(out.flatten(), want.flatten(), dim=0) > 0.998

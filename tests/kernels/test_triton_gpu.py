@@ -1,0 +1,107 @@
+"""Triton kernels of the torch-fp8 backend against their pure-torch references (GPU only)."""
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from trt_sora.kernels import reference as ref  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+
+def _tri():
+    from trt_sora.kernels import triton_ops
+
+    return triton_ops
+
+
+def _deq_close(a, b, scale, max_mismatch=0.01):
+    """FP8 outputs: equal but for rare one-step rounding flips (reduction order differs)."""
+    da, db = a.float() * scale, b.float() * scale
+    mism = (a.view(torch.uint8) != b.view(torch.uint8)).float().mean().item()
+    assert mism <= max_mismatch, mism
+    assert ((da - db).abs() <= 0.13 * db.abs() + 1e-6).all()
+
+
+@pytest.mark.parametrize("c", [64, 1536, 5120])
+@pytest.mark.parametrize("variant", ["mod", "residual_gate_affine", "residual_mod", "bf16_out"])
+def test_residual_norm_quant(c, variant):
+    t = _tri()
+    g = torch.Generator(device="cuda").manual_seed(c)
+    b, s = 2, 257
+    x = torch.randn(b, s, c, device="cuda", generator=g).to(torch.bfloat16)
+    r = torch.randn(b, s, c, device="cuda", generator=g).to(torch.bfloat16)
+    gate, ms, mh = (torch.randn(b, c, device="cuda", generator=g) * 0.3 for _ in range(3))
+    w, bi = torch.randn(c, device="cuda", generator=g), torch.randn(c, device="cuda", generator=g)
+    sc = torch.tensor(6.0 / 448, device="cuda")
+    kw = {"mod": dict(mod_scale=ms, mod_shift=mh, act_scale=sc),
+          "residual_gate_affine": dict(branch=r, gate=gate, weight=w, bias=bi, act_scale=sc),
+          "residual_mod": dict(branch=r, mod_scale=ms, mod_shift=mh, act_scale=sc),
+          "bf16_out": dict(branch=r, gate=gate, mod_scale=ms, mod_shift=mh)}[variant]
+    xa, ya = t.residual_norm_quant(x, **kw)
+    xb, yb = ref.residual_norm_quant(x, **kw)
+    torch.testing.assert_close(xa.float(), xb.float(), atol=1e-5, rtol=8e-3)  # one bf16 ulp (FMA vs mul+add)
+    if "act_scale" in kw:
+        _deq_close(ya, yb, sc)
+    else:
+        torch.testing.assert_close(ya.float(), yb.float(), atol=0.02, rtol=0.01)
+
+
+def test_elementwise_kernels():
+    t = _tri()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    h = (torch.randn(3, 1000, 384, device="cuda", generator=g) * 3).to(torch.bfloat16)
+    sc = torch.tensor(9.0 / 448, device="cuda")
+    _deq_close(t.gelu_quant(h, sc), ref.gelu_quant(h, sc), sc)
+    torch.testing.assert_close(t.gelu_quant(h, None).float(), ref.gelu_quant(h, None).float(), atol=1e-2, rtol=1e-2)
+    assert torch.equal(t.quantize(h, sc).view(torch.uint8), ref.quantize(h, sc).view(torch.uint8))
+    gate = torch.randn(3, 384, device="cuda", generator=g)
+    torch.testing.assert_close(t.gated_add(h, h * 0.5, gate).float(),
+                               (h.float() + (h * 0.5).float() * gate[:, None]).to(torch.bfloat16).float(),
+                               atol=1e-5, rtol=8e-3)
+    o = torch.randn(3, 4, 1000, 64, device="cuda", generator=g).transpose(1, 2).contiguous().transpose(1, 2)
+    assert torch.equal(t.heads_to_tokens(o).float(), ref.heads_to_tokens(o).float())
+    _deq_close(t.heads_to_tokens(o, sc), ref.heads_to_tokens(o, sc), sc)
+
+
+def _qkv_inputs(b=2, s=1000, h=4, d=128, seed=1):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    qkv = torch.randn(b, s, 3 * h * d, device="cuda", generator=g)
+    qkv[..., h * d:2 * h * d] += 3.0 * torch.randn(h * d, device="cuda", generator=g)  # per-channel K bias
+    qkv = qkv.to(torch.bfloat16)
+    wq = (1 + 0.2 * torch.randn(h * d, device="cuda", generator=g)).to(torch.bfloat16)
+    wk = (1 + 0.2 * torch.randn(h * d, device="cuda", generator=g)).to(torch.bfloat16)
+    ang = torch.rand(s, d // 2, device="cuda", generator=g) * 6.28
+    return qkv, wq, wk, ang.cos().repeat_interleave(2, -1), ang.sin().repeat_interleave(2, -1), h
+
+
+def test_qkv_epilogue_bf16_and_8bit():
+    t = _tri()
+    qkv, wq, wk, cos, sin, h = _qkv_inputs()
+    for got, want in zip(t.qkv_rmsnorm_rope(qkv, wq, wk, cos, sin, h, fp8=False),
+                         ref.qkv_rmsnorm_rope(qkv, wq, wk, cos, sin, h, fp8=False)):
+        torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=2e-2)
+    q8, qs, k8, ks, vt8, vs = t.qkv_rmsnorm_rope(qkv, wq, wk, cos, sin, h, fp8=True)
+    rq8, rqs, rk8, rks, rv8, rvs, _ = ref.qkv_rmsnorm_rope(qkv, wq, wk, cos, sin, h, fp8=True)
+    s = qkv.shape[1]
+    torch.testing.assert_close(qs, rqs, rtol=2e-2, atol=0)
+    torch.testing.assert_close(ks, rks, rtol=2e-2, atol=0)
+    torch.testing.assert_close(vs, rvs, rtol=1e-6, atol=0)
+    assert (q8.int() - rq8.int()).abs().max() <= 2 and (k8.int() - rk8.int()).abs().max() <= 2
+    assert torch.equal(vt8[..., :s].transpose(-1, -2).view(torch.uint8), rv8.view(torch.uint8))
+
+
+@pytest.mark.parametrize("s", [1000, 4096, 32760])
+def test_attention_8bit_vs_fp32(s):
+    """Realistic K bias, head dim 128: cosine >= 0.999 against fp32 softmax attention."""
+    t = _tri()
+    qkv, wq, wk, cos, sin, h = _qkv_inputs(b=1, s=s, h=2)
+    q, k, v = ref.qkv_rmsnorm_rope(qkv, wq, wk, cos, sin, h, fp8=False)
+    o = t.attention_fp8(*t.qkv_rmsnorm_rope(qkv, wq, wk, cos, sin, h, fp8=True))
+    want = ref.heads_to_tokens(ref.attention(q, k, v)).float()
+    cos_ = torch.nn.functional.cosine_similarity(o.float().flatten(), want.flatten(), dim=0).item()
+    assert cos_ >= 0.999, cos_
+    sc = torch.tensor(float(want.abs().max()) / 448, device="cuda")
+    o8 = t.attention_fp8(*t.qkv_rmsnorm_rope(qkv, wq, wk, cos, sin, h, fp8=True), out_scale=sc)
+    _deq_close(o8, ref.quantize(o, sc), sc, max_mismatch=0.02)

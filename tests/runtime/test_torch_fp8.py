@@ -1,0 +1,179 @@
+"""The ``torch-fp8`` backend executes the Q/DQ graph's calibration: same sites, scales, exclusions.
+
+CPU tests run the backend's blocks with the pure-torch reference kernels (the wiring and scale
+math); ``gpu`` tests run the Triton kernels and ``torch._scaled_mm`` (skipped without a GPU).
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from trt_sora.calibrate.fake_quant import fake_quant_fp8_e4m3  # noqa: E402
+from trt_sora.kernels import reference as ref  # noqa: E402
+
+
+def _runner(run, device="cpu", **kw):
+    from trt_sora.runners.fp8_runner import TorchFp8Runner
+
+    return TorchFp8Runner("wan-tiny", run / "quant" / "qdq_map.json", run / "calib" / "stats.safetensors",
+                          device=device, **kw).activate()
+
+
+def _feeds(seed=0, batch=2, t=700.0):
+    from trt_sora.models import get_adapter
+
+    point = {"batch": batch, "latent_frames": 3, "latent_height": 4, "latent_width": 6, "text_len": 9}
+    f = get_adapter("wan-tiny").example_inputs(point, seed=seed)
+    f["timestep"] = torch.full((batch,), t)
+    return {k: v.numpy() for k, v in f.items()}
+
+
+def _cos(a, b):
+    a, b = torch.as_tensor(a).double().flatten(), torch.as_tensor(b).double().flatten()
+    return float(a @ b / (a.norm() * b.norm()))
+
+
+def test_backend_quantizes_exactly_the_qdq_map_sites(base_run):
+    from trt_sora.calibrate.stats import CalibStats
+    from trt_sora.models.wan_fp8 import Gemm
+
+    qmap = json.loads((base_run / "quant" / "qdq_map.json").read_text())
+    stats = CalibStats.load(base_run / "calib" / "stats.safetensors")
+    quantized = set()
+    for e in qmap["sites"]:
+        if e.get("kind") == "linear" and not e.get("excluded") and "fused_into" not in e:
+            quantized.update(e.get("members") or [e["site"]])
+    r = _runner(base_run)
+    assert set(r.plan) == quantized
+    # independent of site_amaxes: the input scale is the max stats amax over every linear reading the tensor
+    by_tensor: dict[str, list[str]] = {}
+    for e in qmap["sites"]:
+        if e.get("kind") == "linear" and not e.get("excluded") and "fused_into" not in e:
+            by_tensor.setdefault(e["tensor"], []).extend(e.get("members") or [e["site"]])
+    for members in by_tensor.values():
+        want = max(float(stats.amax[m].max()) for m in members)
+        for m in members:
+            assert r.plan[m].act_amax == pytest.approx(want, rel=0, abs=0)
+    gemms = {n: m for n, m in r.model.named_modules() if isinstance(m, Gemm)}
+    blk = r.blocks[0]
+    assert blk.qkv.fp8 and blk.ff2.fp8
+    assert blk.qkv.act_scale.item() == pytest.approx(r.plan["blocks.0.attn1.to_q"].act_amax / 448.0, rel=1e-7)
+    r.infer(_feeds())
+    rep = r.report()
+    assert rep["fp8_gemms_per_call"] == r.expected_gemms() == sum(int(g.fp8) for g in gemms.values()) > 0
+    assert rep["bf16_gemms_per_call"] == sum(int(not g.fp8) for g in gemms.values())
+    assert rep["fp8_attention_layers"] == len(r.blocks) and rep["bf16_attention_layers"] == 0
+
+
+@pytest.mark.parametrize("with_stats_weight_amax", [False, True])
+def test_weight_prequantization_round_trip(with_stats_weight_amax):
+    from trt_sora.models.wan_fp8 import Gemm
+
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(48, 32, generator=g) * torch.logspace(-2, 1, 48)[:, None]
+    w_amax = w.abs().amax(1) * 0.8 if with_stats_weight_amax else None
+    gemm = Gemm(w, torch.randn(48, generator=g), 3.0, w_amax, {})
+    want = fake_quant_fp8_e4m3(w, w.abs().amax(1) if w_amax is None else w_amax, axis=0)
+    assert torch.equal(gemm.dequantized_weight(), want)
+    assert gemm.w8.dtype == torch.float8_e4m3fn and gemm.act_scale.item() == pytest.approx(3.0 / 448.0)
+    x = torch.randn(5, 32, generator=g).to(torch.bfloat16)
+    y = gemm(x).float()
+    want_y = fake_quant_fp8_e4m3(x.float(), torch.tensor(3.0)) @ want.t() + gemm.bias.float()
+    torch.testing.assert_close(y, want_y, atol=0.02 * want_y.abs().max().item(), rtol=0.02)
+
+
+@pytest.mark.parametrize("fp8_attention,min_cos", [(False, 0.999), (True, 0.995)])
+def test_cpu_blocks_match_the_fake_quant_runner(base_run, fp8_attention, min_cos):
+    from trt_sora.runners import TorchFakeQuantRunner
+    from trt_sora.runners.fp8_runner import AttentionPolicy
+
+    fq = TorchFakeQuantRunner("wan-tiny", base_run / "quant" / "qdq_map.json", base_run / "calib" / "stats.safetensors")
+    fq.activate()
+    r = _runner(base_run, attention=AttentionPolicy(enabled=fp8_attention))
+    feeds = _feeds(seed=3)
+    want = fq.infer(feeds)["sample"]
+    got = r.infer(feeds)["sample"]
+    assert _cos(got, want) > min_cos
+    assert r.report()["fp8_attention_layers"] == (len(r.blocks) if fp8_attention else 0)
+    # the unfused rung computes the same GEMMs
+    g = _runner(base_run, mode="gemm")
+    assert _cos(g.infer(feeds)["sample"], want) > 0.999
+    assert g.report()["fp8_gemms_per_call"] == len(g.plan)
+
+
+def test_attention_policy_by_block_and_timestep(base_run):
+    from trt_sora.runners.fp8_runner import AttentionPolicy
+
+    pol = AttentionPolicy(exclude=("blocks.0",), timesteps=(200.0, 1000.0))
+    r = _runner(base_run, attention=pol)
+    r.infer(_feeds(t=700.0))
+    assert (r.report()["fp8_attention_layers"], r.report()["bf16_attention_layers"]) == (len(r.blocks) - 1, 1)
+    r.infer(_feeds(t=100.0))
+    assert r.report()["fp8_attention_layers"] == 0
+    assert AttentionPolicy.from_dict(pol.to_dict()) == pol
+
+
+def test_int8_artifacts_are_refused_with_the_fix(base_run, tmp_path):
+    from trt_sora.errors import ArtifactError
+    from trt_sora.runners.fp8_runner import fp8_plan
+
+    qmap = json.loads((base_run / "quant" / "qdq_map.json").read_text())
+    for e in qmap["sites"]:
+        if e.get("format"):
+            e["format"] = "int8"
+    with pytest.raises(ArtifactError, match="backend='ort'"):
+        fp8_plan(qmap, base_run / "calib" / "stats.safetensors")
+
+
+# -- GPU: the Triton kernels and torch._scaled_mm ------------------------------------------------------
+@pytest.mark.gpu
+def test_gpu_backend_matches_fake_quant_and_graphs_replay_exactly(base_run):
+    from trt_sora.runners import TorchFakeQuantRunner
+    from trt_sora.runners.fp8_runner import AttentionPolicy
+
+    fq = TorchFakeQuantRunner("wan-tiny", base_run / "quant" / "qdq_map.json", base_run / "calib" / "stats.safetensors")
+    fq.activate()
+    feeds = _feeds(seed=4)
+    want = fq.infer(feeds)["sample"]
+    for attn, min_cos in ((False, 0.999), (True, 0.995)):
+        eager = _runner(base_run, device="cuda", cuda_graphs=False, attention=AttentionPolicy(enabled=attn))
+        graph = _runner(base_run, device="cuda", cuda_graphs=True, attention=AttentionPolicy(enabled=attn))
+        a = eager.infer(feeds)["sample"]
+        b1, b2 = graph.infer(feeds)["sample"], graph.infer(feeds)["sample"]
+        assert _cos(a, want) > min_cos
+        assert (b1 == a).all() and (b2 == a).all()
+        assert graph.report()["cuda_graphs"] == 1
+        assert eager.report()["fp8_gemms_per_call"] == eager.expected_gemms() > 0
+
+
+def test_runtime_refuses_torch_fp8_without_its_own_parity_report(checked_run):
+    import trt_sora.runtime as rt
+    from trt_sora.errors import ArtifactError
+
+    with pytest.raises(ArtifactError, match="--backend torch-fp8"):
+        rt.load(checked_run, backend="torch-fp8", device="cpu", warmup=False)
+
+
+@pytest.mark.gpu
+def test_gpu_check_on_torch_fp8_then_auto_serves_it(base_run, tmp_path):
+    """`check --backend torch-fp8` runs the parity matrix on the real kernels and says what ran;
+    `load(backend="auto")` then picks torch-fp8 on this GPU."""
+    import shutil
+
+    import trt_sora.runtime as rt
+    from trt_sora.parity import check_artifacts
+
+    run = tmp_path / "run"
+    shutil.copytree(base_run, run)
+    rep = check_artifacts(run, "rtx4090-fp8", backend="torch-fp8", device="cuda")
+    assert rep["passed"], rep["failed"]
+    ran = rep["candidate"]["device"]
+    assert rep["candidate"]["executed"] and rep["backend"] == "torch-fp8"
+    assert ran["fp8_gemms_per_call"] > 0 and ran["fp8_attention_layers"] == 2 and ran["sm"] >= "8.9"
+    sr = rt.load(run, backend="auto")
+    assert sr.backend == "torch-fp8"
+    out = sr.infer(_feeds(seed=9))["sample"]
+    assert out.shape == (2, 16, 3, 4, 6)

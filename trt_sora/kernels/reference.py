@@ -1,0 +1,153 @@
+"""The math of every ``torch-fp8`` kernel in plain torch: the oracle of the GPU tests.
+
+Scale convention everywhere (ONNX Q/DQ, as the quantize stage writes it): a *dequantization*
+scale ``s = amax / 448`` in fp32 (``s = 1`` where ``amax == 0`` so zeros stay zeros),
+``q = float8_e4m3fn(clamp(x / s, -448, 448))``, ``x ~= q * s``.
+
+Shapes: ``B`` batch, ``S`` tokens, ``H`` heads, ``D`` head dim, ``C = H * D`` channels.
+Activations are bf16 as in diffusers' bf16 Wan (norms and modulation in fp32, rounded to bf16
+where diffusers rounds).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+FP8_MAX = 448.0
+FP8 = torch.float8_e4m3fn
+
+__all__ = ["FP8", "FP8_MAX", "attention", "attention_fp8", "block_quant", "dequant_scale", "gelu_quant",
+           "heads_to_tokens", "quantize", "quantize_int8", "qkv_rmsnorm_rope", "residual_norm_quant"]
+
+
+def dequant_scale(amax: torch.Tensor) -> torch.Tensor:
+    """``amax / 448`` in fp32, 1 where ``amax == 0``."""
+    s = amax.float() / FP8_MAX
+    return torch.where(s > 0, s, torch.ones_like(s))
+
+
+def quantize(x: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
+    """``x / scale`` saturated to +-448 and rounded to E4M3 (``scale`` broadcasts against ``x``)."""
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+
+
+def residual_norm_quant(x: torch.Tensor, *, branch: torch.Tensor | None = None, gate: torch.Tensor | None = None,
+                        weight: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+                        mod_scale: torch.Tensor | None = None, mod_shift: torch.Tensor | None = None,
+                        eps: float = 1e-6, act_scale: torch.Tensor | None = None):
+    """Residual add (optionally gated), LayerNorm over C, AdaLN modulation, FP8 quantize.
+
+    Args:
+        x: [B, S, C] bf16 residual stream.
+        branch: [B, S, C] bf16 branch output added to ``x`` first (``x + branch * gate``, in fp32).
+        gate / mod_scale / mod_shift: [B, C] fp32 per-sample AdaLN vectors.
+        weight / bias: [C] LayerNorm affine (fp32), or None.
+        act_scale: fp32 scalar dequant scale of the consumer linear's input; None -> bf16 output.
+
+    Returns ``(x_new, y)``: the updated residual [B, S, C] bf16 (``x`` itself without ``branch``)
+    and ``bf16(LN(x_new) * (1 + mod_scale) + mod_shift)`` [B, S, C], FP8 when ``act_scale`` is given.
+    """
+    if branch is not None:
+        add = branch.float() * gate[:, None, :] if gate is not None else branch.float()
+        x = (x.float() + add).to(x.dtype)
+    n = F.layer_norm(x.float(), (x.shape[-1],), None if weight is None else weight.float(),
+                     None if bias is None else bias.float(), eps)
+    if mod_scale is not None:
+        n = n * (1 + mod_scale[:, None, :]) + mod_shift[:, None, :]
+    y = n.to(x.dtype)
+    return x, (quantize(y, act_scale) if act_scale is not None else y)
+
+
+def gelu_quant(h: torch.Tensor, act_scale: torch.Tensor | None) -> torch.Tensor:
+    """``GELU_tanh(h)`` rounded to ``h``'s dtype, then FP8 (None: stays bf16). Any shape."""
+    y = F.gelu(h, approximate="tanh")
+    return quantize(y, act_scale) if act_scale is not None else y
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps) * w.float()).to(x.dtype)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Interleaved pairs (Wan): ``x`` [B, S, H, D]; ``cos``/``sin`` [S, D] fp32, pairs repeated."""
+    x1, x2 = x.float().unflatten(-1, (-1, 2)).unbind(-1)
+    c, s = cos[None, :, None, 0::2], sin[None, :, None, 1::2]
+    return torch.stack([x1 * c - x2 * s, x1 * s + x2 * c], -1).flatten(-2).to(x.dtype)
+
+
+INT8_MAX = 127.0
+
+
+def quantize_int8(x: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
+    """``round(x / scale)`` (half away from zero, as the kernels round) saturated to +-127, int8."""
+    y = x.float() / scale
+    return (torch.sign(y) * torch.floor(y.abs() + 0.5)).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+
+
+def block_quant(x: torch.Tensor, block: int, fmt: str = "int8"):
+    """Per-(b, h, block of ``block`` tokens) 8-bit: ``x`` [B, H, S, D] -> (q [B, H, S, D], s [B, H, nblk]);
+    ``fmt`` ``"int8"`` (scale amax / 127) or ``"fp8"`` (amax / 448)."""
+    b, h, s, d = x.shape
+    nblk = -(-s // block)
+    xp = F.pad(x.float(), (0, 0, 0, nblk * block - s)).view(b, h, nblk, block, d)
+    amax = xp.abs().amax(dim=(3, 4))
+    if fmt == "int8":
+        scale = torch.where(amax > 0, amax / INT8_MAX, torch.ones_like(amax))
+        q = quantize_int8(xp, scale[..., None, None])
+    else:
+        scale = dequant_scale(amax)
+        q = quantize(xp, scale[..., None, None])
+    return q.view(b, h, nblk * block, d)[:, :, :s], scale
+
+
+def qkv_rmsnorm_rope(qkv: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, cos: torch.Tensor | None,
+                     sin: torch.Tensor | None, heads: int, eps: float = 1e-6, *, fp8: bool = True,
+                     block: int = 128):
+    """Fused-QKV epilogue. ``qkv`` [B, S, 3C] bf16 (Q, K, V on the last dim); ``wq``/``wk`` [C].
+
+    Returns BF16 ``(q, k, v)`` [B, H, S, D] when ``fp8`` is False, else the 8-bit attention
+    operands ``(q8, q_scale, k8, k_scale, v8, v_scale, k_mean)``: Q in INT8 per block of ``block``
+    tokens; K minus its per-channel mean over the tokens (softmax is invariant to it: K smoothing)
+    in INT8 per block; V in FP8 E4M3 per channel ``v_scale`` [B, H, D]; ``k_mean`` [B, H, D] fp32.
+    INT8 rather than FP8 for Q and K (SageAttention's choice, same tensor-core rate on Hopper):
+    FP8's 3 mantissa bits on the logits cost ~5x the error (cosine 0.9986 vs 0.9992 on 4k tokens).
+    """
+    q, k, v = qkv.chunk(3, dim=-1)
+    q, k = _rms(q, wq, eps), _rms(k, wk, eps)
+    q, k, v = (t.unflatten(-1, (heads, -1)) for t in (q, k, v))
+    if cos is not None:
+        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    if not fp8:
+        return q.contiguous(), k.contiguous(), v.contiguous()
+    q8, qs = block_quant(q, block)
+    k_mean = k.float().mean(dim=2)
+    k8, ks = block_quant(k.float() - k_mean[:, :, None], block)
+    vs = dequant_scale(v.float().abs().amax(dim=2))
+    v8 = quantize(v, vs[:, :, None, :])
+    return q8, qs, k8, ks, v8, vs, k_mean
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """fp32 softmax attention, [B, H, S, D] -> [B, H, S, D] fp32 (the accuracy reference)."""
+    return F.scaled_dot_product_attention(q.float(), k.float(), v.float())
+
+
+def attention_fp8(q8, q_scale, k8, k_scale, v8, v_scale, block: int = 128) -> torch.Tensor:
+    """What the 8-bit kernel computes, up to its online-softmax order: dequantized INT8 Q/K per
+    block, probabilities quantized as ``fp8(p * 448) / 448`` against the row max, FP8 V per channel.
+    Returns [B, H, S, D] fp32."""
+    s = q8.shape[2]
+    qd = q8.float() * q_scale.repeat_interleave(block, dim=2)[:, :, :s, None]
+    kd = k8.float() * k_scale.repeat_interleave(block, dim=2)[:, :, :s, None]
+    logits = qd @ kd.transpose(-1, -2) / q8.shape[-1] ** 0.5
+    p = torch.exp(logits - logits.amax(-1, keepdim=True))
+    pq = (p * FP8_MAX).to(FP8).float() / FP8_MAX
+    return (pq @ (v8.float() * v_scale[:, :, None, :])) / p.sum(-1, keepdim=True)
+
+
+def heads_to_tokens(o: torch.Tensor, act_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, H, S, D] -> [B, S, H*D] in bf16, or FP8 at ``act_scale``."""
+    y = o.transpose(1, 2).flatten(2).to(torch.bfloat16)
+    return quantize(y, act_scale) if act_scale is not None else y

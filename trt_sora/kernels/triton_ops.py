@@ -1,0 +1,419 @@
+"""Triton kernels of the ``torch-fp8`` backend (CUDA, SM >= 89 for FP8).
+
+Each public function computes what its namesake in :mod:`trt_sora.kernels.reference` computes
+(same scale convention, same bf16 rounding points); the GPU tests hold them to it. Integer
+offsets are int64 wherever a product of sizes can pass 2**31 (an FFN hidden state of a 720p
+batch-2 call has 2.1e9 elements).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from trt_sora.kernels.reference import FP8, FP8_MAX
+
+SCALE_BLOCK = 128  # tokens per Q / K quantization block = the attention kernel's tile (one scale per tile)
+
+__all__ = ["SCALE_BLOCK", "attention_fp8", "gated_add", "gelu_quant", "heads_to_tokens", "kv_smooth_quant", "qkv_rmsnorm_rope",
+           "quantize", "residual_norm_quant"]
+
+
+@triton.jit
+def _q8(x, s):
+    """fp32 ``x / s`` saturated to +-448, rounded to E4M3."""
+    return tl.minimum(tl.maximum(x / s, -448.0), 448.0).to(tl.float8e4nv)
+
+
+@triton.jit
+def _qi8(x, s):
+    """fp32 ``x / s`` rounded half away from zero, saturated to +-127, int8."""
+    y = x / s
+    y = tl.where(y >= 0, tl.floor(y + 0.5), tl.ceil(y - 0.5))
+    return tl.minimum(tl.maximum(y, -127.0), 127.0).to(tl.int8)
+
+
+# -- residual + LayerNorm + modulation + quantize ---------------------------------------------------
+@triton.jit
+def _res_norm_quant_kernel(X, R, G, W, BI, MS, MH, XO, Y, SC, S, C, eps,
+                           HAS_R: tl.constexpr, HAS_G: tl.constexpr, HAS_W: tl.constexpr, HAS_MOD: tl.constexpr,
+                           QUANT: tl.constexpr, BLOCK_C: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    b = row // S
+    cols = tl.arange(0, BLOCK_C)
+    m = cols < C
+    x = tl.load(X + row * C + cols, mask=m, other=0.0).to(tl.float32)
+    if HAS_R:
+        r = tl.load(R + row * C + cols, mask=m, other=0.0).to(tl.float32)
+        if HAS_G:
+            r = r * tl.load(G + b * C + cols, mask=m, other=0.0)
+        xb = (x + r).to(tl.bfloat16)
+        tl.store(XO + row * C + cols, xb, mask=m)
+        x = xb.to(tl.float32)
+    mean = tl.sum(x, 0) / C
+    d = tl.where(m, x - mean, 0.0)
+    y = d * tl.rsqrt(tl.sum(d * d, 0) / C + eps)
+    if HAS_W:
+        y = y * tl.load(W + cols, mask=m, other=0.0) + tl.load(BI + cols, mask=m, other=0.0)
+    if HAS_MOD:
+        y = y * (1.0 + tl.load(MS + b * C + cols, mask=m, other=0.0)) + tl.load(MH + b * C + cols, mask=m, other=0.0)
+    yb = y.to(tl.bfloat16)
+    if QUANT:
+        tl.store(Y + row * C + cols, _q8(yb.to(tl.float32), tl.load(SC)), mask=m)
+    else:
+        tl.store(Y + row * C + cols, yb, mask=m)
+
+
+def residual_norm_quant(x, *, branch=None, gate=None, weight=None, bias=None, mod_scale=None, mod_shift=None,
+                        eps: float = 1e-6, act_scale=None):
+    """See :func:`trt_sora.kernels.reference.residual_norm_quant` (same arguments and results)."""
+    b, s, c = x.shape
+    y = torch.empty((b, s, c), device=x.device, dtype=FP8 if act_scale is not None else torch.bfloat16)
+    xo = torch.empty_like(x) if branch is not None else x
+    dummy = x
+    block_c = triton.next_power_of_2(c)
+    _res_norm_quant_kernel[(b * s,)](
+        x, branch if branch is not None else dummy, gate if gate is not None else dummy,
+        weight if weight is not None else dummy, bias if bias is not None else dummy,
+        mod_scale if mod_scale is not None else dummy, mod_shift if mod_shift is not None else dummy,
+        xo, y, act_scale if act_scale is not None else dummy, s, c, eps,
+        HAS_R=branch is not None, HAS_G=gate is not None, HAS_W=weight is not None, HAS_MOD=mod_scale is not None,
+        QUANT=act_scale is not None, BLOCK_C=block_c, num_warps=min(16, max(4, block_c // 512)))
+    return xo, y
+
+
+# -- gated residual add ------------------------------------------------------------------------------
+@triton.jit
+def _gated_add_kernel(X, R, G, Y, S, C, N, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < N
+    row = offs // C
+    g = tl.load(G + (row // S) * C + offs % C, mask=m, other=0.0)
+    x = tl.load(X + offs, mask=m, other=0.0).to(tl.float32)
+    r = tl.load(R + offs, mask=m, other=0.0).to(tl.float32)
+    tl.store(Y + offs, (x + r * g).to(tl.bfloat16), mask=m)
+
+
+def gated_add(x, branch, gate):
+    """``bf16(x + branch * gate)``: [B, S, C] bf16, ``gate`` [B, C] fp32; one pass."""
+    b, s, c = x.shape
+    y = torch.empty_like(x)
+    n = x.numel()
+    _gated_add_kernel[(triton.cdiv(n, 4096),)](x, branch, gate, y, s, c, n, BLOCK=4096, num_warps=8)
+    return y
+
+
+# -- GELU + quantize / plain quantize ----------------------------------------------------------------
+@triton.jit
+def _act_quant_kernel(X, Y, SC, N, GELU: tl.constexpr, QUANT: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < N
+    x = tl.load(X + offs, mask=m, other=0.0).to(tl.float32)
+    if GELU:
+        z = 0.7978845608028654 * (x + 0.044715 * x * x * x)
+        x = (0.5 * x * (2.0 / (1.0 + tl.exp(-2.0 * z)))).to(tl.bfloat16).to(tl.float32)
+    if QUANT:
+        tl.store(Y + offs, _q8(x, tl.load(SC)), mask=m)
+    else:
+        tl.store(Y + offs, x.to(tl.bfloat16), mask=m)
+
+
+def _act_quant(h, act_scale, gelu: bool):
+    h = h.contiguous()
+    y = torch.empty(h.shape, device=h.device, dtype=FP8 if act_scale is not None else torch.bfloat16)
+    n = h.numel()
+    block = 4096
+    _act_quant_kernel[(triton.cdiv(n, block),)](h, y, act_scale if act_scale is not None else h, n, GELU=gelu,
+                                                QUANT=act_scale is not None, BLOCK=block, num_warps=8)
+    return y
+
+
+def gelu_quant(h, act_scale):
+    """``GELU_tanh(h)`` -> FP8 at ``act_scale`` (bf16 when None); one pass over ``h``."""
+    return _act_quant(h, act_scale, True)
+
+
+def quantize(x, act_scale):
+    """``x`` (bf16, any shape) -> FP8 at the scalar ``act_scale``; one pass."""
+    return _act_quant(x, act_scale, False)
+
+
+# -- [B, H, S, D] -> [B, S, H*D] (+ quantize) -----------------------------------------------------------
+@triton.jit
+def _heads_to_tokens_kernel(O, Y, SC, S, H, s_b, s_h, s_s, D: tl.constexpr, BLOCK_S: tl.constexpr,
+                            QUANT: tl.constexpr):
+    pid_s = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    rows = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
+    d = tl.arange(0, D)
+    rm = rows[:, None] < S
+    x = tl.load(O + b.to(tl.int64) * s_b + h * s_h + rows.to(tl.int64)[:, None] * s_s + d[None, :], mask=rm,
+                other=0.0).to(tl.float32)
+    yp = Y + (b * S + rows).to(tl.int64)[:, None] * (H * D) + h * D + d[None, :]
+    if QUANT:
+        tl.store(yp, _q8(x.to(tl.bfloat16).to(tl.float32), tl.load(SC)), mask=rm)
+    else:
+        tl.store(yp, x.to(tl.bfloat16), mask=rm)
+
+
+def heads_to_tokens(o, act_scale=None):
+    """[B, H, S, D] (any strides, last dim contiguous) -> [B, S, H*D] bf16 or FP8 at ``act_scale``."""
+    b, h, s, d = o.shape
+    if o.stride(3) != 1:
+        o = o.contiguous()
+    y = torch.empty((b, s, h * d), device=o.device, dtype=FP8 if act_scale is not None else torch.bfloat16)
+    _heads_to_tokens_kernel[(triton.cdiv(s, 64), b * h)](
+        o, y, act_scale if act_scale is not None else o, s, h, o.stride(0), o.stride(1), o.stride(2), D=d,
+        BLOCK_S=64, QUANT=act_scale is not None, num_warps=4)
+    return y
+
+
+# -- fused-QKV epilogue: split + RMSNorm across heads + RoPE + quantize --------------------------------
+@triton.jit
+def _rms_kernel(QKV, RSTD, S, C, eps, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr):
+    """1 / rms over all heads of Q and of K for BLOCK_S tokens: RSTD [B*S, 2]."""
+    t = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
+    rm = t < S
+    rows = tl.program_id(1) * S + t
+    base = QKV + rows.to(tl.int64)[:, None] * (3 * C)
+    cols = tl.arange(0, BLOCK_C)
+    sq = tl.zeros([BLOCK_S], tl.float32)
+    sk = tl.zeros([BLOCK_S], tl.float32)
+    for c0 in range(0, C, BLOCK_C):
+        q = tl.load(base + c0 + cols[None, :], mask=rm[:, None], other=0.0).to(tl.float32)
+        k = tl.load(base + C + c0 + cols[None, :], mask=rm[:, None], other=0.0).to(tl.float32)
+        sq += tl.sum(q * q, 1)
+        sk += tl.sum(k * k, 1)
+    tl.store(RSTD + rows.to(tl.int64) * 2, tl.rsqrt(sq / C + eps), mask=rm)
+    tl.store(RSTD + rows.to(tl.int64) * 2 + 1, tl.rsqrt(sk / C + eps), mask=rm)
+
+
+@triton.jit
+def _norm_rope_tile(QKV, RSTD, W, COS, SIN, row64, rm, col0, h, which: tl.constexpr, C, D: tl.constexpr,
+                    BLOCK_S: tl.constexpr, ROPE: tl.constexpr, pos):
+    """One head's [BLOCK_S, D] tile of Q (``which`` 0) or K (1): RMSNorm (bf16 rounding as
+    diffusers), interleaved-pair RoPE at token positions ``pos`` (bf16 rounding), as fp32."""
+    d = tl.arange(0, D)
+    x = tl.load(QKV + row64[:, None] * (3 * C) + col0 + h * D + d[None, :], mask=rm[:, None], other=0.0)
+    r = tl.load(RSTD + row64 * 2 + which, mask=rm, other=0.0)
+    w = tl.load(W + h * D + d).to(tl.float32)
+    x = (x.to(tl.float32) * r[:, None] * w[None, :]).to(tl.bfloat16).to(tl.float32)
+    if ROPE:
+        e, o = tl.split(tl.reshape(x, (BLOCK_S, D // 2, 2)))
+        cs = tl.load(COS + pos[:, None] * D + d[None, :], mask=rm[:, None], other=1.0)
+        sn = tl.load(SIN + pos[:, None] * D + d[None, :], mask=rm[:, None], other=0.0)
+        ce, _ = tl.split(tl.reshape(cs, (BLOCK_S, D // 2, 2)))
+        _, so = tl.split(tl.reshape(sn, (BLOCK_S, D // 2, 2)))
+        e2 = (e * ce - o * so).to(tl.bfloat16).to(tl.float32)
+        o2 = (e * so + o * ce).to(tl.bfloat16).to(tl.float32)
+        x = tl.reshape(tl.join(e2, o2), (BLOCK_S, D))
+    return x
+
+
+@triton.jit
+def _qkv_post_kernel(QKV, RSTD, WQ, WK, COS, SIN, QO, KO, VO, QS, KSUM, VMAX, S, H, nblk,
+                     D: tl.constexpr, BLOCK_S: tl.constexpr, ROPE: tl.constexpr, Q8_OUT: tl.constexpr):
+    """Per (token block, batch x head): Q normalized + roped (INT8 per block, or bf16), K the same
+    (bf16 path) or its partial per-channel sums (8-bit path: K is quantized once its mean is known),
+    V copied (bf16 path) or its partial per-channel amax."""
+    pid_s = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    C = H * D
+    t = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
+    rm = t < S
+    row64 = (b * S + t).to(tl.int64)
+    pos = t.to(tl.int64)
+    d = tl.arange(0, D)
+    out = (bh.to(tl.int64) * S + t)[:, None] * D + d[None, :]
+    q = _norm_rope_tile(QKV, RSTD, WQ, COS, SIN, row64, rm, 0, h, 0, C, D, BLOCK_S, ROPE, pos)
+    k = _norm_rope_tile(QKV, RSTD, WK, COS, SIN, row64, rm, C, h, 1, C, D, BLOCK_S, ROPE, pos)
+    v = tl.load(QKV + row64[:, None] * (3 * C) + 2 * C + h * D + d[None, :], mask=rm[:, None], other=0.0)
+    if Q8_OUT:
+        s = tl.max(tl.max(tl.abs(q), 1), 0) / 127.0
+        s = tl.where(s > 0, s, 1.0)
+        tl.store(QO + out, _qi8(q, s), mask=rm[:, None])
+        tl.store(QS + bh * nblk + pid_s, s)
+        part = (bh * nblk + pid_s).to(tl.int64) * D + d
+        tl.store(KSUM + part, tl.sum(tl.where(rm[:, None], k, 0.0), 0))
+        tl.store(VMAX + part, tl.max(tl.abs(v.to(tl.float32)), 0))
+    else:
+        tl.store(QO + out, q.to(tl.bfloat16), mask=rm[:, None])
+        tl.store(KO + out, k.to(tl.bfloat16), mask=rm[:, None])
+        tl.store(VO + out, v, mask=rm[:, None])
+
+
+@triton.jit
+def _kv_quant_kernel(QKV, RSTD, WK, COS, SIN, KMEAN, K8, KS, VS, VT8, S, S_pad, H, nblk, D: tl.constexpr,
+                     BLOCK_S: tl.constexpr, ROPE: tl.constexpr):
+    """K (recomputed from ``qkv``: cheaper than a bf16 round trip) minus its mean -> INT8 per block;
+    V -> FP8 per channel, stored transposed [D, S_pad] for the PV tensor-core product."""
+    pid_s = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    C = H * D
+    t = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
+    rm = t < S
+    row64 = (b * S + t).to(tl.int64)
+    d = tl.arange(0, D)
+    k = _norm_rope_tile(QKV, RSTD, WK, COS, SIN, row64, rm, C, h, 1, C, D, BLOCK_S, ROPE, t.to(tl.int64))
+    k = tl.where(rm[:, None], k - tl.load(KMEAN + bh * D + d)[None, :], 0.0)
+    s = tl.max(tl.max(tl.abs(k), 1), 0) / 127.0
+    s = tl.where(s > 0, s, 1.0)
+    tl.store(K8 + (bh.to(tl.int64) * S + t)[:, None] * D + d[None, :], _qi8(k, s), mask=rm[:, None])
+    tl.store(KS + bh * nblk + pid_s, s)
+    v = tl.load(QKV + row64[:, None] * (3 * C) + 2 * C + h * D + d[None, :], mask=rm[:, None], other=0.0)
+    v8 = _q8(v.to(tl.float32), tl.load(VS + bh * D + d)[None, :])
+    tl.store(VT8 + bh.to(tl.int64) * D * S_pad + d[:, None] * S_pad + t[None, :], tl.trans(v8), mask=rm[None, :])
+
+
+def _rstd(qkv, eps):
+    b, s, c3 = qkv.shape
+    c = c3 // 3
+    rstd = torch.empty((b * s, 2), device=qkv.device, dtype=torch.float32)
+    _rms_kernel[(triton.cdiv(s, 16), b)](qkv, rstd, s, c, eps, BLOCK_S=16, BLOCK_C=min(512, triton.next_power_of_2(c)),
+                                         num_warps=4)
+    return rstd
+
+
+def qkv_rmsnorm_rope(qkv, wq, wk, cos, sin, heads: int, eps: float = 1e-6, *, fp8: bool = True):
+    """Fused-QKV epilogue; see :func:`trt_sora.kernels.reference.qkv_rmsnorm_rope`.
+
+    ``qkv`` [B, S, 3C] bf16 contiguous; ``cos``/``sin`` [S, D] fp32 or None (no RoPE).
+    Returns BF16 ``(q, k, v)`` [B, H, S, D] when ``fp8`` is False, else the attention kernel's
+    operands ``(q8 [B,H,S,D] int8, q_scale [B,H,nblk], k8 [B,H,S,D] int8, k_scale, vt8
+    [B,H,D,S_pad] fp8, v_scale [B,H,D])`` with blocks of :data:`SCALE_BLOCK` tokens (V stored
+    token-contiguous for the PV tensor-core product; its padding is never read).
+    Three launches: per-token RMS statistics, the per-head tile pass, K/V quantization.
+    """
+    b, s, c3 = qkv.shape
+    c = c3 // 3
+    d = c // heads
+    dev = qkv.device
+    nblk = triton.cdiv(s, SCALE_BLOCK)
+    grid = (nblk, b * heads)
+    rope = cos is not None
+    cs, sn = (cos, sin) if rope else (qkv, qkv)
+    rstd = _rstd(qkv, eps)
+    if not fp8:
+        q, k, v = (torch.empty((b, heads, s, d), device=dev, dtype=torch.bfloat16) for _ in range(3))
+        _qkv_post_kernel[grid](qkv, rstd, wq, wk, cs, sn, q, k, v, rstd, rstd, rstd, s, heads, nblk, D=d,
+                               BLOCK_S=SCALE_BLOCK, ROPE=rope, Q8_OUT=False, num_warps=8)
+        return q, k, v
+    q8 = torch.empty((b, heads, s, d), device=dev, dtype=torch.int8)
+    qs = torch.empty((b, heads, nblk), device=dev, dtype=torch.float32)
+    ksum = torch.empty((b, heads, nblk, d), device=dev, dtype=torch.float32)
+    vmax = torch.empty((b, heads, nblk, d), device=dev, dtype=torch.float32)
+    _qkv_post_kernel[grid](qkv, rstd, wq, wk, cs, sn, q8, q8, q8, qs, ksum, vmax, s, heads, nblk, D=d,
+                           BLOCK_S=SCALE_BLOCK, ROPE=rope, Q8_OUT=True, num_warps=8)
+    k_mean = ksum.sum(dim=2) / s  # deterministic two-stage reduction (no atomics)
+    v_scale = vmax.amax(dim=2) / FP8_MAX
+    v_scale = torch.where(v_scale > 0, v_scale, torch.ones_like(v_scale))
+    s_pad = nblk * SCALE_BLOCK
+    k8 = torch.empty((b, heads, s, d), device=dev, dtype=torch.int8)
+    ks = torch.empty((b, heads, nblk), device=dev, dtype=torch.float32)
+    vt8 = torch.empty((b, heads, d, s_pad), device=dev, dtype=FP8)
+    _kv_quant_kernel[grid](qkv, rstd, wk, cs, sn, k_mean, k8, ks, v_scale, vt8, s, s_pad, heads, nblk, D=d,
+                           BLOCK_S=SCALE_BLOCK, ROPE=rope, num_warps=8)
+    return q8, qs, k8, ks, vt8, v_scale
+
+
+# -- 8-bit flash attention ----------------------------------------------------------------------------------
+@triton.jit
+def _exp2_p8(x, EXP16: tl.constexpr):
+    """``p = 2**x`` (x <= log2 448) as FP8 E4M3 and its row sums. ``EXP16``: the exponential in
+    packed f16 pairs (``ex2.approx.f16x2``: half the special-function-unit work per element; f16's
+    10 mantissa bits are far finer than the 3 that FP8 keeps), row sums in f16 (<= 128 * 448 < 65504)."""
+    if EXP16:
+        xh = x.to(tl.float16)  # below -24 (masked keys: -1e30 -> -inf) ex2 gives 0
+        p = tl.inline_asm_elementwise("ex2.approx.f16x2 $0, $1;", "=r,r", [xh], dtype=tl.float16, is_pure=True,
+                                      pack=2)
+        return p.to(tl.float8e4nv), tl.sum(p, 1).to(tl.float32)
+    p = tl.math.exp2(x)
+    return p.to(tl.float8e4nv), tl.sum(p, 1)
+
+
+def _attn_configs():
+    return [triton.Config({"EXP16": e}, num_warps=w, num_stages=st)
+            for e in (True, False) for w, st in ((8, 3), (8, 4), (8, 2), (4, 3))]
+
+
+@triton.autotune(configs=_attn_configs(), key=["D", "S_LOG2"])
+@triton.jit
+def _attn_fp8_kernel(Q8, QS, K8, KS, VT8, VS, O, OSC, S, S_pad, H, nblk, qk_scale, S_LOG2,
+                     D: tl.constexpr, OUT_FP8: tl.constexpr, BLOCK: tl.constexpr, EXP16: tl.constexpr):
+    """One (query tile, batch x head). Per element of a QK^T tile: int32 -> fp32 by the magic-number
+    add (exact, |acc| < 2**22 for D <= 256; no I2F on the special-function unit), one FMA to the
+    log2 domain with the tile's scalar scale, EX2, row max / sum, FP8 pack of 448 * p."""
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    offs_m = pid_m * BLOCK + tl.arange(0, BLOCK)
+    offs_n = tl.arange(0, BLOCK)
+    d = tl.arange(0, D)
+    mm = offs_m < S
+    qkb = bh.to(tl.int64) * S * D
+    q = tl.load(Q8 + qkb + offs_m[:, None] * D + d[None, :], mask=mm[:, None], other=0)
+    qsc = tl.load(QS + bh * nblk + pid_m) * qk_scale
+    kp = K8 + qkb + offs_n[:, None] * D + d[None, :]
+    vp = VT8 + bh.to(tl.int64) * D * S_pad + d[:, None] * S_pad + offs_n[None, :]
+    m_i = tl.full([BLOCK], -1.0e30, tl.float32)  # running max in the log2 domain (finite: no inf - inf)
+    l_i = tl.zeros([BLOCK], tl.float32)
+    acc = tl.zeros([BLOCK, D], tl.float32)
+    LOG2_448: tl.constexpr = 8.807354922057604
+    n_full = S // BLOCK
+    for j in range(0, n_full):
+        k = tl.load(kp + j * BLOCK * D)
+        c = qsc * tl.load(KS + bh * nblk + j)
+        qk = (tl.dot(q, tl.trans(k)) + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * c)
+        p8, psum = _exp2_p8(qk * c - (m_new - LOG2_448)[:, None], EXP16)  # 448 * softmax numerator
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + psum
+        vt = tl.load(vp + j * BLOCK)
+        acc = tl.dot(p8, tl.trans(vt), acc * alpha[:, None])
+        m_i = m_new
+    if n_full * BLOCK < S:  # the ragged last block: keys past S are masked out of the softmax
+        nm = (n_full * BLOCK + offs_n) < S
+        k = tl.load(kp + n_full * BLOCK * D, mask=nm[:, None], other=0)
+        c = qsc * tl.load(KS + bh * nblk + n_full)
+        qk = (tl.dot(q, tl.trans(k)) + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
+        qk = tl.where(nm[None, :], qk * c, -1.0e30)
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        p8, psum = _exp2_p8(qk - (m_new - LOG2_448)[:, None], EXP16)
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + psum
+        vt = tl.load(vp + n_full * BLOCK, mask=nm[None, :], other=0.0)
+        acc = tl.dot(p8, tl.trans(vt), acc * alpha[:, None])
+    vs = tl.load(VS + bh * D + d)
+    o = acc / l_i[:, None] * vs[None, :]
+    op = O + (b * S + offs_m).to(tl.int64)[:, None] * (H * D) + h * D + d[None, :]
+    if OUT_FP8:
+        tl.store(op, _q8(o.to(tl.bfloat16).to(tl.float32), tl.load(OSC)), mask=mm[:, None])
+    else:
+        tl.store(op, o.to(tl.bfloat16), mask=mm[:, None])
+
+
+def attention_fp8(q8, q_scale, k8, k_scale, vt8, v_scale, *, out_scale=None):
+    """Softmax attention on 8-bit operands -> [B, S, H*D] token-major (``to_out``'s input layout):
+    INT8 Q K^T and FP8 P V on tensor cores (SageAttention2's 8-bit recipe), fp32 online softmax.
+
+    ``q8``/``k8`` [B, H, S, D] int8, scales [B, H, S/128] (one per 128-token tile); ``vt8``
+    [B, H, D, S_pad] fp8, ``v_scale`` [B, H, D]. Output bf16, or FP8 at ``out_scale`` (the
+    ``to_out`` linear's static input scale).
+    """
+    b, h, s, d = q8.shape
+    o = torch.empty((b, s, h * d), device=q8.device, dtype=FP8 if out_scale is not None else torch.bfloat16)
+    qk_scale = 1.0 / math.sqrt(d) * 1.4426950408889634
+    grid = (triton.cdiv(s, SCALE_BLOCK), b * h)
+    _attn_fp8_kernel[grid](q8, q_scale, k8, k_scale, vt8, v_scale, o, out_scale if out_scale is not None else o,
+                           s, vt8.shape[-1], h, q_scale.shape[-1], qk_scale, max(1, s).bit_length(), D=d,
+                           OUT_FP8=out_scale is not None, BLOCK=SCALE_BLOCK)
+    return o

@@ -1,0 +1,219 @@
+"""Wan 2.x transformer blocks on the ``torch-fp8`` backend (real FP8 tensor-core GEMMs + Triton).
+
+The Wan facts of the GPU FP8 path (which linears a block has, how they fuse, where diffusers
+rounds to bf16) live here, next to ``wan.py``. A block is rewritten from a loaded diffusers
+``WanTransformerBlock`` and the calibration plan ``{module path: (act amax, weight amax)}``
+(:func:`trt_sora.runners.fp8_runner.fp8_plan`, the same numbers the Q/DQ graph holds); every
+linear without a plan entry stays a BF16 GEMM, exactly as the Q/DQ graph leaves it unquantized.
+
+One block, top to bottom (``q8`` = FP8 E4M3; every quantize fused into the kernel producing it)::
+
+    y1  = q8(LN(x) * (1 + scale_msa) + shift_msa)                 residual_norm_quant
+    qkv = y1 @ Wqkv                                               FP8 GEMM (fused Q, K, V)
+    a   = attention(RMSNorm+RoPE(q, k), v) -> q8                  qkv epilogue + attention (FP8 or cuDNN BF16)
+    x, y2 = x + (a @ Wo) * gate_msa, q8(LN_affine(x))             FP8 GEMM, residual_norm_quant
+    c   = cross_attention(y2 @ Wq2, q8(ctx) @ Wkv2) -> q8         FP8 GEMMs, cuDNN BF16 SDPA (text keys)
+    x, y3 = x + c @ Wo2, q8(LN(x) * (1 + c_scale) + c_shift)      FP8 GEMM, residual_norm_quant
+    x   = x + (q8(GELU(y3 @ W1)) @ W2) * c_gate                   FP8 GEMMs, gelu_quant, gated_add
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+import torch.nn.functional as F
+
+from trt_sora.kernels import ops
+from trt_sora.kernels.reference import FP8, dequant_scale, quantize
+
+__all__ = ["Fp8Linear", "FusedWanBlock", "Gemm", "fuse_blocks", "prepare", "swap_linears"]
+
+
+class Gemm(torch.nn.Module):
+    """One linear: FP8 (static per-tensor input scale, per-output-channel weight scales, weight
+    quantized once here) when ``act_amax`` is given, else BF16.
+
+    Args:
+        weight: [N, K] (any float dtype; quantized from its own precision).
+        bias: [N] or None.
+        act_amax: the input's calibrated amax (per tensor) or None for a BF16 GEMM.
+        weight_amax: [N] per-output-channel amax from the calibration stats; None: ``max |W|`` per row.
+        counters: dict counting executed GEMMs by kind (``fp8_gemm`` / ``bf16_gemm``).
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, act_amax: float | None,
+                 weight_amax: torch.Tensor | None, counters: dict):
+        super().__init__()
+        self.counters = counters
+        self.fp8 = act_amax is not None
+        self.out_features, self.in_features = weight.shape
+        b = None if bias is None else bias.detach().to(torch.bfloat16)
+        self.register_buffer("bias", b, persistent=False)
+        if self.fp8:
+            wf = weight.detach().float()
+            wa = wf.abs().amax(dim=1) if weight_amax is None else weight_amax.float().reshape(-1).to(wf.device)
+            ws = dequant_scale(wa)
+            self.register_buffer("w8", quantize(wf, ws[:, None]), persistent=False)
+            self.register_buffer("w_scale", ws.reshape(1, -1).contiguous(), persistent=False)
+            self.register_buffer("act_scale", dequant_scale(torch.tensor(float(act_amax), device=wf.device)),
+                                 persistent=False)
+            self._rows: dict[int, torch.Tensor] = {}
+        else:
+            self.register_buffer("w", weight.detach().to(torch.bfloat16), persistent=False)
+            self.act_scale = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x``: FP8 at ``act_scale`` (fused producer) or bf16 (quantized here: the unfused path)."""
+        if not self.fp8:
+            self.counters["bf16_gemm"] = self.counters.get("bf16_gemm", 0) + 1
+            return F.linear(x.to(torch.bfloat16), self.w, self.bias)
+        if x.dtype != FP8:
+            x = ops.quantize(x.to(torch.bfloat16), self.act_scale)
+        self.counters["fp8_gemm"] = self.counters.get("fp8_gemm", 0) + 1
+        return ops.linear_fp8(x, self.w8, self.act_scale, self.w_scale, self.bias, self._rows)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """[N, K] fp32: what the GEMM multiplies by (for tests and reports)."""
+        return self.w8.float() * self.w_scale.reshape(-1, 1) if self.fp8 else self.w.float()
+
+
+class Fp8Linear(torch.nn.Module):
+    """Drop-in for one ``nn.Linear`` (the ladder's first rung: FP8 GEMMs, quantize unfused)."""
+
+    def __init__(self, lin: torch.nn.Linear, act_amax: float, weight_amax, counters: dict):
+        super().__init__()
+        self.gemm = Gemm(lin.weight, lin.bias, act_amax, weight_amax, counters)
+
+    def forward(self, x):
+        return self.gemm(x).to(x.dtype)
+
+
+def _site(plan: Mapping[str, Any], name: str):
+    """``(act_amax, weight_amax)`` of a module path, or ``(None, None)`` for an unquantized linear."""
+    p = plan.get(name)
+    return (None, None) if p is None else (p.act_amax, p.weight_amax)
+
+
+def _fused_gemm(mods: list[tuple[str, torch.nn.Linear]], plan, counters) -> Gemm:
+    """One GEMM over linears that read the same tensor (their weights stacked on N)."""
+    acts = [_site(plan, n)[0] for n, _ in mods]
+    if len({a is None for a in acts}) != 1:
+        raise ValueError(f"{[n for n, _ in mods]} read one tensor but are not all quantized alike; the Q/DQ graph "
+                         "fuses them only when they are - re-run `trt-sora quantize`")
+    w = torch.cat([m.weight for _, m in mods])
+    b = None if mods[0][1].bias is None else torch.cat([m.bias for _, m in mods])
+    if acts[0] is None:
+        return Gemm(w, b, None, None, counters)
+    was = [_site(plan, n)[1] for n, _ in mods]
+    wa = torch.cat([x.float().reshape(-1) if x is not None else m.weight.detach().float().abs().amax(1)
+                    for x, (_, m) in zip(was, mods)])
+    return Gemm(w, b, max(acts), wa, counters)
+
+
+class FusedWanBlock(torch.nn.Module):
+    """``WanTransformerBlock`` (text-to-video) with FP8 GEMMs and fused quantization.
+
+    ``forward(hidden_states [B, S, C] bf16, encoder_hidden_states [B, L, C], temb [B, 6, C],
+    rotary_emb (cos, sin) [1, S, 1, D])`` as diffusers calls it. ``fp8_attention`` switches the
+    self-attention kernel (FP8 Triton vs cuDNN BF16); the runner sets it per call.
+    """
+
+    def __init__(self, blk, name: str, plan: Mapping[str, Any], counters: dict):
+        super().__init__()
+        a1, a2 = blk.attn1, blk.attn2
+        if a2.add_k_proj is not None:
+            raise ValueError("image-to-video Wan blocks (added K/V projections) are not supported by torch-fp8 yet")
+        self.name, self.counters = name, counters
+        self.heads = a1.heads
+        self.eps = blk.norm1.eps
+        self.qk_eps = a1.norm_q.eps
+        self.register_buffer("table", blk.scale_shift_table.detach().float(), persistent=False)
+        self.qkv = _fused_gemm([(f"{name}.attn1.to_{x}", getattr(a1, f"to_{x}")) for x in "qkv"], plan, counters)
+        self.out1 = Gemm(a1.to_out[0].weight, a1.to_out[0].bias, *_site(plan, f"{name}.attn1.to_out.0"), counters)
+        self.q2 = Gemm(a2.to_q.weight, a2.to_q.bias, *_site(plan, f"{name}.attn2.to_q"), counters)
+        self.kv2 = _fused_gemm([(f"{name}.attn2.to_{x}", getattr(a2, f"to_{x}")) for x in "kv"], plan, counters)
+        self.out2 = Gemm(a2.to_out[0].weight, a2.to_out[0].bias, *_site(plan, f"{name}.attn2.to_out.0"), counters)
+        ff = blk.ffn.net
+        self.ff1 = Gemm(ff[0].proj.weight, ff[0].proj.bias, *_site(plan, f"{name}.ffn.net.0.proj"), counters)
+        self.ff2 = Gemm(ff[2].weight, ff[2].bias, *_site(plan, f"{name}.ffn.net.2"), counters)
+        for tag, mod in (("nq1", a1.norm_q), ("nk1", a1.norm_k), ("nq2", a2.norm_q), ("nk2", a2.norm_k)):
+            self.register_buffer(tag, mod.weight.detach().to(torch.bfloat16), persistent=False)
+        n2 = blk.norm2
+        self.norm2_affine = isinstance(n2, torch.nn.LayerNorm) and n2.weight is not None
+        self.register_buffer("n2w", n2.weight.detach().float() if self.norm2_affine else None, persistent=False)
+        self.register_buffer("n2b", n2.bias.detach().float() if self.norm2_affine else None, persistent=False)
+        self.fp8_attention = True
+
+    def forward(self, hidden_states, encoder_hidden_states, temb, rotary_emb):
+        x = hidden_states.to(torch.bfloat16).contiguous()
+        b, s, c = x.shape
+        mod = (self.table + temb.float()).contiguous()  # [B, 6, C]
+        shift, scale, gate, c_shift, c_scale, c_gate = (mod[:, i].contiguous() for i in range(6))
+        cos, sin = (t.reshape(s, -1).float().contiguous() for t in rotary_emb)
+        fp8_attn = self.fp8_attention
+        self.counters["fp8_attention" if fp8_attn else "bf16_attention"] = \
+            self.counters.get("fp8_attention" if fp8_attn else "bf16_attention", 0) + 1
+        # 1. self-attention
+        _, y = ops.residual_norm_quant(x, mod_scale=scale, mod_shift=shift, eps=self.eps, act_scale=self.qkv.act_scale)
+        att = ops.self_attention(self.qkv(y), self.nq1, self.nk1, cos, sin, self.heads, self.qk_eps, fp8=fp8_attn,
+                                 out_scale=self.out1.act_scale)
+        # 2. cross-attention (text keys: short, cuDNN BF16)
+        x, y = ops.residual_norm_quant(x, branch=self.out1(att), gate=gate, weight=self.n2w, bias=self.n2b,
+                                       eps=self.eps, act_scale=self.q2.act_scale)
+        ctx = encoder_hidden_states.to(torch.bfloat16)
+        q = F.rms_norm(self.q2(y), (c,), self.nq2, self.qk_eps)
+        k, v = self.kv2(ops.quantize(ctx, self.kv2.act_scale)).chunk(2, dim=-1)
+        k = F.rms_norm(k, (c,), self.nk2, self.qk_eps)
+        q, k, v = (t.unflatten(-1, (self.heads, -1)).transpose(1, 2) for t in (q, k, v))
+        att2 = ops.heads_to_tokens(ops.sdpa_bf16(q, k, v), self.out2.act_scale)
+        # 3. feed-forward
+        x, y = ops.residual_norm_quant(x, branch=self.out2(att2), eps=self.eps, mod_scale=c_scale, mod_shift=c_shift,
+                                       act_scale=self.ff1.act_scale)
+        h = ops.gelu_quant(self.ff1(y), self.ff2.act_scale)
+        return ops.gated_add(x, self.ff2(h), c_gate).to(hidden_states.dtype)
+
+
+def _blocks(model):
+    return [(f"blocks.{i}", blk) for i, blk in enumerate(model.blocks)]
+
+
+def fuse_blocks(model, plan: Mapping[str, Any], counters: dict) -> list[FusedWanBlock]:
+    """Replace every block of a loaded ``WanTransformer3DModel`` by a :class:`FusedWanBlock`
+    (weights quantized once, the diffusers block freed as it goes). Returns the new blocks."""
+    out = []
+    for i, (name, blk) in enumerate(_blocks(model)):
+        fb = FusedWanBlock(blk, name, plan, counters)
+        model.blocks[i] = fb
+        out.append(fb)
+        del blk
+    return out
+
+
+def swap_linears(model, plan: Mapping[str, Any], counters: dict) -> int:
+    """The unfused rung: every planned ``nn.Linear`` becomes an :class:`Fp8Linear` (eager quantize);
+    the rest of diffusers' block runs as is. Returns how many were swapped."""
+    n = 0
+    for name, mod in list(model.named_modules()):
+        for child, lin in list(mod.named_children()):
+            path = f"{name}.{child}" if name else child
+            if isinstance(lin, torch.nn.Linear) and path in plan:
+                setattr(mod, child, Fp8Linear(lin, plan[path].act_amax, plan[path].weight_amax, counters))
+                n += 1
+    return n
+
+
+def prepare(model, plan: Mapping[str, Any], *, fused: bool, counters: dict) -> list[FusedWanBlock]:
+    """Rewrite a loaded ``WanTransformer3DModel`` for the ``torch-fp8`` backend, in place.
+
+    ``fused``: every block becomes a :class:`FusedWanBlock`; planned linears outside the blocks
+    (a recipe may include ``proj_out``) become :class:`Fp8Linear`. Otherwise only the planned
+    linears are swapped. The remaining parameters are cast to bf16, except diffusers'
+    ``_keep_in_fp32_modules`` (time embedder, norms, AdaLN tables), as ``from_pretrained`` does.
+    Returns the fused blocks (empty when not ``fused``).
+    """
+    blocks = fuse_blocks(model, plan, counters) if fused else []
+    swap_linears(model, plan, counters)
+    keep = set(getattr(model, "_keep_in_fp32_modules", None) or ())
+    for name, p in model.named_parameters():
+        p.data = p.data.to(torch.float32 if keep & set(name.split(".")) else torch.bfloat16)
+    return blocks
