@@ -87,3 +87,15 @@ def test_bad_model_refs(tmp_path):
     (tmp_path / "noweights" / "config.json").write_text(json.dumps({"_class_name": "WanTransformer3DModel"}))
     with pytest.raises(ModelError, match="no weight files"):
         resolve(str(tmp_path / "noweights"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_random_init_is_the_same_model_on_every_device(tiny_adapter, dtype):
+    """A GPU backend checked against a CPU reference must run the same weights: random-init
+    configs draw their numbers on the CPU whatever the target device."""
+    cpu = dict(tiny_adapter.load(dtype, "cpu").state_dict())
+    gpu = tiny_adapter.load(dtype, "cuda").state_dict()
+    assert cpu.keys() == gpu.keys()
+    for k, v in gpu.items():
+        assert v.is_cuda and torch.equal(v.cpu(), cpu[k]), k

@@ -231,25 +231,43 @@ def _cast_keep_fp32(model, dtype) -> None:
 
 def _init_random(model, seed: int, config: Mapping[str, Any]) -> None:
     """Deterministic init after ``to_empty``: each module's own ``reset_parameters``, diffusers'
-    ``randn / sqrt(dim)`` for the AdaLN tables, and RoPE tables recomputed (non-persistent buffers)."""
+    ``randn / sqrt(dim)`` for the AdaLN tables, and RoPE tables recomputed (non-persistent buffers).
+
+    The random numbers are always drawn on the CPU (one module at a time, then copied to the
+    model's device), so the same config and seed give the same weights on every device: a GPU
+    backend checked against a CPU reference runs the same model, and a 14B model never needs a
+    host copy of more than one module."""
     import torch
     from diffusers.models.transformers.transformer_wan import WanRotaryPosEmbed
 
     device = next(model.parameters()).device
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+    with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        if device.type == "cuda":
-            torch.cuda.manual_seed(seed)
         with torch.no_grad():
             for m in model.modules():
                 if hasattr(m, "reset_parameters") and m is not model:
-                    m.reset_parameters()
+                    _reset_on_cpu(m, device)
             for name, p in model.named_parameters():
                 if name.endswith("scale_shift_table"):
-                    p.copy_(torch.randn(p.shape, device=device, dtype=torch.float32) / p.shape[-1] ** 0.5)
+                    p.copy_(torch.randn(p.shape, dtype=torch.float32) / p.shape[-1] ** 0.5)
     fresh = WanRotaryPosEmbed(config["attention_head_dim"], tuple(config["patch_size"]), config["rope_max_seq_len"])
     model.rope.freqs_cos = fresh.freqs_cos.to(device)
     model.rope.freqs_sin = fresh.freqs_sin.to(device)
+
+
+def _reset_on_cpu(module, device) -> None:
+    """``module.reset_parameters()`` with its own parameters on the CPU, then moved back to ``device``."""
+    import torch
+
+    own = dict(module.named_parameters(recurse=False))
+    if device.type == "cpu" or not own:
+        module.reset_parameters()
+        return
+    for p in own.values():
+        p.data = torch.empty(p.shape, dtype=p.dtype)
+    module.reset_parameters()
+    for p in own.values():
+        p.data = p.data.to(device)
 
 
 def spec_from_folder(ref: str, folder: Path) -> ModelSpec | None:
