@@ -105,3 +105,25 @@ def test_attention_8bit_vs_fp32(s):
     sc = torch.tensor(float(want.abs().max()) / 448, device="cuda")
     o8 = t.attention_fp8(*t.qkv_rmsnorm_rope(qkv, wq, wk, cos, sin, h, fp8=True), out_scale=sc)
     _deq_close(o8, ref.quantize(o, sc), sc, max_mismatch=0.02)
+
+
+def test_attention_configs_give_identical_results():
+    """The autotuner may pick any config: each one must compute the same bits."""
+    import triton
+
+    t = _tri()
+    qkv, wq, wk, cos, sin, h = _qkv_inputs(b=1, s=1000, h=2)
+    q8, qs, k8, ks, vt8, vs = t.qkv_rmsnorm_rope(qkv, wq, wk, cos, sin, h, fp8=True)
+    b, _, s, d = q8.shape
+    outs = []
+    for cfg in t._attn_configs():
+        o = torch.full((b, s, h * d), float("nan"), device="cuda", dtype=torch.bfloat16)
+        grid = (triton.cdiv(s, cfg.kwargs["BLOCK_M"]), b * h)
+        t._attn_fp8_kernel.fn[grid](q8, qs, k8, ks, vt8, vs, o, o, s, vt8.shape[-1], h, qs.shape[-1],
+                                    1.4426950408889634 / d ** 0.5, s.bit_length(), D=d, OUT_FP8=False,
+                                    BLOCK_N=t.SCALE_BLOCK, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                                    **cfg.kwargs)
+        assert not o.isnan().any()
+        outs.append(o)
+    for o in outs[1:]:
+        assert torch.equal(o, outs[0])
