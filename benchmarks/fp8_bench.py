@@ -66,6 +66,10 @@ def attention_part(s=32760, h=40, d=128) -> dict:
     flops = 4.0 * s * s * d * h
     out = {"tokens": s, "heads": h, "head_dim": d, "flops": flops}
     out["ours_8bit_ms"] = bench_ms(lambda: t.attention_fp8(*ops8))
+    tuner = t._attn_fp8_kernel
+    out["autotune"] = {"best": str(getattr(tuner, "best_config", None)),
+                       "timings_ms": {str(k): [float(x) for x in v] if isinstance(v, (list, tuple)) else float(v)
+                                      for k, v in (getattr(tuner, "configs_timings", None) or {}).items()}}
     out["ours_epilogue_8bit_ms"] = bench_ms(lambda: t.qkv_rmsnorm_rope(qkv, wq, wk, cs, sn, h, fp8=True))
     out["ours_epilogue_bf16_ms"] = bench_ms(lambda: t.qkv_rmsnorm_rope(qkv, wq, wk, cs, sn, h, fp8=False))
     for name, be in (("cudnn_bf16", SDPBackend.CUDNN_ATTENTION), ("flash_bf16", SDPBackend.FLASH_ATTENTION)):
@@ -140,15 +144,18 @@ def profile_split(fn) -> dict:
         fn()
         torch.cuda.synchronize()
     split = {"gemm": 0.0, "attention": 0.0, "other": 0.0}
+    kernels = []
     for ev in prof.key_averages():
         name = ev.key.lower()
         t_ms = getattr(ev, "device_time_total", getattr(ev, "cuda_time_total", 0.0)) / 1e3
+        kernels.append((round(t_ms, 3), ev.count, ev.key[:90]))
         if any(k in name for k in ("attn_fp8", "fmha", "flash", "cudnn", "attention", "sdpa")):
             split["attention"] += t_ms
         elif any(k in name for k in ("gemm", "xmma", "cutlass", "sm90", "_mm", "matmul", "nvjet")):
             split["gemm"] += t_ms
         else:
             split["other"] += t_ms
+    split["top_kernels"] = sorted(kernels, reverse=True)[:16]
     return split
 
 
@@ -162,7 +169,12 @@ def model_flops(cfg, point) -> dict:
     return {"gemm": gemm, "attention": attn, "tokens": s}
 
 
-def model_part(name: str, size: str, batch: int, iters: int, rungs: list[str]) -> dict:
+def model_part(name: str, size: str, batch: int, iters: int, rungs: list[str], save=lambda res: None) -> dict:
+    """One model x size x batch. The random-init model is built once (its weights are drawn on the
+    CPU, ~110 s for 14B) and every rung runs on a GPU copy of it; ``save(res)`` after each rung, so
+    a run cut off by its time limit keeps what it measured."""
+    import copy
+
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from trt_sora.models import get_adapter
@@ -188,14 +200,23 @@ def model_part(name: str, size: str, batch: int, iters: int, rungs: list[str]) -
     res["rungs"]["eager_bf16"] = {"s": t, "all_s": ts, "split_ms": profile_split(eager)}
     plan = calibrate_plan(model, lambda *a: eager(), inputs)
     res["quantized_sites"] = len(plan)
+    save(res)
     if "compile_bf16" in rungs:
+        compiled = copy.deepcopy(model)
+        cfwd = adapter.export_module(compiled)
+
+        def compiled_call():
+            with torch.inference_mode(), sdpa_kernel(cudnn):
+                return cfwd(*inputs)
+
         t0 = time.perf_counter()
-        model.compile_repeated_blocks(fullgraph=True)
-        y, t, ts = timed_calls(eager, iters, warmup=3)
+        compiled.compile_repeated_blocks(fullgraph=True)
+        y, t, ts = timed_calls(compiled_call, iters, warmup=3)
         res["rungs"]["compile_bf16"] = {"s": t, "all_s": ts, "cosine_vs_eager_bf16": cos(y, y_ref),
                                         "compile_and_warmup_s": time.perf_counter() - t0 - t * (iters + 3)}
-    del model, fwd
-    torch.cuda.empty_cache()
+        del compiled, cfwd
+        torch.cuda.empty_cache()
+        save(res)
     ladder = {"fp8_gemm": dict(mode="gemm", attention=AttentionPolicy(enabled=False), cuda_graphs=False),
               "fp8_fused": dict(mode="fused", attention=AttentionPolicy(enabled=False), cuda_graphs=False),
               "fp8_fused_attn8": dict(mode="fused", attention=AttentionPolicy(enabled=True), cuda_graphs=False),
@@ -203,13 +224,13 @@ def model_part(name: str, size: str, batch: int, iters: int, rungs: list[str]) -
     for rung, kw in ladder.items():
         if rung not in rungs:
             continue
-        r = TorchFp8Runner(adapter, None, plan=plan, device="cuda", load_dtype="bf16", **kw).activate()
+        r = TorchFp8Runner(adapter, None, plan=plan, device="cuda", model=copy.deepcopy(model), **kw).activate()
         feeds_r = {n: x for n, x in zip(adapter.input_names, inputs)}
         call = lambda: r.infer(feeds_r)["sample"]  # noqa: E731
         y, t, ts = timed_calls(call, iters)
         rep = r.report()
-        if not r.cuda_graphs:
-            rep["split_ms"] = profile_split(call) if rung == "fp8_fused_attn8" else None
+        if rung in ("fp8_fused", "fp8_fused_attn8"):
+            rep["split_ms"] = profile_split(call)
         rep.update({"s": t, "all_s": ts, "cosine_vs_eager_bf16": cos(y, y_ref), "expected_fp8_gemms": r.expected_gemms()})
         if not r.cuda_graphs and rep["fp8_gemms_per_call"] != rep["expected_fp8_gemms"]:
             raise SystemExit(f"{rung}: ran {rep['fp8_gemms_per_call']} FP8 GEMMs, the plan needs "
@@ -218,6 +239,9 @@ def model_part(name: str, size: str, batch: int, iters: int, rungs: list[str]) -
         r.deactivate()
         del r
         torch.cuda.empty_cache()
+        save(res)
+    del model, fwd
+    torch.cuda.empty_cache()
     base = res["rungs"]["eager_bf16"]["s"]
     comp = res["rungs"].get("compile_bf16", {}).get("s")
     for rung, v in res["rungs"].items():
@@ -225,7 +249,7 @@ def model_part(name: str, size: str, batch: int, iters: int, rungs: list[str]) -
         if comp:
             v["speedup_vs_compile_bf16"] = comp / v["s"]
     fl = res["flops"]
-    for rung in ("eager_bf16", "fp8_fused_attn8"):
+    for rung in ("eager_bf16", "fp8_fused", "fp8_fused_attn8"):
         sp = res["rungs"].get(rung, {}).get("split_ms")
         if sp:
             res["rungs"][rung]["achieved_tflops"] = {
@@ -244,6 +268,8 @@ def main(argv=None) -> None:
     ap.add_argument("--rungs", default="compile_bf16,fp8_gemm,fp8_fused,fp8_fused_attn8,fp8_fused_attn8_graph")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
+    if a.out:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     out = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "ceilings": CEILING, "runs": []}
     import triton
 
@@ -255,8 +281,14 @@ def main(argv=None) -> None:
         for m in a.models.split(","):
             for sz in a.sizes.split(","):
                 for b in (int(x) for x in a.batches.split(",")):
-                    r = model_part(m, sz, b, a.iters, a.rungs.split(","))
-                    out["runs"].append(r)
+                    out["runs"].append({})
+
+                    def save(res):
+                        out["runs"][-1] = res
+                        if a.out:
+                            Path(a.out).write_text(json.dumps(out, indent=1))
+
+                    r = model_part(m, sz, b, a.iters, a.rungs.split(","), save)
                     print(json.dumps({k: r[k] for k in ("model", "size", "batch")} | {
                         k: {kk: v.get(kk) for kk in ("s", "speedup_vs_eager_bf16", "speedup_vs_compile_bf16",
                                                        "cosine_vs_eager_bf16", "fp8_gemms_per_call",
@@ -265,7 +297,6 @@ def main(argv=None) -> None:
                     if a.out:
                         Path(a.out).write_text(json.dumps(out, indent=1))
     if a.out:
-        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps(out, indent=1))
 
 

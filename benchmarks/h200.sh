@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# One device call on the lent H200: install the carried wheels, then run the named parts, each
+# under its own time limit, logs and JSON under $OUT (what comes back). Parts run in the order given;
+# a failed part does not stop the next one.
+#
+#   bash benchmarks/h200.sh tests attention quality m13 m14 ...
+#
+# Parts: tests (pytest -m gpu), attention (kernel vs cuDNN/flash), quality (wan-shapes clips),
+# check (trt-sora check --backend torch-fp8 on the wan-shapes run folder),
+# m13 / m14 (one transformer call, 480p x 81, batch 1: eager, compile, the torch-fp8 ladder),
+# m14b2 (14B batch 2), m14_720 (14B 720p batch 1), prof14 (profiler of the 14B fp8 call).
+set -u
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site:$PWD || { echo "wheel install failed"; exit 1; }
+fi
+export PYTHONPATH=${PYTHONPATH:-$PWD}
+RUN=${RUN:-build/wan-shapes/rtx4090-fp8}
+python3 -c 'import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())'
+
+part() {  # name, limit_s, command...
+  local name=$1 lim=$2; shift 2
+  local t0=$(date +%s)
+  echo "== $name (limit ${lim}s)"
+  timeout "$lim" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "== $name rc=$rc $(( $(date +%s) - t0 ))s"
+  tail -n "${TAIL:-6}" "$OUT/$name.log"
+}
+
+for p in "$@"; do
+  case $p in
+    tests) part tests 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels tests/runtime/test_torch_fp8.py tests/models/test_wan.py ;;
+    attention) part attention 240 python3 benchmarks/fp8_bench.py --parts attention --out "$OUT/attention.json" ;;
+    quality) part quality 240 python3 benchmarks/fp8_quality.py --run "$RUN" \
+               --prompts build/wan_shapes_heldout.safetensors --num 16 --out "$OUT/quality.json" ;;
+    ktests) part ktests 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels ;;
+    check) part check 200 python3 -m trt_sora check --run "$RUN" --recipe rtx4090-fp8 --backend torch-fp8 --device cuda ;;
+    m13) part m13 300 python3 benchmarks/fp8_bench.py --parts models --models wan2.1-t2v-1.3b --batches 1 \
+           --out "$OUT/m13.json" ;;
+    m14) part m14 540 python3 benchmarks/fp8_bench.py --parts models --models wan2.1-t2v-14b --batches 1 \
+           --out "$OUT/m14.json" ;;
+    m14b2) part m14b2 540 python3 benchmarks/fp8_bench.py --parts models --models wan2.1-t2v-14b --batches 2 \
+             --iters 10 --rungs fp8_fused_attn8_graph --out "$OUT/m14b2.json" ;;
+    m14_720) part m14_720 540 python3 benchmarks/fp8_bench.py --parts models --models wan2.1-t2v-14b --sizes 720p \
+               --batches 1 --iters 10 --rungs fp8_fused_attn8_graph --out "$OUT/m14_720.json" ;;
+    *) echo "unknown part $p" ;;
+  esac
+done
