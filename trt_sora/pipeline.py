@@ -124,7 +124,7 @@ class EnginePipeline:
         preset = load_preset(self.calib_preset_name)
         fp = _fingerprint("calibrate", __version__, self.adapter.spec.model_hash(),
                           to_dict(self.recipe.calibration), to_dict(preset),
-                          to_dict(self.recipe.quantization))
+                          to_dict(self.recipe.quantization), self.adapter.sampling.to_dict())
 
         def go():
             res = calibrate(self.adapter, self.recipe.calibration, self.folder("calibrate"), model=self.model,
@@ -173,7 +173,8 @@ class EnginePipeline:
         from trt_sora.parity import check_artifacts
 
         inputs = [self.folder(s) / MANIFEST for s in ("export", "calibrate", "quantize", "build")]
-        fp = _fingerprint("check", __version__, to_dict(self.recipe.parity), _file_hashes(*inputs))
+        fp = _fingerprint("check", __version__, to_dict(self.recipe.parity), self.adapter.sampling.to_dict(),
+                          _file_hashes(*inputs))
 
         def go():
             rep = check_artifacts(self.run_dir, self.recipe, model=self.adapter)

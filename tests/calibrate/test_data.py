@@ -100,8 +100,7 @@ def test_load_prompts_errors(tmp_path):
         load_prompts(SET, split="held")
 
 
-PRESET_KEYS = {"prompt_set", "split", "num_prompts", "num_steps", "guidance_scale", "shift", "shapes", "seed",
-               "negative_prompt"}
+PRESET_KEYS = {"prompt_set", "split", "num_prompts", "shapes", "seed", "negative_prompt"}
 
 
 @pytest.mark.parametrize("name", ["tiny", "standard", "wan-480p", "wan-720p"])
@@ -109,6 +108,7 @@ def test_shipped_presets_load_and_resolve(name):
     path = list_presets()[name]
     raw = yaml.safe_load(path.read_text())
     assert PRESET_KEYS <= set(raw)
+    assert "num_steps" not in raw and "guidance_scale" not in raw  # trajectories follow the model's settings
     p = load_preset(name)
     assert p == load_preset(path)
     assert p.name == name and p.num_prompts == raw["num_prompts"] and len(p.shapes) == len(raw["shapes"])
@@ -120,8 +120,7 @@ def test_shipped_presets_load_and_resolve(name):
 
 def test_tiny_preset_values():
     p = load_preset("tiny")
-    assert (p.num_prompts, p.num_steps, p.guidance_scale, p.seed) == (4, 4, 5.0, 0)
-    assert p.branches == ("cond", "uncond")
+    assert (p.num_prompts, p.num_steps, p.guidance_scale, p.shift, p.seed) == (4, None, None, None, 0)
     assert max(s.latent_height * s.latent_width * s.latent_frames for s in p.shapes) <= 512
     assert p.to_dict()["shapes"][0]["text_len"] == p.shapes[0].text_len
 

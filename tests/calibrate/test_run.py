@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 from trt_sora.calibrate.run import ALL_METHODS, ReportOptions, calibrate  # noqa: E402
 from trt_sora.calibrate.stats import CalibStats  # noqa: E402
 from trt_sora.config.recipe import CalibConfig, CalibMethod  # noqa: E402
-from trt_sora.errors import CalibrationError, ConfigError  # noqa: E402
+from trt_sora.errors import CalibrationError, ConfigError, ShapeError  # noqa: E402
 
 NUM_STEPS = 2
 
@@ -271,7 +271,7 @@ def test_forward_that_changes_shape(tiny_adapter, tiny_model, small_preset, tmp_
             out = super().forward(model, inputs)
             return out[..., :-1] if Shrinking.calls > 2 else out
 
-    with pytest.raises(CalibrationError, match=r"shape .* at denoising step 1"):
+    with pytest.raises(ShapeError, match=r"shape .* at denoising step 1"):
         calibrate(Shrinking(tiny_adapter.spec), CalibConfig(), tmp_path / "o", model=tiny_model,
                   preset=str(small_preset), report=False)
 

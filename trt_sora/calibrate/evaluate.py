@@ -1,16 +1,16 @@
 """The report's measurements: the fake-quantized model against the unquantized one on held-out prompts.
 
-Everything here runs full denoising trajectories (the preset's scheduler, shift,
-guidance and steps) at the preset's first shape on held-out prompts (split
-``heldout``) and compares the FINAL latents ``[B, C, F, H, W]`` with
-:func:`trt_sora.parity.metrics.compare` (cosine, max-abs, relative L2, PSNR with
+Everything here runs full denoising trajectories (:func:`trt_sora.sampling.sample` at the
+calibration's sampling settings - the model's own unless overridden - and ``eval_steps``)
+at the preset's first shape on held-out prompts (split ``heldout``) and compares the
+FINAL latents ``[B, C, F, H, W]`` with :func:`trt_sora.metrics.compare` (cosine, max-abs, relative L2, PSNR with
 the peak = the reference's max - min):
 
 * **calibrator comparison**: every collected method x format, all sites the
   quantize stage will quantize (its policy, default exclusions included) with
   that method's activation amax per tensor and weights per output channel;
 * **sensitivity**: one layer group at a time (a *kind* over all blocks, e.g.
-  ``ffn.down`` = ``blocks.*.ffn.net.2``, or one block ``blocks.N``) with the
+  ``ffn.down`` = ``blocks.*.ffn.net.2`` for Wan (the adapter's ``layer_kinds``), or one block ``blocks.N``) with the
   recipe's method and format;
 * **skip list**: the groups whose solo quantization costs the most, as
   ``quantization.exclude`` patterns, verified by one more run with them excluded.
@@ -29,34 +29,28 @@ from trt_sora.errors import ConfigError
 
 log = logging.getLogger("trt_sora")
 
-__all__ = ["KIND_NAMES", "evaluate", "layer_groups", "site_kind"]
+__all__ = ["evaluate", "layer_groups", "site_kind"]
 
 _BLOCK_RE = re.compile(r"^(?P<container>[A-Za-z_][A-Za-z0-9_]*)\.(?P<index>\d+)\.(?P<rest>.+)$")
 
-#: Linear paths inside a block -> the kind they belong to (diffusers DiT naming; Wan 2.x).
-KIND_NAMES: dict[str, str] = {
-    "attn1.to_q": "attn1.qkv", "attn1.to_k": "attn1.qkv", "attn1.to_v": "attn1.qkv",
-    "attn1.to_out.0": "attn1.out",
-    "attn2.to_q": "attn2.q", "attn2.to_k": "attn2.kv", "attn2.to_v": "attn2.kv",
-    "attn2.to_out.0": "attn2.out",
-    "ffn.net.0.proj": "ffn.up", "ffn.net.2": "ffn.down",
-}
-
-
-def site_kind(site: str) -> tuple[str | None, str | None, str]:
+def site_kind(site: str, kinds: Mapping[str, str] | None = None) -> tuple[str | None, str | None, str]:
     """``(container, block index, kind)`` of a linear site; container/index None outside blocks.
 
-    ``blocks.3.ffn.net.2`` -> ``("blocks", "3", "ffn.down")``; ``proj_out`` -> ``(None, None, "proj_out")``.
+    ``kinds``: the family's linear path -> kind table (``adapter.layer_kinds``); paths not in it
+    are their own kind. ``blocks.3.ffn.net.2`` -> ``("blocks", "3", "ffn.down")`` for Wan;
+    ``proj_out`` -> ``(None, None, "proj_out")``.
     """
     m = _BLOCK_RE.match(site)
     if not m:
         return None, None, site
-    return m["container"], m["index"], KIND_NAMES.get(m["rest"], m["rest"])
+    return m["container"], m["index"], (kinds or {}).get(m["rest"], m["rest"])
 
 
-def layer_groups(sites: Sequence[str], by: str = "both") -> list[dict[str, Any]]:
+def layer_groups(sites: Sequence[str], by: str = "both", kind_names: Mapping[str, str] | None = None
+                 ) -> list[dict[str, Any]]:
     """Layer groups for the sensitivity ranking: ``{"name", "type", "sites", "patterns"}``.
 
+    ``kind_names``: the family's layer kinds (``adapter.layer_kinds``, see :func:`site_kind`).
     ``by``: ``"kind"`` (one group per kind across blocks; patterns ``blocks.*.<path>``),
     ``"block"`` (one per block; pattern ``blocks.N.*``), ``"both"`` or ``"none"``.
     Sites outside blocks form one group each (type ``"layer"``) under ``"kind"``.
@@ -67,7 +61,7 @@ def layer_groups(sites: Sequence[str], by: str = "both") -> list[dict[str, Any]]
     if by in ("kind", "both"):
         kinds: dict[str, dict[str, Any]] = {}
         for s in sites:
-            container, _, kind = site_kind(s)
+            container, _, kind = site_kind(s, kind_names)
             if container is None:
                 g = kinds.setdefault(s, {"name": s, "type": "layer", "sites": [], "patterns": [s]})
             else:
@@ -81,7 +75,7 @@ def layer_groups(sites: Sequence[str], by: str = "both") -> list[dict[str, Any]]
     if by in ("block", "both"):
         blocks: dict[str, dict[str, Any]] = {}
         for s in sites:
-            container, index, _ = site_kind(s)
+            container, index, _ = site_kind(s, kind_names)
             if container is None:
                 continue
             name = f"{container}.{index}"
@@ -101,17 +95,19 @@ def _act_amax(stats, method: str, sites: Sequence[str]) -> dict[str, torch.Tenso
     return out
 
 
-def evaluate(adapter, model, stats, preset, quant_config, options, *, encode: Callable,
+def evaluate(adapter, model, stats, preset, quant_config, options, *, encode: Callable, settings=None,
              model_dtype=None, progress: Callable[[str, int, int], None] | None = None) -> dict[str, Any]:
     """Run the comparison, sensitivity ranking and skip-list check; see the module docstring.
 
     Args:
         adapter, model: the family adapter and the loaded (unquantized) transformer.
         stats: the :class:`~trt_sora.calibrate.stats.CalibStats` just collected (all methods).
-        preset: the :class:`~trt_sora.calibrate.data.CalibPreset` (scheduler, shift, CFG, first shape).
+        preset: the :class:`~trt_sora.calibrate.data.CalibPreset` (prompts, negative prompt, first shape).
         quant_config: the recipe's ``QuantConfig`` (site policy; ``format`` for the sensitivity runs).
-        options: :class:`trt_sora.calibrate.run.ReportOptions`.
+        options: :class:`trt_sora.calibrate.run.ReportOptions` (``eval_steps`` overrides the step count).
         encode: the text encoder ``(prompts, text_len) -> [B, L, D]``.
+        settings: the calibration's :class:`~trt_sora.sampling.SamplingSettings`
+            (default: :func:`trt_sora.calibrate.run.calibration_sampling`).
         model_dtype: dtype fed to the model (default fp32).
         progress: ``progress("evaluate", done, total)``.
 
@@ -120,14 +116,17 @@ def evaluate(adapter, model, stats, preset, quant_config, options, *, encode: Ca
         method, format, cosine, max_abs, rel_l2, psnr_db), ``sensitivity`` (rows sorted worst first),
         ``skip`` (groups, patterns, YAML, verification metrics).
     """
-    from trt_sora.calibrate.run import _chunks, _encode, _noise, denoise
-    from trt_sora.parity.metrics import compare
+    from trt_sora.calibrate.run import _chunks, _encode, _noise, calibration_sampling
+    from trt_sora.metrics import compare
+    from trt_sora.sampling import adapter_call, sample
 
     progress = progress or (lambda phase, done, total: None)
     device = next(model.parameters()).device
     model_dtype = model_dtype or torch.float32
     shape = preset.shapes[0]
-    steps = int(options.eval_steps or preset.num_steps)
+    settings = settings or calibration_sampling(adapter, preset)[0]
+    settings = settings.override(num_steps=options.eval_steps)
+    steps = settings.num_steps
     try:
         prompts = prompts_for_preset(preset, split="heldout", num_prompts=options.eval_prompts)
     except ConfigError:  # fewer held-out prompts than asked: take them all
@@ -137,42 +136,37 @@ def evaluate(adapter, model, stats, preset, quant_config, options, *, encode: Ca
     for k, chunk in enumerate(chunks):
         cond = _encode(encode, [p.prompt for p in chunk], shape.text_len, device)
         uncond = _encode(encode, [preset.negative_prompt] * len(chunk), shape.text_len, device) \
-            if preset.uses_cfg else None
+            if settings.uses_cfg else None
         feeds.append((_noise(adapter, shape, preset.seed * 1_000_003 + 500_000 + k, device), cond, uncond, chunk))
 
     fmt_main = quant_config.format.value
     methods = [stats.metadata.method] + sorted({m for per in stats.method_amax.values() for m in per})
     formats = list(dict.fromkeys(options.formats))
     candidates = [s for s in quantized_sites(model, quant_config) if s in stats.amax]
-    groups = layer_groups(candidates, options.sensitivity)
+    groups = layer_groups(candidates, options.sensitivity, adapter.layer_kinds)
     modules = dict(model.named_modules())
     w_bytes = sum(modules[s].weight.numel() * modules[s].weight.element_size() for s in candidates)
     cache = options.cache_weights if options.cache_weights is not None else w_bytes < (1 << 30)
-    per_run = len(chunks) * steps * len(preset.branches)
+    per_run = len(chunks) * steps * len(settings.branches)
     total = per_run * (1 + len(methods) * len(formats) + len(groups) + 1)
     done = 0
 
-    def run(quant: Mapping[str, torch.Tensor] | None, fmt: str | None, sites=None):
+    def count(_call):
         nonlocal done
+        done += 1
+        progress("evaluate", done, total)
+
+    def run(quant: Mapping[str, torch.Tensor] | None, fmt: str | None, sites=None):
         outs = []
         for noise, cond, uncond, chunk in feeds:
-            def fwd(step, branch, t):
-                nonlocal done
-                done += 1
-                progress("evaluate", done, total)
-                import contextlib
-
-                return contextlib.nullcontext()
-
-            kw = dict(scheduler=adapter.scheduler(preset.shift), num_steps=steps,
-                      guidance_scale=preset.guidance_scale, model_dtype=model_dtype, on_forward=fwd,
-                      label=f"evaluation, held-out prompts {[p.id for p in chunk]}")
+            kw = dict(scheduler=adapter.scheduler(settings.shift), settings=settings, cfg="split", dtype=model_dtype,
+                      hook=count, label=f"evaluation, held-out prompts {[p.id for p in chunk]}")
             if quant is None:
-                outs.append(denoise(adapter, model, noise, cond, uncond, **kw))
+                outs.append(sample(adapter_call(adapter, model), noise, cond, uncond, **kw).latents)
             else:
                 weight_amax = {s: stats.amax[f"{s}.weight"] for s in quant if f"{s}.weight" in stats.amax}
                 with fake_quantized(model, quant, fmt, sites=sites, weight_amax=weight_amax, cache_weights=cache):
-                    outs.append(denoise(adapter, model, noise, cond, uncond, **kw))
+                    outs.append(sample(adapter_call(adapter, model), noise, cond, uncond, **kw).latents)
         return torch.cat(outs).cpu()
 
     progress("evaluate", 0, total)
@@ -213,7 +207,8 @@ def evaluate(adapter, model, stats, preset, quant_config, options, *, encode: Ca
     skip["all_quantized"] = {k: full[k] for k in ("cosine", "max_abs", "rel_l2", "psnr_db")} if full else None
     return {
         "eval": {"prompt_ids": [p.id for p in prompts], "shape": shape.as_dict(), "num_steps": steps,
-                 "guidance_scale": preset.guidance_scale, "shift": preset.shift,
+                 "guidance_scale": settings.guidance_scale, "shift": settings.shift,
+                 "model_num_steps": adapter.sampling.num_steps,
                  "psnr_peak": peak, "psnr_peak_def": "reference final latent max - min",
                  "ref_max_abs": float(ref.abs().max())},
         "quantized_sites": candidates,

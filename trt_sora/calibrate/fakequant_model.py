@@ -16,7 +16,7 @@ model and overwriting its weights); this module is the map-free, copy-free form
 the calibration report uses, and the runner may delegate to it.
 
 :func:`quantized_sites` applies the quantize stage's policy
-(:func:`trt_sora.quantize.policy.site_policy`: recipe include/exclude plus the
+(:func:`trt_sora.site_policy.site_policy`: recipe include/exclude plus the
 default exclusions - patch embedding, condition embedders, AdaLN, ``proj_out``),
 so a simulation measures what will be built.
 """
@@ -43,7 +43,7 @@ def quantized_sites(model: torch.nn.Module, config: QuantConfig | None = None) -
 
     ``config`` defaults to ``QuantConfig()`` (everything except the default exclusions).
     """
-    from trt_sora.quantize.policy import site_policy
+    from trt_sora.site_policy import site_policy
 
     config = config or QuantConfig()
     return [n for n, m in model.named_modules()

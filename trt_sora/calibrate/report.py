@@ -231,6 +231,14 @@ def comparison_table(evaluation: Mapping[str, Any]) -> list[str]:
     return lines
 
 
+def _steps_note(ev: dict) -> str:
+    """Says so when the evaluation ran fewer steps than users sample (``calibration.eval_steps``)."""
+    model = ev.get("model_num_steps")
+    if model and ev["num_steps"] < model:
+        return f" (**shortened**: the model samples {model} steps; calibration.eval_steps)"
+    return ""
+
+
 def write_report(out_dir: str | Path, stats, evaluation: Mapping[str, Any] | None, *, preset=None, options=None,
                  quant_format: str = "fp8_e4m3") -> Path:
     """Write ``out_dir/report.md`` and ``out_dir/figures/*.png``; returns the report path.
@@ -259,6 +267,7 @@ def write_report(out_dir: str | Path, stats, evaluation: Mapping[str, Any] | Non
           f"| engine format | {quant_format} |",
           f"| preset | `{md.preset}`: {md.num_samples} samples from `{md.prompt_set}`, {md.num_steps} steps, "
           f"guidance {md.guidance_scale}, shift {md.shift}, seed {md.seed} |",
+          f"| sampling | {md.extra.get('sampling', 'not recorded')} |",
           f"| CFG branches | {', '.join(md.branches)} |",
           f"| shapes (latent) | {'; '.join(str(s) for s in md.shapes)} |",
           f"| timesteps | {', '.join(f'{t:.1f}' for t in md.timesteps)} |",
@@ -269,8 +278,8 @@ def write_report(out_dir: str | Path, stats, evaluation: Mapping[str, Any] | Non
     if evaluation:
         ev = evaluation["eval"]
         L += ["## Calibrator comparison", "",
-              f"Final latent of a {ev['num_steps']}-step trajectory (guidance {ev['guidance_scale']}, shift "
-              f"{ev['shift']}) at latent shape {ev['shape']} on held-out prompts {', '.join(ev['prompt_ids'])}: "
+              f"Final latent of a {ev['num_steps']}-step trajectory{_steps_note(ev)} (guidance "
+              f"{ev['guidance_scale']}, shift {ev['shift']}) at latent shape {ev['shape']} on held-out prompts {', '.join(ev['prompt_ids'])}: "
               "the fake-quantized model (PyTorch; every quantized linear's input per tensor at the method's "
               "amax, weights per output channel) against the unquantized model. "
               f"**PSNR peak = {ev['psnr_peak']:.4g} ({ev['psnr_peak_def']})**. "

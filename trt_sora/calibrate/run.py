@@ -9,10 +9,11 @@
 
 What it runs, for every shape of the preset and every chunk of ``shape.batch``
 prompts (prompt set split ``preset.split``, ``preset.num_prompts`` of them,
-chosen by ``preset.seed``): the family's scheduler with ``preset.shift`` set to
-``preset.num_steps`` steps, from seeded Gaussian noise, with classifier-free
-guidance ``v = v_u + g (v_c - v_u)``; the cond and uncond branches run as
-separate forwards so each batch is labelled with its branch. Every ``nn.Linear``
+chosen by ``preset.seed``): one trajectory of :func:`trt_sora.sampling.sample` at the
+model's own sampling settings (``adapter.sampling``: the steps, CFG and shift users
+run; see :func:`calibration_sampling` for the explicit overrides), from seeded
+Gaussian noise; the cond and uncond branches run as separate forwards
+(``cfg="split"``) so each batch is labelled with its branch. Every ``nn.Linear``
 input and every attention q/k/v (through the processor's observer seam) feeds all
 four observers (minmax, ema, percentile, mse) at once, plus a per-step x
 per-branch abs-max grid (:mod:`trt_sora.calibrate.hooks`). The chosen method's
@@ -45,8 +46,7 @@ from trt_sora.errors import CalibrationError, ConfigError
 
 log = logging.getLogger("trt_sora")
 
-__all__ = ["ALL_METHODS", "CalibResult", "ReportOptions", "calibrate", "denoise", "observer_kwargs",
-           "Progress"]
+__all__ = ["ALL_METHODS", "CalibResult", "ReportOptions", "calibrate", "observer_kwargs", "Progress"]
 
 #: Every method collected in one pass (the chosen one first).
 ALL_METHODS = tuple(m.value for m in CalibMethod)
@@ -138,71 +138,12 @@ def _chunks(prompts: Sequence[Any], batch: int) -> list[list[Any]]:
     return out
 
 
-def _noise(adapter, shape: CalibShape, seed: int, device, dtype=None):
+def _noise(adapter, shape: CalibShape, seed: int, device):
     """Seeded Gaussian latents ``[B, C, F, H, W]`` fp32, drawn on the CPU (same on every device)."""
-    import torch
+    from trt_sora.sampling import gaussian_noise
 
-    g = torch.Generator().manual_seed(int(seed))
-    x = torch.randn(shape.batch, adapter.latent_channels, shape.latent_frames, shape.latent_height,
-                    shape.latent_width, generator=g)
-    return x.to(device)
-
-
-def denoise(adapter, model, noise, cond, uncond, *, scheduler, num_steps: int, guidance_scale: float,
-            model_dtype=None, on_forward: Callable[[int, str, float], Any] | None = None,
-            label: str = ""):
-    """One flow-matching trajectory with CFG; returns the final latents ``[B, C, F, H, W]`` fp32.
-
-    Args:
-        adapter, model: the family adapter and its loaded transformer.
-        noise: initial latents ``[B, C, F, H, W]`` (fp32, on the model's device).
-        cond, uncond: text embeddings ``[B, L, D]`` (any float dtype; cast to ``model_dtype``).
-            ``uncond`` is unused when ``guidance_scale <= 1``.
-        scheduler: a fresh diffusers scheduler (``adapter.scheduler(shift)``).
-        num_steps: denoising steps.
-        guidance_scale: CFG scale; the uncond branch runs only when ``> 1``.
-        model_dtype: dtype of ``hidden_states``/``encoder_hidden_states`` fed to the model
-            (``timestep`` is always fp32 ``[B]``); default: ``cond.dtype``.
-        on_forward: ``on_forward(step, branch, timestep)`` returns a context manager entered
-            around each forward (the collection hooks label batches with it); may be None.
-        label: what to name in errors (shape, prompts).
-
-    Raises:
-        CalibrationError: the model's output shape differs from the latents' (names step and branch),
-            or an observer rejected an activation (re-raised with the step, branch and timestep).
-    """
-    import contextlib
-
-    import torch
-
-    dtype = model_dtype or cond.dtype
-    scheduler.set_timesteps(num_steps, device=noise.device)
-    latents = noise.float()
-    branches = ("cond", "uncond") if guidance_scale > 1.0 else ("cond",)
-    with torch.inference_mode():
-        for step, t in enumerate(scheduler.timesteps):
-            ts = t.to(torch.float32).reshape(1).expand(latents.shape[0]).contiguous()
-            out = {}
-            for branch in branches:
-                emb = cond if branch == "cond" else uncond
-                inputs = {"hidden_states": latents.to(dtype), "timestep": ts, "encoder_hidden_states": emb.to(dtype)}
-                ctx = on_forward(step, branch, float(t)) if on_forward else contextlib.nullcontext()
-                try:
-                    with ctx:
-                        v = adapter.forward(model, inputs)
-                except CalibrationError as exc:
-                    raise CalibrationError(f"{exc} [at denoising step {step}/{num_steps} (timestep {float(t):.2f}), "
-                                           f"CFG branch {branch!r}, {label}]") from exc
-                if tuple(v.shape) != tuple(latents.shape):
-                    raise CalibrationError(
-                        f"the model returned a sample of shape {tuple(v.shape)} at denoising step {step} "
-                        f"(timestep {float(t):.2f}, branch {branch!r}, {label}) but the latents are "
-                        f"{tuple(latents.shape)}; the forward must keep the latent shape at every step - check "
-                        "the adapter's forward (patching/unpatching) or the model config")
-                out[branch] = v.float()
-            v = out["cond"] if len(branches) == 1 else out["uncond"] + guidance_scale * (out["cond"] - out["uncond"])
-            latents = scheduler.step(v, t, latents, return_dict=False)[0]
-    return latents
+    return gaussian_noise((shape.batch, adapter.latent_channels, shape.latent_frames, shape.latent_height,
+                           shape.latent_width), seed, device)
 
 
 def compute_dtype(model):
@@ -222,6 +163,26 @@ def _encode(encode, texts: list[str], text_len: int, device):
         raise CalibrationError(f"the text encoder returned {getattr(emb, 'shape', type(emb))} for {len(texts)} "
                                f"prompts at text_len {text_len}; expected [B, text_len, D]")
     return emb.float().to(device)
+
+
+def calibration_sampling(adapter, preset: CalibPreset, config: CalibConfig | None = None):
+    """``(settings, note)``: the trajectories calibration runs and where they come from.
+
+    The model's deployment settings (``adapter.sampling``), unless the preset pins a value or the
+    recipe's ``calibration.num_steps`` sets the step count; ``note`` says which, and names a
+    shortened trajectory as such (the report and the stats metadata carry it).
+    """
+    model = adapter.sampling
+    settings = model.override(num_steps=preset.num_steps, guidance_scale=preset.guidance_scale, shift=preset.shift)
+    if config is not None and config.num_steps is not None:
+        settings = settings.override(num_steps=config.num_steps)
+    changed = [f"{k} {getattr(settings, k):g} (model: {getattr(model, k):g})"
+               for k in ("num_steps", "guidance_scale", "shift") if getattr(settings, k) != getattr(model, k)]
+    if not changed:
+        return settings, (f"the model's sampling settings ({adapter.name}: {model.num_steps} steps, CFG "
+                          f"{model.guidance_scale:g}, shift {model.shift:g})")
+    short = " - SHORTER than users sample" if settings.num_steps < model.num_steps else ""
+    return settings, f"overridden by the preset/recipe: {', '.join(changed)}{short}"
 
 
 def _resolve_preset(adapter, config: CalibConfig, preset) -> CalibPreset:
@@ -269,6 +230,7 @@ def calibrate(adapter, config: CalibConfig, out_dir, *, model=None, preset: Cali
     from trt_sora.calibrate.stats import CalibStats, StatsMetadata
     from trt_sora.config.base import to_dict
     from trt_sora.manifest import staged_dir, write_manifest
+    from trt_sora.sampling import CallInfo, adapter_call, sample
 
     t_start = time.perf_counter()
     method = _method(config.method)
@@ -286,34 +248,35 @@ def calibrate(adapter, config: CalibConfig, out_dir, *, model=None, preset: Cali
     encode = adapter.text_encoder(text_encoder)
     methods = (method,) + tuple(m for m in ALL_METHODS if m != method)
     okw = observer_kwargs(config, qfmt)
-    branches = preset.branches
+    settings, sampling_note = calibration_sampling(adapter, preset, config)
+    branches = settings.branches
 
     plan = [(si, shape, chunk) for si, shape in enumerate(preset.shapes) for chunk in _chunks(prompts, shape.batch)]
-    total = len(plan) * preset.num_steps * len(branches)
+    total = len(plan) * settings.num_steps * len(branches)
     done = 0
     progress("calibrate", 0, total)
     timesteps: list[float] = []
-    log.info("calibrating %s: %d trajectories x %d steps x %d branches (%s, methods %s)", adapter.name, len(plan),
-             preset.num_steps, len(branches), preset.name, ", ".join(methods))
+    log.info("calibrating %s: %d trajectories x %d steps x %d branches (%s, methods %s; sampling: %s)",
+             adapter.name, len(plan), settings.num_steps, len(branches), preset.name, ", ".join(methods),
+             sampling_note)
 
     with CollectionHooks(model, methods=methods, branches=branches, observer_kwargs=okw) as hooks:
-        def on_forward(step, branch, t):
+        def on_call(call: CallInfo):
             nonlocal done
-            if len(timesteps) <= step:
-                timesteps.append(t)
+            if len(timesteps) <= call.step:
+                timesteps.append(call.timestep)
             done += 1
             progress("calibrate", done, total)
-            return hooks.at(step=step, branch=branch)
+            return hooks.at(step=call.step, branch=call.branch)
 
         for k, (si, shape, chunk) in enumerate(plan):
             cond = _encode(encode, [p.prompt for p in chunk], shape.text_len, model_device)
             uncond = _encode(encode, [preset.negative_prompt] * len(chunk), shape.text_len, model_device) \
-                if preset.uses_cfg else None
+                if settings.uses_cfg else None
             noise = _noise(adapter, shape, preset.seed * 1_000_003 + k, model_device)
             label = f"shape {shape.as_dict()}, prompts {[p.id for p in chunk]}"
-            denoise(adapter, model, noise, cond, uncond, scheduler=adapter.scheduler(preset.shift),
-                    num_steps=preset.num_steps, guidance_scale=preset.guidance_scale, model_dtype=model_dtype,
-                    on_forward=on_forward, label=label)
+            sample(adapter_call(adapter, model), noise, cond, uncond, scheduler=adapter.scheduler(settings.shift),
+                   settings=settings, cfg="split", dtype=model_dtype, hook=on_call, label=label)
         sites = hooks.used_sites()
     if not sites:
         raise CalibrationError("no calibration site saw data: the model has no nn.Linear reached by its forward; "
@@ -323,11 +286,11 @@ def calibrate(adapter, config: CalibConfig, out_dir, *, model=None, preset: Cali
 
     meta = StatsMetadata(
         method=method, num_samples=sum(shape.batch for _, shape, _ in plan),
-        num_steps=preset.num_steps, timesteps=timesteps, branches=list(branches),
+        num_steps=settings.num_steps, timesteps=timesteps, branches=list(branches),
         shapes=[s.as_dict() for s in preset.shapes], model=adapter.spec.ref, model_hash=adapter.spec.model_hash(),
-        preset=preset.name, prompt_set=preset.prompt_set, seed=preset.seed, guidance_scale=preset.guidance_scale,
-        shift=preset.shift,
-        extra={"prompt_ids": [p.id for p in prompts], "negative_prompt": preset.negative_prompt,
+        preset=preset.name, prompt_set=preset.prompt_set, seed=preset.seed, guidance_scale=settings.guidance_scale,
+        shift=settings.shift,
+        extra={"sampling": sampling_note, "model_sampling": adapter.sampling.to_dict(), "prompt_ids": [p.id for p in prompts], "negative_prompt": preset.negative_prompt,
                "model_dtype": str(model_dtype).replace("torch.", ""), "device": str(model_device),
                "quant_format": qfmt.value, "collect_seconds": round(t_collect, 3),
                "weight_sites": [], "attention_sites": [n for n in sites if not isinstance(modules.get(n),
@@ -356,12 +319,13 @@ def calibrate(adapter, config: CalibConfig, out_dir, *, model=None, preset: Cali
             qcfg = quant_config or QuantConfig(format=qfmt)
             if qcfg.format is QuantFormat.NONE:  # an unquantized recipe: still show what FP8 would cost
                 qcfg = dataclasses.replace(qcfg, format=QuantFormat.FP8_E4M3)
-            evaluation = ev.evaluate(adapter, model, stats, preset, qcfg, opts, encode=encode,
+            evaluation = ev.evaluate(adapter, model, stats, preset, qcfg, opts, encode=encode, settings=settings,
                                      model_dtype=model_dtype, progress=progress)
             report_path = write_report(tmp, stats, evaluation, preset=preset, options=opts,
                                        quant_format=qcfg.format.value)
         seconds = time.perf_counter() - t_start
         results = {"num_sites": len(stats.amax), "method": method, "methods": list(methods),
+                   "sampling": {**settings.to_dict(), "note": sampling_note},
                    "collect_seconds": round(t_collect, 3), "seconds": round(seconds, 3),
                    "num_forwards": total, "timesteps": timesteps}
         if evaluation is not None:

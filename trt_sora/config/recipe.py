@@ -102,19 +102,22 @@ class CalibConfig:
 
     preset: str = "tiny"
     method: CalibMethod = CalibMethod.PERCENTILE
+    # Denoising steps of the calibration trajectories; None = the model's own step count (what
+    # users run). A smaller number is an explicit shortening, stated in the report.
+    num_steps: int | None = None
     percentile: float = 99.99
     ema_constant: float = 0.01
     num_bins: int = 2048
     # The calibration report's PyTorch evaluation (held-out trajectories, fake-quantized model):
     eval_prompts: int = 2
-    eval_steps: int | None = None  # None: the preset's num_steps
+    eval_steps: int | None = None  # None: the calibration trajectories' steps (the model's by default)
     sensitivity: str = "both"  # layer groups quantized one at a time: kind | block | both | none
 
     def __post_init__(self) -> None:
         if self.sensitivity not in ("kind", "block", "both", "none"):
             raise ConfigError(f"calibration.sensitivity={self.sensitivity!r}: use kind, block, both or none")
-        if self.eval_prompts < 1 or (self.eval_steps is not None and self.eval_steps < 1):
-            raise ConfigError("calibration.eval_prompts and eval_steps must be >= 1")
+        if self.eval_prompts < 1 or any(v is not None and v < 1 for v in (self.eval_steps, self.num_steps)):
+            raise ConfigError("calibration.eval_prompts, eval_steps and num_steps must be >= 1")
         if not 0.0 < self.percentile <= 100.0:
             raise ConfigError(f"calibration.percentile={self.percentile} must be in (0, 100]")
         if not 0.0 < self.ema_constant <= 1.0:
@@ -214,8 +217,10 @@ class ParityConfig:
     loop: ParityGate = ParityGate(min_psnr_db=25.0)
     frames: ParityGate = ParityGate(min_psnr_db=25.0)
     num_samples: int = 2
-    loop_steps: int = 4
-    guidance_scale: float = 5.0  # CFG scale of the sampling-loop level
+    # The sampling-loop level's trajectory: None = the model's own steps / CFG (what users run);
+    # a smaller loop_steps is an explicit shortening and the report says so.
+    loop_steps: int | None = None
+    guidance_scale: float | None = None
     jump_factor: float = 10.0    # localisation: a layer whose error grows this much over the layers before it
 
 

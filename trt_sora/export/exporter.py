@@ -18,7 +18,8 @@ from typing import Any, Mapping, Sequence
 from trt_sora.config import DIM_NAMES, DimRange, ExportConfig, ExternalData
 from trt_sora.errors import ExportError, require
 from trt_sora.manifest import file_entry, staged_dir, write_manifest
-from trt_sora.parity.metrics import compare  # one metric implementation for every stage
+from trt_sora.metrics import compare  # noqa: F401 (one metric implementation for every stage)
+from trt_sora.onnx_tools import ort_session  # noqa: F401 (re-exported: export verification's session)
 
 log = logging.getLogger("trt_sora")
 
@@ -208,19 +209,6 @@ def export_onnx(model_ref, config: ExportConfig, out_dir: str | Path, *, model=N
 
 def _passes(p: dict, config: ExportConfig) -> bool:
     return p["cosine"] >= config.min_cosine and p["max_abs"] <= p["max_abs_limit"]
-
-
-def ort_session(onnx_path: str | Path, *, providers: Sequence[str] | None = None, threads: int | None = None):
-    """An ONNX Runtime session (CUDA provider first when present, else CPU)."""
-    ort = require("onnxruntime", extra="export")
-    opts = ort.SessionOptions()
-    if threads:
-        opts.intra_op_num_threads = threads
-    opts.log_severity_level = 3
-    avail = ort.get_available_providers()
-    provs = list(providers) if providers else [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider")
-                                                  if p in avail]
-    return ort.InferenceSession(str(onnx_path), sess_options=opts, providers=provs)
 
 
 def verify_onnx(onnx_path, adapter, model, points: Sequence[Mapping[str, int]], *, dtype: str = "fp32",

@@ -1,8 +1,9 @@
 """The model-adapter contract: everything a stage needs to know about a model family.
 
-Model facts (input names, patch size, text encoder, scheduler, export rewrites)
-live in one file per family (``wan.py``); stages only talk to a
-:class:`ModelAdapter`.
+Model facts (input names and ranks, patch size, text encoder, scheduler and the
+sampling settings users run, export rewrites, layer kinds, fusable projection
+groups, the latent decoder) live in one file per family (``wan.py``); stages only
+talk to a :class:`ModelAdapter`.
 """
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import hashlib
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping
+
+from trt_sora.sampling import SamplingSettings
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -144,10 +147,49 @@ class ModelAdapter(abc.ABC):
     def forward(self, model, inputs: Mapping[str, "torch.Tensor"]) -> "torch.Tensor":
         return self.export_module(model)(*[inputs[n] for n in self.input_names])
 
+    def input_ranks(self) -> dict[str, int]:
+        """``{input_name: rank}`` of the transformer's inputs (their last named or fixed axis + 1)."""
+        dims, fixed = self.input_dims(), self.fixed_dims()
+        return {n: 1 + max([*dims.get(n, {}), *([fixed[n][0]] if n in fixed else [])]) for n in self.input_names}
+
+    @abc.abstractmethod
+    def fixed_dims(self) -> dict[str, tuple[int, int]]:
+        """``{input_name: (axis, size)}``: the one non-dynamic feature dim an input must have
+        (latent channels, text-embedding width)."""
+
+    # -- layers ------------------------------------------------------------------------
+    #: Linear paths inside a block -> the layer kind they belong to (``attn1.to_q`` -> ``attn1.qkv``);
+    #: the calibration report's sensitivity groups. Paths not listed are their own kind.
+    layer_kinds: Mapping[str, str] = {}
+
+    #: Projections that read the same input and may run as one GEMM: ``((member suffixes in output
+    #: order), fused suffix)``, e.g. ``(("to_q", "to_k", "to_v"), "to_qkv")``. Tried in order.
+    fusable_projections: tuple[tuple[tuple[str, ...], str], ...] = ()
+
     # -- sampling ----------------------------------------------------------------------
+    @property
+    def sampling(self) -> SamplingSettings:
+        """The settings users sample this model with (the model's ``num_steps``, ``guidance_scale``
+        and ``shift``): calibration, parity and generation run them unless told otherwise."""
+        d = self.spec.defaults
+        missing = [k for k in ("num_steps", "guidance_scale", "shift") if k not in d]
+        if missing:
+            from trt_sora.errors import ModelError
+
+            raise ModelError(f"model {self.name} declares no sampling {', '.join(missing)}; add them to its "
+                             f"defaults in trt_sora/models/{self.family}.py")
+        return SamplingSettings(num_steps=int(d["num_steps"]), guidance_scale=float(d["guidance_scale"]),
+                                shift=float(d["shift"]))
+
     @abc.abstractmethod
     def scheduler(self, shift: float | None = None):
-        """A fresh diffusers scheduler of the family (flow matching for Wan)."""
+        """A fresh diffusers scheduler of the family (flow matching for Wan); ``shift`` None =
+        :attr:`sampling`'s."""
+
+    @abc.abstractmethod
+    def decoder(self) -> tuple[Callable[[Any], Any], str]:
+        """``(decode, description)``: latents ``[B, C, F, H, W]`` -> frames ``[B, 3, F', H', W']``
+        fp32 in ``[-1, 1]`` (the family's latent decoder)."""
 
     @abc.abstractmethod
     def text_encoder(self, source: str | None = None) -> Callable[[list[str], int], "torch.Tensor"]:
@@ -176,7 +218,7 @@ class ModelAdapter(abc.ABC):
         ref = self.spec.defaults.get("heldout_prompts")
         if not ref:
             return None
-        from trt_sora.calibrate.data import load_prompts
+        from trt_sora.prompts import load_prompts
 
         return [p.prompt for p in load_prompts(ref, split="heldout")]
 

@@ -2,7 +2,8 @@
 
 Model facts live here and nowhere else: named configs, checkpoint loading,
 input names and dims, the export-friendly attention processor, the scheduler
-(flow matching with shift) and the text encoder.
+(flow matching with shift) and the sampling settings users run, the text
+encoder, layer kinds, fusable projections and the latent decoder (Wan VAE).
 """
 from __future__ import annotations
 
@@ -31,7 +32,19 @@ CONFIGS: dict[str, dict[str, Any]] = {
                        "ffn_dim": 13824, "num_layers": 40},
 }
 
-#: Sampling defaults per named config (Wan: shift 3.0 at 480p, 5.0 at 720p).
+#: Linear paths inside a transformer block -> layer kind (diffusers' Wan naming).
+LAYER_KINDS: dict[str, str] = {
+    "attn1.to_q": "attn1.qkv", "attn1.to_k": "attn1.qkv", "attn1.to_v": "attn1.qkv",
+    "attn1.to_out.0": "attn1.out",
+    "attn2.to_q": "attn2.q", "attn2.to_k": "attn2.kv", "attn2.to_v": "attn2.kv",
+    "attn2.to_out.0": "attn2.out",
+    "ffn.net.0.proj": "ffn.up", "ffn.net.2": "ffn.down",
+}
+
+#: Self-attention Q/K/V read the block's hidden states, cross-attention K/V the text: one GEMM each.
+FUSABLE_PROJECTIONS = ((("to_q", "to_k", "to_v"), "to_qkv"), (("to_k", "to_v"), "to_kv"))
+
+#: Sampling defaults per named config (Wan 2.1's release: 50 steps, CFG 5, shift 3.0 at 480p, 5.0 at 720p).
 DEFAULTS: dict[str, dict[str, Any]] = {
     # A random-weight test model cannot run at 480p on a CI CPU: it declares its own small buckets,
     # which replace a recipe's production buckets (the build report says so).
@@ -44,6 +57,9 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "wan2.1-t2v-1.3b": {"shift": 3.0, "guidance_scale": 5.0, "num_steps": 50},
     "wan2.1-t2v-14b": {"shift": 5.0, "guidance_scale": 5.0, "num_steps": 50},
 }
+
+#: Sampling defaults of a diffusers Wan checkpoint folder (Wan 2.1 480p: 50 steps, CFG 5, shift 3).
+CHECKPOINT_DEFAULTS: dict[str, Any] = {"shift": 3.0, "guidance_scale": 5.0, "num_steps": 50}
 
 
 class WanExportAttnProcessor:
@@ -117,6 +133,8 @@ def _make_wrapper(model):
 
 class WanAdapter(ModelAdapter):
     family = "wan"
+    layer_kinds = LAYER_KINDS
+    fusable_projections = FUSABLE_PROJECTIONS
 
     @property
     def patch_size(self) -> tuple[int, int, int]:
@@ -174,6 +192,9 @@ class WanAdapter(ModelAdapter):
             "sample": {0: "batch", 2: "latent_frames", 3: "latent_height", 4: "latent_width"},
         }
 
+    def fixed_dims(self) -> dict[str, tuple[int, int]]:
+        return {"hidden_states": (1, self.latent_channels), "encoder_hidden_states": (2, self.text_dim)}
+
     def example_inputs(self, point: Mapping[str, int], *, dtype: str = "fp32", device: str = "cpu",
                        seed: int = 0):
         """``hidden_states`` [B, C, F, H, W] (dtype), ``timestep`` [B] fp32 in [0, 1000),
@@ -194,9 +215,42 @@ class WanAdapter(ModelAdapter):
         return _make_wrapper(model)
 
     def scheduler(self, shift: float | None = None):
+        return make_scheduler(self.sampling.shift if shift is None else shift)
+
+    def decoder(self):
+        """Pixel-space models (3 latent channels, e.g. wan-shapes): the latents are the frames
+        (clamped). Otherwise the checkpoint's ``vae/`` (``AutoencoderKLWan``) when the model came
+        from a pipeline folder, else a small random one (seeded; enough to see how latent error
+        turns into pixel error)."""
+        import torch
+
+        if self.latent_channels == 3:
+            return (lambda z: z.float().clamp(-1, 1)), "identity (pixel-space model: latents are frames)"
         diffusers = require("diffusers", extra="export")
-        shift = self.spec.defaults.get("shift", 3.0) if shift is None else shift
-        return diffusers.FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=float(shift))
+        vae, desc = None, ""
+        if self.spec.path:
+            root = Path(self.spec.path)
+            for cand in (root.parent / "vae", root / "vae"):
+                if (cand / "config.json").is_file():
+                    vae = diffusers.AutoencoderKLWan.from_pretrained(str(cand), torch_dtype=torch.float32)
+                    desc = f"AutoencoderKLWan from {cand}"
+                    break
+        if vae is None:
+            with torch.random.fork_rng():
+                torch.manual_seed(0)
+                vae = diffusers.AutoencoderKLWan(base_dim=8, z_dim=self.latent_channels, dim_mult=[1, 1, 1, 1],
+                                                 num_res_blocks=1, temperal_downsample=[False, True, True])
+            desc = "random tiny AutoencoderKLWan (seed 0; no VAE weights with this model)"
+        vae = vae.eval().requires_grad_(False)
+        mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1)
+        std = torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1)
+
+        def decode(z):
+            with torch.inference_mode():
+                x = vae.decode(z.float() * std + mean, return_dict=False)[0]
+            return x.float().clamp(-1, 1)
+
+        return decode, desc
 
     def text_encoder(self, source: str | None = None):
         """``source``: None (the model's default), ``"hash"``, a ``.safetensors`` embedding file,
@@ -213,6 +267,12 @@ class WanAdapter(ModelAdapter):
         if str(source).endswith(".safetensors"):
             return text.PrecomputedTextEncoder(source)
         return text.T5TextEncoder(source)
+
+
+def make_scheduler(shift: float):
+    """Wan's sampler: diffusers ``FlowMatchEulerDiscreteScheduler`` (1000 train timesteps, sigma shift)."""
+    diffusers = require("diffusers", extra="export")
+    return diffusers.FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=float(shift))
 
 
 def _cast_keep_fp32(model, dtype) -> None:
@@ -288,5 +348,12 @@ def spec_from_folder(ref: str, folder: Path) -> ModelSpec | None:
             te = str(pipe_root) if pipe_root and (pipe_root / "text_encoder").is_dir() else None
             return ModelSpec(ref=ref, family="wan", source="checkpoint", path=str(cand),
                              config={k: v for k, v in config.items() if not k.startswith("_")},
-                             text_encoder=te, defaults={"shift": 3.0, "guidance_scale": 5.0, "num_steps": 50})
+                             text_encoder=te, defaults=dict(CHECKPOINT_DEFAULTS))
     return None
+
+
+def spec_from_record(entry: Mapping[str, Any]) -> ModelSpec:
+    """A ModelSpec from a manifest's model entry (ref, path, config) when the checkpoint folder is
+    not on this machine: every fact comes from the recorded config; ``load`` fails naming the path."""
+    return ModelSpec(ref=entry.get("ref") or entry["path"], family="wan", source="checkpoint",
+                     config=dict(entry["config"]), path=entry["path"], defaults=dict(CHECKPOINT_DEFAULTS))

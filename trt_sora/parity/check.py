@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from trt_sora.errors import ArtifactError
-from trt_sora.parity.metrics import compare, frame_metrics, gate_check
+from trt_sora.metrics import compare, frame_metrics
+from trt_sora.parity.metrics import gate_check
 
 log = logging.getLogger("trt_sora")
 
@@ -158,34 +159,29 @@ def _single_call(ref, cand, samples, gate, level: str, what: str, floor_ref=None
     return out
 
 
-def _samples(adapter, ref_runner, buckets, num: int, steps: int, guidance: float, seed: int):
+def _samples(adapter, ref_runner, buckets, num: int, settings, seed: int):
     """Held-out single-call inputs: transformer inputs met along a reference sampling loop with
-    held-out prompts (first bucket's opt point, CFG batch), plus one random point per other bucket."""
-    import torch
-
+    held-out prompts (first bucket's opt point, CFG batch), ``num`` steps spread over the whole
+    trajectory (first and last included), plus one random point per other bucket."""
     from trt_sora.parity.loop import loop_inputs
+    from trt_sora.sampling import runner_call, sample
 
     point = buckets[0].point("opt")
     b = max(1, min(point["batch"], buckets[0].batch.max // 2 or 1))
     p = {**point, "batch": b}
     noise, cond, uncond = loop_inputs(adapter, p, seed=seed + 7)
-    sched = adapter.scheduler()
-    sched.set_timesteps(steps)
+    steps = settings.num_steps
     want = sorted({int(round(i * (steps - 1) / max(1, num - 1))) for i in range(num)})
-    out, latents = [], noise.clone()
-    batched = 2 * b <= buckets[0].batch.max
-    with torch.inference_mode():
-        for i, t in enumerate(sched.timesteps):
-            x = torch.cat([latents, latents]) if batched else latents
-            e = torch.cat([cond, uncond]) if batched else cond
-            feeds = {"hidden_states": x.numpy().copy(), "timestep": t.float().expand(x.shape[0]).numpy().copy(),
-                     "encoder_hidden_states": e.numpy().copy()}
-            if i in want:
-                out.append(({**p, "batch": x.shape[0]}, feeds))
-            v = torch.from_numpy(next(iter(ref_runner.infer(feeds).values())))
-            if batched:
-                v = v[b:] + guidance * (v[:b] - v[b:])
-            latents = sched.step(v, t, latents, return_dict=False)[0]
+    out = []
+
+    def keep(call):
+        if call.step in want and (not out or out[-1][2] != call.step):
+            feeds = {k: v.detach().cpu().numpy().copy() for k, v in call.inputs.items()}
+            out.append(({**p, "batch": int(call.inputs["hidden_states"].shape[0])}, feeds, call.step))
+
+    sample(runner_call(ref_runner), noise, cond, uncond, scheduler=adapter.scheduler(settings.shift),
+           settings=settings, cfg="batched" if 2 * b <= buckets[0].batch.max else "split", hook=keep)
+    out = [(pt, feeds) for pt, feeds, _ in out]
     for j, bucket in enumerate(buckets[1:], 1):
         pt = bucket.point("opt")
         inputs = adapter.example_inputs(pt, seed=seed + 100 + j)
@@ -241,12 +237,11 @@ def check_artifacts(run_dir: str | Path, recipe, *, model=None, backend: str = "
     Returns the report dict: ``passed``, ``comparisons`` (each with metrics, thresholds, checks),
     ``localization`` for failed single-call comparisons, ``buckets``, ``artifacts``.
     """
-    import torch
-
     from trt_sora.config import load_recipe
     from trt_sora.manifest import file_entry, staged_dir, write_json, write_manifest
-    from trt_sora.parity.loop import decoder, loop_inputs, sample_loop
+    from trt_sora.parity.loop import loop_inputs, parity_sampling
     from trt_sora.runners import OrtRunner, TorchFakeQuantRunner, TorchRunner
+    from trt_sora.sampling import runner_call, sample
 
     t0 = time.perf_counter()
     run = Path(run_dir)
@@ -290,7 +285,8 @@ def check_artifacts(run_dir: str | Path, recipe, *, model=None, backend: str = "
                                             round_inputs=graph_dtype,
                                             name=f"torch-fakequant-{graph_dtype}-inputs").activate()
 
-    samples = _samples(adapter, ref, buckets, pc.num_samples, pc.loop_steps, pc.guidance_scale, seed)
+    settings, sampling_note = parity_sampling(adapter, pc)
+    samples = _samples(adapter, ref, buckets, pc.num_samples, settings, seed)
 
     def run_level(level, r, c, gate, what, floor_ref=None):
         res = _single_call(r, c, samples, gate, level, what, floor_ref=floor_ref)
@@ -322,27 +318,25 @@ def check_artifacts(run_dir: str | Path, recipe, *, model=None, backend: str = "
     lp = {**point, "batch": b}
     batched = 2 * b <= buckets[0].batch.max
     noise, cond, uncond = loop_inputs(adapter, lp, seed=seed)
-    rec_ref, rec_c = [], []
 
-    def as_torch_infer(runner):
-        def infer(feeds):
-            out = runner.infer({k: v.detach().cpu().numpy() for k, v in feeds.items()})
-            return {k: torch.from_numpy(v) for k, v in out.items()}
-        return infer
+    def loop(runner):
+        return sample(runner_call(runner), noise, cond, uncond, scheduler=adapter.scheduler(settings.shift),
+                      settings=settings, cfg="batched" if batched else "split", keep=("latents",))
 
-    lat_ref = sample_loop(as_torch_infer(ref), noise, cond, uncond, adapter.scheduler(), steps=pc.loop_steps,
-                          guidance=pc.guidance_scale, batched=batched, record=rec_ref)
-    lat_c = sample_loop(as_torch_infer(cand), noise, cond, uncond, adapter.scheduler(), steps=pc.loop_steps,
-                        guidance=pc.guidance_scale, batched=batched, record=rec_c)
-    per_step = [{"step": i, **{k: v for k, v in compare(a, c).items() if k in ("cosine", "rel_l2", "psnr_db")}}
-                for i, (a, c) in enumerate(zip(rec_ref, rec_c))]
+    res_ref, res_c = loop(ref), loop(cand)
+    lat_ref, lat_c = res_ref.latents, res_c.latents
+    per_step = [{"step": a.step, **{k: v for k, v in compare(a.latents, c.latents).items()
+                                    if k in ("cosine", "rel_l2", "psnr_db")}}
+                for a, c in zip(res_ref.steps, res_c.steps)]
     final = compare(lat_ref, lat_c)
     checks = gate_check(final, pc.loop)
-    comparisons.append({"level": "loop", "what": f"sampling loop: {pc.loop_steps} steps, CFG {pc.guidance_scale} "
-                        f"({'one batch-2 call' if batched else 'two calls'} per step), final latents",
+    comparisons.append({"level": "loop", "what": f"sampling loop: {settings.num_steps} steps, CFG "
+                        f"{settings.guidance_scale:g} ({'one batch-2 call' if batched else 'two calls'} per step; "
+                        f"{sampling_note}), final latents",
                         "reference": ref.name, "candidate": cand.name, "point": lp, "metrics": final,
+                        "sampling": {**settings.to_dict(), "note": sampling_note},
                         "per_step": per_step, "checks": checks, "passed": all(c["passed"] for c in checks)})
-    decode, ddesc = decoder(adapter)
+    decode, ddesc = adapter.decoder()
     fr = frame_metrics(decode(lat_ref), decode(lat_c))
     fm = {**fr, "psnr_db": fr["worst_psnr_db"], "worst_frame_ssim": fr["worst_ssim"]}
     checks = gate_check(fm, pc.frames, ssim_key="worst_frame_ssim")

@@ -73,6 +73,16 @@ def _export_manifest(onnx_path: Path) -> dict | None:
         return None
 
 
+def _fusable_projections(exp_model: dict) -> tuple:
+    """The model family's fusable projection groups (its adapter's answer), from the export manifest."""
+    if not exp_model.get("ref"):
+        log.warning("no export manifest beside the ONNX: the model family is unknown, so no projections are fused")
+        return ()
+    from trt_sora.models import adapter_for_manifest
+
+    return tuple(adapter_for_manifest(exp_model).fusable_projections)
+
+
 def _amax_scalar(site: str, a, what: str = "amax") -> float:
     t = np.asarray(a.detach().cpu().numpy() if hasattr(a, "detach") else a, dtype=np.float64)
     if t.size == 0 or not np.all(np.isfinite(t)):
@@ -108,7 +118,7 @@ def quantize_onnx(onnx_path: str | os.PathLike, stats, config: QuantConfig, out_
     gs = require("onnx_graphsurgeon", extra="export")
     from trt_sora.quantize import dtype as dtype_mod
     from trt_sora.quantize import fuse_qkv, qdq
-    from trt_sora.quantize.policy import site_policy
+    from trt_sora.site_policy import site_policy
     from trt_sora.quantize.sites import find_attentions, find_linears, node_scopes
 
     t0 = time.perf_counter()
@@ -214,7 +224,8 @@ def quantize_onnx(onnx_path: str | os.PathLike, stats, config: QuantConfig, out_
     # -- fused QKV --------------------------------------------------------------------------------
     fused_of: dict[str, str] = {}
     if config.fused_qkv:
-        for fused_site, members in fuse_qkv.plan_groups(linears, lambda s: decisions[s][0]):
+        for fused_site, members in fuse_qkv.plan_groups(linears, lambda s: decisions[s][0],
+                                                        _fusable_projections(exp_model)):
             q = decisions[members[0]][0]
             w_stats = [w_amax_stats.pop(m, None) for m in members]
             fuse_qkv.fuse_group(graph, linears, fused_site, members)

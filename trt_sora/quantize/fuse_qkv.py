@@ -2,7 +2,8 @@
 
 TensorRT then runs one larger GEMM (and one input quantizer) instead of three.
 Applied to the fp32 graph before Q/DQ insertion, so the numerics are unchanged
-up to GEMM summation order.
+up to GEMM summation order. Which projections may fuse is the model family's
+fact (:attr:`trt_sora.models.base.ModelAdapter.fusable_projections`).
 """
 from __future__ import annotations
 
@@ -14,21 +15,18 @@ from trt_sora.quantize.sites import Linear
 
 log = logging.getLogger("trt_sora")
 
-#: member suffixes of a fusable group, in output order, and the fused site's suffix (diffusers' names).
-GROUPS = ((("to_q", "to_k", "to_v"), "to_qkv"), (("to_k", "to_v"), "to_kv"))
+def plan_groups(linears: dict[str, Linear], decide, groups) -> list[tuple[str, list[str]]]:
+    """``[(fused site, [member sites])]`` for every module whose projections share one input.
 
-
-def plan_groups(linears: dict[str, Linear], decide) -> list[tuple[str, list[str]]]:
-    """``[(fused site, [member sites])]`` for every attention whose projections share one input.
-
-    ``decide(site) -> bool`` is the quantize decision; members must agree (one quantizer is shared),
-    else the group is left unfused and that is logged.
+    ``groups``: the family's ``((member suffixes in output order), fused suffix)`` tried in order
+    (``adapter.fusable_projections``). ``decide(site) -> bool`` is the quantize decision; members
+    must agree (one quantizer is shared), else the group is left unfused and that is logged.
     """
     out: list[tuple[str, list[str]]] = []
     used: set[str] = set()
     parents = sorted({s.rsplit(".", 1)[0] for s in linears if "." in s})
     for parent in parents:
-        for suffixes, fused in GROUPS:
+        for suffixes, fused in groups:
             members = [f"{parent}.{s}" for s in suffixes]
             if any(m not in linears or m in used for m in members):
                 continue

@@ -1,10 +1,6 @@
 """Resolve calibration sites (PyTorch module paths) to ONNX nodes via the exporter's recorded scopes.
 
-The dynamo exporter writes ``pkg.torch.onnx.name_scopes`` into each node's
-``metadata_props``: a list such as ``['', 'inner', 'inner.blocks.0',
-'inner.blocks.0.attn1', 'inner.blocks.0.attn1.to_q', 'linear_5']`` (module
-scopes, then the op's own name). ``inner`` is the export wrapper's attribute,
-so the site is the deepest module scope without that prefix.
+A node's site is its deepest recorded module scope (:func:`trt_sora.onnx_tools.module_path`).
 
 A *linear* is a ``MatMul`` (weight initializer pre-transposed to ``[in, out]``,
 output channels on axis 1) or a ``Gemm`` (``transB=1``: ``[out, in]``, axis 0)
@@ -12,40 +8,14 @@ with a constant weight, plus its bias (``Add`` after a MatMul, input C of a Gemm
 """
 from __future__ import annotations
 
-import ast
 import dataclasses
 from typing import Any
 
+from trt_sora import onnx_tools
 from trt_sora.errors import QuantizeError
 
-SCOPES_KEY = "pkg.torch.onnx.name_scopes"
-WRAPPER_PREFIX = "inner."
-
-
-def node_scopes(onnx_model) -> dict[str, list[str]]:
-    """``{node name: scope list}`` from the ONNX proto (graphsurgeon drops ``metadata_props``)."""
-    out = {}
-    for n in onnx_model.graph.node:
-        for p in n.metadata_props:
-            if p.key == SCOPES_KEY:
-                try:
-                    out[n.name] = list(ast.literal_eval(p.value))
-                except (ValueError, SyntaxError):
-                    out[n.name] = []
-    return out
-
-
-def module_path(scopes: list[str], prefix: str = WRAPPER_PREFIX) -> str | None:
-    """The deepest module scope (wrapper prefix removed), or None when the node sits at the top."""
-    chain: list[str] = []
-    for s in scopes:
-        prev = chain[-1] if chain else None
-        if prev is None or prev == "" or s.startswith(prev + "."):
-            chain.append(s)
-    deepest = next((s for s in reversed(chain) if s), None)
-    if deepest is None or deepest == prefix.rstrip("."):
-        return None
-    return deepest[len(prefix):] if deepest.startswith(prefix) else deepest
+SCOPES_KEY, WRAPPER_PREFIX = onnx_tools.SCOPES_KEY, onnx_tools.WRAPPER_PREFIX
+node_scopes, module_path = onnx_tools.node_scopes, onnx_tools.module_path  # the one scope parser
 
 
 @dataclasses.dataclass

@@ -21,30 +21,13 @@ import logging
 from typing import Any, Mapping, Sequence
 
 from trt_sora.errors import TrtSoraError
+from trt_sora.metrics import is_torch, to_numpy  # noqa: F401 (the runners' array helpers)
 
 log = logging.getLogger("trt_sora")
 
 
 class RunnerStateError(TrtSoraError, RuntimeError):
     """A runner was used while inactive (call ``activate()`` or use ``with runner:``)."""
-
-
-def is_torch(x: Any) -> bool:
-    """True for a ``torch.Tensor`` (without importing torch)."""
-    return type(x).__module__.startswith("torch") and hasattr(x, "detach")
-
-
-def to_numpy(x: Any, dtype: str | None = None):
-    """``torch.Tensor`` / array-like -> ``numpy.ndarray`` (bf16 goes through fp32)."""
-    import numpy as np
-
-    if is_torch(x):
-        t = x.detach()
-        if str(t.dtype) == "torch.bfloat16":
-            t = t.float()
-        x = t.cpu().numpy()
-    a = np.asarray(x)
-    return a.astype(dtype, copy=False) if dtype else a
 
 
 class Runner(abc.ABC):

@@ -15,34 +15,6 @@ log = logging.getLogger("trt_sora")
 
 _ORT_TO_NP = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(double)": "float64",
               "tensor(int64)": "int64", "tensor(int32)": "int32"}
-_SCOPES = "pkg.torch.onnx.name_scopes"
-
-
-def onnx_probe_tensors(onnx_path: str | Path, probes: Sequence[str]) -> dict[str, str]:
-    """``{probe: tensor name}``: the output of the last node (graph order is topological) whose
-    recorded module scope is ``probe`` (the dynamo exporter stores scopes in node metadata, with
-    the export wrapper's ``inner.`` prefix). Probes with no node are left out."""
-    import onnx
-
-    model = onnx.load(str(onnx_path), load_external_data=False)
-    want = set(probes)
-    last: dict[str, str] = {}
-    for node in model.graph.node:
-        md = {p.key: p.value for p in node.metadata_props}
-        raw = md.get(_SCOPES)
-        if not raw or not node.output:
-            continue
-        try:
-            import ast
-
-            scopes = ast.literal_eval(raw)
-        except (ValueError, SyntaxError):
-            continue
-        for s in scopes:
-            s = s[len("inner."):] if s.startswith("inner.") else s
-            if s in want:
-                last[s] = node.output[0]
-    return {p: last[p] for p in probes if p in last}
 
 
 def _ensure_outputs(model, names: Sequence[str]) -> list[str]:
@@ -99,18 +71,8 @@ class OrtRunner(Runner):
         self._probe_sessions: dict[tuple, tuple] = {}
 
     def _make_session(self, path_or_bytes):
-        from trt_sora.export.exporter import ort_session
+        from trt_sora.onnx_tools import ort_session
 
-        if isinstance(path_or_bytes, bytes):
-            ort = __import__("onnxruntime")
-            opts = ort.SessionOptions()
-            opts.log_severity_level = 3
-            if self.threads:
-                opts.intra_op_num_threads = self.threads
-            avail = ort.get_available_providers()
-            provs = list(self.providers) if self.providers else [
-                p for p in ("CUDAExecutionProvider", "CPUExecutionProvider") if p in avail]
-            return ort.InferenceSession(path_or_bytes, sess_options=opts, providers=provs)
         return ort_session(path_or_bytes, providers=self.providers, threads=self.threads)
 
     def _activate_impl(self) -> None:
@@ -160,9 +122,11 @@ class OrtRunner(Runner):
             return self._probe_sessions[probes]
         import onnx
 
-        mapping = onnx_probe_tensors(self.path, probes)
+        from trt_sora.onnx_tools import probe_tensors
+
+        mapping = probe_tensors(self.path, probes)
         if self.probe_source is not None:
-            for p, t in onnx_probe_tensors(self.probe_source, probes).items():
+            for p, t in probe_tensors(self.probe_source, probes).items():
                 mapping.setdefault(p, t)
         model = onnx.load(str(self.path), load_external_data=False)
         present = _ensure_outputs(model, list(dict.fromkeys(mapping.values())))

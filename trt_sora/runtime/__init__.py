@@ -305,10 +305,11 @@ def load(artifact_dir, backend: str = "auto", *, force: bool = False, concurrenc
         _require_checked_backend(run, rep, backend, force)
     buckets = _buckets(run, rep)
     res = exp["results"]
+    from trt_sora.models import adapter_for_manifest
+
     cfg = dict(res["model"].get("config") or {})
-    ranks = {"hidden_states": 5, "timestep": 1, "encoder_hidden_states": 3}
-    channels = {"hidden_states": (1, int(cfg.get("in_channels", 16))),
-                "encoder_hidden_states": (2, int(cfg.get("text_dim", 4096)))}
+    family = adapter_for_manifest(res["model"])  # input ranks and fixed feature dims are family facts
+    ranks, channels = family.input_ranks(), family.fixed_dims()
     runners: list = []
     if backend == "trt":
         if candidate is None:
@@ -321,11 +322,10 @@ def load(artifact_dir, backend: str = "auto", *, force: bool = False, concurrenc
         runners = [tr]
         pool_n = concurrency
     elif backend == "torch-fp8":
-        from trt_sora.models import adapter_for_manifest
         from trt_sora.runners.fp8_runner import AttentionPolicy, TorchFp8Runner
 
         ran = ((rep or {}).get("candidate") or {}).get("device") or {}
-        runners = [TorchFp8Runner(adapter_for_manifest(res["model"]), run / "quant" / "qdq_map.json",
+        runners = [TorchFp8Runner(family, run / "quant" / "qdq_map.json",
                                   run / "calib" / "stats.safetensors", device=device or "cuda",
                                   attention=AttentionPolicy.from_dict(ran.get("attention_policy"))).activate()]
         pool_n = concurrency
@@ -335,10 +335,9 @@ def load(artifact_dir, backend: str = "auto", *, force: bool = False, concurrenc
         sess = OrtRunner(candidate, threads=threads).activate()  # ORT's run() is thread-safe: share it
         runners, pool_n = [sess], concurrency
     else:
-        from trt_sora.models import adapter_for_manifest
         from trt_sora.runners.torch_runner import TorchRunner
 
-        adapter = adapter_for_manifest(res["model"])
+        adapter = family
         if device is None:
             import torch
 

@@ -21,6 +21,10 @@ LATENT_WIDTH = 32
 TEXT_LEN = 16
 TEXT_DIM = 384
 
+#: How users sample it (the sampler of MODEL_CARD.md): FlowMatchEulerDiscreteScheduler(shift=2.0),
+#: 20 steps, CFG 4. Calibration and parity run these unless told otherwise.
+SAMPLING = {"num_steps": 20, "guidance_scale": 4.0, "shift": 2.0}
+
 __all__ = [
     "WEIGHTS_DIR",
     "LATENT_CHANNELS",
@@ -29,4 +33,5 @@ __all__ = [
     "LATENT_WIDTH",
     "TEXT_LEN",
     "TEXT_DIM",
+    "SAMPLING",
 ]

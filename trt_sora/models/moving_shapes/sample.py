@@ -1,23 +1,25 @@
-"""Plain sampling loop: text embeddings + flow-matching Euler scheduler + CFG -> clip.
+"""Sampling the model: text embeddings -> :func:`trt_sora.sampling.sample` (flow-matching Euler +
+CFG, the loop every stage shares) -> clip.
 
-Readable top to bottom on purpose; the model card, the tests and the training
-run's own evaluation all use it. Wan's pipeline does the same thing with a VAE
-decode at the end; here the latents are pixels, so there is none.
+The model card, the tests and the training run's own evaluation all use it. Wan's
+pipeline does the same thing with a VAE decode at the end; here the latents are
+pixels, so there is none.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from . import SAMPLING
 from .data import HEIGHT, NUM_FRAMES, WIDTH
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-# Recommended settings, chosen on held-out captions with the probe (MODEL_CARD.md).
-DEFAULT_STEPS = 30
-DEFAULT_GUIDANCE = 4.0
-DEFAULT_SHIFT = 2.0
+# Recommended settings (MODEL_CARD.md): the model's sampling settings, one place (``SAMPLING``).
+DEFAULT_STEPS = SAMPLING["num_steps"]
+DEFAULT_GUIDANCE = SAMPLING["guidance_scale"]
+DEFAULT_SHIFT = SAMPLING["shift"]
 
 
 @dataclass(frozen=True)
@@ -32,9 +34,9 @@ class SampleConfig:
 
 def make_scheduler(shift: float = DEFAULT_SHIFT):
     """The diffusers scheduler the model is sampled with (the Wan family's)."""
-    from diffusers import FlowMatchEulerDiscreteScheduler
+    from trt_sora.models.wan import make_scheduler as wan_scheduler
 
-    return FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=shift)
+    return wan_scheduler(shift)
 
 
 def sample(
@@ -60,35 +62,17 @@ def sample(
     """
     import torch
 
-    device = text_embeds.device
-    dtype = dtype or next(transformer.parameters()).dtype
-    b = text_embeds.shape[0]
-    use_cfg = config.guidance_scale > 1.0
+    from trt_sora.sampling import SamplingSettings, gaussian_noise
+    from trt_sora.sampling import sample as run_sampler
+
+    settings = SamplingSettings(num_steps=config.steps, guidance_scale=config.guidance_scale, shift=config.shift)
     if negative_embeds is None:
         negative_embeds = torch.zeros_like(text_embeds)
-    cond = torch.cat([text_embeds, negative_embeds]) if use_cfg else text_embeds
-
-    gen = torch.Generator(device="cpu").manual_seed(config.seed)
-    latents = torch.randn((b, 3, NUM_FRAMES, HEIGHT, WIDTH), generator=gen, dtype=torch.float32).to(device)
-    scheduler = make_scheduler(config.shift)
-    scheduler.set_timesteps(config.steps, device=device)
-
-    with torch.no_grad():
-        for t in scheduler.timesteps:
-            model_in = torch.cat([latents, latents]) if use_cfg else latents
-            # timestep stays fp32 (sigma * 1000), as in Wan's pipeline
-            timestep = t.to(torch.float32).expand(model_in.shape[0])
-            velocity = transformer(
-                hidden_states=model_in.to(dtype),
-                timestep=timestep,
-                encoder_hidden_states=cond.to(dtype),
-                return_dict=False,
-            )[0].float()
-            if use_cfg:
-                v_cond, v_uncond = velocity.chunk(2)
-                velocity = v_uncond + config.guidance_scale * (v_cond - v_uncond)
-            latents = scheduler.step(velocity, t, latents, return_dict=False)[0]
-    return latents.clamp(-1, 1)
+    noise = gaussian_noise((text_embeds.shape[0], 3, NUM_FRAMES, HEIGHT, WIDTH), config.seed, text_embeds.device)
+    res = run_sampler(lambda inputs: transformer(**inputs, return_dict=False)[0], noise, text_embeds,
+                      negative_embeds, scheduler=make_scheduler(config.shift), settings=settings, cfg="batched",
+                      dtype=dtype or next(transformer.parameters()).dtype)
+    return res.latents.clamp(-1, 1)
 
 
 def load_transformer(folder=None, dtype: "torch.dtype | None" = None):
