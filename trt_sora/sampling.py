@@ -190,7 +190,7 @@ def _sigma(scheduler, i: int) -> float:
 
 def sample(call: ModelCall, noise, cond, uncond=None, *, scheduler, settings: SamplingSettings,
            cfg: str = "split", dtype=None, hook: Callable[[CallInfo], ContextManager | None] | None = None,
-           keep: Sequence[str] = (), label: str = "") -> SampleResult:
+           keep: Sequence[str] = (), label: str = "", start_step: int = 0) -> SampleResult:
     """Denoise ``noise`` over ``settings.num_steps`` steps with classifier-free guidance.
 
     Args:
@@ -210,6 +210,9 @@ def sample(call: ModelCall, noise, cond, uncond=None, *, scheduler, settings: Sa
         keep: what each :class:`StepRecord` keeps: ``"latents"`` (after the step) and/or
             ``"velocity"`` (guided); each costs one latent-sized tensor per step.
         label: what to name in errors (e.g. the prompts and shape).
+        start_step: resume the schedule at this step: ``noise`` is taken as the latents *entering*
+            step ``start_step`` (e.g. a recorded trajectory's ``steps[start_step - 1].latents``) and
+            only steps ``start_step .. num_steps - 1`` run (records keep their schedule indices).
 
     Returns:
         :class:`SampleResult` (final latents fp32, per-step records).
@@ -235,11 +238,15 @@ def sample(call: ModelCall, noise, cond, uncond=None, *, scheduler, settings: Sa
         conds["uncond"] = _conditioning(uncond)
     dtype = dtype or next(iter(conds["cond"].values()), noise).dtype
     groups = [settings.branches] if cfg == "batched" and settings.uses_cfg else [(b,) for b in settings.branches]
+    if not 0 <= start_step < settings.num_steps:
+        raise ConfigError(f"start_step={start_step} must be in 0..{settings.num_steps - 1}")
     scheduler.set_timesteps(settings.num_steps, device=noise.device)
+    if start_step:
+        scheduler.set_begin_index(start_step)  # diffusers schedulers: step() continues from there
     latents = noise.float().clone()
     records: list[StepRecord] = []
     with torch.inference_mode():
-        for i, t in enumerate(scheduler.timesteps):
+        for i, t in enumerate(scheduler.timesteps[start_step:], start_step):
             sigma = _sigma(scheduler, i)
             out: dict[str, torch.Tensor] = {}
             for branches in groups:

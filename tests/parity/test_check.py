@@ -25,7 +25,7 @@ def test_full_matrix_passes(checked_run):
     rep = json.loads((checked_run / "parity" / "report.json").read_text())
     lv = _by_level(rep)
     assert rep["passed"], rep["failed"]
-    assert set(lv) == {"export", "qdq", "quality", "loop", "frames"}
+    assert set(lv) == {"export", "qdq", "quality", "trajectory", "loop", "frames"}
     assert lv["export"]["metrics"]["cosine"] >= 0.99999 and lv["export"]["metrics"]["max_abs"] < 1e-4
     assert lv["qdq"]["metrics"]["cosine"] >= 0.999
     # the Q/DQ gate is judged against the rounding floor of the fp16 graph, sample by sample
@@ -37,6 +37,8 @@ def test_full_matrix_passes(checked_run):
     assert lv["qdq"]["checks"][0]["value"] <= 1.0
     assert lv["quality"]["metrics"]["psnr_db"] >= 30.0
     assert len(lv["loop"]["per_step"]) == 4
+    assert (checked_run / "parity" / "figures" / "trajectory.png").is_file()
+    assert "Every step of the deployed trajectory" in (checked_run / "parity" / "report.md").read_text()
     assert lv["frames"]["metrics"]["frames"] >= 1 and 0 < lv["frames"]["metrics"]["worst_ssim"] <= 1
     for c in rep["comparisons"]:  # every comparison carries its numbers and thresholds
         assert c["checks"] and all({"value", "threshold", "op", "passed"} <= set(ch) for ch in c["checks"])
@@ -45,6 +47,26 @@ def test_full_matrix_passes(checked_run):
     assert "PASSED" in md and "PSNR peak" in md
     man = json.loads((checked_run / "parity" / "manifest.json").read_text())
     assert man["stage"] == "parity" and "qdq" in man["inputs"] and man["results"]["passed"]
+
+
+def test_trajectory_gates_every_call_of_the_model_schedule(checked_run):
+    """The trajectory level covers the model's own schedule to its last (lowest-noise) step: a loop
+    shortened by default, or a gate that skips the last step, fails here."""
+    from trt_sora.models import get_adapter
+
+    rep = json.loads((checked_run / "parity" / "report.json").read_text())
+    t = _by_level(rep)["trajectory"]
+    st = get_adapter("wan-tiny").sampling
+    sched = get_adapter("wan-tiny").scheduler(st.shift)
+    sched.set_timesteps(st.num_steps)
+    assert t["sampling"]["num_steps"] == st.num_steps and "the model's sampling settings" in t["sampling"]["note"]
+    assert [r["step"] for r in t["per_step"]] == list(range(st.num_steps))
+    assert [round(r["timestep"], 3) for r in t["per_step"]] == [round(float(x), 3) for x in sched.timesteps]
+    assert {c["step"] for c in t["calls"]} == set(range(st.num_steps))  # the last step's calls are judged
+    worst = min(t["calls"], key=lambda c: c["cosine"])
+    assert t["checks"][0]["metric"].startswith("per-call cosine, every call of 4 steps")
+    assert t["checks"][0]["value"] == pytest.approx(worst["cosine"])
+    assert all(r["contribution_db"] > 20 for r in t["per_step"])
 
 
 def test_wrong_scale_is_caught_and_localised(base_run, tmp_path):

@@ -205,6 +205,10 @@ class ParityGate:
     # graph's dtype). FP8 rounds to 3 mantissa bits, so fp16-vs-fp32 differences flip some roundings;
     # on a trained model near the end of sampling that alone costs more than 1e-3 in cosine.
     max_floor_ratio: float | None = None
+    # Trajectory level only: a step whose calls miss min_cosine / min_psnr_db passes when the error
+    # it alone writes into the final latents (measured by re-running the reference from there) is
+    # at least this PSNR (dB, peak = final latents' max - min). None: every call must pass.
+    min_contribution_db: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,6 +218,7 @@ class ParityConfig:
     export: ParityGate = ParityGate(min_cosine=0.99999)
     qdq: ParityGate = ParityGate(min_cosine=0.999, max_floor_ratio=4.0)
     quality: ParityGate = ParityGate(min_cosine=0.99, min_psnr_db=30.0)
+    trajectory: ParityGate = ParityGate(min_cosine=0.99, min_contribution_db=45.0)
     loop: ParityGate = ParityGate(min_psnr_db=25.0)
     frames: ParityGate = ParityGate(min_psnr_db=25.0)
     num_samples: int = 2

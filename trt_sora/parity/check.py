@@ -8,9 +8,15 @@ level       reference                        candidate                          
 export      PyTorch fp32                     ORT on ``export/model.onnx``          parity.export
 qdq         PyTorch fake-quant (same stats)  ORT / TRT on ``quant/model.qdq.onnx``  parity.qdq
 quality     PyTorch fp32                     the deployable candidate              parity.quality
+trajectory  every call of the reference      the candidate on the same inputs      parity.trajectory
+            sampling loop (model's settings)  (teacher-forced), + step contribution
 loop        sampling loop, PyTorch           same loop, candidate as transformer   parity.loop
 frames      decoded reference video          decoded candidate video               parity.frames
 ==========  ===============================  ====================================  ============
+
+The sampling levels run the model's own sampling settings (``adapter.sampling``: the steps and
+CFG users run; ``parity.loop_steps`` / ``guidance_scale`` override them and the report says so),
+so the last, low-noise steps - where quantization error is largest - are always judged.
 
 When a single-call gate fails, the report names the first layer where the error jumps
 (per-linear and per-block intermediate tensors, PyTorch hooks vs extra ONNX outputs).
@@ -159,34 +165,44 @@ def _single_call(ref, cand, samples, gate, level: str, what: str, floor_ref=None
     return out
 
 
-def _samples(adapter, ref_runner, buckets, num: int, settings, seed: int):
-    """Held-out single-call inputs: transformer inputs met along a reference sampling loop with
-    held-out prompts (first bucket's opt point, CFG batch), ``num`` steps spread over the whole
-    trajectory (first and last included), plus one random point per other bucket."""
-    from trt_sora.parity.loop import loop_inputs
-    from trt_sora.sampling import runner_call, sample
+def _sample_steps(num: int, steps: int) -> list[int]:
+    """``num`` step indices spread over a ``steps``-step trajectory, first and last included."""
+    return sorted({int(round(i * (steps - 1) / max(1, num - 1))) for i in range(num)})
 
-    point = buckets[0].point("opt")
-    b = max(1, min(point["batch"], buckets[0].batch.max // 2 or 1))
-    p = {**point, "batch": b}
-    noise, cond, uncond = loop_inputs(adapter, p, seed=seed + 7)
-    steps = settings.num_steps
-    want = sorted({int(round(i * (steps - 1) / max(1, num - 1))) for i in range(num)})
-    out = []
 
-    def keep(call):
-        if call.step in want and (not out or out[-1][2] != call.step):
-            feeds = {k: v.detach().cpu().numpy().copy() for k, v in call.inputs.items()}
-            out.append(({**p, "batch": int(call.inputs["hidden_states"].shape[0])}, feeds, call.step))
-
-    sample(runner_call(ref_runner), noise, cond, uncond, scheduler=adapter.scheduler(settings.shift),
-           settings=settings, cfg="batched" if 2 * b <= buckets[0].batch.max else "split", hook=keep)
-    out = [(pt, feeds) for pt, feeds, _ in out]
+def _samples(adapter, traj, point: dict, buckets, seed: int):
+    """Held-out single-call inputs: the transformer inputs the reference trajectory met at the
+    sampled steps (held-out prompts, first bucket's opt point, its CFG batch), plus one random
+    point per other bucket."""
+    out = [({**point, "batch": int(f["hidden_states"].shape[0])}, f) for _, f in sorted(traj.inputs.items())]
     for j, bucket in enumerate(buckets[1:], 1):
         pt = bucket.point("opt")
         inputs = adapter.example_inputs(pt, seed=seed + 100 + j)
         out.append((pt, {k: v.numpy() for k, v in inputs.items()}))
     return out
+
+
+def _loop_point(buckets) -> tuple[dict, bool]:
+    """The sampling loop's point (first bucket's opt point, at most half its max batch per branch)
+    and whether both CFG branches fit one call."""
+    point = buckets[0].point("opt")
+    b = min(max(1, buckets[0].batch.max // 2), point["batch"])
+    return {**point, "batch": b}, 2 * b <= buckets[0].batch.max
+
+
+def _trajectory_level(traj, gate, measured, settings, note, ref, cand, lp) -> dict:
+    from trt_sora.parity.trajectory import judge
+
+    checks, rows = judge(traj, gate, measured)
+    return {"level": "trajectory",
+            "what": f"every transformer call of the deployed loop ({settings.num_steps} steps, CFG "
+                    f"{settings.guidance_scale:g}; {note}): the candidate on the reference trajectory's inputs",
+            "reference": ref.name, "candidate": cand.name, "point": lp, "sampling": {**settings.to_dict(), "note": note},
+            "metrics": {"cosine": min(c["cosine"] for c in traj.calls), "psnr_db": min(c["psnr_db"] for c in traj.calls),
+                        "worst_step": min(traj.calls, key=lambda c: c["cosine"])["step"],
+                        "psnr_peak_def": "reference output max - min (per call); contribution: final latents "
+                                         "max - min", "contribution_peak": traj.peak},
+            "per_step": rows, "calls": traj.calls, "checks": checks, "passed": all(c["passed"] for c in checks)}
 
 
 def _torch_fp8_candidate(adapter, arts, recipe, device: str | None):
@@ -240,6 +256,7 @@ def check_artifacts(run_dir: str | Path, recipe, *, model=None, backend: str = "
     from trt_sora.config import load_recipe
     from trt_sora.manifest import file_entry, staged_dir, write_json, write_manifest
     from trt_sora.parity.loop import loop_inputs, parity_sampling
+    from trt_sora.parity.trajectory import judge, measured_contribution, reference_with_candidate
     from trt_sora.runners import OrtRunner, TorchFakeQuantRunner, TorchRunner
     from trt_sora.sampling import runner_call, sample
 
@@ -285,8 +302,15 @@ def check_artifacts(run_dir: str | Path, recipe, *, model=None, backend: str = "
                                             round_inputs=graph_dtype,
                                             name=f"torch-fakequant-{graph_dtype}-inputs").activate()
 
+    # the deployed trajectory once: the reference loop with the candidate on every call's inputs
     settings, sampling_note = parity_sampling(adapter, pc)
-    samples = _samples(adapter, ref, buckets, pc.num_samples, settings, seed)
+    lp, batched = _loop_point(buckets)
+    cfg = "batched" if batched else "split"
+    noise, cond, uncond = loop_inputs(adapter, lp, seed=seed)
+    traj = reference_with_candidate(runner_call(ref), runner_call(cand), noise, cond, uncond,
+                                    scheduler=adapter.scheduler(settings.shift), settings=settings, cfg=cfg,
+                                    keep_inputs=_sample_steps(pc.num_samples, settings.num_steps))
+    samples = _samples(adapter, traj, lp, buckets, seed)
 
     def run_level(level, r, c, gate, what, floor_ref=None):
         res = _single_call(r, c, samples, gate, level, what, floor_ref=floor_ref)
@@ -311,28 +335,26 @@ def check_artifacts(run_dir: str | Path, recipe, *, model=None, backend: str = "
             fq_floor = None
     run_level("quality", ref, cand, pc.quality, "quality: PyTorch fp32 vs the deployable candidate")
 
-    # -- sampling loop + decoded frames ---------------------------------------------------------------
-    point = buckets[0].point("opt")
-    b = max(1, buckets[0].batch.max // 2)
-    b = min(b, point["batch"])
-    lp = {**point, "batch": b}
-    batched = 2 * b <= buckets[0].batch.max
-    noise, cond, uncond = loop_inputs(adapter, lp, seed=seed)
-
-    def loop(runner):
-        return sample(runner_call(runner), noise, cond, uncond, scheduler=adapter.scheduler(settings.shift),
-                      settings=settings, cfg="batched" if batched else "split", keep=("latents",))
-
-    res_ref, res_c = loop(ref), loop(cand)
-    lat_ref, lat_c = res_ref.latents, res_c.latents
+    # -- the trajectory: every call; the free-running loop; decoded frames --------------------------------
+    measured = {}
+    if pc.trajectory.min_contribution_db is not None:
+        for row in judge(traj, pc.trajectory, {})[1]:
+            if not row["calls_pass"]:  # what this step alone does to the clip, measured
+                measured[row["step"]] = measured_contribution(
+                    traj, runner_call(ref), runner_call(cand), row["step"], noise, cond, uncond,
+                    scheduler=adapter.scheduler(settings.shift), settings=settings, cfg=cfg)
+    comparisons.append(_trajectory_level(traj, pc.trajectory, measured, settings, sampling_note, ref, cand, lp))
+    res_c = sample(runner_call(cand), noise, cond, uncond, scheduler=adapter.scheduler(settings.shift),
+                   settings=settings, cfg=cfg, keep=("latents",))
+    lat_ref, lat_c = traj.reference.latents, res_c.latents
     per_step = [{"step": a.step, **{k: v for k, v in compare(a.latents, c.latents).items()
                                     if k in ("cosine", "rel_l2", "psnr_db")}}
-                for a, c in zip(res_ref.steps, res_c.steps)]
+                for a, c in zip(traj.reference.steps, res_c.steps)]
     final = compare(lat_ref, lat_c)
     checks = gate_check(final, pc.loop)
     comparisons.append({"level": "loop", "what": f"sampling loop: {settings.num_steps} steps, CFG "
                         f"{settings.guidance_scale:g} ({'one batch-2 call' if batched else 'two calls'} per step; "
-                        f"{sampling_note}), final latents",
+                        f"{sampling_note}), final latents of the candidate's own trajectory",
                         "reference": ref.name, "candidate": cand.name, "point": lp, "metrics": final,
                         "sampling": {**settings.to_dict(), "note": sampling_note},
                         "per_step": per_step, "checks": checks, "passed": all(c["passed"] for c in checks)})
@@ -345,9 +367,11 @@ def check_artifacts(run_dir: str | Path, recipe, *, model=None, backend: str = "
     comparisons.append({"level": "frames", "what": f"decoded frames ({ddesc}); gate on the worst frame",
                         "reference": ref.name, "candidate": cand.name, "metrics": fr, "checks": checks,
                         "passed": all(c["passed"] for c in checks)})
-    if not comparisons[-1]["passed"] or not comparisons[-2]["passed"]:
+    if not all(c["passed"] for c in comparisons[-3:]):
         if "quality" not in localization and hasattr(cand, "infer_probes"):
-            localization["loop"] = localize(fq or ref, cand, samples[0][1], probes, jump_factor=pc.jump_factor)
+            worst = min(traj.calls, key=lambda c: c["cosine"])["step"]  # localise at the worst call's inputs
+            feeds = traj.inputs[min(traj.inputs, key=lambda st: abs(st - worst))]
+            localization["loop"] = localize(fq or ref, cand, feeds, probes, jump_factor=pc.jump_factor)
 
     executed = cand.report() if backend == "torch-fp8" else None
     for r in {id(x): x for x in (ref, export_ort, cand, fq) if x is not None}.values():
@@ -373,6 +397,12 @@ def check_artifacts(run_dir: str | Path, recipe, *, model=None, backend: str = "
         with staged_dir(run / "parity") as tmp:
             write_json(tmp / REPORT_JSON, report)
             (tmp / REPORT_MD).write_text(render_markdown(report))
+            levels = {c["level"]: c for c in comparisons}
+            if "trajectory" in levels:
+                from trt_sora.parity.trajectory import plot
+
+                (tmp / "figures").mkdir()
+                plot(tmp / "figures" / "trajectory.png", levels["trajectory"], levels.get("loop"), pc.trajectory)
             write_manifest(tmp, stage="parity", inputs=inputs, config=recipe_to_dict(recipe)["parity"],
                            results={"passed": passed, "failed": report["failed"], "backend": backend,
                                     "candidate": report["candidate"], "buckets": report["buckets"]},
@@ -439,6 +469,17 @@ def render_markdown(report: dict) -> str:
                                           "mean_ssim", "worst_ssim") if k in m))
         if c["level"] == "loop":
             lines.append("  - per step: " + "; ".join(f"{s['step']}: PSNR {_fmt(s['psnr_db'])} dB" for s in c["per_step"]))
+    levels = {c["level"]: c for c in report["comparisons"]}
+    if "trajectory" in levels:
+        from trt_sora.parity.trajectory import step_table
+
+        t = levels["trajectory"]
+        lines += ["", "## Every step of the deployed trajectory", "",
+                  f"{t['what']}. Per call: the candidate fed the reference trajectory's inputs; contribution: the "
+                  "error the step's update writes into the latents (est. = sigma step x velocity error; measured = "
+                  "the reference re-run from there with the candidate at that step only), PSNR against the final "
+                  f"latents' peak {_fmt(t['metrics']['contribution_peak'])}. Figure: `figures/trajectory.png`.", ""]
+        lines += step_table(t, levels.get("loop"))
     for level, loc in report.get("localization", {}).items():
         lines += ["", f"## Where the error starts ({level})", "",
                   f"First layer where the error jumps: **{loc['first_jump']}** (block {loc['block']}); "
