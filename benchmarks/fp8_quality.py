@@ -56,9 +56,9 @@ def main(argv=None) -> None:
     ap.add_argument("--num", type=int, default=16)
     ap.add_argument("--run", default="build/wan-shapes/rtx4090-fp8")
     ap.add_argument("--prompts", default="build/wan_shapes_heldout.safetensors")
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--guidance", type=float, default=4.0)
-    ap.add_argument("--shift", type=float, default=2.0)
+    ap.add_argument("--steps", type=int, default=None, help="default: the model's sampling settings (20)")
+    ap.add_argument("--guidance", type=float, default=None, help="default: the model's (4.0)")
+    ap.add_argument("--shift", type=float, default=None, help="default: the model's (2.0)")
     ap.add_argument("--seed", type=int, default=1_000_000_000)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", required=True)
@@ -71,7 +71,7 @@ def main(argv=None) -> None:
     from trt_sora.models import get_adapter
     from trt_sora.models.moving_shapes.data import parse_caption
     from trt_sora.models.moving_shapes.probe import probe_batch
-    from trt_sora.parity.loop import decoder, sample_loop
+    from trt_sora.sampling import runner_call, sample
     from trt_sora.runners import TorchFakeQuantRunner, TorchRunner
     from trt_sora.runners.fp8_runner import AttentionPolicy, TorchFp8Runner
 
@@ -96,17 +96,19 @@ def main(argv=None) -> None:
         "torch_fp8_attn_8bit": lambda: TorchFp8Runner(adapter, qmap, stats, device=dev,
                                                       attention=AttentionPolicy(enabled=True)),
     }
-    decode, _ = decoder(adapter)
+    decode, _ = adapter.decoder()
+    settings = adapter.sampling.override(num_steps=a.steps, guidance_scale=a.guidance, shift=a.shift)
     clips, reports = {}, {}
     for name, make in variants.items():
         r = make().activate()
-        lat = sample_loop(lambda feeds: r.infer(feeds), noise, cond, uncond, adapter.scheduler(shift=a.shift),
-                          steps=a.steps, guidance=a.guidance, batched=True)
+        lat = sample(runner_call(r), noise, cond, uncond, scheduler=adapter.scheduler(settings.shift),
+                     settings=settings, cfg="batched").latents
         clips[name] = decode(lat.float().cpu())
         reports[name] = r.report() if hasattr(r, "report") else None
         r.deactivate()
     specs = [parse_caption(p) for p in prompts]
-    out = {"prompts": prompts, "steps": a.steps, "guidance": a.guidance, "shift": a.shift, "seed": a.seed,
+    out = {"prompts": prompts, "steps": settings.num_steps, "guidance": settings.guidance_scale,
+           "shift": settings.shift, "seed": a.seed,
            "psnr_peak": "2.0 (pixel range [-1, 1])", "variants": {}}
     for name, x in clips.items():
         probes = probe_batch(x)
