@@ -188,3 +188,17 @@ def test_a_shortened_trajectory_is_named_as_such():
     assert settings.num_steps == 6 and "SHORTER than users sample" in note and "model: 20" in note
     settings, note = parity_sampling(adapter, dataclasses.replace(recipe.parity, loop_steps=4))
     assert settings.num_steps == 4 and "SHORTER" in note
+
+
+def test_unconditional_branch_is_the_models(tiny_adapter):
+    """wan-shapes samples with the zero embedding as its unconditional (MODEL_CARD.md); Wan encodes its
+    negative prompt. Calibration (presets name no negative prompt) and parity use the model's."""
+    from trt_sora.calibrate.data import load_preset
+    from trt_sora.models import get_adapter
+
+    shapes = get_adapter("wan-shapes")
+    z = shapes.negative_embedding(lambda *a: pytest.fail("zeros need no encoder"), 2, 16)
+    assert z.shape == (2, 16, 384) and not z.any()
+    enc = tiny_adapter.text_encoder()
+    torch.testing.assert_close(tiny_adapter.negative_embedding(enc, 2, 8), enc(["", ""], 8))
+    assert load_preset("moving-shapes").negative_prompt is None

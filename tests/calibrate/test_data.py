@@ -100,7 +100,7 @@ def test_load_prompts_errors(tmp_path):
         load_prompts(SET, split="held")
 
 
-PRESET_KEYS = {"prompt_set", "split", "num_prompts", "shapes", "seed", "negative_prompt"}
+PRESET_KEYS = {"prompt_set", "split", "num_prompts", "shapes", "seed"}
 
 
 @pytest.mark.parametrize("name", ["tiny", "standard", "wan-480p", "wan-720p"])

@@ -76,7 +76,8 @@ class CalibPreset:
         shift: flow-matching timestep shift of the scheduler; None = the model's.
         shapes: latent shapes; each prompt is calibrated at each shape.
         seed: seeds prompt selection and initial latents.
-        negative_prompt: text of the unconditional branch.
+        negative_prompt: text of the unconditional branch; None = the model's own unconditional
+            conditioning (``adapter.negative_embedding``: its negative prompt, or zeros).
         description: free text.
     """
 
@@ -89,7 +90,7 @@ class CalibPreset:
     shift: float | None = None
     split: str = "calib"
     seed: int = 0
-    negative_prompt: str = ""
+    negative_prompt: str | None = None
     description: str = ""
 
     def __post_init__(self) -> None:

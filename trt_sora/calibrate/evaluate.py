@@ -116,7 +116,7 @@ def evaluate(adapter, model, stats, preset, quant_config, options, *, encode: Ca
         method, format, cosine, max_abs, rel_l2, psnr_db), ``sensitivity`` (rows sorted worst first),
         ``skip`` (groups, patterns, YAML, verification metrics).
     """
-    from trt_sora.calibrate.run import _chunks, _encode, _noise, calibration_sampling
+    from trt_sora.calibrate.run import _chunks, _encode, _noise, _uncond, calibration_sampling
     from trt_sora.metrics import compare
     from trt_sora.sampling import adapter_call, sample
 
@@ -135,7 +135,7 @@ def evaluate(adapter, model, stats, preset, quant_config, options, *, encode: Ca
     feeds = []
     for k, chunk in enumerate(chunks):
         cond = _encode(encode, [p.prompt for p in chunk], shape.text_len, device)
-        uncond = _encode(encode, [preset.negative_prompt] * len(chunk), shape.text_len, device) \
+        uncond = _uncond(adapter, encode, preset, len(chunk), shape.text_len, device) \
             if settings.uses_cfg else None
         feeds.append((_noise(adapter, shape, preset.seed * 1_000_003 + 500_000 + k, device), cond, uncond, chunk))
 

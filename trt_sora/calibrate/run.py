@@ -185,6 +185,21 @@ def calibration_sampling(adapter, preset: CalibPreset, config: CalibConfig | Non
     return settings, f"overridden by the preset/recipe: {', '.join(changed)}{short}"
 
 
+def _uncond(adapter, encode, preset: CalibPreset, batch: int, text_len: int, device):
+    """The unconditional branch's embeddings: the preset's negative prompt, else the model's own
+    (``adapter.negative_embedding``: what users sample with)."""
+    if preset.negative_prompt is not None:
+        return _encode(encode, [preset.negative_prompt] * batch, text_len, device)
+    return adapter.negative_embedding(encode, batch, text_len).to(device)
+
+
+def _negative_label(adapter, preset: CalibPreset) -> str:
+    if preset.negative_prompt is not None:
+        return preset.negative_prompt
+    neg = adapter.spec.defaults.get("negative_prompt", "")
+    return "(zero embedding: the model's unconditional)" if neg is None else neg
+
+
 def _resolve_preset(adapter, config: CalibConfig, preset) -> CalibPreset:
     if isinstance(preset, CalibPreset):
         return preset
@@ -271,7 +286,7 @@ def calibrate(adapter, config: CalibConfig, out_dir, *, model=None, preset: Cali
 
         for k, (si, shape, chunk) in enumerate(plan):
             cond = _encode(encode, [p.prompt for p in chunk], shape.text_len, model_device)
-            uncond = _encode(encode, [preset.negative_prompt] * len(chunk), shape.text_len, model_device) \
+            uncond = _uncond(adapter, encode, preset, len(chunk), shape.text_len, model_device) \
                 if settings.uses_cfg else None
             noise = _noise(adapter, shape, preset.seed * 1_000_003 + k, model_device)
             label = f"shape {shape.as_dict()}, prompts {[p.id for p in chunk]}"
@@ -290,7 +305,7 @@ def calibrate(adapter, config: CalibConfig, out_dir, *, model=None, preset: Cali
         shapes=[s.as_dict() for s in preset.shapes], model=adapter.spec.ref, model_hash=adapter.spec.model_hash(),
         preset=preset.name, prompt_set=preset.prompt_set, seed=preset.seed, guidance_scale=settings.guidance_scale,
         shift=settings.shift,
-        extra={"sampling": sampling_note, "model_sampling": adapter.sampling.to_dict(), "prompt_ids": [p.id for p in prompts], "negative_prompt": preset.negative_prompt,
+        extra={"sampling": sampling_note, "model_sampling": adapter.sampling.to_dict(), "prompt_ids": [p.id for p in prompts], "negative_prompt": _negative_label(adapter, preset),
                "model_dtype": str(model_dtype).replace("torch.", ""), "device": str(model_device),
                "quant_format": qfmt.value, "collect_seconds": round(t_collect, 3),
                "weight_sites": [], "attention_sites": [n for n in sites if not isinstance(modules.get(n),

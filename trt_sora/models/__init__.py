@@ -36,7 +36,7 @@ def _wan_shapes_spec() -> ModelSpec:
         ref="wan-shapes", family="wan", source="checkpoint", path=str(ms.WEIGHTS_DIR),
         config={k: v for k, v in config.items() if not k.startswith("_")}, text_encoder="minilm",
         defaults={
-            **ms.SAMPLING, "calib_preset": "moving-shapes",
+            **ms.SAMPLING, "negative_prompt": ms.NEGATIVE_PROMPT, "calib_preset": "moving-shapes",
             "heldout_prompts": "moving_shapes_v1",
             # trained at one resolution only: one clip with CFG (batch 1-2) and two clips (3-4)
             "buckets": [{"name": "shapes-1clip", "batch": [1, 2, 2], **bucket},

@@ -181,6 +181,17 @@ class ModelAdapter(abc.ABC):
         return SamplingSettings(num_steps=int(d["num_steps"]), guidance_scale=float(d["guidance_scale"]),
                                 shift=float(d["shift"]))
 
+    def negative_embedding(self, encode: Callable[[list[str], int], Any], batch: int, text_len: int):
+        """The unconditional branch's conditioning users sample with, ``[batch, text_len, text_dim]``
+        fp32: the model's negative prompt encoded by ``encode``, or zeros for a model whose dropped-text
+        condition is the zero embedding (``negative_prompt: None`` in its defaults, e.g. wan-shapes)."""
+        neg = self.spec.defaults.get("negative_prompt", "")
+        if neg is None:
+            import torch
+
+            return torch.zeros(batch, text_len, self.text_dim)
+        return encode([neg] * batch, text_len).float()
+
     @abc.abstractmethod
     def scheduler(self, shift: float | None = None):
         """A fresh diffusers scheduler of the family (flow matching for Wan); ``shift`` None =

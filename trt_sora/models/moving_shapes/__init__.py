@@ -24,6 +24,8 @@ TEXT_DIM = 384
 #: How users sample it (the sampler of MODEL_CARD.md): FlowMatchEulerDiscreteScheduler(shift=2.0),
 #: 20 steps, CFG 4. Calibration and parity run these unless told otherwise.
 SAMPLING = {"num_steps": 20, "guidance_scale": 4.0, "shift": 2.0}
+#: The unconditional branch is the zero embedding (trained with both zeros and the encoding of "").
+NEGATIVE_PROMPT = None
 
 __all__ = [
     "WEIGHTS_DIR",
