@@ -14,6 +14,14 @@ TINY_POINTS = (
 )
 
 
+def pytest_configure(config):
+    """sha256 cache of this session in a temp folder (subprocesses inherit it), not in ~/.cache."""
+    import os
+    import tempfile
+
+    os.environ.setdefault("TRT_SORA_CACHE_DIR", tempfile.mkdtemp(prefix="trt_sora-hash-cache-"))
+
+
 def pytest_collection_modifyitems(config, items):
     missing = {
         "trt_rtx": importlib.util.find_spec("tensorrt_rtx") is None,
@@ -60,3 +68,22 @@ def tiny_export(tmp_path_factory, tiny_adapter, tiny_model):
 
     out = tmp_path_factory.mktemp("tiny_export") / "export"
     return export_onnx(tiny_adapter, ExportConfig(verify_points=TINY_POINTS), out, model=tiny_model)
+
+
+@pytest.fixture(scope="session")
+def engine_run(tmp_path_factory):
+    """``trt-sora engine --model wan-tiny --recipe rtx4090-fp8`` once per session (every stage, a real
+    TensorRT-RTX build): ``(pipeline, outcomes, pristine)``. ``pristine`` is a copy of the out root
+    taken right after the run, for tests that must start from an untouched run folder."""
+    import shutil
+
+    pytest.importorskip("tensorrt_rtx")
+    from trt_sora.pipeline import EnginePipeline
+
+    out = tmp_path_factory.mktemp("engine")
+    seen = []
+    pipe = EnginePipeline("rtx4090-fp8", "wan-tiny", out, progress=seen.append)
+    pipe.run()
+    pristine = tmp_path_factory.mktemp("engine_pristine") / "out"
+    shutil.copytree(out, pristine, symlinks=True)
+    return pipe, seen, pristine

@@ -14,11 +14,8 @@ pytestmark = pytest.mark.trt_rtx
 
 
 @pytest.fixture(scope="module")
-def first_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("engine")
-    seen = []
-    pipe = EnginePipeline("rtx4090-fp8", "wan-tiny", out, progress=seen.append)
-    pipe.run()
+def first_run(engine_run):
+    pipe, seen, _ = engine_run  # the session's run (tests/conftest.py), shared with tests/reliability
     return pipe, seen
 
 

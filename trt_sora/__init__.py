@@ -15,6 +15,7 @@ from trt_sora.errors import (
     ConfigError,
     ExportError,
     ModelError,
+    NumericsError,
     ParityError,
     QuantizeError,
     ShapeError,
@@ -27,6 +28,6 @@ logging.getLogger("trt_sora").addHandler(logging.NullHandler())
 
 __all__ = [
     "__version__", "ArtifactError", "BackendMissingError", "BuildError", "CalibrationError",
-    "ConfigError", "ExportError", "ModelError", "ParityError", "QuantizeError", "ShapeError",
+    "ConfigError", "ExportError", "ModelError", "NumericsError", "ParityError", "QuantizeError", "ShapeError",
     "TrtSoraError",
 ]

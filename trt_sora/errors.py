@@ -46,7 +46,13 @@ class BackendMissingError(TrtSoraError, ImportError):
 
 
 class ParityError(TrtSoraError):
-    """A parity gate failed."""
+    """A parity gate failed (the CLI exits 1, like ``trt-sora check``; bad input exits 2)."""
+
+    exit_code = 1
+
+
+class NumericsError(TrtSoraError, ArithmeticError):
+    """A backend produced NaN/inf outputs from finite inputs (an artifact broken at this shape)."""
 
 
 class ArtifactError(TrtSoraError):

@@ -1,9 +1,17 @@
 """``make engine``: export -> calibrate -> quantize -> build -> check, reusing unchanged stages.
 
 Stages meet only through their artifact folders under ``<out>/<model>/<recipe>/``.
-A stage is redone only when its *fingerprint* changed: the hash of its config
-section, the trt_sora version and the sha256 of the files it reads. Fingerprints
-are kept in ``pipeline.json`` beside the stage folders.
+A stage is reused only when
+
+* its *fingerprint* is unchanged: the hash of its config section, the trt_sora version and the
+  sha256 of the files it reads (kept in ``pipeline.json`` beside the stage folders), and
+* its folder still holds what it wrote: every file its ``manifest.json`` lists re-hashes to the
+  recorded sha256 (cached by size, mtime and ctime; see :mod:`trt_sora.manifest`).
+
+Otherwise it reruns, and the reason is logged (``engine/x.plan: sha256 differs ...``). A failed
+parity check raises :class:`ParityError` (the CLI exits 1) and is never recorded as done. One
+run at a time holds the run folder (a lock; a second run waits, then reuses what the first made),
+and temp folders of runs that died (kill -9) are removed when the next run starts.
 """
 from __future__ import annotations
 
@@ -17,13 +25,15 @@ from typing import Callable, Sequence
 
 from trt_sora import __version__
 from trt_sora.config import Recipe, load_recipe, to_dict
-from trt_sora.errors import ConfigError
-from trt_sora.manifest import MANIFEST, sha256_file, write_json
+from trt_sora.errors import ArtifactError, ConfigError, ParityError
+from trt_sora.manifest import (MANIFEST, folder_lock, read_json, sha256_file, sweep_dead_temps, verify_folder,
+                               write_json)
 
 log = logging.getLogger("trt_sora")
 
 STAGES = ("export", "calibrate", "quantize", "build", "check")
 STATE = "pipeline.json"
+FOLDERS = {"export": "export", "calibrate": "calib", "quantize": "quant", "build": "engine", "check": "parity"}
 
 
 @dataclasses.dataclass
@@ -33,6 +43,15 @@ class StageOutcome:
     seconds: float = 0.0
     folder: str = ""
     detail: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class PlannedStage:
+    """What :meth:`EnginePipeline.plan` would do with a stage: ``action`` is ``reuse``, ``run`` or ``skip``."""
+
+    stage: str
+    action: str
+    reason: str
 
 
 def _fingerprint(*parts) -> str:
@@ -53,18 +72,20 @@ class EnginePipeline:
     """Runs the stages for one (model, recipe) under ``out_root/<model>/<recipe>/``."""
 
     def __init__(self, recipe: Recipe | str, model: str | None = None, out_root: str | Path = "build", *,
-                 force: bool = False, progress: Callable[[StageOutcome], None] | None = None):
+                 force: bool = False, progress: Callable[[StageOutcome], None] | None = None,
+                 on_wait: Callable[[str], None] | None = None):
         from trt_sora.models import get_adapter
 
         self.recipe = load_recipe(recipe) if isinstance(recipe, str) else recipe
-        self.adapter = get_adapter(model or self.recipe.model.default)
+        self.adapter = get_adapter(self.recipe.model.default if model is None else model)
         self.buckets, self.bucket_source = self.adapter.buckets_for(self.recipe)
         self.run_dir = Path(out_root) / self.adapter.name / self.recipe.name
         self.force = force
         self.progress = progress or (lambda o: None)
+        self.on_wait = on_wait
         self._model = None
         self.state_path = self.run_dir / STATE
-        self.state = json.loads(self.state_path.read_text()) if self.state_path.is_file() else {}
+        self.state = self._read_state()
 
     # -- helpers -------------------------------------------------------------------------
     @property
@@ -73,8 +94,7 @@ class EnginePipeline:
         return self.adapter.spec.defaults.get("calib_preset") or self.recipe.calibration.preset
 
     def folder(self, stage: str) -> Path:
-        return self.run_dir / {"calibrate": "calib", "quantize": "quant", "build": "engine",
-                               "check": "parity"}.get(stage, stage)
+        return self.run_dir / FOLDERS.get(stage, stage)
 
     @property
     def model(self):
@@ -82,21 +102,95 @@ class EnginePipeline:
             self._model = self.adapter.load(self.recipe.model.dtype.value, "cpu")
         return self._model
 
-    def _reusable(self, stage: str, fp: str) -> bool:
-        return (not self.force and self.state.get(stage) == fp
-                and (self.folder(stage) / MANIFEST).is_file())
+    @property
+    def quantized(self) -> bool:
+        return self.recipe.quantization.format.value != "none"
 
-    def _record(self, stage: str, fp: str) -> None:
-        self.state[stage] = fp
+    def _read_state(self) -> dict:
+        if not self.state_path.is_file():
+            return {}
+        try:
+            state = read_json(self.state_path, what="pipeline state")
+        except ArtifactError as exc:
+            log.warning("%s; every stage reruns", exc)
+            return {}
+        return state if isinstance(state, dict) else {}
+
+    def _record(self, stage: str, fp: str | None) -> None:
+        if fp is None:
+            self.state.pop(stage, None)
+        else:
+            self.state[stage] = fp
         self.run_dir.mkdir(parents=True, exist_ok=True)
         write_json(self.state_path, self.state)
 
-    def _run(self, stage: str, fp: str, fn: Callable[[], str]) -> StageOutcome:
-        if self._reusable(stage, fp):
-            out = StageOutcome(stage, "reused", folder=str(self.folder(stage)), detail="inputs unchanged")
+    # -- fingerprints: what each stage reads ------------------------------------------------
+    def _fingerprint(self, stage: str) -> str:
+        r = self.recipe
+        if stage == "export":
+            return _fingerprint("export", __version__, self.adapter.describe(), to_dict(r.export))
+        if stage == "calibrate":
+            from trt_sora.calibrate.data import load_preset
+
+            return _fingerprint("calibrate", __version__, self.adapter.spec.model_hash(), to_dict(r.calibration),
+                                to_dict(load_preset(self.calib_preset_name)), to_dict(r.quantization),
+                                self.adapter.sampling.to_dict())
+        if stage == "quantize":
+            stats = [self.folder("calibrate") / "stats.safetensors"] if self.quantized else []
+            return _fingerprint("quantize", __version__, to_dict(r.quantization),
+                                _file_hashes(self.folder("export") / "model.onnx", *stats))
+        if stage == "build":
+            return _fingerprint("build", __version__, r.backend.value, r.compute_capability, to_dict(r.build),
+                                [b.to_yaml() for b in self.buckets],
+                                _file_hashes(self.folder("quantize") / "model.qdq.onnx"))
+        inputs = [self.folder(s) / MANIFEST for s in ("export", "calibrate", "quantize", "build")]
+        return _fingerprint("check", __version__, to_dict(r.parity), self.adapter.sampling.to_dict(),
+                            _file_hashes(*inputs))
+
+    def _why_not_reuse(self, stage: str, fp: str) -> str | None:
+        """None when the stage can be reused, else the reason it reruns."""
+        if self.force:
+            return "--force"
+        if stage not in self.state:
+            return "not run yet (or its last run failed)"
+        if self.state[stage] != fp:
+            return "its inputs or config changed"
+        try:
+            verify_folder(self.folder(stage))
+        except ArtifactError as exc:
+            return str(exc)
+        return None
+
+    def plan(self, stages: Sequence[str] = STAGES) -> list[PlannedStage]:
+        """What :meth:`run` would do, without running anything (re-hashes the artifacts)."""
+        out: list[PlannedStage] = []
+        upstream_runs: list[str] = []
+        for stage in self._selected(stages):
+            if stage == "calibrate" and not self.quantized:
+                out.append(PlannedStage(stage, "skip", "recipe has quantization.format none"))
+                continue
+            why = self._why_not_reuse(stage, self._fingerprint(stage))
+            if why is None and upstream_runs:
+                why = f"after {', '.join(upstream_runs)} rerun(s) (reused if they write the same bytes)"
+            out.append(PlannedStage(stage, "reuse" if why is None else "run", why or "inputs and outputs verified"))
+            if why is not None:
+                upstream_runs.append(stage)
+        return out
+
+    def _run(self, stage: str, fn: Callable[[], str]) -> StageOutcome:
+        fp = self._fingerprint(stage)
+        why = self._why_not_reuse(stage, fp)
+        if why is None:
+            out = StageOutcome(stage, "reused", folder=str(self.folder(stage)),
+                               detail="inputs unchanged, outputs verified (sha256)")
             self.progress(out)
             return out
-        self.state.pop(stage, None)
+        log.info("%s runs: %s", stage, why)
+        # Other stages keep the previous fingerprint until their new folder is in place: it is swapped
+        # in whole (staged_dir), so an interrupted or failed rerun leaves the old artifact valid. A
+        # check voids its old verdict as it starts and writes a failed report too: forget it now.
+        if stage == "check" and stage in self.state:
+            self._record(stage, None)
         t0 = time.perf_counter()
         detail = fn() or ""
         self._record(stage, fp)
@@ -108,96 +202,88 @@ class EnginePipeline:
     def export(self) -> StageOutcome:
         from trt_sora.export import export_onnx
 
-        fp = _fingerprint("export", __version__, self.adapter.describe(), to_dict(self.recipe.export))
-
         def go():
             res = export_onnx(self.adapter, self.recipe.export, self.folder("export"), model=self.model)
             worst = min(p["cosine"] for p in res.parity) if res.parity else float("nan")
             return f"ORT parity at {len(res.parity)} shapes, worst cosine {worst:.7f}"
 
-        return self._run("export", fp, go)
+        return self._run("export", go)
 
     def calibrate(self) -> StageOutcome:
         from trt_sora.calibrate.data import load_preset
         from trt_sora.calibrate.run import calibrate
 
-        preset = load_preset(self.calib_preset_name)
-        fp = _fingerprint("calibrate", __version__, self.adapter.spec.model_hash(),
-                          to_dict(self.recipe.calibration), to_dict(preset),
-                          to_dict(self.recipe.quantization), self.adapter.sampling.to_dict())
-
         def go():
             res = calibrate(self.adapter, self.recipe.calibration, self.folder("calibrate"), model=self.model,
-                            preset=preset, quant_format=self.recipe.quantization.format,
+                            preset=load_preset(self.calib_preset_name), quant_format=self.recipe.quantization.format,
                             quant_config=self.recipe.quantization)
             return f"{len(res.stats.sites)} sites -> {res.stats_path.name}"
 
-        return self._run("calibrate", fp, go)
+        return self._run("calibrate", go)
 
     def quantize(self) -> StageOutcome:
         from trt_sora.quantize import quantize_onnx
 
-        onnx = self.folder("export") / "model.onnx"
         # unquantized recipes (bf16): the graph is only cast to the graph dtype, no stats
         stats = self.folder("calibrate") / "stats.safetensors" if self.quantized else None
-        fp = _fingerprint("quantize", __version__, to_dict(self.recipe.quantization),
-                          _file_hashes(onnx, *([stats] if stats else [])))
 
         def go():
-            res = quantize_onnx(onnx, stats, self.recipe.quantization, self.folder("quantize"),
-                                model_hash=self.adapter.spec.model_hash())
+            res = quantize_onnx(self.folder("export") / "model.onnx", stats, self.recipe.quantization,
+                                self.folder("quantize"), model_hash=self.adapter.spec.model_hash())
             c = res.counts
             return (f"{c['quantized_linears']} of {c['graph_linears']} linears quantized "
                     f"({self.recipe.quantization.format.value}), {c['fused_groups']} fused groups")
 
-        return self._run("quantize", fp, go)
+        return self._run("quantize", go)
 
     def build(self) -> StageOutcome:
         from trt_sora.build import build_engine
 
-        qdq = self.folder("quantize") / "model.qdq.onnx"
-        fp = _fingerprint("build", __version__, self.recipe.backend.value, self.recipe.compute_capability,
-                          to_dict(self.recipe.build), [b.to_yaml() for b in self.buckets], _file_hashes(qdq))
-
         def go():
-            res = build_engine(qdq, self.recipe, self.folder("build"), buckets=self.buckets,
-                               export_manifest=self.folder("export"), model_name=self.adapter.name)
+            res = build_engine(self.folder("quantize") / "model.qdq.onnx", self.recipe, self.folder("build"),
+                               buckets=self.buckets, export_manifest=self.folder("export"),
+                               model_name=self.adapter.name)
             a = res.report["analysis"]
             return (f"{len(res.engine_paths)} engine(s), {res.report['profiles']['built']} profile(s); "
                     f"GEMMs {a['gemm_counts']}, FP8 fraction of quantized {a['fp8_gemm_fraction']:.2f}; "
                     f"attention fused: {a['attention']['fused']}")
 
-        return self._run("build", fp, go)
+        return self._run("build", go)
 
     def check(self) -> StageOutcome:
         from trt_sora.parity import check_artifacts
 
-        inputs = [self.folder(s) / MANIFEST for s in ("export", "calibrate", "quantize", "build")]
-        fp = _fingerprint("check", __version__, to_dict(self.recipe.parity), self.adapter.sampling.to_dict(),
-                          _file_hashes(*inputs))
-
         def go():
             rep = check_artifacts(self.run_dir, self.recipe, model=self.adapter)
-            return f"passed={rep.get('passed')}" if isinstance(rep, dict) else ""
+            if not rep["passed"]:
+                raise ParityError(f"parity gates failed: {', '.join(rep['failed'])} (see {self.folder('check')}/"
+                                  "report.md); fix the artifact (recalibrate, or exclude the layer the report names) "
+                                  "and run again - nothing is served from this run until the check passes")
+            return "passed: " + ", ".join(c["level"] for c in rep["comparisons"])
 
-        return self._run("check", fp, go)
+        return self._run("check", go)
 
-    @property
-    def quantized(self) -> bool:
-        return self.recipe.quantization.format.value != "none"
-
-    def run(self, stages: Sequence[str] = STAGES) -> list[StageOutcome]:
+    # -- running -------------------------------------------------------------------------
+    def _selected(self, stages: Sequence[str]) -> list[str]:
         unknown = [s for s in stages if s not in STAGES]
         if unknown:
             raise ConfigError(f"unknown stage(s) {unknown}; stages are {list(STAGES)}")
+        return [s for s in STAGES if s in stages]
+
+    def run(self, stages: Sequence[str] = STAGES) -> list[StageOutcome]:
+        """Run (or reuse) ``stages`` in order, holding the run folder's lock."""
+        selected = self._selected(stages)
         outcomes = []
-        for stage in (s for s in STAGES if s in stages):
-            if stage == "calibrate" and not self.quantized:
-                outcome = StageOutcome(stage, "skipped", detail="recipe has quantization.format none")
-                self.progress(outcome)
-            else:
-                outcome = getattr(self, stage)()
-            outcomes.append(outcome)
+        with folder_lock(self.run_dir, on_wait=self.on_wait):
+            self.state = self._read_state()  # another run may have finished while we waited
+            sweep_dead_temps(self.run_dir)
+            for stage in selected:
+                if stage == "calibrate" and not self.quantized:
+                    outcome = StageOutcome(stage, "skipped", detail="recipe has quantization.format none")
+                    self.progress(outcome)
+                else:
+                    outcome = getattr(self, stage)()
+                outcomes.append(outcome)
         return outcomes
 
 

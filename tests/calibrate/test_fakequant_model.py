@@ -43,3 +43,22 @@ def test_policy_default_exclusions(tiny_model):
     sites = quantized_sites(tiny_model)
     assert "blocks.0.attn1.to_q" in sites and "proj_out" not in sites
     assert not any(s.startswith("condition_embedder.") for s in sites)
+
+
+def test_instance_forward_is_restored():
+    """accelerate's hooks give a module its own ``forward``; leaving the context puts that one back."""
+    net = _net()
+    x = torch.randn(3, 8)
+    own = net[2].forward
+    calls = []
+
+    def hooked(h):
+        calls.append(1)
+        return own(h)
+
+    net[2].forward = hooked
+    with fake_quantized(net, {"2": torch.tensor(0.7)}, "fp8_e4m3"):
+        assert net[2].__dict__["forward"] is not hooked
+        net(x)
+    assert net[2].__dict__["forward"] is hooked
+    assert torch.equal(net(x), net[2](net[1](net[0](x)))) and calls

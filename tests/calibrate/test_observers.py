@@ -7,6 +7,7 @@ MSE search on the raw data.
 from __future__ import annotations
 
 import math
+import zlib
 
 import numpy as np
 import pytest
@@ -40,7 +41,8 @@ def _gen(seed: int) -> torch.Generator:
 
 def _batches(kind: str) -> list[torch.Tensor]:
     """Adversarial batch streams (fp32, except the fp16 case)."""
-    g = _gen(abs(hash(kind)) % 2**31)
+    # a fixed seed per stream: str hash() is salted per process (PYTHONHASHSEED), so it is not a seed
+    g = _gen(zlib.crc32(kind.encode()))
     if kind == "gaussian":
         return [torch.randn(4, 64, generator=g) for _ in range(6)]
     if kind == "cauchy":

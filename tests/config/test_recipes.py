@@ -92,3 +92,34 @@ def test_check_point_lists_buckets():
     assert check_point(ok, r.buckets).name == "480p-81f"
     with pytest.raises(ShapeError, match=r"outside every bucket .*480p-81f.*720p-81f"):
         check_point({**ok, "latent_height": 62}, r.buckets)
+
+
+@pytest.mark.parametrize("path,value", [
+    (("parity", "quality", "min_cosine"), 7), (("parity", "quality", "min_cosine"), 0.0),
+    (("parity", "qdq", "min_psnr_db"), float("nan")), (("parity", "loop", "min_psnr_db"), -5.0),
+    (("parity", "export", "max_abs"), -1.0), (("parity", "frames", "min_ssim"), 2.0),
+    (("parity", "qdq", "max_floor_ratio"), 0.0), (("parity", "num_samples"), 0), (("parity", "jump_factor"), 1.0),
+    (("build", "requirements", "min_fp8_gemm_fraction"), 1.5), (("build", "workspace_gb"), -3),
+    (("build", "workspace_gb"), float("inf")), (("export", "min_cosine"), 2.0), (("calibration", "num_bins"), 0),
+])
+def test_gates_and_limits_are_range_checked(path, value):
+    """A threshold that can never pass (or passes anything) is a typo: a ConfigError naming the key."""
+    raw = _raw()
+    node = raw
+    for p in path[:-1]:
+        node = node.setdefault(p, {})
+    node[path[-1]] = value
+    with pytest.raises(ConfigError, match=path[-1]) as e:
+        recipe_from_dict(raw)
+    assert "\n" not in str(e.value)
+
+
+def test_recipe_not_utf8_or_unreadable(tmp_path):
+    p = tmp_path / "latin1.yaml"
+    p.write_bytes("name: caf\xe9-fp8\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match="not UTF-8"):
+        load_recipe(p)
+    (tmp_path / "bad.yaml").write_text("name: [unclosed\n  x: 1\n")
+    with pytest.raises(ConfigError, match="not valid YAML") as e:
+        load_recipe(tmp_path / "bad.yaml")
+    assert "\n" not in str(e.value)

@@ -76,9 +76,8 @@ def test_export_point_avoids_size_one(tiny_adapter):
 def test_failed_parity_leaves_nothing(tmp_path, tiny_adapter, tiny_model, tiny_points):
     out = tmp_path / "bad"
     with pytest.raises(ExportError, match="ONNX Runtime disagrees"):
-        # an impossible bar: the stage must fail and write nothing
-        export_onnx(tiny_adapter, ExportConfig(min_cosine=1.0 + 1e-9, verify_points=tiny_points[:2]), out,
-                    model=tiny_model)
+        # a bar only a bit-exact export meets (fp32 ORT vs PyTorch differ by ~1e-6): the stage fails, writes nothing
+        export_onnx(tiny_adapter, ExportConfig(max_abs=0.0, verify_points=tiny_points[:2]), out, model=tiny_model)
     assert not out.exists()
     assert not [p for p in tmp_path.iterdir()], "half-written staging folder left behind"
 

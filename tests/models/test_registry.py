@@ -1,4 +1,6 @@
 """The embedded default model: wan-shapes is registered with its own buckets, preset and prompts."""
+import pytest
+
 from trt_sora.config import load_recipe
 from trt_sora.models import DEFAULT_MODEL, get_adapter, list_models
 from trt_sora.models.moving_shapes import data
@@ -40,3 +42,12 @@ def test_manifest_entry_of_a_named_checkpoint_keeps_its_buckets():
     assert [b.name for b in a.buckets_for(load_recipe("rtx4090-fp8"))[0]] == ["shapes-1clip", "shapes-2clips"]
     folder_only = adapter_for_manifest({**entry, "ref": "/some/renamed/copy", "path": entry["path"]})
     assert folder_only.spec.path == entry["path"]
+
+
+@pytest.mark.parametrize("ref", ["", "   "])
+def test_empty_model_name_is_an_error(ref):
+    from trt_sora.errors import ModelError
+    from trt_sora.models import resolve
+
+    with pytest.raises(ModelError, match="empty"):
+        resolve(ref)

@@ -81,8 +81,18 @@ def checked_run(base_run, tmp_path_factory):
     return _shared(tmp_path_factory, "checked_run", build)
 
 
+def restamp(folder: Path) -> None:
+    """Record ``folder``'s current files in its manifest, as a stage that wrote them would have."""
+    from trt_sora.manifest import folder_files, read_manifest, write_json
+
+    m = read_manifest(folder)
+    m["files"] = folder_files(folder)
+    write_json(folder / "manifest.json", m)
+
+
 def corrupt_scale(run: Path, site: str, factor: float) -> str:
-    """Multiply the activation Q/DQ scale of ``site`` in quant/model.qdq.onnx by ``factor``; returns the tensor."""
+    """Multiply the activation Q/DQ scale of ``site`` in quant/model.qdq.onnx by ``factor`` as a buggy quantize
+    stage would have written it (the manifest records the changed file); returns the tensor."""
     import json
 
     import numpy as np
@@ -103,4 +113,5 @@ def corrupt_scale(run: Path, site: str, factor: float) -> str:
             a = numpy_helper.to_array(init)
             init.CopyFrom(numpy_helper.from_array((a * factor).astype(a.dtype), init.name))
     onnx.save(m, str(path))
+    restamp(run / "quant")
     return tensor

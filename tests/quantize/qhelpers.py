@@ -66,21 +66,34 @@ def run_ort(onnx_path, inputs, graph_dtype="fp32", optimize=False):
     return sess.run(None, feeds)[0].astype(np.float32)
 
 
-def torch_fake_quant_run(adapter, model, inputs, qdq_map, fmt):
+def torch_fake_quant_run(adapter, model, inputs, stats_path, fmt, config=None):
     """Independent reference: the torch model with every quantized nn.Linear's input and weight
-    fake-quantized by torch ops (calibrate.fake_quant) at the scales of ``qdq_map``."""
+    fake-quantized by torch ops (calibrate.fake_quant). Nothing comes from the quantize stage's
+    output (``qdq_map.json``): the sites are the recipe policy's (``quantized_sites``), each input
+    scale comes from the calibration stats, and linears that read the same tensor (fused Q/K/V,
+    cross-attention K/V: one Q/DQ on that tensor in the graph) share the max of their stats amax,
+    found by watching which input tensors the linears receive; weights: max |W| per output row."""
     import torch
 
     from trt_sora.calibrate.fake_quant import fake_quant
+    from trt_sora.calibrate.fakequant_model import quantized_sites
+    from trt_sora.calibrate.stats import CalibStats
+    from trt_sora.config.recipe import QuantConfig, QuantFormat
 
-    by_site = {e["site"]: e for e in qdq_map}
-    act: dict[str, float] = {}
-    for e in qdq_map:
-        if e["kind"] != "linear" or e["excluded"] or "members" in e:
-            continue
-        src = by_site[e["fused_into"]] if "fused_into" in e else e
-        act[e["site"]] = src["amax"]
+    stats = CalibStats.load(stats_path)
+    sites = quantized_sites(model, config or QuantConfig(format=QuantFormat(fmt)))
     modules = dict(model.named_modules())
+    seen: dict[str, torch.Tensor] = {}  # kept alive during the forward: no address is reused
+    hooks = [modules[s].register_forward_pre_hook(lambda mod, args, s=s: seen.setdefault(s, args[0])) for s in sites]
+    try:
+        with torch.no_grad():
+            adapter.forward(model, inputs)
+    finally:
+        for h in hooks:
+            h.remove()
+    key = {s: (t.data_ptr(), tuple(t.shape), t.dtype) for s, t in seen.items()}
+    act = {s: max(float(stats.amax[o].max()) for o in sites if key.get(o) == key[s]) for s in seen}
+    del seen
     hooks, saved = [], {}
     try:
         for site, amax in act.items():

@@ -29,12 +29,19 @@ def reference(tiny_adapter, tiny_model, eval_inputs):
 
 @pytest.mark.parametrize("fmt, psnr_floor", [("fp8_e4m3", 50.0), ("int8", 60.0)])
 def test_ort_matches_torch_fake_quant(quantized, tiny_adapter, tiny_model, eval_inputs, reference, fmt, psnr_floor,
-                                      record_property):
+                                      tiny_stats_path, record_property):
     from trt_sora.export.exporter import compare
 
     res = quantized(fmt, "fp32")
     got = run_ort(res.onnx_path, eval_inputs)
-    fq = torch_fake_quant_run(tiny_adapter, tiny_model, eval_inputs, res.qdq_map, fmt)
+    fq = torch_fake_quant_run(tiny_adapter, tiny_model, eval_inputs, tiny_stats_path, fmt)
+    # the two sides agree on which linears are quantized (the map is only compared, never read for scales)
+    in_map = {m for e in res.qdq_map if e["kind"] == "linear" and not e["excluded"] and "fused_into" not in e
+              for m in (e.get("members") or [e["site"]])}
+    from trt_sora.calibrate.fakequant_model import quantized_sites
+    from trt_sora.config.recipe import QuantConfig, QuantFormat
+
+    assert in_map == set(quantized_sites(tiny_model, QuantConfig(format=QuantFormat(fmt))))
     vs_fq = compare(fq, got)
     vs_ref = compare(reference, got)
     record_property(f"{fmt}_cosine_vs_fake_quant", vs_fq["cosine"])

@@ -10,6 +10,9 @@ import pytest
 
 from trt_sora.errors import ArtifactError, ShapeError
 
+_fx = sys.modules["_trt_sora_parity_fixtures"]  # loaded by tests/runtime/conftest.py
+RECIPE, corrupt_scale = _fx.RECIPE, _fx.corrupt_scale
+
 
 def test_import_is_light():
     code = ("import sys, trt_sora.runtime; bad=[m for m in ('torch','onnx','onnxruntime','diffusers','tensorrt') "
@@ -17,19 +20,29 @@ def test_import_is_light():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-def test_refuses_unchecked_and_failed(base_run, tmp_path):
+def test_refuses_unchecked_and_failed(base_run, tmp_path, caplog):
+    import logging
+
     import trt_sora.runtime as rt
+    from trt_sora.parity import check_artifacts
 
     with pytest.raises(ArtifactError, match="trt-sora check"):
         rt.load(base_run, backend="ort")
     run = tmp_path / "failed"
     shutil.copytree(base_run, run)
-    (run / "parity").mkdir()
-    (run / "parity" / "report.json").write_text(json.dumps({"passed": False, "failed": ["qdq"]}))
+    corrupt_scale(run, "blocks.1.ffn.net.0.proj", 0.02)
+    assert not check_artifacts(run, RECIPE)["passed"]
     with pytest.raises(ArtifactError, match="failed its parity gates"):
         rt.load(run, backend="ort")
-    r = rt.load(run, backend="ort", force=True, warmup=False)
-    assert r.backend == "ort"
+    with caplog.at_level(logging.WARNING, logger="trt_sora"):
+        r = rt.load(run, backend="ort", force=True, warmup=False)
+    assert r.backend == "ort" and not r.verified
+    assert any("LOADING UNVERIFIED ARTIFACT" in rec.message for rec in caplog.records)
+    # a report written by hand (no parity manifest) is no report
+    (run / "parity" / "manifest.json").unlink()
+    (run / "parity" / "report.json").write_text(json.dumps({"passed": True, "candidate": {"backend": "ort"}}))
+    with pytest.raises(ArtifactError, match="no manifest.json"):
+        rt.load(run, backend="ort")
 
 
 def _feeds(b=2, f=3, h=4, w=6, l=16, dtype=np.float32):

@@ -26,7 +26,8 @@ from trt_sora.build.backend import backend_version, check_target, is_rtx, load_b
 from trt_sora.config.recipe import AttentionMode, Backend, BuildConfig, QuantFormat, Recipe
 from trt_sora.config.shapes import DIM_NAMES, ShapeProfile
 from trt_sora.errors import BuildError, ConfigError, ShapeError
-from trt_sora.manifest import file_entry, read_manifest, staged_dir, write_json, write_manifest
+from trt_sora.manifest import (file_entry, load_onnx, read_manifest, staged_dir, verified_input, write_json,
+                               write_manifest)
 
 log = logging.getLogger("trt_sora")
 
@@ -306,9 +307,7 @@ def build_engine(onnx_path: str | os.PathLike, config: Recipe | BuildConfig, out
         raise BuildError("TensorRT-RTX cannot build plugins (its network has no add_plugin_v3); set "
                          "`build.attention: native` and remove `build.plugins`, or use a `backend: tensorrt` recipe")
 
-    import onnx
-
-    model = onnx.load(str(onnx_path), load_external_data=False)
+    model = load_onnx(verified_input(onnx_path), load_external_data=False, fix="re-run `trt-sora quantize`")
     facts = rep.onnx_facts(model)
     _check_quantized(facts, target.quant_format, onnx_path)
     export = _load_export_manifest(export_manifest, onnx_path)

@@ -96,7 +96,7 @@ def fake_quantized(model: torch.nn.Module, act_amax: Mapping[str, torch.Tensor |
     else:
         wanted = set(sites)
         selected = wanted.__contains__
-    patched: list[tuple[torch.nn.Module, bool]] = []
+    patched: list[tuple[torch.nn.Module, Callable | None]] = []  # (module, its own instance forward)
     names: list[str] = []
     try:
         for name, mod in model.named_modules():
@@ -113,15 +113,17 @@ def fake_quantized(model: torch.nn.Module, act_amax: Mapping[str, torch.Tensor |
                     torch.as_tensor(weight_amax[name], dtype=torch.float32).reshape(-1).to(mod.weight.device)
                 if cache_weights:
                     w_fq = _fq_weight(mod.weight, w_a, fmt)
-            patched.append((mod, "forward" in mod.__dict__))
+            patched.append((mod, mod.__dict__.get("forward")))
             mod.forward = _make_forward(mod, a, fmt, quantize_weights, w_fq, w_a, round_inputs)
             names.append(name)
         log.debug("fake-quantizing %d linears in %s", len(names), fmt)
         yield names
     finally:
-        for mod, had_own in patched:
-            if not had_own:
+        for mod, own in patched:  # an instance forward (accelerate's hooks set one) comes back as it was
+            if own is None:
                 del mod.forward
+            else:
+                mod.forward = own
 
 
 def _fq_weight(w: torch.Tensor, w_amax: torch.Tensor | None, fmt: str) -> torch.Tensor:

@@ -8,7 +8,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import signal
 import sys
+import threading
 
 from trt_sora import __version__
 from trt_sora.errors import TrtSoraError
@@ -36,6 +38,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread like SIGINT, so every staged folder is cleaned up."""
+
+
+def _on_sigterm(signum, frame):
+    raise Terminated()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -44,14 +54,28 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 1
+    old = None  # CLI only (a library never takes signals), and only where Python allows it
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        old = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         return int(args.func(args) or 0)
     except TrtSoraError as exc:
         print(f"trt-sora {args.command}: error: {exc}", file=sys.stderr)
         return exc.exit_code
+    except Terminated:
+        print("terminated (SIGTERM); nothing half-written was left behind", file=sys.stderr)
+        return 128 + signal.SIGTERM
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except OSError as exc:  # a file-system condition no stage turned into a typed error yet
+        print(f"trt-sora {args.command}: error: {exc.strerror or exc}"
+              f"{f': {exc.filename}' if exc.filename else ''}; check that path (space, permissions) and retry",
+              file=sys.stderr)
+        return 2
+    finally:
+        if old is not None:
+            signal.signal(signal.SIGTERM, old)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -20,6 +20,9 @@ def run(args) -> int:
     from trt_sora.build import build_engine
     from trt_sora.cli.common import stage_line
     from trt_sora.config import load_recipe
+    from trt_sora.manifest import check_out_dir
+
+    check_out_dir(args.out)  # fail before the work, not after it
 
     recipe = load_recipe(args.recipe)
     with stage_line("build"):

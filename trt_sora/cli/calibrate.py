@@ -36,13 +36,16 @@ def run(args) -> int:
     from trt_sora.calibrate.run import ReportOptions, calibrate
     from trt_sora.config import load_recipe
     from trt_sora.config.recipe import CalibMethod
+    from trt_sora.manifest import check_out_dir
     from trt_sora.models import get_adapter
+
+    check_out_dir(args.out)  # fail before the work, not after it
 
     recipe = load_recipe(args.recipe)
     cfg = recipe.calibration
     if args.method:
         cfg = dataclasses.replace(cfg, method=CalibMethod(args.method))
-    adapter = get_adapter(args.model or recipe.model.default)
+    adapter = get_adapter(recipe.model.default if args.model is None else args.model)
     preset = args.preset or adapter.spec.defaults.get("calib_preset") or cfg.preset
     fmt = recipe.quantization.format
     bars: dict = {}

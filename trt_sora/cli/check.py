@@ -27,9 +27,13 @@ def run(args) -> int:
     for level, loc in rep["localization"].items():
         if level in rep["failed"]:
             print(f"  {level}: error first jumps at {loc['first_jump']} ({loc['block']})")
-    ran = rep["candidate"].get("device")
-    if ran:
-        print(f"  executed on {ran.get('gpu', ran.get('device'))}: {ran['fp8_gemms_per_call']} FP8 GEMMs, "
+    ran = rep["candidate"].get("device") or {}
+    where = ran.get("gpu") or ran.get("device") or "?"
+    sm = f" (SM {ran['sm']})" if ran.get("sm") else ""
+    if "fp8_gemms_per_call" in ran:
+        print(f"  executed on {where}{sm}: {ran['fp8_gemms_per_call']} FP8 GEMMs, "
               f"{ran['fp8_attention_layers']} 8-bit attention layers per call, {ran['cuda_graphs']} CUDA graph(s)")
+    else:
+        print(f"  candidate {rep['candidate']['backend']} executed on {where}{sm}")
     print(f"{'PASSED' if rep['passed'] else 'FAILED'}: {args.run}/parity/report.md")
     return 0 if rep["passed"] else 1

@@ -21,6 +21,9 @@ def run(args) -> int:
     from trt_sora.cli.common import stage_line
     from trt_sora.config import ExternalData, load_recipe
     from trt_sora.export import export_onnx
+    from trt_sora.manifest import check_out_dir
+
+    check_out_dir(args.out)  # fail before the work, not after it
 
     recipe = load_recipe(args.recipe)
     cfg = recipe.export
@@ -29,7 +32,7 @@ def run(args) -> int:
     if args.no_verify:
         cfg = dataclasses.replace(cfg, verify=False)
     with stage_line("export"):
-        res = export_onnx(args.model or recipe.model.default, cfg, args.out)
+        res = export_onnx(recipe.model.default if args.model is None else args.model, cfg, args.out)
     for p in res.parity:
         print(f"  ORT vs PyTorch at {p['point']}: cosine {p['cosine']:.8f}, max-abs {p['max_abs']:.2e}")
     print(res.onnx_path)

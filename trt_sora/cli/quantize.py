@@ -24,7 +24,10 @@ def run(args) -> int:
     from trt_sora.cli.common import stage_line
     from trt_sora.config import load_recipe
     from trt_sora.config.recipe import DType, QuantFormat
+    from trt_sora.manifest import check_out_dir
     from trt_sora.quantize import quantize_onnx
+
+    check_out_dir(args.out)  # fail before the work, not after it
 
     recipe = load_recipe(args.recipe)
     cfg = recipe.quantization

@@ -33,7 +33,7 @@ __all__ = [
     "DIM_NAMES", "DType", "DimRange", "ExportConfig", "ExternalData", "ModelConfig", "ParityConfig",
     "ParityGate", "QuantConfig", "QuantFormat", "Recipe", "ShapeProfile", "TorchFp8Config", "check_point",
     "from_dict", "to_dict", "load_recipe", "dump_recipe", "recipe_dirs", "list_recipes",
-    "recipe_from_dict", "recipe_to_dict", "repo_root",
+    "recipe_from_dict", "recipe_to_dict", "repo_root", "data_dir",
 ]
 
 
@@ -42,12 +42,19 @@ def repo_root() -> Path:
     return Path(__file__).resolve().parents[2]
 
 
+def data_dir(name: str) -> Path:
+    """The shipped ``recipes`` or ``calib`` folder: ``trt_sora/_<name>`` (package data in a wheel; a
+    symlink to the checkout's top-level folder in a source tree), else the checkout's ``<name>/``."""
+    packaged = Path(__file__).resolve().parents[1] / f"_{name}"
+    return packaged if packaged.is_dir() else repo_root() / name
+
+
 def recipe_dirs() -> list[Path]:
-    """Where recipe names are looked up: $TRT_SORA_RECIPES, ./recipes, the checkout's recipes/."""
+    """Where recipe names are looked up: $TRT_SORA_RECIPES, ./recipes, the shipped recipes."""
     dirs = []
     if os.environ.get("TRT_SORA_RECIPES"):
         dirs.append(Path(os.environ["TRT_SORA_RECIPES"]))
-    dirs += [Path.cwd() / "recipes", repo_root() / "recipes"]
+    dirs += [Path.cwd() / "recipes", data_dir("recipes")]
     seen, out = set(), []
     for d in dirs:
         r = d.resolve()
@@ -69,9 +76,14 @@ def _read_yaml(path: Path) -> dict:
     import yaml
 
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start}: {exc.reason}); save the recipe as UTF-8") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read the recipe ({exc.strerror}); check the path and its permissions") from None
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML ({exc}); fix the syntax") from None
+        msg = " ".join(str(exc).split())
+        raise ConfigError(f"{path}: not valid YAML ({msg}); fix the syntax") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: a recipe must be a YAML mapping")
     return data

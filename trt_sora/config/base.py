@@ -10,6 +10,7 @@ import collections.abc
 import dataclasses
 import difflib
 import enum
+import math
 import types
 import typing
 from typing import Any, TypeVar
@@ -86,6 +87,9 @@ def _convert(tp: Any, value: Any, where: str) -> Any:
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{where}: expected a number, got {value!r}")
+        if not math.isfinite(value):
+            raise ConfigError(f"{where}: expected a finite number, got {value!r}; write a number (or remove "
+                              "the key for the default)")
         return float(value)
     if tp is str:
         if not isinstance(value, str):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 from pathlib import Path
 from typing import Mapping
 
@@ -11,6 +12,19 @@ from trt_sora.config.shapes import DIM_NAMES, DimRange, ShapeProfile
 from trt_sora.errors import ConfigError
 
 RECIPE_FORMAT_VERSION = 1
+
+
+def _in_range(where: str, value, lo: float, hi: float, *, lo_open: bool = False, hi_open: bool = False,
+              meaning: str = "") -> None:
+    """ConfigError unless ``lo <(=) value <(=) hi`` (``None`` = gate off passes). NaN never passes."""
+    if value is None:
+        return
+    ok_lo = value > lo if lo_open else value >= lo
+    ok_hi = value < hi if hi_open else value <= hi
+    if not (ok_lo and ok_hi):  # NaN fails both comparisons
+        lb, hb = "(" if lo_open else "[", ")" if hi_open else "]"
+        raise ConfigError(f"{where}={value!r} is outside {lb}{lo:g}, {hi:g}{hb}{meaning}; "
+                          f"set a value in that range (or remove the key for the default)")
 
 
 class Backend(str, enum.Enum):
@@ -94,6 +108,8 @@ class ExportConfig:
             bad = set(p) ^ set(DIM_NAMES)
             if bad:
                 raise ConfigError(f"export.verify_points[{i}]: needs exactly the dims {DIM_NAMES}")
+        _in_range("export.min_cosine", self.min_cosine, 0.0, 1.0, lo_open=True, meaning=" (a cosine is at most 1)")
+        _in_range("export.max_abs", self.max_abs, 0.0, math.inf, hi_open=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,6 +138,9 @@ class CalibConfig:
             raise ConfigError(f"calibration.percentile={self.percentile} must be in (0, 100]")
         if not 0.0 < self.ema_constant <= 1.0:
             raise ConfigError(f"calibration.ema_constant={self.ema_constant} must be in (0, 1]")
+        if self.num_bins < 16:
+            raise ConfigError(f"calibration.num_bins={self.num_bins}: a histogram needs at least 16 bins "
+                              "(default 2048)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,6 +166,10 @@ class BuildRequirements:
     require_fused_attention: bool = False
     require_fused_qkv: bool = False
 
+    def __post_init__(self) -> None:
+        for k in ("min_fp8_gemm_fraction", "min_int8_gemm_fraction"):
+            _in_range(f"build.requirements.{k}", getattr(self, k), 0.0, 1.0, meaning=" (a fraction of the GEMMs)")
+
 
 @dataclasses.dataclass(frozen=True)
 class BuildConfig:
@@ -163,6 +186,8 @@ class BuildConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.optimization_level <= 5:
             raise ConfigError(f"build.optimization_level={self.optimization_level} must be 0..5")
+        _in_range("build.workspace_gb", self.workspace_gb, 0.0, 4096.0, lo_open=True,
+                  meaning=" (GiB of builder scratch memory)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,6 +235,18 @@ class ParityGate:
     # at least this PSNR (dB, peak = final latents' max - min). None: every call must pass.
     min_contribution_db: float | None = None
 
+    def check_ranges(self, where: str) -> None:
+        """Every threshold must be passable and mean something: a gate that can never pass, or passes
+        anything, is a typo (``min_cosine: 7``)."""
+        _in_range(f"{where}.min_cosine", self.min_cosine, 0.0, 1.0, lo_open=True,
+                  meaning=" (a cosine is at most 1; <= 0 passes anything)")
+        _in_range(f"{where}.min_psnr_db", self.min_psnr_db, 0.0, 200.0, lo_open=True, meaning=" (dB)")
+        _in_range(f"{where}.max_abs", self.max_abs, 0.0, math.inf, hi_open=True)
+        _in_range(f"{where}.max_rel_l2", self.max_rel_l2, 0.0, math.inf, hi_open=True)
+        _in_range(f"{where}.min_ssim", self.min_ssim, 0.0, 1.0, lo_open=True, meaning=" (SSIM is at most 1)")
+        _in_range(f"{where}.max_floor_ratio", self.max_floor_ratio, 0.0, 1e6, lo_open=True)
+        _in_range(f"{where}.min_contribution_db", self.min_contribution_db, 0.0, 200.0, lo_open=True, meaning=" (dB)")
+
 
 @dataclasses.dataclass(frozen=True)
 class ParityConfig:
@@ -227,6 +264,16 @@ class ParityConfig:
     loop_steps: int | None = None
     guidance_scale: float | None = None
     jump_factor: float = 10.0    # localisation: a layer whose error grows this much over the layers before it
+
+    def __post_init__(self) -> None:
+        for level in ("export", "qdq", "quality", "trajectory", "loop", "frames"):
+            getattr(self, level).check_ranges(f"parity.{level}")
+        for k in ("num_samples", "loop_steps"):
+            if getattr(self, k) is not None and getattr(self, k) < 1:
+                raise ConfigError(f"parity.{k}={getattr(self, k)} must be >= 1")
+        _in_range("parity.guidance_scale", self.guidance_scale, 0.0, 100.0)
+        _in_range("parity.jump_factor", self.jump_factor, 1.0, 1e6, lo_open=True,
+                  meaning=" (how many times a layer's error must grow to count as the jump)")
 
 
 @dataclasses.dataclass(frozen=True)

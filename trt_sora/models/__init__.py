@@ -51,6 +51,9 @@ def list_models() -> list[str]:
 def resolve(ref: str) -> ModelSpec:
     """Resolve a registry name or a checkpoint folder path to a :class:`ModelSpec`."""
     named = _named()
+    if not isinstance(ref, str) or not ref.strip():
+        raise ModelError(f"model {ref!r} is empty; pass a registered name ({', '.join(sorted(named))}) or a "
+                         "diffusers checkpoint folder, or leave --model out for the recipe's model.default")
     if ref in named:
         return named[ref]
     path = Path(ref)

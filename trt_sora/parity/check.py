@@ -42,18 +42,45 @@ REPORT_MD = "report.md"
 
 # -- artifacts ----------------------------------------------------------------------------------------
 def find_artifacts(run_dir: str | Path) -> dict[str, Path | None]:
-    """Paths of one run's artifacts (``None`` where a stage has not run)."""
+    """Paths of one run's artifacts (``None`` where a stage has not run). The engine is the one its
+    manifest lists (not whatever ``*.plan`` lies in the folder)."""
+    from trt_sora.manifest import MANIFEST, read_manifest
+
     run = Path(run_dir)
     if not (run / "export" / "model.onnx").is_file():
         raise ArtifactError(f"{run} has no export/model.onnx; run `trt-sora export --out {run}/export` first")
-    plans = sorted((run / "engine").glob("*.plan")) if (run / "engine").is_dir() else []
+    engine = None
+    if (run / "engine" / MANIFEST).is_file():
+        listed = read_manifest(run / "engine", stage="build").get("outputs", {}).get("engines") or []
+        engine = run / "engine" / listed[0] if listed else None
     q = run / "quant" / "model.qdq.onnx"
     stats = run / "calib" / "stats.safetensors"
     return {"export": run / "export" / "model.onnx",
             "qdq": q if q.is_file() else None,
             "qdq_map": (run / "quant" / "qdq_map.json") if q.is_file() else None,
             "stats": stats if stats.is_file() else None,
-            "engine": plans[0] if plans else None}
+            "engine": engine}
+
+
+def verify_run(run: Path, arts: dict[str, Path | None], recipe) -> None:
+    """Before comparing anything: every stage folder holds what its manifest says, each stage was made
+    from the files beside it (a quant/ from another export is stale), and an FP8/INT8 recipe has its
+    Q/DQ graph and statistics (else there is nothing quantized to check)."""
+    from trt_sora.manifest import MANIFEST, verify_folder, verify_inputs
+
+    fmt = recipe.quantization.format.value
+    if fmt != "none" and (arts["qdq"] is None or arts["stats"] is None):
+        missing = "quant/model.qdq.onnx" if arts["qdq"] is None else "calib/stats.safetensors"
+        raise ArtifactError(f"recipe {recipe.name} quantizes to {fmt} but {run}/{missing} is missing: there is no "
+                            "Q/DQ candidate to check; run `trt-sora engine` (or calibrate + quantize) first")
+    for folder, fix in (("export", "re-run `trt-sora export`"), ("calib", "re-run `trt-sora calibrate`"),
+                        ("quant", "re-run `trt-sora quantize`"), ("engine", "re-run `trt-sora build`")):
+        if (run / folder / MANIFEST).is_file():
+            verify_folder(run / folder, fix=fix)
+            if folder != "export":
+                verify_inputs(run / folder, fix=fix)
+        elif folder == "export" or (folder == "quant" and arts["qdq"] is not None):
+            raise ArtifactError(f"{run}/{folder} has no {MANIFEST}: its files cannot be verified; {fix}")
 
 
 def effective_buckets(recipe, adapter) -> tuple:
@@ -254,17 +281,22 @@ def check_artifacts(run_dir: str | Path, recipe, *, model=None, backend: str = "
     ``localization`` for failed single-call comparisons, ``buckets``, ``artifacts``.
     """
     from trt_sora.config import load_recipe
-    from trt_sora.manifest import file_entry, staged_dir, write_json, write_manifest
-    from trt_sora.parity.loop import loop_inputs, parity_sampling
-    from trt_sora.parity.trajectory import judge, measured_contribution, reference_with_candidate
-    from trt_sora.runners import OrtRunner, TorchFakeQuantRunner, TorchRunner
-    from trt_sora.sampling import runner_call, sample
+    from trt_sora.manifest import file_entry, invalidate, staged_dir, write_json, write_manifest
 
     t0 = time.perf_counter()
     run = Path(run_dir)
     recipe = recipe if hasattr(recipe, "parity") else load_recipe(recipe)
     pc = recipe.parity
+    if write:  # a check that starts voids the old verdict: a crash or a refusal must not leave "passed" behind
+        invalidate(run / "parity")
     arts = find_artifacts(run)
+    verify_run(run, arts, recipe)
+
+    from trt_sora.parity.loop import loop_inputs, parity_sampling
+    from trt_sora.parity.trajectory import judge, measured_contribution, reference_with_candidate
+    from trt_sora.runners import OrtRunner, TorchFakeQuantRunner, TorchRunner
+    from trt_sora.sampling import runner_call, sample
+
     adapter = _adapter_for(run, model)
     buckets = effective_buckets(recipe, adapter)
     ref_model = adapter.load("fp32", "cpu")
@@ -278,9 +310,11 @@ def check_artifacts(run_dir: str | Path, recipe, *, model=None, backend: str = "
     if backend == "trt":
         if arts["engine"] is None:
             raise ArtifactError(f"{run}/engine has no .plan; run `trt-sora build` or use backend='ort'")
+        from trt_sora.manifest import read_manifest
         from trt_sora.runners import TrtRunner
 
-        cand = TrtRunner(arts["engine"], name=f"trt:{arts['engine'].name}").activate()
+        flavor = read_manifest(run / "engine", stage="build").get("results", {}).get("backend")
+        cand = TrtRunner(arts["engine"], flavor=flavor, name=f"trt:{arts['engine'].name}").activate()
         cand_onnx = None
     elif backend == "torch-fp8":
         cand, cand_onnx = _torch_fp8_candidate(adapter, arts, recipe, device), None
@@ -373,19 +407,21 @@ def check_artifacts(run_dir: str | Path, recipe, *, model=None, backend: str = "
             feeds = traj.inputs[min(traj.inputs, key=lambda st: abs(st - worst))]
             localization["loop"] = localize(fq or ref, cand, feeds, probes, jump_factor=pc.jump_factor)
 
-    executed = cand.report() if backend == "torch-fp8" else None
+    executed = _executed_on(backend, cand)
     for r in {id(x): x for x in (ref, export_ort, cand, fq) if x is not None}.values():
         r.deactivate()
     passed = all(c["passed"] for c in comparisons)
-    inputs = {k: file_entry(v) for k, v in arts.items() if v is not None}
+    inputs = {k: file_entry(v, run) for k, v in arts.items() if v is not None}
     report = {
         "passed": passed,
         "recipe": recipe.name,
         "model": adapter.describe()["ref"],
+        "model_hash": adapter.spec.model_hash(),
         "backend": backend,
         "candidate": _candidate_entry(backend, cand.name, cand_onnx, arts, inputs, executed),
+        "artifacts": inputs,
         "buckets": [bk.to_yaml() for bk in buckets],
-        "engine": _engine_status(arts["engine"], backend),
+        "engine": _engine_status(arts["engine"], backend, run),
         "comparisons": comparisons,
         "localization": localization,
         "failed": [c["level"] for c in comparisons if not c["passed"]],
@@ -412,30 +448,61 @@ def check_artifacts(run_dir: str | Path, recipe, *, model=None, backend: str = "
     return report
 
 
-def _candidate_entry(backend: str, runner: str, cand_onnx, arts, inputs, executed: dict | None) -> dict[str, Any]:
-    """What was checked: the runner, the file(s) it loaded with their sha256, and for torch-fp8
-    what really executed on which GPU (FP8 GEMMs and 8-bit attention layers per call, graphs)."""
+def _executed_on(backend: str, cand) -> dict[str, Any]:
+    """Where the candidate ran: the GPU and its SM for torch-fp8 / trt, ORT's providers otherwise."""
     if backend == "torch-fp8":
-        return {"runner": runner, "backend": backend, "path": str(arts["qdq_map"]),
-                "sha256": inputs["qdq_map"]["sha256"],
-                "files": {k: inputs[k]["sha256"] for k in ("qdq_map", "stats") if k in inputs},
-                "executed": True, "device": executed}
-    return {"runner": runner, "backend": backend, "path": str(cand_onnx or arts["engine"]),
-            "sha256": inputs.get("qdq" if cand_onnx == arts["qdq"] and arts["qdq"] else
-                                 ("engine" if backend == "trt" else "export"), {}).get("sha256"),
-            "executed": True}
+        return cand.report()
+    if backend == "trt":
+        import torch
+
+        from trt_sora.runners.trt_runner import import_tensorrt
+
+        major, minor = torch.cuda.get_device_capability(cand.device)
+        trt = cand._trt if hasattr(cand, "_trt") else import_tensorrt()
+        return {"device": f"cuda:{cand.device}", "gpu": torch.cuda.get_device_name(cand.device),
+                "sm": f"{major}.{minor}", "runtime": trt.__name__, "runtime_version": str(trt.__version__)}
+    providers = getattr(cand, "providers_in_use", None) or []
+    return {"device": "cuda" if any("CUDA" in p for p in providers) else "cpu", "providers": list(providers)}
 
 
-def _engine_status(plan: Path | None, backend: str) -> dict[str, Any]:
+def _candidate_entry(backend: str, runner: str, cand_onnx, arts, inputs, executed: dict) -> dict[str, Any]:
+    """What was checked: the backend, the runner, every file it loaded (paths relative to the run
+    folder, sha256) and where it executed. ``runtime.load`` serves only a match of this entry."""
+    def files(*keys):
+        out = {}
+        for k in keys:
+            e = inputs.get(k)
+            if e:
+                out[e["path"]] = e["sha256"]
+                if e.get("external_data"):
+                    out[e["external_data"]["path"]] = e["external_data"]["sha256"]
+        return out
+
+    if backend == "torch-fp8":
+        loaded, main = files("qdq_map", "stats"), inputs["qdq_map"]["path"]
+    elif backend == "trt":
+        loaded, main = files("engine"), inputs["engine"]["path"]
+    else:
+        key = "qdq" if arts["qdq"] is not None and cand_onnx == arts["qdq"] else "export"
+        loaded, main = files(key), inputs[key]["path"]
+    return {"runner": runner, "backend": backend, "path": main, "sha256": loaded[main], "files": loaded,
+            "executed": True, "device": executed}
+
+
+def _engine_status(plan: Path | None, backend: str, run: Path) -> dict[str, Any]:
     """Whether the engine itself was executed; when not, say why and what stood in for it."""
+    from trt_sora.manifest import rel_path
+
     if plan is None:
         return {"path": None, "executed": False, "note": "no engine built yet"}
+    path = rel_path(plan, run)
     if backend == "trt":
-        return {"path": str(plan), "executed": True, "note": "the engine is the candidate"}
-    return {"path": str(plan), "executed": False,
+        return {"path": path, "executed": True, "note": "the engine is the candidate"}
+    return {"path": path, "executed": False,
             "note": "the engine was built but not executed here (needs its GPU and a TensorRT runtime); "
-                    "the candidate is ONNX Runtime on the same Q/DQ graph the engine was built from. "
-                    "Re-run `trt-sora check --backend trt` on the target GPU before serving."}
+                    "the candidate is " + ("the torch-fp8 backend" if backend == "torch-fp8" else
+                                           "ONNX Runtime on the same Q/DQ graph the engine was built from") +
+                    ". Re-run `trt-sora check --backend trt` on the target GPU before serving the engine."}
 
 
 def _fmt(v) -> str:

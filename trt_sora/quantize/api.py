@@ -16,7 +16,8 @@ import numpy as np
 
 from trt_sora.config.recipe import DType, ExternalData, QuantConfig, QuantFormat
 from trt_sora.errors import CalibrationError, QuantizeError, require
-from trt_sora.manifest import file_entry, read_manifest, sha256_file, staged_dir, write_json, write_manifest
+from trt_sora.manifest import (file_entry, load_onnx, read_manifest, sha256_file, staged_dir, verified_input, write_json,
+                               write_manifest)
 
 log = logging.getLogger("trt_sora")
 
@@ -57,7 +58,7 @@ def _load_stats(stats):
     if stats is None:
         raise QuantizeError("FP8/INT8 quantization needs calibration stats: run `trt-sora calibrate` and pass "
                             "--stats DIR/stats.safetensors (or set quantization.format: none)")
-    path = Path(stats)
+    path = verified_input(Path(stats), fix="re-run `trt-sora calibrate`")
     try:
         return CalibStats.load(path, validate=False), path
     except CalibrationError as exc:
@@ -152,7 +153,7 @@ def quantize_onnx(onnx_path: str | os.PathLike, stats, config: QuantConfig, out_
                                 f"head_dim {hd}; set quantization.fp8_attention: false")
 
     # -- graph ------------------------------------------------------------------------------------
-    model = onnx.load(str(onnx_path))
+    model = load_onnx(verified_input(onnx_path), fix="re-run `trt-sora export`")
     scopes = node_scopes(model)
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
     if fmt is not QuantFormat.NONE and opset < 19:

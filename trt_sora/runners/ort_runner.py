@@ -80,7 +80,12 @@ class OrtRunner(Runner):
 
         ort = require("onnxruntime", extra="export")
         del ort
-        self.session = self._make_session(self.path)
+        try:
+            self.session = self._make_session(self.path)
+        except Exception as exc:  # ORT raises its own pybind types (InvalidProtobuf, Fail, NoSuchFile, ...)
+            msg = " ".join(str(exc).split())[:200]
+            raise ArtifactError(f"ONNX Runtime cannot load {self.path} ({type(exc).__name__}: {msg}); the file is "
+                                "corrupt or incomplete - re-run the stage that wrote it") from None
         self._in_types = {i.name: _ORT_TO_NP.get(i.type, "float32") for i in self.session.get_inputs()}
         self.input_names = tuple(i.name for i in self.session.get_inputs())
         self.output_names = tuple(o.name for o in self.session.get_outputs())

@@ -16,17 +16,28 @@ from trt_sora.runners.base import Runner, is_torch, to_numpy
 log = logging.getLogger("trt_sora")
 
 
-def import_tensorrt():
-    """``tensorrt`` if installed, else ``tensorrt_rtx``; BackendMissingError naming the install."""
+_INSTALL = {"tensorrt": "pip install --extra-index-url https://pypi.nvidia.com tensorrt-cu12",
+            "tensorrt_rtx": "pip install tensorrt-rtx-cu13==1.7.1.116"}
+
+
+def import_tensorrt(flavor: str | None = None):
+    """The TensorRT runtime module for an engine built by ``flavor`` (``"tensorrt"`` or ``"tensorrt_rtx"``,
+    as the engine manifest's ``results.backend`` says: an engine runs only on the runtime that built
+    it); without a flavor, ``tensorrt`` if installed, else ``tensorrt_rtx``. BackendMissingError names
+    the install command."""
     import importlib
 
-    for mod in ("tensorrt", "tensorrt_rtx"):
+    mods = (flavor,) if flavor else ("tensorrt", "tensorrt_rtx")
+    if flavor not in (None, "tensorrt", "tensorrt_rtx"):
+        raise ArtifactError(f"unknown TensorRT flavor {flavor!r} in the engine manifest; rebuild the engine")
+    for mod in mods:
         try:
             return importlib.import_module(mod)
         except ImportError:
             continue
-    raise BackendMissingError("no TensorRT runtime is installed: pip install --extra-index-url "
-                              "https://pypi.nvidia.com tensorrt-cu12 (or use backend='ort' / 'torch')")
+    what = f"the {flavor} runtime (this engine was built by it)" if flavor else "no TensorRT runtime"
+    cmd = _INSTALL[flavor] if flavor else _INSTALL["tensorrt"]
+    raise BackendMissingError(f"{what} is not installed: {cmd} (or use backend='ort' / 'torch')")
 
 
 class _Context:
@@ -44,6 +55,7 @@ class TrtRunner(Runner):
     Args:
         engine_path: the ``.plan`` file.
         device: CUDA device index.
+        flavor: ``"tensorrt"`` / ``"tensorrt_rtx"``: the runtime that built the engine (default: either).
         contexts: execution contexts in the pool (concurrent callers; one context per caller).
         cuda_graphs: capture one CUDA graph per static-shape profile (min == max) on first use.
 
@@ -53,19 +65,20 @@ class TrtRunner(Runner):
     """
 
     def __init__(self, engine_path, *, device: int = 0, contexts: int = 1, cuda_graphs: bool = True,
-                 name: str | None = None):
+                 name: str | None = None, flavor: str | None = None):
         super().__init__()
         self.path = Path(engine_path)
         if not self.path.is_file():
             raise ArtifactError(f"{self.path} does not exist; run `trt-sora build` first")
         self.device, self.num_contexts, self.cuda_graphs = device, contexts, cuda_graphs
+        self.flavor = flavor
         self.name = name or f"trt:{self.path.name}"
         self.engine = None
         self._pool: queue.Queue = queue.Queue()
         self._profiles: list[dict[str, tuple]] = []
 
     def _activate_impl(self) -> None:
-        trt = import_tensorrt()
+        trt = import_tensorrt(self.flavor)
         import torch
 
         if not torch.cuda.is_available():

@@ -3,7 +3,7 @@
 ::
 
     import trt_sora.runtime as rt
-    runner = rt.load("build/wan-tiny/rtx4090-fp8", backend="auto")   # refuses unchecked artifacts
+    runner = rt.load("build/wan-tiny/rtx4090-fp8", backend="auto")   # serves only what parity verified
     out = runner.infer({"hidden_states": x, "timestep": t, "encoder_hidden_states": e})["sample"]
     pipe.transformer = rt.as_diffusers_transformer(runner)         # WanPipeline, unchanged
 
@@ -11,9 +11,8 @@ Importing this module loads neither torch nor onnx (standard library, numpy, trt
 """
 from __future__ import annotations
 
-import contextlib
-import json
 import logging
+import math
 import queue
 import threading
 import time
@@ -21,12 +20,13 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from trt_sora.config.shapes import DIM_NAMES, ShapeProfile, check_point
-from trt_sora.errors import ArtifactError, BackendMissingError, ShapeError, TrtSoraError
-from trt_sora.manifest import read_manifest, sha256_file
+from trt_sora.errors import ArtifactError, BackendMissingError, NumericsError, ShapeError
+from trt_sora.manifest import read_manifest
 
 log = logging.getLogger("trt_sora")
 
-__all__ = ["InputError", "ServingRunner", "as_diffusers_transformer", "load"]
+__all__ = ["InputError", "NumericsError", "ServingRunner", "as_diffusers_transformer", "load", "mismatch",
+           "read_report"]
 
 BACKENDS = ("auto", "trt", "ort", "torch", "torch-fp8")
 
@@ -35,74 +35,126 @@ class InputError(ShapeError):
     """A request's input has the wrong name, dtype or rank (the process keeps serving)."""
 
 
-def _check_parity(run: Path, force: bool, candidate: Path | None) -> dict | None:
-    rep_path = run / "parity" / "report.json"
-    fix = f"run `trt-sora check --run {run} --recipe <recipe>`"
-    if not rep_path.is_file():
-        if force:
-            log.warning("%s has no parity report; loading anyway (force=True)", run)
-            return None
-        raise ArtifactError(f"{run} has no parity/report.json: the artifact was never checked against PyTorch; "
-                            f"{fix}, or pass force=True to load it unchecked")
-    rep = json.loads(rep_path.read_text())
-    if not rep.get("passed"):
-        if force:
-            log.warning("%s FAILED parity (%s); loading anyway (force=True)", run, rep.get("failed"))
-            return rep
-        raise ArtifactError(f"{run} failed its parity gates ({', '.join(rep.get('failed', [])) or '?'}; see "
-                            f"{run}/parity/report.md); fix the artifact (recalibrate / exclude the named layer) "
-                            f"and {fix}, or pass force=True")
-    want = (rep.get("candidate") or {}).get("sha256")
-    if candidate is not None and want and candidate.is_file() and rep.get("candidate", {}).get("path") == str(candidate):
-        if sha256_file(candidate) != want and not force:
-            raise ArtifactError(f"{candidate} changed after its parity check (sha256 differs); {fix} again")
+# -- what was verified ---------------------------------------------------------------------------------
+def _fix(run: Path, backend: str) -> str:
+    dev = "" if backend in ("ort", "torch") else " on this GPU"
+    return f"run `trt-sora check --run {run} --recipe <recipe> --backend {backend if backend != 'torch' else 'ort'}`{dev}"
+
+
+def read_report(run: Path) -> dict | None:
+    """``parity/report.json`` after re-hashing the parity folder against its manifest (a report edited
+    by hand is not a report); None when no check ever finished."""
+    from trt_sora.manifest import read_json, verify_folder
+
+    if not (run / "parity").exists():
+        return None
+    verify_folder(run / "parity", stage="parity", fix=f"re-run `trt-sora check --run {run}`")
+    rep = read_json(run / "parity" / "report.json", what="parity report", fix=f"re-run `trt-sora check --run {run}`")
+    if not isinstance(rep, dict) or not isinstance(rep.get("candidate"), dict):
+        raise ArtifactError(f"{run}/parity/report.json is not a parity report of this trt_sora; re-run "
+                            f"`trt-sora check --run {run}`")
     return rep
 
 
-def _gpu_sm() -> int | None:
-    """SM of GPU 0 as an int (90 for an H100/H200), or None without a CUDA GPU / torch."""
+def _gpu_sm(device: str | None = None) -> int | None:
+    """SM of the CUDA device as an int (90 for an H100/H200), or None without a CUDA GPU / torch."""
     try:
         import torch
 
-        if not torch.cuda.is_available():
+        if not torch.cuda.is_available() or (device is not None and not str(device).startswith("cuda")):
             return None
-        major, minor = torch.cuda.get_device_capability()
+        major, minor = torch.cuda.get_device_capability(torch.device(device or "cuda"))
         return major * 10 + minor
     except ImportError:
         return None
 
 
-def _auto_backend(run: Path, plans: list, qdq: Path) -> str:
-    """A TensorRT engine when one was built and TensorRT + a GPU are here; else ``torch-fp8`` when
-    the artifact is FP8, the GPU has FP8 tensor cores and parity passed on that backend; else ORT
-    (logging what to run for the GPU paths)."""
-    import importlib.util
-
-    sm = _gpu_sm()
-    if plans and sm is not None and (importlib.util.find_spec("tensorrt") or importlib.util.find_spec("tensorrt_rtx")):
-        return "trt"
-    if sm is not None and sm >= 89 and qdq.is_file():
-        fmt = json.loads((run / "quant" / "qdq_map.json").read_text()).get("format")
-        rep_path = run / "parity" / "report.json"
-        rep = json.loads(rep_path.read_text()) if rep_path.is_file() else {}
-        if fmt == "fp8_e4m3" and rep.get("passed") and rep.get("backend") == "torch-fp8":
-            return "torch-fp8"
-        if fmt == "fp8_e4m3":
-            log.warning("runtime: this FP8 artifact was not checked on the GPU backend; serving ONNX Runtime. For "
-                        "FP8 tensor cores run `trt-sora check --run %s --backend torch-fp8` on this GPU first", run)
-    return "ort"
+def _sm_int(sm) -> int | None:
+    try:
+        return int(str(sm).replace(".", "")) if sm is not None else None
+    except ValueError:
+        return None
 
 
-def _require_checked_backend(run: Path, rep: dict | None, backend: str, force: bool) -> None:
-    """The backend that serves is the backend that passed (unless ``force``, logged loudly)."""
-    got = (rep or {}).get("backend")
-    if got == backend:
-        return
-    msg = (f"{run}/parity/report.json checked backend {got!r}, not {backend!r}: the {backend} kernels never ran "
-           f"against PyTorch; run `trt-sora check --run {run} --backend {backend}` on this GPU")
-    if not force:
-        raise ArtifactError(msg + ", or pass force=True")
-    log.warning("LOADING UNCHECKED BACKEND (force=True): %s", msg)
+def mismatch(rep: dict | None, backend: str, here_sm: int | None, model_hash: str | None = None) -> str | None:
+    """Why ``rep`` does not vouch for serving ``backend`` here (None when it does).
+
+    The backend that serves is the backend that passed: the report's candidate must be that backend
+    and have executed; ``trt`` and ``torch-fp8`` also need the check to have run on a GPU of this SM
+    (``torch-fp8``: SM >= 8.9, FP8 tensor cores). ``torch`` serves the reference itself: any passed
+    report of the same model vouches for it.
+    """
+    if rep is None:
+        return "has no parity report: the artifact was never checked against PyTorch"
+    if not rep.get("passed"):
+        return f"failed its parity gates ({', '.join(rep.get('failed', [])) or '?'}; see parity/report.md)"
+    if backend == "torch":
+        if model_hash and rep.get("model_hash") and rep["model_hash"] != model_hash:
+            return f"was checked with model hash {rep['model_hash']}, but the model here is {model_hash}"
+        return None
+    cand = rep["candidate"]
+    got = cand.get("backend", rep.get("backend"))
+    if got != backend:
+        return (f"was checked on backend {got!r}, not {backend!r}: the {backend} backend never ran against "
+                "PyTorch")
+    if not cand.get("executed"):
+        return f"records a {backend} candidate that never executed"
+    if backend in ("trt", "torch-fp8"):
+        ran = _sm_int((cand.get("device") or {}).get("sm"))
+        where = (cand.get("device") or {}).get("gpu") or (cand.get("device") or {}).get("device") or "?"
+        if ran is None:
+            need = "an SM >= 8.9 GPU (FP8 tensor cores)" if backend == "torch-fp8" else "a GPU"
+            return f"was checked on {where}, not on {need}: {backend} results on this GPU are unverified"
+        if backend == "torch-fp8" and ran < 89:
+            return f"was checked on SM{ran} ({where}); torch-fp8 needs FP8 tensor cores (SM >= 8.9)"
+        if here_sm != ran:
+            return (f"was checked on SM{ran} ({where}) but this device is "
+                    f"{'SM' + str(here_sm) if here_sm else 'not a CUDA GPU'}: {backend} numerics differ per GPU")
+    if model_hash and rep.get("model_hash") and rep["model_hash"] != model_hash:
+        return f"was checked with model hash {rep['model_hash']}, but the model here is {model_hash}"
+    return None
+
+
+def _verify_candidate_files(run: Path, rep: dict) -> dict[str, Path]:
+    """Re-hash every file the checked candidate loaded (paths relative to the run folder)."""
+    from trt_sora.manifest import verify_file
+
+    files = rep["candidate"].get("files")
+    if not isinstance(files, dict) or not files:
+        raise ArtifactError(f"{run}/parity/report.json lists no candidate files (an old report); re-run "
+                            f"`trt-sora check --run {run}`")
+    out = {}
+    for rel, sha in files.items():
+        p = Path(rel)
+        p = p if p.is_absolute() else run / p
+        verify_file(p, sha, None, recorded_in=f"{run}/parity/report.json (the checked candidate)",
+                    fix=f"re-run the stage that writes it and `trt-sora check --run {run}`")
+        out[rel] = p
+    return out
+
+
+def _loud(msg: str) -> None:
+    log.warning("LOADING UNVERIFIED ARTIFACT (force=True): %s", msg)
+
+
+def _auto_backend(run: Path, rep: dict | None, device: str | None) -> str:
+    """The backend the report vouches for, when it can run here; else ArtifactError saying where it can.
+    Without a passed report: ``ort`` (``load`` then refuses unless ``force``)."""
+    if rep is None or not rep.get("passed"):
+        return "ort"
+    b = rep["candidate"].get("backend", rep.get("backend", "ort"))
+    if b in ("ort", "torch"):
+        sm = _gpu_sm(device)
+        if sm is not None and sm >= 89 and (run / "quant" / "qdq_map.json").is_file():
+            log.info("runtime: serving ONNX Runtime (the checked backend). For FP8 tensor cores on this GPU run "
+                     "`trt-sora check --run %s --backend torch-fp8` here first", run)
+        return b
+    ran = _sm_int((rep["candidate"].get("device") or {}).get("sm"))
+    if _gpu_sm(device) is None or _gpu_sm(device) != ran:
+        raise ArtifactError(f"{run} was checked on backend {b!r} (SM{ran}), which cannot serve on this machine "
+                            f"({'SM' + str(_gpu_sm(device)) if _gpu_sm(device) else 'no CUDA GPU'}); load it on that "
+                            f"GPU, or run `trt-sora check --run {run} --backend ort` here and load backend='ort'")
+    return b
 
 
 def _buckets(run: Path, rep: dict | None) -> tuple[ShapeProfile, ...]:
@@ -135,11 +187,11 @@ def _gpu_check(run: Path) -> None:
             raise ArtifactError(f"the engine was built for SM{want} but this GPU is SM{here} "
                                 f"({torch.cuda.get_device_name()}); rebuild with a recipe for compute_capability "
                                 f"{major}.{minor}")
-    built = res.get("tensorrt_version") or man.get("tools", {}).get("tensorrt") or man.get("tools", {}).get(
-        "tensorrt-rtx-cu13")
+    built = res.get("backend_version") or res.get("tensorrt_version") or man.get("tools", {}).get(
+        "tensorrt") or man.get("tools", {}).get("tensorrt-rtx-cu13")
     from trt_sora.runners.trt_runner import import_tensorrt
 
-    trt = import_tensorrt()
+    trt = import_tensorrt(res.get("backend"))
     if built and str(built).split(".")[:2] != str(trt.__version__).split(".")[:2]:
         raise ArtifactError(f"the engine was built with TensorRT {built} but this machine has {trt.__version__}; "
                             "rebuild the engine here or install the matching TensorRT")
@@ -151,14 +203,18 @@ class ServingRunner:
     ``infer(feeds, stream=None) -> {"sample": array}``: ``hidden_states`` [B, C, F, H, W] float,
     ``timestep`` [B] float, ``encoder_hidden_states`` [B, L, D] float; numpy or torch. Each
     concurrent caller gets its own backend runner (execution context / session / model replica)
-    from the pool. Bad inputs raise :class:`InputError` / :class:`ShapeError`.
+    from the pool. Bad inputs raise :class:`InputError` / :class:`ShapeError` before any backend
+    runs (names, dtypes, ranks, channels, batch, buckets, the model's patch divisibility, and - with
+    ``check_finite`` - NaN/inf); NaN/inf outputs from finite inputs raise :class:`NumericsError`.
 
     Attributes: ``backend``, ``buckets``, ``load_seconds``, ``warmup_seconds`` ({bucket: s}),
-    ``model_config`` (the transformer's diffusers config), ``run_dir``.
+    ``model_config`` (the transformer's diffusers config), ``run_dir``, ``check_finite``,
+    ``verified`` (False when loaded with ``force=True`` past a failed verification).
     """
 
     def __init__(self, runners: list, *, backend: str, buckets, model_config: Mapping[str, Any], run_dir: Path,
-                 input_ranks: Mapping[str, int], channels: Mapping[str, tuple[int, int]]):
+                 input_ranks: Mapping[str, int], channels: Mapping[str, tuple[int, int]],
+                 patch: tuple[int, int, int] = (1, 1, 1), check_finite: bool = True):
         self._pool: queue.Queue = queue.Queue()
         for r in runners:
             self._pool.put(r)
@@ -169,6 +225,9 @@ class ServingRunner:
         self.run_dir = run_dir
         self._ranks = dict(input_ranks)
         self._channels = dict(channels)
+        self.patch = tuple(patch)
+        self.check_finite = check_finite
+        self.verified = True
         self.input_names = tuple(input_ranks)
         self.load_seconds = 0.0
         self.warmup_seconds: dict[str, float] = {}
@@ -177,13 +236,23 @@ class ServingRunner:
     # -- validation -------------------------------------------------------------------------------
     def point_of(self, feeds: Mapping[str, Any]) -> dict[str, int]:
         """Validate names/dtypes/ranks; return the latent-space point ``{batch, latent_frames, ...}``."""
+        from trt_sora.config.base import did_you_mean
+
+        if not isinstance(feeds, Mapping):
+            raise InputError(f"feeds must be a mapping of input name -> array, got {type(feeds).__name__}")
         missing = [n for n in self.input_names if n not in feeds]
+        extra = [n for n in feeds if n not in self.input_names]
+        if extra:
+            raise InputError(f"unknown input(s) {extra}{did_you_mean(extra[0], self.input_names)}; this model takes "
+                             f"{list(self.input_names)}")
         if missing:
             raise InputError(f"missing input(s) {missing}; pass {list(self.input_names)}")
         for n in self.input_names:
             v = feeds[n]
-            shape = tuple(getattr(v, "shape", ()))
-            dt = str(getattr(v, "dtype", type(v).__name__)).replace("torch.", "")
+            if not hasattr(v, "shape") or not hasattr(v, "dtype"):
+                raise InputError(f"{n} is a {type(v).__name__}; pass a numpy array or a torch tensor")
+            shape = tuple(v.shape)
+            dt = str(v.dtype).replace("torch.", "")
             if not any(k in dt for k in ("float", "half", "bfloat")):
                 raise InputError(f"{n} has dtype {dt}; pass a floating-point tensor (float32/float16/bfloat16)")
             if len(shape) != self._ranks[n]:
@@ -202,6 +271,11 @@ class ServingRunner:
     def bucket_for(self, feeds_or_point: Mapping[str, Any]) -> ShapeProfile:
         """The bucket holding these inputs (or point); ShapeError listing the buckets otherwise."""
         point = feeds_or_point if all(k in feeds_or_point for k in DIM_NAMES) else self.point_of(feeds_or_point)
+        for dim, p in zip(("latent_frames", "latent_height", "latent_width"), self.patch):
+            if int(point[dim]) % p:
+                v = int(point[dim])
+                raise ShapeError(f"{dim}={v} is not a multiple of the model's patch size {p} along that axis; "
+                                 f"pass {v - v % p or p} or {v - v % p + p}")
         return check_point(point, self.buckets)
 
     def allows_batched_cfg(self, batch: int, point: Mapping[str, int] | None = None) -> bool:
@@ -215,13 +289,26 @@ class ServingRunner:
         if self._closed:
             raise ArtifactError("this runner was closed; call trt_sora.runtime.load(...) again")
         self.bucket_for(self.point_of(feeds))
+        if self.check_finite:
+            for n in self.input_names:
+                bad = _non_finite(feeds[n])
+                if bad:
+                    raise InputError(f"{n} holds {bad} NaN/inf value(s); pass finite inputs (load with "
+                                     "check_finite=False to skip this check where inputs are checked upstream)")
         r = self._pool.get()
         try:
-            if stream is not None and self.backend == "trt":
-                return r.infer(feeds, stream=stream)
-            return r.infer(feeds)
+            out = r.infer(feeds, stream=stream) if stream is not None and self.backend == "trt" else r.infer(feeds)
         finally:
             self._pool.put(r)
+        if self.check_finite:
+            for k, v in out.items():
+                bad = _non_finite(v)
+                if bad:
+                    raise NumericsError(f"the {self.backend} backend returned {bad} NaN/inf value(s) in {k!r} for "
+                                        f"finite inputs at {self.point_of(feeds)}; the artifact is numerically "
+                                        f"broken at this shape - re-run `trt-sora check --run {self.run_dir}`"
+                                        + ("" if self.verified else " (it was loaded unverified, force=True)"))
+        return out
 
     __call__ = infer
 
@@ -262,28 +349,57 @@ class ServingRunner:
         self.close()
 
 
+def _non_finite(x) -> int:
+    """How many NaN/inf values ``x`` (numpy or torch) holds; 0 after one max and one min when all are
+    finite (NaN propagates through both, +-inf shows in one), without a temporary the size of ``x``.
+    CUDA tensors: one ``isfinite().all()`` kernel (and the sync its result needs)."""
+    import numpy as np
+
+    from trt_sora.runners.base import is_torch
+
+    if is_torch(x):
+        import torch
+
+        if x.device.type == "cpu" and x.dtype in (torch.float16, torch.float32, torch.float64):
+            x = x.detach().numpy()  # a view: numpy's reductions are faster than torch's on the CPU
+        else:
+            return 0 if bool(torch.isfinite(x).all()) else int((~torch.isfinite(x)).sum())
+    a = np.asarray(x)
+    if a.size == 0 or (math.isfinite(a.max()) and math.isfinite(a.min())):
+        return 0
+    return int((~np.isfinite(a)).sum())
+
+
 def load(artifact_dir, backend: str = "auto", *, force: bool = False, concurrency: int = 1,
          device: str | None = None, dtype: str = "fp32", warmup: bool = True, compile: bool = False,
-         threads: int | None = None) -> ServingRunner:
-    """Load a run folder (``build/<model>/<recipe>/``) for serving.
+         threads: int | None = None, check_finite: bool = True) -> ServingRunner:
+    """Load a run folder (``build/<model>/<recipe>/``) for serving - only what its parity check verified.
+
+    The parity report (``parity/report.json``, re-hashed against its manifest) must have passed with
+    this backend as its candidate, on this GPU's SM for ``trt`` / ``torch-fp8``; every file that
+    candidate loaded is re-hashed (sha256, cached by size + mtime + ctime) before it is loaded, so a
+    copy, a symlink or an absolute path of the run folder serves exactly the checked bytes.
 
     Args:
         artifact_dir: run folder with ``export/``, ``parity/`` and optionally ``quant/``, ``engine/``.
-        backend: ``"trt"`` (engine; GPU + TensorRT), ``"ort"`` (Q/DQ ONNX, else plain ONNX),
-            ``"torch"`` (PyTorch reference), ``"torch-fp8"`` (the calibrated sites as FP8
-            tensor-core GEMMs + Triton kernels; SM >= 8.9; needs a parity report from that
-            backend) or ``"auto"`` (trt when an engine, a GPU and TensorRT are present; else
-            torch-fp8 when the artifact is FP8, the GPU has FP8 tensor cores and torch-fp8 passed
-            parity; else ort).
-        force: load even when the parity report is missing or failed (logged as a warning).
+        backend: ``"trt"`` (engine; GPU + TensorRT), ``"ort"`` (the checked ONNX), ``"torch"`` (the
+            PyTorch reference itself), ``"torch-fp8"`` (the calibrated sites as FP8 tensor-core GEMMs +
+            Triton kernels; SM >= 8.9) or ``"auto"`` (the backend the report was checked on; an error
+            naming the GPU it needs when that cannot run here).
+        force: load even when the report is missing, failed, for another backend/GPU, or a file changed;
+            every such problem is logged as a WARNING (``LOADING UNVERIFIED ARTIFACT``).
         concurrency: pooled runners (TensorRT execution contexts / ORT sessions / torch replicas
             share one model) = concurrent callers served at once; more callers wait.
-        device: torch backend device (default ``cuda`` when available else ``cpu``); trt: ``cuda:N``.
+        device: torch backends' device (default ``cuda`` when available else ``cpu``); trt: ``cuda:N``.
         dtype: torch backend compute dtype (``fp32``/``bf16``/``fp16``).
         warmup: run every bucket once at load (timings in ``warmup_seconds``).
         compile: torch backend: ``torch.compile`` the forward.
+        check_finite: reject NaN/inf inputs (InputError) and NaN/inf outputs (NumericsError) on every
+            call; ``False`` for servers that check upstream. Cost: a max and a min over each input and
+            the output (numpy / CPU tensors, ~2 GB/s per core: ~8 ms for a 480p x 81-frame Wan call's
+            50 MB), one ``isfinite`` kernel + sync per tensor on CUDA.
 
-    Raises ArtifactError (unchecked/failed/changed artifact, engine for another GPU or TensorRT),
+    Raises ArtifactError (unchecked/failed/changed artifact, report of another backend or GPU),
     BackendMissingError (backend not installed / no GPU), ConfigError (unknown backend).
     """
     t0 = time.perf_counter()
@@ -294,66 +410,95 @@ def load(artifact_dir, backend: str = "auto", *, force: bool = False, concurrenc
 
         raise ConfigError(f"unknown backend {backend!r}{did_you_mean(backend, BACKENDS)}; use one of {BACKENDS}")
     exp = read_manifest(run / "export", stage="export")
-    plans = sorted((run / "engine").glob("*.plan")) if (run / "engine").is_dir() else []
-    qdq = run / "quant" / "model.qdq.onnx"
+    rep = read_report(run)
     if backend == "auto":
-        backend = _auto_backend(run, plans, qdq)
-    candidate = {"trt": plans[0] if plans else None, "ort": qdq if qdq.is_file() else run / "export" / "model.onnx",
-                 "torch": None, "torch-fp8": run / "quant" / "qdq_map.json"}[backend]
-    rep = _check_parity(run, force, candidate)
-    if backend == "torch-fp8":
-        _require_checked_backend(run, rep, backend, force)
-    buckets = _buckets(run, rep)
+        backend = _auto_backend(run, rep, device)
     res = exp["results"]
+    model_hash = (res.get("model") or {}).get("model_hash")
+    why = mismatch(rep, backend, _gpu_sm(device if backend != "trt" else (device or "cuda")), model_hash)
+    verified = why is None
+    if why is not None:
+        msg = f"{run} {why}; {_fix(run, backend)}"
+        if not force:
+            raise ArtifactError(msg + ", or pass force=True")
+        _loud(msg)
+    files: dict[str, Path] = {}
+    if rep is not None and backend != "torch" and verified:
+        try:
+            files = _verify_candidate_files(run, rep)
+        except ArtifactError as exc:
+            if not force:
+                raise
+            verified = False
+            _loud(str(exc))
+    if backend == "torch":
+        files = {}
+    buckets = _buckets(run, rep)
     from trt_sora.models import adapter_for_manifest
 
     cfg = dict(res["model"].get("config") or {})
-    family = adapter_for_manifest(res["model"])  # input ranks and fixed feature dims are family facts
+    family = adapter_for_manifest(res["model"])  # input ranks, fixed feature dims and patch are family facts
     ranks, channels = family.input_ranks(), family.fixed_dims()
-    runners: list = []
-    if backend == "trt":
-        if candidate is None:
-            raise ArtifactError(f"{run}/engine has no .plan; run `trt-sora build` or use backend='ort'")
-        _gpu_check(run)
-        from trt_sora.runners.trt_runner import TrtRunner
-
-        dev = int(str(device or "cuda:0").split(":")[-1]) if device and ":" in str(device) else 0
-        tr = TrtRunner(candidate, device=dev, contexts=concurrency).activate()
-        runners = [tr]
-        pool_n = concurrency
-    elif backend == "torch-fp8":
-        from trt_sora.runners.fp8_runner import AttentionPolicy, TorchFp8Runner
-
-        ran = ((rep or {}).get("candidate") or {}).get("device") or {}
-        runners = [TorchFp8Runner(family, run / "quant" / "qdq_map.json",
-                                  run / "calib" / "stats.safetensors", device=device or "cuda",
-                                  attention=AttentionPolicy.from_dict(ran.get("attention_policy"))).activate()]
-        pool_n = concurrency
-    elif backend == "ort":
-        from trt_sora.runners.ort_runner import OrtRunner
-
-        sess = OrtRunner(candidate, threads=threads).activate()  # ORT's run() is thread-safe: share it
-        runners, pool_n = [sess], concurrency
-    else:
-        from trt_sora.runners.torch_runner import TorchRunner
-
-        adapter = family
-        if device is None:
-            import torch
-
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        model = adapter.load(dtype, device)
-        runners = [TorchRunner(adapter, dtype=dtype, device=device, model=model, compile=compile).activate()]
-        pool_n = concurrency
-    pooled = runners * pool_n if len(runners) == 1 else runners
+    runners = _make_runners(run, backend, files, rep, family, concurrency=concurrency, device=device, dtype=dtype,
+                            compile=compile, threads=threads)
+    pooled = runners * concurrency if len(runners) == 1 else runners
     sr = ServingRunner(pooled, backend=backend, buckets=buckets, model_config=cfg, run_dir=run,
-                       input_ranks=ranks, channels=channels)
+                       input_ranks=ranks, channels=channels, patch=tuple(family.patch_size),
+                       check_finite=check_finite)
     sr._runners = runners  # warm-up/close once per distinct runner
+    sr.verified = verified
     sr.load_seconds = time.perf_counter() - t0
     if warmup:
         sr.warm_up()
-    log.info("runtime: %s backend, %d bucket(s), loaded in %.2f s", backend, len(buckets), sr.load_seconds)
+    log.info("runtime: %s backend, %d bucket(s), loaded in %.2f s%s", backend, len(buckets), sr.load_seconds,
+             "" if verified else " (UNVERIFIED, force=True)")
     return sr
+
+
+def _candidate_path(run: Path, files: Mapping[str, Path], suffix: str, fallback: Path | None) -> Path | None:
+    """The verified file ending in ``suffix``; without a verified report (force=True) the fallback."""
+    hits = [p for rel, p in files.items() if rel.endswith(suffix)]
+    return hits[0] if hits else fallback
+
+
+def _make_runners(run: Path, backend: str, files, rep, family, *, concurrency, device, dtype, compile,
+                  threads) -> list:
+    """The backend runner(s) over exactly the verified files."""
+    if backend == "trt":
+        plans = (read_manifest(run / "engine").get("outputs", {}).get("engines") or []) if (
+            run / "engine" / "manifest.json").is_file() else []
+        plan = _candidate_path(run, files, ".plan", run / "engine" / plans[0] if plans else None)
+        if plan is None:
+            raise ArtifactError(f"{run}/engine has no engine; run `trt-sora build` or use backend='ort'")
+        _gpu_check(run)
+        from trt_sora.runners.trt_runner import TrtRunner
+
+        dev = int(str(device).split(":")[-1]) if device and ":" in str(device) else 0
+        flavor = read_manifest(run / "engine").get("results", {}).get("backend")
+        return [TrtRunner(plan, device=dev, contexts=concurrency, flavor=flavor).activate()]
+    if backend == "torch-fp8":
+        from trt_sora.runners.fp8_runner import AttentionPolicy, TorchFp8Runner
+
+        ran = ((rep or {}).get("candidate") or {}).get("device") or {}
+        qmap = _candidate_path(run, files, "qdq_map.json", run / "quant" / "qdq_map.json")
+        stats = _candidate_path(run, files, "stats.safetensors", run / "calib" / "stats.safetensors")
+        return [TorchFp8Runner(family, qmap, stats, device=device or "cuda",
+                               attention=AttentionPolicy.from_dict(ran.get("attention_policy"))).activate()]
+    if backend == "ort":
+        from trt_sora.runners.ort_runner import OrtRunner
+
+        qdq = run / "quant" / "model.qdq.onnx"
+        onnx = _candidate_path(run, files, ".onnx", qdq if qdq.is_file() else run / "export" / "model.onnx")
+        return [OrtRunner(onnx, threads=threads).activate()]  # ORT's run() is thread-safe: share it
+    from trt_sora.runners.torch_runner import TorchRunner
+
+    adapter = family
+    if device is None:
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = adapter.load(dtype, device)
+    return [TorchRunner(adapter, dtype=dtype, device=device, model=model, compile=compile).activate()]
 
 
 def as_diffusers_transformer(runner, *, dtype=None, device=None):
