@@ -34,13 +34,14 @@ SPLITS = ("calib", "heldout", "all")
 
 
 def calib_dir() -> Path:
-    """Folder holding ``prompts/`` and ``presets/``: ``$TRT_SORA_CALIB_DIR``, else the checkout's ``calib/``."""
+    """Folder holding ``prompts/`` and ``presets/``: ``$TRT_SORA_CALIB_DIR``, else the shipped ``calib/``
+    (package data of the wheel; the checkout's folder in a source tree)."""
     env = os.environ.get("TRT_SORA_CALIB_DIR")
     if env:
         return Path(env)
-    from trt_sora.config import repo_root
+    from trt_sora.config import data_dir
 
-    return repo_root() / "calib"
+    return data_dir("calib")
 
 
 def list_prompt_sets() -> dict[str, Path]:
