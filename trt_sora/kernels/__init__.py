@@ -9,12 +9,14 @@
   ==========================  ==========================================================================
   ``residual_norm_quant``     residual (+gate) add, LayerNorm, AdaLN modulation, FP8 quantize
   ``gelu_quant``              GELU(tanh) + FP8 quantize of the FFN hidden state
-  ``qkv_rmsnorm_rope``        fused-QKV epilogue: split, RMSNorm across heads, 3-axis RoPE, per-block
-                              FP8 quantization of Q, K statistics for smoothing, V channel amax
-                              (the GPU implementation of ``plugins/fused_qkv_attention``)
-  ``kv_smooth_quant``         K mean-subtraction + per-block FP8 K, per-channel FP8 V (transposed)
-  ``attention_fp8``           flash attention with FP8 QK^T and PV on tensor cores, per-block Q/K
-                              scales, output written token-major (optionally FP8 for ``to_out``)
+  ``rms_stats``               per-token 1/rms of Q and K over all heads (taken before a Ulysses
+                              all-to-all, which leaves each rank only some heads)
+  ``qkv_rmsnorm_rope``        fused-QKV epilogue: split, RMSNorm across heads, 3-axis RoPE, INT8
+                              per-block Q; K minus its mean (smoothing) in INT8 per block; V in FP8
+                              per channel, transposed (the GPU implementation of
+                              ``plugins/fused_qkv_attention``)
+  ``attention_fp8``           flash attention with INT8 QK^T and FP8 PV on tensor cores, per-block
+                              Q/K scales, output written token-major (optionally FP8 for ``to_out``)
   ``heads_to_tokens``         [B, H, S, D] -> [B, S, H*D] (+ FP8 quantize) for a BF16 attention output
   ==========================  ==========================================================================
 

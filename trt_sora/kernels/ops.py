@@ -63,18 +63,34 @@ def sdpa_bf16(q, k, v):
     return F.scaled_dot_product_attention(q, k, v)
 
 
-def self_attention(qkv, wq, wk, cos, sin, heads: int, eps: float, *, fp8: bool, out_scale=None):
+def self_attention(qkv, wq, wk, cos, sin, heads: int, eps: float, *, fp8: bool, out_scale=None, seq=None):
     """Fused-QKV output [B, S, 3C] -> attention output [B, S, C] token-major (``to_out``'s input):
     RMSNorm across heads on Q and K, RoPE, attention (FP8 with per-block Q/K scales and K
-    smoothing when ``fp8``, else BF16 SDPA); FP8 at ``out_scale`` when given."""
+    smoothing when ``fp8``, else BF16 SDPA); FP8 at ``out_scale`` when given.
+
+    ``seq`` (:class:`trt_sora.parallel.SeqShard`, Ulysses): ``qkv`` holds this rank's tokens; the
+    per-token RMS statistics (over all heads) are taken here, then one all-to-all gives every rank
+    all tokens of its heads, the epilogue and attention run on those, and a second all-to-all
+    returns this rank's tokens with every head. ``cos``/``sin`` cover all tokens."""
     t = _tri(qkv)
+    k_ = t or ref
+    rstd = None
+    if seq is not None:
+        b, s_loc = qkv.shape[:2]
+        rstd = seq.all_gather_rows(k_.rms_stats(qkv, eps).view(b, s_loc, 2)).reshape(-1, 2).contiguous()
+        qkv = seq.tokens_to_heads(qkv, groups=3)
+        wq, wk = (w.view(seq.size, -1)[seq.rank].contiguous() for w in (wq, wk))
+        heads //= seq.size
     if not fp8:
-        q, k, v = (t or ref).qkv_rmsnorm_rope(qkv, wq, wk, cos, sin, heads, eps, fp8=False)
-        return heads_to_tokens(sdpa_bf16(q, k, v), out_scale)
-    if t:
-        return t.attention_fp8(*t.qkv_rmsnorm_rope(qkv, wq, wk, cos, sin, heads, eps, fp8=True), out_scale=out_scale)
-    q8, qs, k8, ks, v8, vs, _ = ref.qkv_rmsnorm_rope(qkv, wq, wk, cos, sin, heads, eps, fp8=True)
-    return ref.heads_to_tokens(ref.attention_fp8(q8, qs, k8, ks, v8, vs), out_scale)
+        q, k, v = k_.qkv_rmsnorm_rope(qkv, wq, wk, cos, sin, heads, eps, fp8=False, rstd=rstd)
+        out = heads_to_tokens(sdpa_bf16(q, k, v), out_scale)
+    elif t:
+        out = t.attention_fp8(*t.qkv_rmsnorm_rope(qkv, wq, wk, cos, sin, heads, eps, fp8=True, rstd=rstd),
+                              out_scale=out_scale)
+    else:
+        q8, qs, k8, ks, v8, vs, _ = ref.qkv_rmsnorm_rope(qkv, wq, wk, cos, sin, heads, eps, fp8=True, rstd=rstd)
+        out = ref.heads_to_tokens(ref.attention_fp8(q8, qs, k8, ks, v8, vs), out_scale)
+    return out if seq is None else seq.heads_to_tokens(out)
 
 
 def linear_fp8(x8, w8, x_scale, w_scale, bias, rows_cache: dict | None = None):

@@ -17,7 +17,7 @@ FP8_MAX = 448.0
 FP8 = torch.float8_e4m3fn
 
 __all__ = ["FP8", "FP8_MAX", "attention", "attention_fp8", "block_quant", "dequant_scale", "gelu_quant",
-           "heads_to_tokens", "quantize", "quantize_int8", "qkv_rmsnorm_rope", "residual_norm_quant"]
+           "heads_to_tokens", "quantize", "quantize_int8", "qkv_rmsnorm_rope", "residual_norm_quant", "rms_stats"]
 
 
 def dequant_scale(amax: torch.Tensor) -> torch.Tensor:
@@ -64,9 +64,15 @@ def gelu_quant(h: torch.Tensor, act_scale: torch.Tensor | None) -> torch.Tensor:
     return quantize(y, act_scale) if act_scale is not None else y
 
 
-def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps) * w.float()).to(x.dtype)
+def rms_stats(qkv: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """Per-token ``1 / rms`` of Q and of K over all heads: ``qkv`` [B, S, 3C] -> [B*S, 2] fp32."""
+    q, k, _ = qkv.float().chunk(3, dim=-1)
+    return torch.stack([torch.rsqrt(t.square().mean(-1) + eps) for t in (q, k)], -1).reshape(-1, 2)
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
+    """``x`` [B, S, C] * ``rstd`` [B, S, 1] * ``w`` [C], rounded to ``x``'s dtype (diffusers' RMSNorm)."""
+    return (x.float() * rstd * w.float()).to(x.dtype)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -103,7 +109,7 @@ def block_quant(x: torch.Tensor, block: int, fmt: str = "int8"):
 
 def qkv_rmsnorm_rope(qkv: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, cos: torch.Tensor | None,
                      sin: torch.Tensor | None, heads: int, eps: float = 1e-6, *, fp8: bool = True,
-                     block: int = 128):
+                     block: int = 128, rstd: torch.Tensor | None = None):
     """Fused-QKV epilogue. ``qkv`` [B, S, 3C] bf16 (Q, K, V on the last dim); ``wq``/``wk`` [C].
 
     Returns BF16 ``(q, k, v)`` [B, H, S, D] when ``fp8`` is False, else the 8-bit attention
@@ -112,9 +118,13 @@ def qkv_rmsnorm_rope(qkv: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, cos:
     in INT8 per block; V in FP8 E4M3 per channel ``v_scale`` [B, H, D]; ``k_mean`` [B, H, D] fp32.
     INT8 rather than FP8 for Q and K (SageAttention's choice, same tensor-core rate on Hopper):
     FP8's 3 mantissa bits on the logits cost ~5x the error (cosine 0.9986 vs 0.9992 on 4k tokens).
+    ``rstd`` [B*S, 2]: the RMS statistics (:func:`rms_stats`) when they were taken over more heads
+    than ``qkv`` holds (Ulysses); None: taken here.
     """
+    b, s = qkv.shape[:2]
+    r = (rms_stats(qkv, eps) if rstd is None else rstd).reshape(b, s, 2)
     q, k, v = qkv.chunk(3, dim=-1)
-    q, k = _rms(q, wq, eps), _rms(k, wk, eps)
+    q, k = _rms(q, wq, r[..., :1]), _rms(k, wk, r[..., 1:])
     q, k, v = (t.unflatten(-1, (heads, -1)) for t in (q, k, v))
     if cos is not None:
         q, k = _rope(q, cos, sin), _rope(k, cos, sin)

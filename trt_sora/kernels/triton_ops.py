@@ -17,8 +17,8 @@ from trt_sora.kernels.reference import FP8, FP8_MAX
 
 SCALE_BLOCK = 128  # tokens per Q / K quantization block = the attention kernel's tile (one scale per tile)
 
-__all__ = ["SCALE_BLOCK", "attention_fp8", "gated_add", "gelu_quant", "heads_to_tokens", "kv_smooth_quant", "qkv_rmsnorm_rope",
-           "quantize", "residual_norm_quant"]
+__all__ = ["SCALE_BLOCK", "attention_fp8", "gated_add", "gelu_quant", "heads_to_tokens", "qkv_rmsnorm_rope",
+           "quantize", "residual_norm_quant", "rms_stats"]
 
 
 @triton.jit
@@ -273,6 +273,11 @@ def _kv_quant_kernel(QKV, RSTD, WK, COS, SIN, KMEAN, K8, KS, VS, VT8, S, S_pad, 
     tl.store(VT8 + bh.to(tl.int64) * D * S_pad + d[:, None] * S_pad + t[None, :], tl.trans(v8), mask=rm[None, :])
 
 
+def rms_stats(qkv, eps: float = 1e-6):
+    """See :func:`trt_sora.kernels.reference.rms_stats`: [B, S, 3C] bf16 -> [B*S, 2] fp32."""
+    return _rstd(qkv, eps)
+
+
 def _rstd(qkv, eps):
     b, s, c3 = qkv.shape
     c = c3 // 3
@@ -282,7 +287,7 @@ def _rstd(qkv, eps):
     return rstd
 
 
-def qkv_rmsnorm_rope(qkv, wq, wk, cos, sin, heads: int, eps: float = 1e-6, *, fp8: bool = True):
+def qkv_rmsnorm_rope(qkv, wq, wk, cos, sin, heads: int, eps: float = 1e-6, *, fp8: bool = True, rstd=None):
     """Fused-QKV epilogue; see :func:`trt_sora.kernels.reference.qkv_rmsnorm_rope`.
 
     ``qkv`` [B, S, 3C] bf16 contiguous; ``cos``/``sin`` [S, D] fp32 or None (no RoPE).
@@ -290,7 +295,8 @@ def qkv_rmsnorm_rope(qkv, wq, wk, cos, sin, heads: int, eps: float = 1e-6, *, fp
     operands ``(q8 [B,H,S,D] int8, q_scale [B,H,nblk], k8 [B,H,S,D] int8, k_scale, vt8
     [B,H,D,S_pad] fp8, v_scale [B,H,D])`` with blocks of :data:`SCALE_BLOCK` tokens (V stored
     token-contiguous for the PV tensor-core product; its padding is never read).
-    Three launches: per-token RMS statistics, the per-head tile pass, K/V quantization.
+    Three launches: per-token RMS statistics (skipped when ``rstd`` [B*S, 2] is given: taken over
+    more heads than ``qkv`` holds, Ulysses), the per-head tile pass, K/V quantization.
     """
     b, s, c3 = qkv.shape
     c = c3 // 3
@@ -300,7 +306,7 @@ def qkv_rmsnorm_rope(qkv, wq, wk, cos, sin, heads: int, eps: float = 1e-6, *, fp
     grid = (nblk, b * heads)
     rope = cos is not None
     cs, sn = (cos, sin) if rope else (qkv, qkv)
-    rstd = _rstd(qkv, eps)
+    rstd = _rstd(qkv, eps) if rstd is None else rstd
     if not fp8:
         q, k, v = (torch.empty((b, heads, s, d), device=dev, dtype=torch.bfloat16) for _ in range(3))
         _qkv_post_kernel[grid](qkv, rstd, wq, wk, cs, sn, q, k, v, rstd, rstd, rstd, s, heads, nblk, D=d,

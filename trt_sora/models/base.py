@@ -223,6 +223,19 @@ class ModelAdapter(abc.ABC):
             b.validate(self.patch_size)
         return buckets, source
 
+    @property
+    def num_heads(self) -> int:
+        """Self-attention heads (the Ulysses degree must divide it)."""
+        return int(self.spec.config["num_attention_heads"])
+
+    def enable_sequence_parallel(self, model, seq) -> None:
+        """Split ``model``'s token sequence over ``seq`` (:class:`trt_sora.parallel.SeqShard`):
+        shard after the input embedding, all-to-all around self-attention, gather before the
+        output head. Families that support Ulysses override this."""
+        from trt_sora.errors import ConfigError
+
+        raise ConfigError(f"model family {self.family!r} has no sequence-parallel (Ulysses) path; use ulysses=1")
+
     def heldout_prompts(self) -> list[str] | None:
         """Held-out prompts the model's quality checks should use (its own prompt set's ``heldout``
         split when the model names one, e.g. wan-shapes' captions), else None."""

@@ -75,6 +75,7 @@ class WanExportAttnProcessor:
 
     def __init__(self, observer: Callable[[str, Any], None] | None = None):
         self.observer = observer
+        self.seq = None  # a trt_sora.parallel.SeqShard under Ulysses (self-attention only)
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
         import torch.nn.functional as F
@@ -93,15 +94,23 @@ class WanExportAttnProcessor:
             q, k, v = attn.to_q(hidden_states), attn.to_k(context), attn.to_v(context)
         q, k = attn.norm_q(q), attn.norm_k(k)
         q, k, v = (t.unflatten(2, (attn.heads, -1)) for t in (q, k, v))  # [B, S, H, D]
+        seq = self.seq if encoder_hidden_states is None else None
         if rotary_emb is not None:
-            cos, sin = rotary_emb
+            cos, sin = rotary_emb if seq is None else (seq.local_slice(t) for t in rotary_emb)
             q, k = _rope(q, cos, sin), _rope(k, cos, sin)
         if self.observer is not None:
             for site, t in (("q", q), ("k", k), ("v", v)):
                 self.observer(site, t)
+        heads = attn.heads
+        if seq is not None:  # Ulysses: this rank's tokens x all heads -> all tokens x its heads
+            d = q.shape[-1]
+            heads //= seq.size
+            q, k, v = (seq.tokens_to_heads(t.flatten(2)).unflatten(2, (heads, d)) for t in (q, k, v))
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                              attn_mask=attention_mask, dropout_p=0.0, is_causal=False)
         out = out.transpose(1, 2).flatten(2, 3).type_as(q)
+        if seq is not None:
+            out = seq.heads_to_tokens(out)
         return attn.to_out[1](attn.to_out[0](out))
 
 
@@ -213,6 +222,29 @@ class WanAdapter(ModelAdapter):
 
     def export_module(self, model):
         return _make_wrapper(model)
+
+    def enable_sequence_parallel(self, model, seq) -> None:
+        """Ulysses over a loaded Wan transformer (diffusers blocks or the torch-fp8 fused blocks):
+        the hidden states are sharded on entry to the first block and gathered after the last
+        (the per-token timestep embedding of Wan 2.2 TI2V is sharded alike); every block's
+        self-attention runs the two all-to-alls. RoPE tables reach the blocks whole; each
+        attention takes the rows it needs."""
+        blocks = list(model.blocks)
+        for blk in blocks:
+            target = blk if hasattr(blk, "seq") else blk.attn1.processor
+            if not hasattr(target, "seq"):
+                raise ModelError(f"{type(target).__name__} has no sequence-parallel path; load the model "
+                                 "through trt_sora (WanExportAttnProcessor) or the torch-fp8 backend")
+            target.seq = seq
+
+        def shard(_m, args):
+            hidden, enc, temb, rope = args[:4]
+            if temb.dim() == 4:  # per-token timestep embedding [B, S, 6, C]
+                temb = seq.shard(temb, dim=1)
+            return (seq.shard(hidden, dim=1), enc, temb, rope, *args[4:])
+
+        blocks[0].register_forward_pre_hook(shard)
+        blocks[-1].register_forward_hook(lambda _m, _args, out: seq.gather(out, dim=1))
 
     def scheduler(self, shift: float | None = None):
         return make_scheduler(self.sampling.shift if shift is None else shift)

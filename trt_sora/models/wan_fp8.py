@@ -143,20 +143,21 @@ class FusedWanBlock(torch.nn.Module):
         self.register_buffer("n2w", n2.weight.detach().float() if self.norm2_affine else None, persistent=False)
         self.register_buffer("n2b", n2.bias.detach().float() if self.norm2_affine else None, persistent=False)
         self.fp8_attention = True
+        self.seq = None  # a trt_sora.parallel.SeqShard under Ulysses
 
     def forward(self, hidden_states, encoder_hidden_states, temb, rotary_emb):
         x = hidden_states.to(torch.bfloat16).contiguous()
         b, s, c = x.shape
         mod = (self.table + temb.float()).contiguous()  # [B, 6, C]
         shift, scale, gate, c_shift, c_scale, c_gate = (mod[:, i].contiguous() for i in range(6))
-        cos, sin = (t.reshape(s, -1).float().contiguous() for t in rotary_emb)
+        cos, sin = (t.reshape(t.shape[1], -1).float().contiguous() for t in rotary_emb)  # all S tokens' rows
         fp8_attn = self.fp8_attention
         self.counters["fp8_attention" if fp8_attn else "bf16_attention"] = \
             self.counters.get("fp8_attention" if fp8_attn else "bf16_attention", 0) + 1
         # 1. self-attention
         _, y = ops.residual_norm_quant(x, mod_scale=scale, mod_shift=shift, eps=self.eps, act_scale=self.qkv.act_scale)
         att = ops.self_attention(self.qkv(y), self.nq1, self.nk1, cos, sin, self.heads, self.qk_eps, fp8=fp8_attn,
-                                 out_scale=self.out1.act_scale)
+                                 out_scale=self.out1.act_scale, seq=self.seq)
         # 2. cross-attention (text keys: short, cuDNN BF16)
         x, y = ops.residual_norm_quant(x, branch=self.out1(att), gate=gate, weight=self.n2w, bias=self.n2b,
                                        eps=self.eps, act_scale=self.q2.act_scale)

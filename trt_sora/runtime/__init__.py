@@ -336,6 +336,15 @@ class ServingRunner:
             r.deactivate()
         self._closed = True
 
+    def follow(self) -> int:
+        """Ranks != 0 of a ``load(..., parallel=...)`` job: compute rank 0's calls until it closes;
+        returns how many were served."""
+        if not hasattr(self._runners[0], "follow"):
+            raise ArtifactError("follow() is for ranks != 0 of a parallel runtime (load(..., parallel=...))")
+        n = self._runners[0].follow()
+        self._closed = True
+        return n
+
     def activate(self):
         return self
 
@@ -372,7 +381,7 @@ def _non_finite(x) -> int:
 
 def load(artifact_dir, backend: str = "auto", *, force: bool = False, concurrency: int = 1,
          device: str | None = None, dtype: str = "fp32", warmup: bool = True, compile: bool = False,
-         threads: int | None = None, check_finite: bool = True) -> ServingRunner:
+         threads: int | None = None, check_finite: bool = True, parallel=None) -> ServingRunner:
     """Load a run folder (``build/<model>/<recipe>/``) for serving - only what its parity check verified.
 
     The parity report (``parity/report.json``, re-hashed against its manifest) must have passed with
@@ -398,6 +407,10 @@ def load(artifact_dir, backend: str = "auto", *, force: bool = False, concurrenc
             call; ``False`` for servers that check upstream. Cost: a max and a min over each input and
             the output (numpy / CPU tensors, ~2 GB/s per core: ~8 ms for a 480p x 81-frame Wan call's
             50 MB), one ``isfinite`` kernel + sync per tensor on CUDA.
+        parallel: a :class:`trt_sora.parallel.ParallelConfig` (CFG-parallel x Ulysses) for the
+            ``torch`` / ``torch-fp8`` backends, inside a ``torch.distributed`` job (``torchrun``;
+            :func:`trt_sora.parallel.init_process_group`). Call ``load`` on every rank: rank 0 serves
+            (``infer``), the other ranks call ``follow()`` until rank 0 closes.
 
     Raises ArtifactError (unchecked/failed/changed artifact, report of another backend or GPU),
     BackendMissingError (backend not installed / no GPU), ConfigError (unknown backend).
@@ -441,6 +454,8 @@ def load(artifact_dir, backend: str = "auto", *, force: bool = False, concurrenc
     ranks, channels = family.input_ranks(), family.fixed_dims()
     runners = _make_runners(run, backend, files, rep, family, concurrency=concurrency, device=device, dtype=dtype,
                             compile=compile, threads=threads)
+    if parallel is not None:
+        runners = _parallel(runners, backend, parallel, concurrency)
     pooled = runners * concurrency if len(runners) == 1 else runners
     sr = ServingRunner(pooled, backend=backend, buckets=buckets, model_config=cfg, run_dir=run,
                        input_ranks=ranks, channels=channels, patch=tuple(family.patch_size),
@@ -448,11 +463,24 @@ def load(artifact_dir, backend: str = "auto", *, force: bool = False, concurrenc
     sr._runners = runners  # warm-up/close once per distinct runner
     sr.verified = verified
     sr.load_seconds = time.perf_counter() - t0
-    if warmup:
+    if warmup and getattr(runners[0], "rank", 0) == 0:  # followers warm up by following rank 0's calls
         sr.warm_up()
     log.info("runtime: %s backend, %d bucket(s), loaded in %.2f s%s", backend, len(buckets), sr.load_seconds,
              "" if verified else " (UNVERIFIED, force=True)")
     return sr
+
+
+def _parallel(runners: list, backend: str, parallel, concurrency: int) -> list:
+    """The backend runner under CFG-parallel x Ulysses, rank 0 leading (see ServingRunner.follow)."""
+    from trt_sora.errors import ConfigError
+    from trt_sora.runners.parallel_runner import ParallelRunner
+
+    if backend not in ("torch", "torch-fp8"):
+        raise ConfigError(f"parallel inference runs the torch backends (torch, torch-fp8), not {backend!r}; "
+                          "load with backend='torch-fp8' or 'torch'")
+    if concurrency != 1:
+        raise ConfigError("parallel inference serves one call at a time across its ranks; use concurrency=1")
+    return [ParallelRunner(runners[0], parallel, leader=True).activate()]
 
 
 def _candidate_path(run: Path, files: Mapping[str, Path], suffix: str, fallback: Path | None) -> Path | None:
