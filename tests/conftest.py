@@ -87,3 +87,26 @@ def engine_run(tmp_path_factory):
     pristine = tmp_path_factory.mktemp("engine_pristine") / "out"
     shutil.copytree(out, pristine, symlinks=True)
     return pipe, seen, pristine
+
+
+@pytest.fixture(scope="session")
+def wide_adapter():
+    """A 2-layer Wan at 1.3B width (dim 1536, ffn 8960, text 4096; 119 M parameters, 0.48 GB fp32): big enough
+    that weights take the streaming paths (placeholders, external data), small enough for CI."""
+    from trt_sora.models import get_adapter, wan
+    from trt_sora.models.base import ModelSpec
+
+    cfg = dict(wan.CONFIGS["wan2.1-t2v-1.3b"], num_layers=2)
+    return get_adapter(ModelSpec(ref="wan-1.3b-width-2l", family="wan", source="random-init", config=cfg, seed=0,
+                                 text_encoder="hash"))
+
+
+@pytest.fixture(scope="session")
+def wide_export(tmp_path_factory, wide_adapter, tiny_points):
+    """Weightless export of ``wide_adapter`` (external data, ORT parity segment by segment at two points)."""
+    from trt_sora.config import ExportConfig, ExternalData
+    from trt_sora.export import export_onnx
+
+    out = tmp_path_factory.mktemp("wide_export") / "export"
+    cfg = ExportConfig(external_data=ExternalData.ALWAYS, verify_points=tiny_points[:2])
+    return export_onnx(wide_adapter, cfg, out, segmented=True)

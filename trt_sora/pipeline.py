@@ -203,7 +203,8 @@ class EnginePipeline:
         from trt_sora.export import export_onnx
 
         def go():
-            res = export_onnx(self.adapter, self.recipe.export, self.folder("export"), model=self.model)
+            # weightless: traced without weights, streamed from the checkpoint (same bytes as with them in memory)
+            res = export_onnx(self.adapter, self.recipe.export, self.folder("export"))
             worst = min(p["cosine"] for p in res.parity) if res.parity else float("nan")
             return f"ORT parity at {len(res.parity)} shapes, worst cosine {worst:.7f}"
 

@@ -116,22 +116,46 @@ def _rename_dims(onnx_path: Path, adapter) -> None:
     onnx.save(model, str(onnx_path))
 
 
-def export_onnx(model_ref, config: ExportConfig, out_dir: str | Path, *, model=None) -> ExportResult:
+#: Weightless exports verify the whole graph in one ONNX Runtime session up to this many weight bytes,
+#: and segment by segment (one block's weights at a time) above it.
+WHOLE_GRAPH_VERIFY_BYTES = 1 << 30
+
+
+def export_onnx(model_ref, config: ExportConfig, out_dir: str | Path, *, model=None,
+                segmented: bool | None = None) -> ExportResult:
     """Export ``model_ref`` (name, checkpoint folder or adapter) to ``out_dir/model.onnx``.
 
-    Writes ``model.onnx`` (+ ``model.onnx.data`` when external), ``manifest.json``
-    with the ONNX Runtime parity numbers. Raises :class:`ExportError` (and leaves
-    ``out_dir`` untouched) when the export fails or parity misses the config's bar.
+    Without ``model`` the export is *weightless*: the graph is traced from the family's empty model
+    (fake tensors, no weight memory) and the weights are streamed tensor by tensor from the
+    checkpoint's safetensors (or the named config's random init) into ``model.onnx.data``; the
+    graph and the bytes are the same as with ``model=adapter.load(config.dtype)`` (the weights in
+    memory), and peak memory is one weight tensor plus the graph. Verification then runs the
+    PyTorch reference with one block's weights loaded at a time and, above
+    :data:`WHOLE_GRAPH_VERIFY_BYTES` of weights (or with ``segmented=True``), ONNX Runtime
+    segment by segment (:mod:`~trt_sora.export.segments`).
+
+    Writes ``model.onnx`` (+ ``model.onnx.data`` when external), ``manifest.json`` with the ONNX
+    Runtime parity numbers. Two exports of one model are byte-identical. Raises
+    :class:`ExportError` (and leaves ``out_dir`` untouched) when the export fails or parity misses
+    the config's bar.
     """
-    torch = require("torch", extra="export")
+    require("torch", extra="export")
     require("onnx", extra="export")
     require("onnxscript", extra="export")
+    from trt_sora.export import optimize as opt
+    from trt_sora.export import trace as tr
     from trt_sora.models import ModelAdapter, get_adapter
 
     adapter = model_ref if isinstance(model_ref, ModelAdapter) else get_adapter(model_ref)
     t0 = time.perf_counter()
-    if model is None:
-        model = adapter.load(config.dtype.value, "cpu")
+    weightless = model is None
+    source = None
+    if weightless:
+        from trt_sora.weights.sources import check_covers
+
+        model = adapter.load_empty(config.dtype.value)
+        source = adapter.weight_source()
+        check_covers(model, source)
     t_load = time.perf_counter() - t0
     ranges = config.dynamic
     point = export_point(adapter, ranges)
@@ -146,26 +170,33 @@ def export_onnx(model_ref, config: ExportConfig, out_dir: str | Path, *, model=N
     if not external and pb > PROTOBUF_LIMIT:
         raise ExportError(f"model weights are {pb / 1e9:.1f} GB, over protobuf's 2 GB limit; "
                           "set export.external_data to auto or always")
-    wrapper = adapter.export_module(model).eval()
-    example = adapter.example_inputs(point, dtype=config.dtype.value)
-    args = tuple(example[n] for n in adapter.input_names)
+    seconds = {"load": round(t_load, 2)}
+    peak_mb = {"load": _peak_rss_mb()}  # process peak RSS after each phase (MB)
+    refs = None
+    if weightless and config.verify:  # the PyTorch reference needs no graph: run it while tracing
+        import concurrent.futures
+
+        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="trt_sora-reference")
+        refs = pool.submit(_streamed_reference, adapter, source, points, config.dtype.value)
+        pool.shutdown(wait=False)
     with staged_dir(out_dir) as tmp:
         onnx_path = tmp / ONNX_NAME
         t1 = time.perf_counter()
-        try:
-            with torch.no_grad():
-                program = torch.onnx.export(
-                    wrapper, args, dynamo=True, opset_version=config.opset,
-                    input_names=list(adapter.input_names), output_names=list(adapter.output_names),
-                    dynamic_shapes=_dynamic_shapes(adapter, ranges), optimize=True, verbose=False,
-                )
-            program.save(str(onnx_path), external_data=external)
-        except Exception as exc:  # the exporter raises many types; wrap them in one
-            raise ExportError(f"torch.onnx.export failed for {adapter.name} at {point}: "
-                              f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from exc
+        program = tr.trace(adapter, model, point, config, _dynamic_shapes(adapter, ranges), weightless=weightless)
+        seconds["trace"] = round(time.perf_counter() - t1, 2)
+        peak_mb["trace"] = _peak_rss_mb()
+        t1 = time.perf_counter()
+        read = tr.bind_weights(program.model, model, source) if weightless else None
+        opt.optimize(program.model, read=read)
+        opt.canonicalize(program.model)
+        seconds["optimize"] = round(time.perf_counter() - t1, 2)
+        peak_mb["optimize"] = _peak_rss_mb()
+        t1 = time.perf_counter()
+        _save(program.model, onnx_path, external)
         del program
         _rename_dims(onnx_path, adapter)
-        t_export = time.perf_counter() - t1
+        seconds["write"] = round(time.perf_counter() - t1, 2)
+        peak_mb["write"] = _peak_rss_mb()
         import onnx
 
         try:
@@ -173,8 +204,15 @@ def export_onnx(model_ref, config: ExportConfig, out_dir: str | Path, *, model=N
         except onnx.checker.ValidationError as exc:
             raise ExportError(f"onnx.checker rejected the export: {exc}") from None
         parity: list[dict] = []
+        verify_mode = None
         if config.verify:
-            parity = verify_onnx(onnx_path, adapter, model, points, dtype=config.dtype.value)
+            t1 = time.perf_counter()
+            seg = (weightless and pb > WHOLE_GRAPH_VERIFY_BYTES) if segmented is None else segmented
+            verify_mode = "segmented" if seg else "whole-graph"
+            parity = verify_onnx(onnx_path, adapter, model, points, dtype=config.dtype.value, segmented=seg,
+                                 refs=refs.result() if refs is not None else None)
+            seconds["verify"] = round(time.perf_counter() - t1, 2)
+            peak_mb["verify"] = _peak_rss_mb()
             for p in parity:  # max-abs bar scales with the output's magnitude when it exceeds 1
                 p["max_abs_limit"] = config.max_abs * max(1.0, p["ref_max_abs"])
             bad = [p for p in parity if not _passes(p, config)]
@@ -187,6 +225,7 @@ def export_onnx(model_ref, config: ExportConfig, out_dir: str | Path, *, model=N
         outputs = {"onnx": ONNX_NAME}
         if (tmp / (ONNX_NAME + ".data")).exists():
             outputs["external_data"] = ONNX_NAME + ".data"
+        seconds["total"] = round(time.perf_counter() - t0, 2)
         results = {
             "model": adapter.describe(),
             "export_point": point,
@@ -196,35 +235,88 @@ def export_onnx(model_ref, config: ExportConfig, out_dir: str | Path, *, model=N
             "dim_names": {k: {str(a): d for a, d in v.items()} for k, v in adapter.input_dims().items()},
             "external_data": external,
             "param_bytes": pb,
-            "seconds": {"load": round(t_load, 2), "export": round(t_export, 2),
-                        "total": round(time.perf_counter() - t0, 2)},
+            "weights": source.describe() if weightless else "in memory",
+            "verify_mode": verify_mode,
+            "seconds": seconds,
+            "peak_rss_mb": peak_mb,
             "parity": parity,
         }
         manifest = write_manifest(tmp, stage="export", inputs={"model": adapter.describe()}, config=config,
                                   results=results, outputs=outputs)
     out = Path(out_dir)
     manifest["outputs"]["onnx_entry"] = file_entry(out / ONNX_NAME)
+    log.info("export of %s: %s", adapter.name, seconds)
     return ExportResult(out / ONNX_NAME, manifest)
+
+
+def _streamed_reference(adapter, source, points, dtype: str) -> list:
+    """PyTorch outputs at ``points`` (verification inputs) with one block's weights loaded at a time."""
+    from trt_sora.weights.sources import streamed
+
+    with streamed(adapter.load_empty(dtype), source) as model:
+        return reference_outputs(adapter, model, points, dtype)
+
+
+def _peak_rss_mb() -> float:
+    import resource
+
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0, 1)  # Linux: KiB
+
+
+def _save(ir_model, path: Path, external: bool) -> None:
+    """Write the ``onnx_ir`` model; weights (lazy ones read one at a time, two threads materializing them,
+    at most 1 GB in flight) into ``model.onnx.data``. The bytes do not depend on the thread count."""
+    import onnx_ir as ir
+
+    if external:
+        ir.save(ir_model, str(path), external_data=path.name + ".data", max_workers=2)
+    else:
+        ir.save(ir_model, str(path))
 
 
 def _passes(p: dict, config: ExportConfig) -> bool:
     return p["cosine"] >= config.min_cosine and p["max_abs"] <= p["max_abs_limit"]
 
 
-def verify_onnx(onnx_path, adapter, model, points: Sequence[Mapping[str, int]], *, dtype: str = "fp32",
-                session=None) -> list[dict]:
-    """Run PyTorch and ONNX Runtime at each point; return per-point metrics."""
+def _verify_inputs(adapter, point, dtype: str, i: int):
+    return adapter.example_inputs(point, dtype=dtype, seed=1000 + i)
+
+
+def reference_outputs(adapter, model, points: Sequence[Mapping[str, int]], dtype: str = "fp32") -> list:
+    """PyTorch outputs (fp32 numpy) of ``model`` at the verification inputs of ``points``."""
     import torch
 
-    sess = session or ort_session(onnx_path)
     out = []
     for i, point in enumerate(points):
-        inputs = adapter.example_inputs(point, dtype=dtype, seed=1000 + i)
         with torch.no_grad():
-            ref = adapter.forward(model, inputs).float().numpy()
-        feeds = {k: v.numpy() if v.dtype != torch.bfloat16 else v.float().numpy() for k, v in inputs.items()}
-        got = sess.run(None, feeds)[0]
-        m = compare(ref, got)
+            out.append(adapter.forward(model, _verify_inputs(adapter, point, dtype, i)).float().numpy())
+    return out
+
+
+def verify_onnx(onnx_path, adapter, model, points: Sequence[Mapping[str, int]], *, dtype: str = "fp32",
+                session=None, segmented: bool = False, refs: Sequence | None = None) -> list[dict]:
+    """Run PyTorch and ONNX Runtime at each point; return per-point metrics.
+
+    ``segmented``: run the ONNX graph block by block (:func:`trt_sora.export.segments.run_segmented`).
+    ``refs``: the PyTorch outputs, already computed (:func:`reference_outputs`); ``model`` is then unused.
+    """
+    import torch
+
+    refs = list(refs) if refs is not None else reference_outputs(adapter, model, points, dtype)
+    feeds = []
+    for i, point in enumerate(points):
+        inputs = _verify_inputs(adapter, point, dtype, i)
+        feeds.append({k: v.numpy() if v.dtype != torch.bfloat16 else v.float().numpy() for k, v in inputs.items()})
+    if segmented:
+        from trt_sora.export.segments import run_segmented
+
+        got = [o[0] for o in run_segmented(onnx_path, feeds, session_factory=ort_session)]
+    else:
+        sess = session or ort_session(onnx_path)
+        got = [sess.run(None, f)[0] for f in feeds]
+    out = []
+    for point, ref, g in zip(points, refs, got):
+        m = compare(ref, g)
         m["point"] = dict(point)
         m["max_abs_limit"] = None
         out.append(m)

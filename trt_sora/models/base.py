@@ -22,6 +22,7 @@ if TYPE_CHECKING:  # pragma: no cover
 DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 
 
+
 def torch_dtype(name: str):
     """``"fp16"`` -> ``torch.float16`` (also accepts a torch.dtype)."""
     import torch
@@ -64,7 +65,9 @@ class ModelSpec:
         """
         h = hashlib.sha256(json.dumps(dict(self.config), sort_keys=True, default=str).encode())
         if self.source == "random-init":
-            h.update(f"seed={self.seed}".encode())
+            from trt_sora.weights import RANDOM_INIT_VERSION
+
+            h.update(f"seed={self.seed};init={RANDOM_INIT_VERSION}".encode())
         elif self.path:
             for f in sorted(Path(self.path).glob("*.safetensors")) + sorted(Path(self.path).glob("*.bin")):
                 size = f.stat().st_size
@@ -120,6 +123,20 @@ class ModelAdapter(abc.ABC):
     @abc.abstractmethod
     def load(self, dtype: str = "fp32", device: str = "cpu"):
         """The eval-mode ``torch.nn.Module`` in ``dtype`` on ``device``."""
+
+    def load_empty(self, dtype: str = "fp32"):
+        """The module of :meth:`load` with parameters on the meta device (buffers real); see wan.py."""
+        from trt_sora.errors import ModelError
+
+        raise ModelError(f"model family {self.family!r} cannot be loaded without weights yet (streaming export); "
+                         "export it with its weights in memory (export_onnx(..., model=adapter.load()))")
+
+    def weight_source(self):
+        """A :class:`trt_sora.weights.sources.WeightSource` of the model's parameters (state-dict names)."""
+        from trt_sora.errors import ModelError
+
+        raise ModelError(f"model family {self.family!r} has no weight source yet (streaming export); "
+                         "export it with its weights in memory (export_onnx(..., model=adapter.load()))")
 
     # -- inputs ------------------------------------------------------------------------
     @abc.abstractmethod

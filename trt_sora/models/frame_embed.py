@@ -78,6 +78,17 @@ def stored_weight(folder: Path | str) -> torch.Tensor | None:
         return f.get_tensor(PARAM_NAME) if PARAM_NAME in f.keys() else None
 
 
+def stored_weight_shape(folder: Path | str) -> tuple[int, ...] | None:
+    """Shape of the checkpoint's ``frame_weight`` from the safetensors header alone, or None (a stock model)."""
+    from trt_sora.weights.safetensors_io import SafetensorsFile
+
+    path = Path(folder) / "diffusion_pytorch_model.safetensors"
+    if not path.exists():
+        return None
+    entry = SafetensorsFile(path).entries.get(PARAM_NAME)
+    return None if entry is None else entry[1]
+
+
 def load(folder: Path | str, dtype: torch.dtype = torch.float32):
     """``WanTransformer3DModel`` from ``folder`` with its frame embedding, if it has one."""
     import logging

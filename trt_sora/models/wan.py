@@ -167,10 +167,9 @@ class WanAdapter(ModelAdapter):
         return diffusers.WanTransformer3DModel(**cfg)
 
     def load(self, dtype: str = "fp32", device: str = "cpu"):
-        """Load in ``dtype`` on ``device``. Random-init configs are built on the meta device first
-        and materialised straight in the target dtype, so a 14B model never needs fp32 host memory."""
-        import torch
-
+        """Load in ``dtype`` on ``device``. Random-init configs are built on the meta device first and
+        given their per-parameter random weights (:mod:`trt_sora.weights.random_init`) straight in the
+        target dtype, so a 14B model never needs fp32 host memory."""
         tdtype = torch_dtype(dtype)
         if self.spec.source == "checkpoint":
             diffusers = require("diffusers", extra="export")
@@ -183,15 +182,38 @@ class WanAdapter(ModelAdapter):
             except (OSError, ValueError, RuntimeError) as exc:
                 raise ModelError(f"cannot load a Wan transformer from {self.spec.path}: {exc}") from None
             model = model.to(device)
-        else:
-            with torch.device("meta"):
-                model = self._construct()
-            _cast_keep_fp32(model, tdtype)
-            model = model.to_empty(device=device)
-            _init_random(model, self.spec.seed, self.spec.config)
-        # one processor per attention module, so each one's observer hook knows its own site
+            # one processor per attention module, so each one's observer hook knows its own site
+            model.set_attn_processor({name: WanExportAttnProcessor() for name in model.attn_processors})
+            return model.eval().requires_grad_(False)
+        from trt_sora.weights.sources import materialize
+
+        model = self.load_empty(dtype)
+        return materialize(model, self.weight_source(), device).to(device)
+
+    def load_empty(self, dtype: str = "fp32"):
+        """The module :meth:`load` returns (same classes, dtypes, processors), with every parameter on the
+        meta device and buffers (RoPE tables) real: for tracing without weights and streamed loading."""
+        require("accelerate", extra="export")
+        from accelerate import init_empty_weights
+
+        with init_empty_weights(include_buffers=False):
+            model = self._construct()
+        if self.spec.source == "checkpoint":
+            from trt_sora.models import frame_embed
+
+            if frame_embed.stored_weight_shape(self.spec.path) is not None:
+                frame_embed.attach(model)
+        _cast_keep_fp32(model, torch_dtype(dtype))
         model.set_attn_processor({name: WanExportAttnProcessor() for name in model.attn_processors})
         return model.eval().requires_grad_(False)
+
+    def weight_source(self):
+        """The weights, one tensor at a time: the checkpoint's safetensors, or the random init of the config."""
+        from trt_sora.weights.sources import CheckpointSource, RandomInitSource
+
+        if self.spec.source == "checkpoint":
+            return CheckpointSource(self.spec.path)
+        return RandomInitSource(self.load_empty("fp32"), self.spec.seed, _random_rule)
 
     def input_dims(self) -> dict[str, dict[int, str]]:
         return {
@@ -321,45 +343,18 @@ def _cast_keep_fp32(model, dtype) -> None:
             b.data = b.data.to(dtype)
 
 
-def _init_random(model, seed: int, config: Mapping[str, Any]) -> None:
-    """Deterministic init after ``to_empty``: each module's own ``reset_parameters``, diffusers'
-    ``randn / sqrt(dim)`` for the AdaLN tables, and RoPE tables recomputed (non-persistent buffers).
+def _random_rule(name: str, shape: tuple, g):
+    """Random init of Wan's own parameters: diffusers' ``randn / sqrt(dim)`` for the AdaLN tables.
 
-    The random numbers are always drawn on the CPU (one module at a time, then copied to the
-    model's device), so the same config and seed give the same weights on every device: a GPU
-    backend checked against a CPU reference runs the same model, and a 14B model never needs a
-    host copy of more than one module."""
-    import torch
-    from diffusers.models.transformers.transformer_wan import WanRotaryPosEmbed
-
-    device = next(model.parameters()).device
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        with torch.no_grad():
-            for m in model.modules():
-                if hasattr(m, "reset_parameters") and m is not model:
-                    _reset_on_cpu(m, device)
-            for name, p in model.named_parameters():
-                if name.endswith("scale_shift_table"):
-                    p.copy_(torch.randn(p.shape, dtype=torch.float32) / p.shape[-1] ** 0.5)
-    fresh = WanRotaryPosEmbed(config["attention_head_dim"], tuple(config["patch_size"]), config["rope_max_seq_len"])
-    model.rope.freqs_cos = fresh.freqs_cos.to(device)
-    model.rope.freqs_sin = fresh.freqs_sin.to(device)
-
-
-def _reset_on_cpu(module, device) -> None:
-    """``module.reset_parameters()`` with its own parameters on the CPU, then moved back to ``device``."""
+    Every other parameter gets its module's ``reset_parameters`` distribution, drawn per parameter
+    on the CPU (:mod:`trt_sora.weights.random_init`): the same config and seed give the same weights
+    on every device and in any loading order, and a 14B model never needs more than one parameter
+    in host memory."""
     import torch
 
-    own = dict(module.named_parameters(recurse=False))
-    if device.type == "cpu" or not own:
-        module.reset_parameters()
-        return
-    for p in own.values():
-        p.data = torch.empty(p.shape, dtype=p.dtype)
-    module.reset_parameters()
-    for p in own.values():
-        p.data = p.data.to(device)
+    if name.endswith("scale_shift_table"):
+        return torch.randn(shape, generator=g, dtype=torch.float32) / shape[-1] ** 0.5
+    return None
 
 
 def spec_from_folder(ref: str, folder: Path) -> ModelSpec | None:

@@ -1,0 +1,266 @@
+"""Where a model's weights come from, one tensor at a time.
+
+A :class:`WeightSource` maps state-dict names (``blocks.0.attn1.to_q.weight``) to
+tensors, reading or generating each on request, so no stage needs the whole
+model in memory:
+
+* :class:`CheckpointSource`: a diffusers folder of ``*.safetensors`` files
+  (single file or shards with an index), read with plain file I/O;
+* :class:`RandomInitSource`: a named architecture's deterministic random weights
+  (:mod:`~trt_sora.weights.random_init`), drawn per parameter;
+* :class:`StateDictSource`: tensors already in memory (tests, small models).
+
+:func:`materialize` fills an empty (meta-parameter) model from a source;
+:func:`streamed` runs an empty model's forward with one block's weights resident
+at a time.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from pathlib import Path
+from typing import Iterator, Mapping
+
+import torch
+from torch import nn
+
+from trt_sora.errors import ModelError
+from trt_sora.weights.random_init import FamilyRule, init_parameter, owners
+from trt_sora.weights.safetensors_io import SafetensorsFile
+
+log = logging.getLogger("trt_sora")
+
+
+class WeightSource:
+    """``names()``, ``shape(name)``, ``dtype(name)``, ``get(name) -> torch.Tensor`` (a fresh CPU tensor)."""
+
+    def names(self) -> list[str]:
+        raise NotImplementedError
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def dtype(self, name: str) -> torch.dtype:
+        raise NotImplementedError
+
+    def get(self, name: str) -> torch.Tensor:
+        raise NotImplementedError
+
+    def __contains__(self, name: str) -> bool:
+        return name in set(self.names())
+
+    def describe(self) -> str:
+        return type(self).__name__
+
+
+class CheckpointSource(WeightSource):
+    """The ``*.safetensors`` of a diffusers model folder (``config.json`` beside them).
+
+    Sharded checkpoints are read through ``*.safetensors.index.json`` when present,
+    else every ``*.safetensors`` file in the folder is indexed; a name in two files
+    is an error.
+    """
+
+    def __init__(self, folder: str | Path):
+        self.folder = Path(folder)
+        files = sorted(self.folder.glob("*.safetensors"))
+        if not files:
+            raise ModelError(f"{self.folder} has no *.safetensors weight files; trt_sora streams weights from "
+                             "safetensors only (convert .bin checkpoints with diffusers' save_pretrained)")
+        self._files = {f.name: SafetensorsFile(f) for f in files}
+        self._where: dict[str, SafetensorsFile] = {}
+        for f in self._files.values():
+            for name in f.entries:
+                if name in self._where:
+                    raise ModelError(f"{self.folder}: tensor {name!r} is in both {self._where[name].path.name} and "
+                                     f"{f.path.name}; remove the stale file")
+                self._where[name] = f
+        for index in self.folder.glob("*.safetensors.index.json"):
+            try:
+                wmap = json.loads(index.read_text())["weight_map"]
+            except (OSError, KeyError, json.JSONDecodeError) as exc:
+                raise ModelError(f"{index} is not a valid safetensors index ({exc}); re-save the checkpoint") from None
+            missing = sorted(set(wmap) - set(self._where))
+            if missing:
+                raise ModelError(f"{index} lists {missing[0]!r} (+{len(missing) - 1} more) but no shard holds it; "
+                                 "the checkpoint is incomplete - re-download it")
+
+    def names(self) -> list[str]:
+        return list(self._where)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._where[name].entries[name][1]
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self._where[name].entries[name][0]
+
+    def get(self, name: str) -> torch.Tensor:
+        f = self._where.get(name)
+        if f is None:
+            raise ModelError(f"checkpoint {self.folder} has no tensor {name!r}; it does not match the model config")
+        return f.read(name)
+
+    def describe(self) -> str:
+        return f"checkpoint {self.folder}"
+
+
+class RandomInitSource(WeightSource):
+    """Deterministic per-parameter random weights of ``model``'s architecture (fp32).
+
+    Args:
+        model: the architecture (parameters may be on the meta device).
+        seed: model seed.
+        family_rule: init for parameters that are not Linear/Conv/norm weights (see random_init).
+    """
+
+    def __init__(self, model: nn.Module, seed: int, family_rule: FamilyRule | None = None):
+        self._owners = owners(model)
+        self._shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+        self.seed = int(seed)
+        self.family_rule = family_rule
+
+    def names(self) -> list[str]:
+        return list(self._shapes)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._shapes
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._shapes[name]
+
+    def dtype(self, name: str) -> torch.dtype:
+        return torch.float32
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self._owners:
+            raise ModelError(f"the architecture has no parameter {name!r}")
+        mod, attr = self._owners[name]
+        return init_parameter(mod, attr, name, self._shapes[name], self.seed, self.family_rule)
+
+    def describe(self) -> str:
+        return f"random init (seed {self.seed})"
+
+
+class StateDictSource(WeightSource):
+    """Tensors in memory (``{name: tensor}``)."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor]):
+        self._t = dict(tensors)
+
+    def names(self) -> list[str]:
+        return list(self._t)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._t
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._t[name].shape)
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self._t[name].dtype
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._t[name].detach().clone()
+
+
+def check_covers(model: nn.Module, source: WeightSource, *, optional: Mapping[str, str] | None = None) -> None:
+    """Every parameter of ``model`` is in ``source`` with its shape; raise ModelError naming the first that is not.
+
+    ``optional``: ``{name: reason}`` parameters a checkpoint may lack (left at their empty-model value).
+    """
+    optional = optional or {}
+    for name, p in model.named_parameters():
+        if name not in source:
+            if name in optional:
+                continue
+            raise ModelError(f"{source.describe()} has no tensor {name!r}; the checkpoint does not match the model "
+                             "config (wrong folder, or an incomplete download)")
+        if tuple(source.shape(name)) != tuple(p.shape):
+            raise ModelError(f"{source.describe()}: {name!r} has shape {tuple(source.shape(name))} but the model "
+                             f"config expects {tuple(p.shape)}; the config.json and the weights disagree")
+
+
+def read_as(source: WeightSource, name: str, dtype: torch.dtype) -> torch.Tensor:
+    """``source.get(name)`` in ``dtype``."""
+    t = source.get(name)
+    return t if t.dtype == dtype else t.to(dtype)
+
+
+def _set_param(module: nn.Module, attr: str, value: torch.Tensor) -> None:
+    module._parameters[attr] = nn.Parameter(value, requires_grad=False)
+
+
+def materialize(model: nn.Module, source: WeightSource, device: str | torch.device = "cpu",
+                names: set[str] | None = None) -> nn.Module:
+    """Give ``model``'s (meta) parameters real values from ``source``, each in the dtype it has in ``model``.
+
+    ``names``: only these parameters (default: all). Buffers are left as they are.
+    """
+    for name, (mod, attr) in owners(model).items():
+        if names is not None and name not in names:
+            continue
+        p = mod._parameters[attr]
+        _set_param(mod, attr, read_as(source, name, p.dtype).to(device))
+    return model
+
+
+def _release(module: nn.Module) -> None:
+    for mod in module.modules():
+        for attr, p in list(mod._parameters.items()):
+            if p is not None and p.device.type != "meta":
+                _set_param(mod, attr, torch.empty_like(p, device="meta"))
+
+
+def units(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The modules :func:`streamed` loads one at a time: every child, each element of a ModuleList child."""
+    out = []
+    for name, child in model.named_children():
+        if isinstance(child, nn.ModuleList):
+            out += [(f"{name}.{i}", m) for i, m in enumerate(child)]
+        else:
+            out.append((name, child))
+    return out
+
+
+@contextlib.contextmanager
+def streamed(model: nn.Module, source: WeightSource, device: str | torch.device = "cpu") -> Iterator[nn.Module]:
+    """Run ``model`` (meta parameters) with each unit's weights read from ``source`` just before its forward
+    and dropped after it. Parameters owned by ``model`` itself stay loaded for the duration.
+
+    Peak memory: the largest unit (Wan 14B fp32: one block, ~1.4 GB) plus activations.
+    Every parameter must be used inside its unit's forward (true for diffusers' Wan).
+    """
+    prefix = {id(m): name for name, m in units(model)}
+    own = {n for n, _ in model.named_parameters(recurse=False)}
+    materialize(model, source, device, names=own)
+    handles = []
+
+    def load(mod, _args):
+        p = prefix[id(mod)]
+        materialize(mod, _Prefixed(source, p + "."), device)
+
+    for _, m in units(model):
+        handles.append(m.register_forward_pre_hook(load))
+        handles.append(m.register_forward_hook(lambda mod, _a, _o: _release(mod)))
+    try:
+        yield model
+    finally:
+        for h in handles:
+            h.remove()
+        for _, m in units(model):
+            _release(m)
+        for name in own:
+            mod, attr = owners(model)[name]
+            _set_param(mod, attr, torch.empty_like(mod._parameters[attr], device="meta"))
+
+
+class _Prefixed(WeightSource):
+    def __init__(self, inner: WeightSource, prefix: str):
+        self.inner, self.prefix = inner, prefix
+
+    def get(self, name: str) -> torch.Tensor:
+        return self.inner.get(self.prefix + name)
