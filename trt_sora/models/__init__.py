@@ -87,7 +87,8 @@ def get_adapter(ref: str | ModelSpec) -> ModelAdapter:
 def adapter_for_manifest(entry: dict) -> ModelAdapter:
     """The adapter for an export manifest's ``results.model`` entry: its registry name when that is
     registered (so a named checkpoint such as ``wan-shapes`` keeps its own buckets, text encoder and
-    defaults), else its checkpoint folder, else its ref."""
+    defaults), else its checkpoint folder, else its recorded family + config (an unregistered random-init
+    architecture), else its ref."""
     ref = entry.get("ref")
     if ref in _named():
         return get_adapter(ref)
@@ -100,6 +101,10 @@ def adapter_for_manifest(entry: dict) -> ModelAdapter:
             if entry["family"] == "wan":
                 return get_adapter(wan.spec_from_record(entry))
         return get_adapter(entry["path"])
+    if entry.get("source") == "random-init" and entry.get("config") and entry.get("family") and ref not in _named():
+        # an unregistered architecture built from a config (tests, sweeps): the config answers the facts
+        return get_adapter(ModelSpec(ref=ref or "model", family=entry["family"], source="random-init",
+                                     config=dict(entry["config"]), text_encoder="hash"))
     return get_adapter(ref)
 
 

@@ -118,7 +118,7 @@ def quantize_onnx(onnx_path: str | os.PathLike, stats, config: QuantConfig, out_
     onnx = require("onnx", extra="export")
     gs = require("onnx_graphsurgeon", extra="export")
     from trt_sora.quantize import dtype as dtype_mod
-    from trt_sora.quantize import fuse_qkv, qdq
+    from trt_sora.quantize import fuse_qkv, qdq, tensors
     from trt_sora.site_policy import site_policy
     from trt_sora.quantize.sites import find_attentions, find_linears, node_scopes
 
@@ -153,7 +153,8 @@ def quantize_onnx(onnx_path: str | os.PathLike, stats, config: QuantConfig, out_
                                 f"head_dim {hd}; set quantization.fp8_attention: false")
 
     # -- graph ------------------------------------------------------------------------------------
-    model = load_onnx(verified_input(onnx_path), fix="re-run `trt-sora export`")
+    # weights stay in the file until the writer computes each output tensor (quantize.tensors)
+    model = load_onnx(verified_input(onnx_path), load_external_data=False, fix="re-run `trt-sora export`")
     scopes = node_scopes(model)
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
     if fmt is not QuantFormat.NONE and opset < 19:
@@ -165,6 +166,7 @@ def quantize_onnx(onnx_path: str | os.PathLike, stats, config: QuantConfig, out_
         log.warning("ONNX shape inference failed (%s); continuing", exc)
     graph = gs.import_onnx(model)
     del model
+    tensors.make_lazy(graph, onnx_path.parent)
     linears = find_linears(graph, scopes)
     if not linears:
         raise QuantizeError(f"{onnx_path} has no matchable linear (MatMul/Gemm with a constant weight and a recorded "
@@ -241,7 +243,6 @@ def quantize_onnx(onnx_path: str | os.PathLike, stats, config: QuantConfig, out_
 
     # -- graph dtype + Q/DQ -----------------------------------------------------------------------
     quantized = [s for s in linears if decisions[s][0]]
-    w_fp32 = {s: np.asarray(linears[s].weight.values, dtype=np.float32) for s in quantized}
     dcounts = dtype_mod.convert_graph_dtype(graph, gdt, skip_constants={linears[s].weight.name for s in quantized})
     low = dtype_mod.np_dtype(gdt)
     by_tensor: dict[str, list[str]] = {}
@@ -258,11 +259,10 @@ def quantize_onnx(onnx_path: str | os.PathLike, stats, config: QuantConfig, out_
                        "scale": float(np.asarray(scale, dtype=np.float32)), "shared_with": [x for x in sites if x != s]}
     for s in quantized:
         lin = linears[s]
-        w = w_fp32[s]
         wa = w_amax_stats.get(s)
-        if wa is None:
-            wa = np.abs(w).max(axis=1 - lin.weight_axis).astype(np.float32)
-        info[s].update(qdq.quantize_linear_weight(graph, lin, w, wa, fmt, gdt))
+        if wa is None:  # one read of the weight, now (the quantized values are computed on write)
+            wa = np.abs(tensors.values(lin.weight).astype(np.float32)).max(axis=1 - lin.weight_axis)
+        info[s].update(qdq.quantize_linear_weight(graph, lin, wa.astype(np.float32), fmt, gdt))
         info[s]["weight_amax_source"] = "stats" if s in w_amax_stats else "weight"
     att_info = {}
     if config.fp8_attention:
@@ -270,11 +270,6 @@ def quantize_onnx(onnx_path: str | os.PathLike, stats, config: QuantConfig, out_
             att_info[mod] = qdq.insert_attention_qdq(graph, att, att_amax[f"{mod}.q"], att_amax[f"{mod}.k"],
                                                      att_amax[f"{mod}.v"], gdt)
     graph.cleanup().toposort()
-    out_model = gs.export_onnx(graph, do_type_check=True)
-    del graph
-    out_model.ir_version = max(out_model.ir_version, 9)
-    if not any(o.domain in ("", "ai.onnx") for o in out_model.opset_import):
-        out_model.opset_import.append(onnx.helper.make_opsetid("", opset))
 
     # -- map --------------------------------------------------------------------------------------
     for s, lin in linears.items():
@@ -304,11 +299,9 @@ def quantize_onnx(onnx_path: str | os.PathLike, stats, config: QuantConfig, out_
         "attention_quantizers": sum(len(d) for d in att_info.values()),
         **dcounts,
     }
-    graph_io = {"inputs": {i.name: _elem_name(i.type.tensor_type.elem_type) for i in out_model.graph.input},
-                "outputs": {o.name: _elem_name(o.type.tensor_type.elem_type) for o in out_model.graph.output}}
 
     # -- write ------------------------------------------------------------------------------------
-    size = out_model.ByteSize()
+    size = tensors.constant_bytes(graph)
     external = {ExternalData.ALWAYS: True, ExternalData.NEVER: False}.get(config.external_data, size > PROTOBUF_LIMIT)
     if not external and size > PROTOBUF_LIMIT:
         raise QuantizeError(f"the Q/DQ model is {size / 1e9:.1f} GB, over protobuf's 2 GB limit; set "
@@ -320,11 +313,10 @@ def quantize_onnx(onnx_path: str | os.PathLike, stats, config: QuantConfig, out_
         inputs["stats"] = {"path": None, "sha256": None, "note": "CalibStats object passed in memory"}
     with staged_dir(out_dir) as tmp:
         path = tmp / QDQ_NAME
-        if external:
-            onnx.save_model(out_model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-                            location=QDQ_NAME + ".data", size_threshold=1024)
-        else:
-            onnx.save_model(out_model, str(path))
+        out_model = tensors.write_model(graph, path, external=external, opset=opset)
+        del graph
+        graph_io = {"inputs": {i.name: _elem_name(i.type.tensor_type.elem_type) for i in out_model.graph.input},
+                    "outputs": {o.name: _elem_name(o.type.tensor_type.elem_type) for o in out_model.graph.output}}
         try:
             onnx.checker.check_model(str(path))
         except onnx.checker.ValidationError as exc:

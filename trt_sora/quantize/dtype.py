@@ -20,6 +20,7 @@ import logging
 import numpy as np
 
 from trt_sora.config.recipe import DType
+from trt_sora.quantize import tensors
 
 log = logging.getLogger("trt_sora")
 
@@ -92,7 +93,7 @@ def convert_graph_dtype(graph, dtype: DType, *, fp32_inputs: tuple[str, ...] = (
             key = (t.name, want)
             if key not in const_cache:
                 c = gs.Constant(t.name if want == "low" else f"{t.name}__fp32",
-                                np.asarray(t.values).astype(target))
+                                tensors.of(t).astype(target))  # cast when written
                 const_cache[key] = c
             return const_cache[key]
         have = "low" if kind.get(t.name) == "low" else "f32"

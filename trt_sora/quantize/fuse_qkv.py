@@ -11,6 +11,7 @@ import logging
 
 import numpy as np
 
+from trt_sora.quantize import tensors
 from trt_sora.quantize.sites import Linear
 
 log = logging.getLogger("trt_sora")
@@ -35,7 +36,7 @@ def plan_groups(linears: dict[str, Linear], decide, groups) -> list[tuple[str, l
                 continue
             if any(l.node.op != "MatMul" or l.weight_axis != 1 for l in lins):
                 continue
-            if len({l.weight.values.shape[0] for l in lins}) != 1 or len({l.bias_node is None for l in lins}) != 1:
+            if len({l.weight.shape[0] for l in lins}) != 1 or len({l.bias_node is None for l in lins}) != 1:
                 continue
             if len({bool(decide(m)) for m in members}) != 1:
                 log.info("not fusing %s: its members are not all quantized alike", members)
@@ -55,7 +56,7 @@ def fuse_group(graph, linears: dict[str, Linear], fused_site: str, members: list
 
     lins = [linears[m] for m in members]
     x = lins[0].input
-    w = np.concatenate([np.asarray(l.weight.values) for l in lins], axis=1)
+    w = tensors.concat([tensors.of(l.weight) for l in lins], 1, f"{fused_site}.weight")  # computed on write
     widths = [l.out_features for l in lins]
     outs = [(l.bias_node or l.node).outputs[0] for l in lins]
     wc = gs.Constant(f"{fused_site}.weight", w)
@@ -65,8 +66,8 @@ def fuse_group(graph, linears: dict[str, Linear], fused_site: str, members: list
     bias_node = None
     y = mm_out
     if lins[0].bias_node is not None:
-        b = np.concatenate([np.asarray(next(t for t in l.bias_node.inputs if isinstance(t, gs.Constant)).values)
-                            for l in lins])
+        b = tensors.concat([tensors.of(next(t for t in l.bias_node.inputs if isinstance(t, gs.Constant)))
+                            for l in lins], 0, f"{fused_site}.bias")
         y = gs.Variable(f"{fused_site}__biased", dtype=outs[0].dtype)
         bias_node = gs.Node("Add", name=f"{fused_site}__Add", inputs=[mm_out, gs.Constant(f"{fused_site}.bias", b)],
                             outputs=[y])

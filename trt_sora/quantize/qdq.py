@@ -103,17 +103,23 @@ def insert_activation_qdq(graph, tensor, consumers: list, scale: np.ndarray, fmt
     return dq
 
 
-def quantize_linear_weight(graph, lin: Linear, w_fp32: np.ndarray, w_amax: np.ndarray, fmt: QuantFormat,
-                           dtype: DType) -> dict:
-    """Replace ``lin``'s weight by quantized values + per-channel DequantizeLinear; returns map info."""
+def quantize_linear_weight(graph, lin: Linear, w_amax: np.ndarray, fmt: QuantFormat, dtype: DType) -> dict:
+    """Replace ``lin``'s weight by quantized values + per-channel DequantizeLinear; returns map info.
+
+    The quantized weight is computed from the (fp32) weight when the file is written
+    (:mod:`trt_sora.quantize.tensors`), one weight at a time."""
     import onnx_graphsurgeon as gs
 
+    from trt_sora.quantize import tensors
+
     scale = stored_scale(w_amax, fmt, dtype, f"site {lin.site!r} weight")
-    wq = quantize_weight(w_fp32, scale.astype(np.float32), lin.weight_axis, fmt)
+    s32, axis = scale.astype(np.float32), lin.weight_axis
+    w = tensors.of(lin.weight).astype(np.float32)
+    wq = w.map(lambda v: quantize_weight(v, s32, axis, fmt), _quant_np(fmt), f"{lin.site}.weight_quantized")
     qc = gs.Constant(f"{lin.site}.weight_quantized", wq)
     sc = gs.Constant(f"{lin.site}.weight_scale", scale)
     zp = gs.Constant(f"{lin.site}.weight_zp", zero_point(fmt, scale.shape[0]))
-    out = gs.Variable(f"{lin.site}.weight_dq", dtype=np_dtype(dtype), shape=list(w_fp32.shape))
+    out = gs.Variable(f"{lin.site}.weight_dq", dtype=np_dtype(dtype), shape=list(w.shape))
     graph.nodes.append(gs.Node("DequantizeLinear", name=f"{lin.site}__weight_DQ", inputs=[qc, sc, zp],
                                outputs=[out], attrs={"axis": lin.weight_axis}))
     lin.node.inputs[1] = out

@@ -12,7 +12,10 @@ import dataclasses
 from typing import Any
 
 from trt_sora import onnx_tools
+import numpy as np
+
 from trt_sora.errors import QuantizeError
+from trt_sora.quantize import tensors
 
 SCOPES_KEY, WRAPPER_PREFIX = onnx_tools.SCOPES_KEY, onnx_tools.WRAPPER_PREFIX
 node_scopes, module_path = onnx_tools.node_scopes, onnx_tools.module_path  # the one scope parser
@@ -44,7 +47,7 @@ class Linear:
 
     @property
     def out_features(self) -> int:
-        return int(self.weight.values.shape[self.weight_axis])
+        return int(self.weight.shape[self.weight_axis])
 
 
 def _is_const(t) -> bool:
@@ -80,8 +83,8 @@ def find_linears(graph, scopes: dict[str, list[str]], *, prefix: str = WRAPPER_P
             outs = node.outputs[0].outputs
             if len(outs) == 1 and outs[0].op == "Add":
                 other = [t for t in outs[0].inputs if t is not node.outputs[0]]
-                if len(other) == 1 and _is_const(other[0]) and other[0].values.ndim == 1 \
-                        and other[0].values.shape[0] == w.shape[1]:
+                if len(other) == 1 and _is_const(other[0]) and len(other[0].shape) == 1 \
+                        and other[0].shape[0] == w.shape[1]:
                     bias = outs[0]
         found.setdefault(site, []).append(Linear(site, node, w, axis, bias))
     out = {}
@@ -134,8 +137,8 @@ def find_attentions(graph, scopes: dict[str, list[str]], *, prefix: str = WRAPPE
             prod = t.inputs[0] if t.inputs else None
             if prod is not None and prod.op == "Mul":
                 c = [x for x in prod.inputs if _is_const(x)]
-                if len(c) == 1 and c[0].values.size == 1:
-                    setattr(att, attr, float(abs(c[0].values.reshape(()))))
+                if len(c) == 1 and int(np.prod(c[0].shape)) == 1:
+                    setattr(att, attr, float(abs(tensors.values(c[0]).reshape(()))))
         if mod in out:
             raise QuantizeError(f"attention module {mod!r} has several softmax nodes; fp8_attention cannot "
                                 "place its scales; turn quantization.fp8_attention off")
