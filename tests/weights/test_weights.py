@@ -116,3 +116,25 @@ def test_streamed_forward_equals_loaded(tiny_adapter, tiny_model, tiny_points):
     torch.testing.assert_close(got, tiny_adapter.forward(tiny_model, x), rtol=0, atol=0)
     assert sorted(loads) == sorted(n for n, _ in empty.named_parameters())  # each weight read once
     assert all(p.device.type == "meta" for p in empty.parameters())  # and dropped afterwards
+
+
+def test_lockstep_reads_each_weight_once_for_every_input(tiny_adapter, tiny_model, tiny_points):
+    from trt_sora.weights.sources import run_lockstep
+
+    src = tiny_adapter.weight_source()
+    loads = []
+
+    class Counting(StateDictSource):
+        def get(self, name):
+            loads.append(name)
+            return src.get(name)
+
+    empty = tiny_adapter.load_empty()
+    xs = [tiny_adapter.example_inputs(p, seed=i) for i, p in enumerate(tiny_points)]
+    with streamed(empty, Counting({n: None for n, _ in empty.named_parameters()}), concurrent=len(xs)) as m:
+        with torch.no_grad():
+            outs = run_lockstep(m, [lambda x=x: tiny_adapter.forward(m, x) for x in xs])
+    assert len(loads) == len(list(empty.parameters()))  # one pass for three inputs of three shapes
+    with torch.no_grad():
+        for x, y in zip(xs, outs):
+            torch.testing.assert_close(y, tiny_adapter.forward(tiny_model, x), rtol=0, atol=0)

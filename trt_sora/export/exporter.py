@@ -251,10 +251,13 @@ def export_onnx(model_ref, config: ExportConfig, out_dir: str | Path, *, model=N
 
 def _streamed_reference(adapter, source, points, dtype: str) -> list:
     """PyTorch outputs at ``points`` (verification inputs) with one block's weights loaded at a time."""
-    from trt_sora.weights.sources import streamed
+    from trt_sora.weights.sources import run_lockstep, streamed
 
-    with streamed(adapter.load_empty(dtype), source) as model:
-        return reference_outputs(adapter, model, points, dtype)
+    # all points in lockstep threads: each block's weights are read (or drawn) once for every point
+    with streamed(adapter.load_empty(dtype), source, concurrent=len(points)) as model:
+        fns = [lambda i=i, p=p: reference_outputs(adapter, model, [p], dtype, first_index=i)[0]
+               for i, p in enumerate(points)]
+        return run_lockstep(model, fns)
 
 
 def _peak_rss_mb() -> float:
@@ -282,12 +285,14 @@ def _verify_inputs(adapter, point, dtype: str, i: int):
     return adapter.example_inputs(point, dtype=dtype, seed=1000 + i)
 
 
-def reference_outputs(adapter, model, points: Sequence[Mapping[str, int]], dtype: str = "fp32") -> list:
-    """PyTorch outputs (fp32 numpy) of ``model`` at the verification inputs of ``points``."""
+def reference_outputs(adapter, model, points: Sequence[Mapping[str, int]], dtype: str = "fp32", *,
+                      first_index: int = 0) -> list:
+    """PyTorch outputs (fp32 numpy) of ``model`` at the verification inputs of ``points``
+    (``first_index``: index of ``points[0]`` in the export's verification list; it seeds the inputs)."""
     import torch
 
     out = []
-    for i, point in enumerate(points):
+    for i, point in enumerate(points, start=first_index):
         with torch.no_grad():
             out.append(adapter.forward(model, _verify_inputs(adapter, point, dtype, i)).float().numpy())
     return out

@@ -227,28 +227,49 @@ def units(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 @contextlib.contextmanager
-def streamed(model: nn.Module, source: WeightSource, device: str | torch.device = "cpu") -> Iterator[nn.Module]:
+def streamed(model: nn.Module, source: WeightSource, device: str | torch.device = "cpu", *,
+             concurrent: int = 1) -> Iterator[nn.Module]:
     """Run ``model`` (meta parameters) with each unit's weights read from ``source`` just before its forward
     and dropped after it. Parameters owned by ``model`` itself stay loaded for the duration.
+
+    ``concurrent``: that many threads run forwards of ``model`` at once, in lockstep: each unit's weights
+    are read once for all of them (a barrier before and after every unit), so checking N inputs costs
+    one pass over the weights (see :func:`run_lockstep`). Every thread must run the same units in the
+    same order (one model, one code path: true for diffusers' Wan at any input shape).
 
     Peak memory: the largest unit (Wan 14B fp32: one block, ~1.4 GB) plus activations.
     Every parameter must be used inside its unit's forward (true for diffusers' Wan).
     """
+    import threading
+
     prefix = {id(m): name for name, m in units(model)}
     own = {n for n, _ in model.named_parameters(recurse=False)}
     materialize(model, source, device, names=own)
     handles = []
+    pending: list = [None]
+    barrier = threading.Barrier(concurrent, action=lambda: pending[0]()) if concurrent > 1 else None
+
+    def run_once(fn) -> None:
+        if barrier is None:
+            fn()
+        else:  # every thread arrives with the same unit; the barrier's action runs fn once
+            pending[0] = fn
+            barrier.wait()
 
     def load(mod, _args):
-        p = prefix[id(mod)]
-        materialize(mod, _Prefixed(source, p + "."), device)
+        run_once(lambda: materialize(mod, _Prefixed(source, prefix[id(mod)] + "."), device))
+
+    def release(mod, _args, _out):
+        run_once(lambda: _release(mod))
 
     for _, m in units(model):
         handles.append(m.register_forward_pre_hook(load))
-        handles.append(m.register_forward_hook(lambda mod, _a, _o: _release(mod)))
+        handles.append(m.register_forward_hook(release))
+    model._trt_sora_barrier = barrier
     try:
         yield model
     finally:
+        del model._trt_sora_barrier
         for h in handles:
             h.remove()
         for _, m in units(model):
@@ -256,6 +277,33 @@ def streamed(model: nn.Module, source: WeightSource, device: str | torch.device 
         for name in own:
             mod, attr = owners(model)[name]
             _set_param(mod, attr, torch.empty_like(mod._parameters[attr], device="meta"))
+
+
+def run_lockstep(model: nn.Module, fns: list) -> list:
+    """Call every ``fn()`` (each runs one forward of ``model``) in its own thread inside
+    ``streamed(model, ..., concurrent=len(fns))``; returns their results in order. If one fails, the
+    barrier is broken so the others stop too, and the first error is raised."""
+    import concurrent.futures
+
+    barrier = getattr(model, "_trt_sora_barrier", None)
+    if barrier is None:
+        return [fn() for fn in fns]
+
+    def guarded(fn):
+        try:
+            return fn()
+        except BaseException:
+            barrier.abort()
+            raise
+
+    with concurrent.futures.ThreadPoolExecutor(len(fns), thread_name_prefix="trt_sora-lockstep") as pool:
+        futures = [pool.submit(guarded, fn) for fn in fns]
+        concurrent.futures.wait(futures)
+    errors = [f.exception() for f in futures if f.exception() is not None]
+    real = [e for e in errors if not isinstance(e, __import__("threading").BrokenBarrierError)]
+    if errors:
+        raise (real or errors)[0]
+    return [f.result() for f in futures]
 
 
 class _Prefixed(WeightSource):
