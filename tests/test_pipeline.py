@@ -109,3 +109,20 @@ def test_unquantized_recipe_skips_calibration_and_casts_the_graph(first_run, tmp
     assert not [n for n in model.graph.node if n.op_type in ("QuantizeLinear", "DequantizeLinear")]
     types = {i.name: i.type.tensor_type.elem_type for i in model.graph.input}
     assert types["hidden_states"] == onnx.TensorProto.BFLOAT16 and types["timestep"] == onnx.TensorProto.FLOAT
+
+
+@pytest.mark.slow
+def test_two_calibration_shards_give_the_same_quantized_graph(first_run, tmp_path):
+    """`trt-sora engine --calib-shards 2`: two shards merged exactly -> the same stats, so the same Q/DQ
+    graph, byte for byte, as the one-pass run."""
+    pipe, _ = first_run
+    seen = []
+    two = EnginePipeline(pipe.recipe, "wan-tiny", tmp_path, progress=seen.append, calib_shards=2)
+    two.run(("export", "calibrate", "quantize"))
+    assert "2 shards merged" in seen[1].detail
+    for name in ("model.qdq.onnx", "model.qdq.onnx.data"):
+        a, b = pipe.folder("quantize") / name, two.folder("quantize") / name
+        assert a.exists() == b.exists()
+        if a.exists():
+            assert a.read_bytes() == b.read_bytes(), name
+    assert (two.folder("calibrate").parent / "calib.shards" / "shard-1-of-2" / "stats.safetensors").is_file()

@@ -73,7 +73,7 @@ class EnginePipeline:
 
     def __init__(self, recipe: Recipe | str, model: str | None = None, out_root: str | Path = "build", *,
                  force: bool = False, progress: Callable[[StageOutcome], None] | None = None,
-                 on_wait: Callable[[str], None] | None = None):
+                 on_wait: Callable[[str], None] | None = None, calib_shards: int = 1):
         from trt_sora.models import get_adapter
 
         self.recipe = load_recipe(recipe) if isinstance(recipe, str) else recipe
@@ -83,6 +83,7 @@ class EnginePipeline:
         self.force = force
         self.progress = progress or (lambda o: None)
         self.on_wait = on_wait
+        self.calib_shards = int(calib_shards)  # calibrate as N shards + exact merge (same stats as one pass)
         self._model = None
         self.state_path = self.run_dir / STATE
         self.state = self._read_state()
@@ -215,10 +216,16 @@ class EnginePipeline:
         from trt_sora.calibrate.run import calibrate
 
         def go():
-            res = calibrate(self.adapter, self.recipe.calibration, self.folder("calibrate"), model=self.model,
-                            preset=load_preset(self.calib_preset_name), quant_format=self.recipe.quantization.format,
-                            quant_config=self.recipe.quantization)
-            return f"{len(res.stats.sites)} sites -> {res.stats_path.name}"
+            from trt_sora.calibrate.shards import shard_folder
+
+            kw = dict(model=self.model, preset=load_preset(self.calib_preset_name),
+                      quant_format=self.recipe.quantization.format, quant_config=self.recipe.quantization)
+            out, n = self.folder("calibrate"), self.calib_shards
+            folders = [shard_folder(out, i, n) for i in range(n)] if n > 1 else None
+            for i, f in enumerate(folders or []):
+                calibrate(self.adapter, self.recipe.calibration, f, shard=(i, n), **kw)
+            res = calibrate(self.adapter, self.recipe.calibration, out, from_shards=folders, **kw)
+            return f"{len(res.stats.sites)} sites -> {res.stats_path.name}" + (f" ({n} shards merged)" if n > 1 else "")
 
         return self._run("calibrate", go)
 
@@ -290,6 +297,7 @@ class EnginePipeline:
 
 def run_engine(recipe: Recipe | str, model: str | None = None, out_root: str | Path = "build", *,
                force: bool = False, stages: Sequence[str] = STAGES,
-               progress: Callable[[StageOutcome], None] | None = None) -> list[StageOutcome]:
+               progress: Callable[[StageOutcome], None] | None = None, calib_shards: int = 1) -> list[StageOutcome]:
     """Run every stage for ``(model, recipe)``; see :class:`EnginePipeline`."""
-    return EnginePipeline(recipe, model, out_root, force=force, progress=progress).run(stages)
+    return EnginePipeline(recipe, model, out_root, force=force, progress=progress,
+                          calib_shards=calib_shards).run(stages)

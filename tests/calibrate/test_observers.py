@@ -199,7 +199,9 @@ def test_percentile_within_one_bin_of_numpy(kind, p, num_bins):
     ref = float(np.percentile(absx, p))
     got = float(obs.compute_amax())
     w = obs.bin_width
-    assert -1e-6 * ref <= got - ref <= w * (1 + 1e-5) + 1e-12, (got, ref, w)
+    # one bin width at most, plus the fp32 rounding of the returned amax (data on a bin edge, e.g. fp16
+    # values on a power-of-two range, sit exactly one width below the bin's upper edge)
+    assert -1e-6 * ref <= got - ref <= w * (1 + 1e-5) + 1.2e-7 * ref + 1e-12, (got, ref, w)
     assert got <= absx.max() * (1 + 1e-7)
 
 
@@ -223,7 +225,7 @@ def test_percentile_state_is_constant_size():
     for i in range(300):
         obs.collect(torch.randn(50, generator=g) * (1 + i % 17))
     tensors = [v for v in obs.state_dict()["tensors"].values() if isinstance(v, torch.Tensor)]
-    assert sum(t.numel() for t in tensors) <= 128 + 1
+    assert sum(t.numel() for t in tensors) <= 128 + 2  # counts, the range exponent, the exact abs-max
     assert obs.num_elements == 300 * 50
 
 
@@ -281,11 +283,20 @@ def test_non_finite_raises_calibration_error_naming_the_layer(method, kw, bad):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_non_finite_low_precision_raises(dtype):
-    site = SiteStats("blocks.0.ffn", ["minmax", "percentile"])
+    """SiteStats (the hot path) only raises a device flag per batch; check_finite reads every site's flag
+    in one host sync, and no amax is computed from a poisoned site."""
+    from trt_sora.calibrate.observers import check_finite
+
+    ok, site = SiteStats("blocks.0.attn1", ["minmax"]), SiteStats("blocks.0.ffn", ["minmax", "percentile"])
     x = torch.ones(8, dtype=dtype)
+    ok.collect(x, step=0, branch="cond")
     x[3] = float("nan")
+    site.collect(x, step=0, branch="cond")  # no sync, no raise here
+    check_finite([ok])
+    with pytest.raises(CalibrationError, match=r"blocks\.0\.ffn.* at step 0"):
+        check_finite([ok, site], " at step 0")
     with pytest.raises(CalibrationError, match="blocks.0.ffn"):
-        site.collect(x, step=0, branch="cond")
+        site.compute_all()
 
 
 def test_compute_before_collect_and_channel_change_raise():

@@ -33,7 +33,7 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
-from trt_sora.calibrate.observers import SiteStats
+from trt_sora.calibrate.observers import SiteStats, check_finite
 from trt_sora.errors import CalibrationError
 
 log = logging.getLogger("trt_sora")
@@ -121,11 +121,18 @@ class CollectionHooks:
     # -- where we are in the trajectory ---------------------------------------------------------
     @contextlib.contextmanager
     def at(self, *, step: int | None, branch: str | None) -> Iterator[None]:
-        """Label the batches of the forwards inside with a denoising ``step`` and CFG ``branch``."""
+        """Label the batches of the forwards inside with a denoising ``step`` and CFG ``branch``.
+
+        ``branch`` ``"cond+uncond"``: a CFG-batched forward (both branches concatenated along the
+        batch dim, in that order); observers see each tensor once, the per-step grid each half.
+        On exit, every site's NaN/inf flag is read in one host sync (the only one per forward).
+        """
         prev = self._step, self._branch
-        self._step, self._branch = step, branch
+        self._step = step
+        self._branch = tuple(branch.split("+")) if isinstance(branch, str) and "+" in branch else branch
         try:
             yield
+            check_finite(list(self.sites.values()), f" (denoising step {step}, CFG branch {branch!r})")
         finally:
             self._step, self._branch = prev
 
@@ -134,7 +141,10 @@ class CollectionHooks:
         if not isinstance(x, torch.Tensor):
             raise CalibrationError(f"site {site.name!r} got a {type(x).__name__} input, not a tensor; "
                                    "exclude it from calibration")
-        site.collect(x, step=self._step, branch=self._branch)
+        if isinstance(self._branch, tuple):
+            site.collect_cfg_batch(x, step=self._step, order=self._branch)
+        else:
+            site.collect(x, step=self._step, branch=self._branch)
 
     def _linear_hook(self, site: SiteStats):
         def hook(_module, args):

@@ -16,7 +16,17 @@ Every observer has the same small contract (after ModelOpt's calibrators)::
   ``amax / 127`` (INT8), see :mod:`trt_sora.calibrate.fake_quant`.
 * NaN or inf in a batch raises :class:`~trt_sora.errors.CalibrationError`
   naming the site. The check rides on the per-batch min/max reduction every
-  observer needs anyway, so it costs one scalar host sync per batch.
+  observer needs anyway. ``Observer.collect`` checks at once (one scalar host
+  sync per batch); :class:`SiteStats`, the calibration hot path, only raises a
+  device flag and :func:`check_finite` reads every site's flag in one sync per
+  forward, so a GPU calibration never waits on the host inside a forward.
+* Every update is device-side: min/max and EMA inputs are device tensors,
+  histograms use power-of-two ranges (:mod:`trt_sora.calibrate.histogram`), and
+  one histogram per site feeds both the percentile and the MSE observers.
+* States merge exactly (:func:`merge_sites`, calibration shards): min/max by
+  min/max, histograms by re-binning to the larger range and adding, EMA by
+  concatenating the per-batch statistics it keeps (in shard order) and
+  re-running the recurrence.
 * ``state_dict()`` / ``load_state_dict()`` serialise an observer (tensors and
   plain values) so partial statistics can be saved, merged or resumed.
 
@@ -29,7 +39,7 @@ Methods (``make_observer`` names, same strings as ``trt_sora.config.CalibMethod`
 
 =============  ==============================================================
 ``minmax``     running ``max |x|`` (per tensor, or per channel with ``axis``)
-``ema``        exponential moving average of per-batch statistics
+``ema``        exponential moving average of per-batch statistics (order dependent)
 ``percentile`` ``p``-th percentile of ``|x|`` from a growing histogram
 ``mse``        amax minimising FP8/INT8 fake-quant MSE over the histogram
 =============  ==============================================================
@@ -40,9 +50,11 @@ import logging
 import math
 from typing import Any, ClassVar, Mapping, Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
+from trt_sora.calibrate.histogram import Histogram, check_bins
 from trt_sora.errors import CalibrationError, ConfigError
 
 log = logging.getLogger("trt_sora")
@@ -50,12 +62,9 @@ log = logging.getLogger("trt_sora")
 __all__ = [
     "Observer", "MinMaxObserver", "EmaObserver", "HistogramObserver", "PercentileObserver", "MseObserver",
     "SiteStats", "OBSERVERS", "make_observer", "observer_from_state_dict", "batch_minmax",
-    "percentile_from_histogram",
+    "percentile_from_histogram", "check_finite",
 ]
 
-# Elements per histc call: float32 bin counts are exact up to 2**24, and the
-# |x| temporary stays at 64 MB whatever the activation size.
-_HIST_CHUNK = 1 << 24
 
 
 def _fix_hint(name: str) -> str:
@@ -175,6 +184,11 @@ class Observer:
     # -- subclass hooks -------------------------------------------------------------------------
     def _observe(self, x: Tensor, mn: Tensor, mx: Tensor) -> None:
         """Fold one batch in; ``mn``/``mx`` are this batch's (already checked) fp32 min/max."""
+        self._count(x, mn)
+        self._update(x, mn, mx)
+
+    def _count(self, x: Tensor, mn: Tensor) -> None:
+        """Counters and the channel-count check of one batch (no data touched)."""
         if self.axis is not None:
             c = int(mn.numel())
             if self._num_channels is None:
@@ -186,7 +200,6 @@ class Observer:
                     "forward, or calibrate this site per tensor (axis=None)")
         self.num_batches += 1
         self.num_elements += x.numel()
-        self._update(x, mn, mx)
 
     def _update(self, x: Tensor, mn: Tensor, mx: Tensor) -> None:
         raise NotImplementedError
@@ -207,6 +220,32 @@ class Observer:
 
 def _absmax(mn: Tensor, mx: Tensor) -> Tensor:
     return torch.maximum(mn.abs(), mx.abs())
+
+
+def _minmax(x: Tensor, name: str, axis: int | None) -> tuple[Tensor, Tensor]:
+    """fp32 ``(min, max)`` (per channel along ``axis``) without the finite check (see :func:`check_finite`)."""
+    if not torch.is_floating_point(x):
+        raise CalibrationError(f"site {name!r} got a {x.dtype} tensor; only floating-point activations can be "
+                               "calibrated: exclude this site from calibration")
+    if axis is None:
+        mn, mx = torch.aminmax(x)
+    else:
+        ax = axis % x.dim()
+        dims = tuple(d for d in range(x.dim()) if d != ax)
+        mn, mx = (torch.amin(x, dim=dims), torch.amax(x, dim=dims)) if dims else (x, x)
+    return mn.float(), mx.float()
+
+
+def _pad_rows(t: Tensor, rows: int) -> Tensor:
+    return t if t.shape[0] >= rows else torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
+
+
+def check_finite(sites: Sequence["SiteStats"], where: str = "") -> None:
+    """Raise CalibrationError naming the first site whose batches held NaN/inf; one host sync for all."""
+    flags = [s._nonfinite for s in sites if s._nonfinite is not None]
+    if flags and bool(torch.stack(flags).any()):
+        for s in sites:
+            s.check_finite(where)
 
 
 class MinMaxObserver(Observer):
@@ -240,6 +279,15 @@ class MinMaxObserver(Observer):
     def _load_state_tensors(self, tensors: Mapping[str, Any]) -> None:
         self.min_val, self.max_val = tensors["min_val"], tensors["max_val"]
 
+    def merge(self, other: "MinMaxObserver") -> None:
+        if other.min_val is None:
+            return
+        if self.min_val is None:
+            self.min_val, self.max_val = other.min_val.clone(), other.max_val.clone()
+            return
+        self.min_val = torch.minimum(self.min_val, other.min_val.to(self.min_val.device))
+        self.max_val = torch.maximum(self.max_val, other.max_val.to(self.max_val.device))
+
 
 class EmaObserver(Observer):
     """Exponential moving average of per-batch statistics.
@@ -262,8 +310,11 @@ class EmaObserver(Observer):
     min of one batch with a small one of the next under-states the range that
     symmetric quantization must cover. Tested in ``tests/calibrate/test_observers.py``.
 
-    Note the result depends on batch order: with per-step collection the
-    average leans towards the last steps of the last prompts.
+    The result depends on batch order: with per-step collection the average leans towards the
+    last steps of the last prompts. The observer keeps every batch's min/max (two values, or two
+    per channel, per batch) and evaluates the recurrence in fp32 on the host when asked, so
+    shards of one calibration merge exactly when their histories are concatenated in the
+    one-pass order (shard 0's batches first); any other order gives another average.
     """
 
     method = "ema"
@@ -287,44 +338,50 @@ class EmaObserver(Observer):
 
     def reset(self) -> None:
         super().reset()
-        self.min_val: Tensor | None = None
-        self.max_val: Tensor | None = None
-        self.amax_val: Tensor | None = None
+        self._history: list[Tensor] = []  # per batch: stack([min, max]) ([2] or [2, C]), on the device
 
     def _update(self, x: Tensor, mn: Tensor, mx: Tensor) -> None:
-        c = self.averaging_constant
-        if self.track == "amax":
-            a = _absmax(mn, mx)
-            self.amax_val = a.clone() if self.amax_val is None else self.amax_val + c * (a - self.amax_val)
-        elif self.min_val is None:
-            self.min_val, self.max_val = mn.clone(), mx.clone()
-        else:
-            self.min_val = self.min_val + c * (mn - self.min_val)
-            self.max_val = self.max_val + c * (mx - self.max_val)
+        self._history.append(torch.stack([mn, mx]))
+
+    @property
+    def history(self) -> Tensor:
+        """fp32 ``[batches, 2]`` (or ``[batches, 2, C]``): each batch's min and max, in collection order."""
+        return torch.stack([h.to("cpu") for h in self._history]) if self._history else torch.zeros(0, 2)
 
     def _amax(self) -> Tensor:
-        return self.amax_val.clone() if self.track == "amax" else _absmax(self.min_val, self.max_val)
+        seq = self.history.numpy().astype(np.float32)
+        c = np.float32(self.averaging_constant)
+        vals = np.maximum(np.abs(seq[:, 0]), np.abs(seq[:, 1]))[:, None] if self.track == "amax" else seq
+        s = vals[0].copy()
+        for b in vals[1:]:  # the recurrence in fp32, in batch order
+            s = s + c * (b - s)
+        out = s[0] if self.track == "amax" else np.maximum(np.abs(s[0]), np.abs(s[1]))
+        return torch.from_numpy(np.asarray(out, dtype=np.float32)).clone()
 
     def _state_tensors(self) -> dict[str, Any]:
-        return {"min_val": self.min_val, "max_val": self.max_val, "amax_val": self.amax_val}
+        return {"history": self.history}
 
     def _load_state_tensors(self, tensors: Mapping[str, Any]) -> None:
-        self.min_val, self.max_val, self.amax_val = tensors["min_val"], tensors["max_val"], tensors["amax_val"]
+        h = tensors.get("history")
+        if h is None:
+            raise CalibrationError(f"site {self.name!r}: EMA state without its per-batch history (written by an "
+                                   "older trt_sora); recalibrate")
+        self._history = list(torch.as_tensor(h).float().unbind(0))
+
+    def merge(self, other: "EmaObserver") -> None:
+        """Append ``other``'s batches after this one's (shard order = one-pass order)."""
+        self._history += list(other.history.unbind(0))
 
 
 class HistogramObserver(Observer):
-    """Histogram of ``|x|`` over ``[0, range]`` with ``num_bins`` equal bins, range grown on demand.
+    """Histogram of ``|x|`` with ``num_bins`` (a power of two) equal bins over ``[0, 2**e)``, where
+    ``2**e`` is the smallest power of two above every value seen (:mod:`~trt_sora.calibrate.histogram`).
 
-    The range starts at the first non-zero batch's abs-max and only ever
-    doubles: when a batch exceeds it, the range becomes ``range * 2**k``
-    (smallest ``k`` that covers the batch) and every ``2**k`` old bins are
-    summed into one new bin. Old bins nest exactly inside new ones, so the
-    histogram equals the one a single pass at the final range would give
-    (up to values on a bin edge) and no activation is ever stored.
-
-    Counts are int64 (exact); each value ``v`` lies inside its bin
-    ``[i*w, (i+1)*w]`` with ``w = range / num_bins``. The exact running
-    abs-max is kept too (:attr:`absmax`).
+    The range only ever doubles; old bins nest exactly in new ones, so the histogram equals the
+    one a single pass at the final range would give, whatever the batch order, and no activation
+    is ever stored. Counts are int64; each value ``v`` lies in its bin ``[i*w, (i+1)*w)`` with
+    ``w = range / num_bins``. The exact running abs-max is kept too (:attr:`absmax`). Inside a
+    :class:`SiteStats` the percentile and MSE observers share one histogram.
 
     This class computes no amax itself; see :class:`PercentileObserver` and
     :class:`MseObserver`.
@@ -333,9 +390,7 @@ class HistogramObserver(Observer):
     supports_axis = False
 
     def __init__(self, name: str = "<unnamed>", *, axis: int | None = None, num_bins: int = 2048) -> None:
-        if isinstance(num_bins, bool) or not isinstance(num_bins, int) or num_bins < 2:
-            raise ConfigError(f"site {name!r}: num_bins={num_bins!r} must be an integer >= 2 (e.g. 2048)")
-        self.num_bins = num_bins
+        self.num_bins = check_bins(num_bins, name)
         super().__init__(name, axis=axis)
 
     def settings(self) -> dict[str, Any]:
@@ -343,10 +398,21 @@ class HistogramObserver(Observer):
 
     def reset(self) -> None:
         super().reset()
-        self.hist: Tensor | None = None  # int64 [num_bins]
-        self.range = 0.0  # upper edge of the last bin, in the units of x
-        self.absmax: Tensor | None = None  # exact running max |x|, fp32 []
-        self._zeros = 0  # elements seen while every value so far was 0 (range not yet known)
+        self._h = Histogram(self.num_bins, self.name)
+
+    @property
+    def hist(self) -> Tensor | None:
+        """int64 ``[num_bins]`` counts (None before the first batch)."""
+        return self._h.counts
+
+    @property
+    def range(self) -> float:
+        """Upper edge of the last bin; 0.0 before any non-zero data."""
+        return self._h.range
+
+    @property
+    def absmax(self) -> Tensor | None:
+        return self._h.absmax
 
     @property
     def bin_width(self) -> float:
@@ -354,52 +420,22 @@ class HistogramObserver(Observer):
         return self.range / self.num_bins
 
     def histogram(self) -> tuple[Tensor, float]:
-        """``(counts int64 [num_bins], range)``: bin ``i`` covers ``[i, i+1] * range / num_bins``."""
-        if self.hist is None:
-            hist = torch.zeros(self.num_bins, dtype=torch.int64)
-            hist[0] = self._zeros
-            return hist, 0.0
-        return self.hist.clone(), self.range
+        """``(counts int64 [num_bins], range)``: bin ``i`` covers ``[i, i+1) * range / num_bins``."""
+        if self._h.counts is None:
+            return torch.zeros(self.num_bins, dtype=torch.int64), 0.0
+        return self._h.counts.clone(), self.range
 
     def _update(self, x: Tensor, mn: Tensor, mx: Tensor) -> None:
-        a = _absmax(mn, mx)
-        self.absmax = a if self.absmax is None else torch.maximum(self.absmax, a)
-        amax_b = float(a)  # host sync; batch_minmax already synced for the finite check
-        if amax_b == 0.0 and self.hist is None:
-            self._zeros += x.numel()
-            return
-        if self.hist is None:
-            self.range = amax_b
-            self.hist = torch.zeros(self.num_bins, dtype=torch.int64, device=x.device)
-            self.hist[0] += self._zeros
-        elif amax_b > self.range:
-            self._grow(amax_b)
-        for chunk in x.reshape(-1).split(_HIST_CHUNK):
-            counts = torch.histc(chunk.float().abs(), bins=self.num_bins, min=0.0, max=self.range)
-            self.hist += counts.to(torch.int64)
-
-    def _grow(self, needed: float) -> None:
-        k = 0
-        new_range = self.range
-        while new_range < needed:  # doubling is exact in floating point
-            new_range *= 2.0
-            k += 1
-        factor = 2 ** k
-        if factor >= self.num_bins:
-            merged = torch.zeros_like(self.hist)
-            merged[0] = self.hist.sum()
-        else:
-            idx = torch.arange(self.num_bins, device=self.hist.device) // factor
-            merged = torch.zeros_like(self.hist).index_add_(0, idx, self.hist)
-        log.debug("site %r: histogram range %.6g -> %.6g", self.name, self.range, new_range)
-        self.hist, self.range = merged, new_range
+        self._h.update(x, _absmax(mn, mx))
 
     def _state_tensors(self) -> dict[str, Any]:
-        return {"hist": self.hist, "range": self.range, "absmax": self.absmax, "zeros": self._zeros}
+        return self._h.state()
 
     def _load_state_tensors(self, tensors: Mapping[str, Any]) -> None:
-        self.hist, self.range = tensors["hist"], float(tensors["range"])
-        self.absmax, self._zeros = tensors["absmax"], int(tensors["zeros"])
+        self._h.load(tensors)
+
+    def merge(self, other: "HistogramObserver") -> None:
+        self._h.merge(other._h)
 
     def _amax(self) -> Tensor:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -452,7 +488,7 @@ class PercentileObserver(HistogramObserver):
         return {**super().settings(), "percentile": self.percentile}
 
     def _amax(self) -> Tensor:
-        if self.hist is None:  # only zeros so far
+        if self.range == 0.0:  # only zeros so far
             return torch.zeros((), dtype=torch.float32)
         if self.percentile == 100.0:
             return self.absmax.clone()
@@ -488,7 +524,7 @@ class MseObserver(HistogramObserver):
     def _amax(self) -> Tensor:
         from trt_sora.calibrate.fake_quant import fake_quant
 
-        if self.hist is None:
+        if self.range == 0.0:
             return torch.zeros((), dtype=torch.float32)
         dev = self.hist.device
         n = self.num_bins
@@ -589,6 +625,14 @@ class SiteStats:
         self.branches = tuple(branches)
         self.reset()
 
+    def _link_histograms(self) -> None:
+        """Histogram observers of one ``num_bins`` share one histogram, updated once per batch."""
+        shared: dict[int, Histogram] = {}
+        for o in self.observers.values():
+            if isinstance(o, HistogramObserver):
+                o._h = shared.setdefault(o.num_bins, o._h)
+        self._histograms = list(shared.values())
+
     @property
     def primary(self) -> str:
         """The method whose amax goes into ``<site>.amax`` (the first one given)."""
@@ -598,6 +642,8 @@ class SiteStats:
         """Reset every observer and the per-step grid."""
         for o in self.observers.values():
             o.reset()
+        self._link_histograms()
+        self._nonfinite: Tensor | None = None  # device bool: a batch had NaN/inf (read by check_finite)
         self._grid: Tensor | None = None  # fp32 [steps, branches]
         self._count: Tensor | None = None  # int64 [steps, branches]
 
@@ -642,11 +688,29 @@ class SiteStats:
         if x.numel() == 0:
             return
         x = x.detach()
-        mn, mx = batch_minmax(x, self.name, self.axis)
-        for o in self.observers.values():
-            o._observe(x, mn, mx)
+        mn, mx = _minmax(x, self.name, self.axis)
+        self._fold(x, mn, mx)
         if step is not None:
             self._record(step, self._branch_index(branch), _absmax(mn, mx))
+
+    def _fold(self, x: Tensor, mn: Tensor, mx: Tensor) -> None:
+        """One batch into every observer (shared histograms once), on the device, without a host sync."""
+        bad = ~(torch.isfinite(mn).all() & torch.isfinite(mx).all())
+        self._nonfinite = bad if self._nonfinite is None else self._nonfinite | bad
+        for o in self.observers.values():
+            o._count(x, mn)
+            if not isinstance(o, HistogramObserver):
+                o._update(x, mn, mx)
+        if self._histograms:
+            amax = _absmax(mn, mx)
+            for h in self._histograms:
+                h.update(x, amax)
+
+    def check_finite(self, where: str = "") -> None:
+        """Raise CalibrationError if a batch since the last reset held NaN/inf (one host sync)."""
+        if self._nonfinite is not None and bool(self._nonfinite):
+            raise CalibrationError(f"site {self.name!r}: a calibration batch contains NaN or inf{where}; "
+                                   f"{_fix_hint(self.name)}")
 
     def collect_cfg_batch(self, x: Tensor, *, step: int | None, order: Sequence[str] | None = None) -> None:
         """Feed a forward that ran all CFG branches in one batch (concatenated along dim 0).
@@ -663,11 +727,10 @@ class SiteStats:
                                    f"split into {len(order)} branches {order} along dim 0; run the branches as "
                                    "separate forwards and use collect(..., branch=...)")
         x = x.detach()
-        parts = [batch_minmax(p, self.name, self.axis) for p in x.chunk(len(order), dim=0)]
+        parts = [_minmax(p, self.name, self.axis) for p in x.chunk(len(order), dim=0)]
         mn = torch.stack([p[0] for p in parts]).amin(0)
         mx = torch.stack([p[1] for p in parts]).amax(0)
-        for o in self.observers.values():
-            o._observe(x, mn, mx)
+        self._fold(x, mn, mx)
         if step is not None:
             for b, (pmn, pmx) in zip(order, parts):
                 self._record(step, self._branch_index(b), _absmax(pmn, pmx))
@@ -675,6 +738,7 @@ class SiteStats:
     def compute_amax(self, method: str | None = None) -> Tensor:
         """amax of ``method`` (default: :attr:`primary`); fp32 ``[]`` or ``[C]``."""
         key = getattr(method, "value", method) or self.primary
+        self.check_finite()
         if key not in self.observers:
             from trt_sora.config.base import did_you_mean
 
@@ -683,7 +747,8 @@ class SiteStats:
         return self.observers[key].compute_amax()
 
     def compute_all(self) -> dict[str, Tensor]:
-        """``{method: amax}`` for every observer."""
+        """``{method: amax}`` for every observer (CalibrationError if a batch held NaN/inf)."""
+        self.check_finite()
         return {m: o.compute_amax() for m, o in self.observers.items()}
 
     @property
@@ -718,8 +783,40 @@ class SiteStats:
         site = cls(state["name"], obs, branches=state["branches"])
         for m, s in state["observers"].items():
             site.observers[m].load_state_dict(s)  # __init__ reset them
+        site._link_histograms()
         site._grid, site._count = state["grid"], state["count"]
         return site
+
+    def merge(self, other: "SiteStats") -> None:
+        """Fold ``other`` (the same site, methods and settings, later batches) into this one, exactly:
+        min/max by min/max, histograms re-binned and added, EMA histories appended, the per-step grid
+        by max (counts added)."""
+        if list(other.observers) != list(self.observers) or other.branches != self.branches:
+            raise CalibrationError(f"site {self.name!r}: cannot merge statistics of methods {list(other.observers)} / "
+                                   f"branches {other.branches} into {list(self.observers)} / {self.branches}; "
+                                   "calibrate every shard with the same recipe")
+        done: set[int] = set()
+        for m, o in self.observers.items():
+            theirs = other.observers[m]
+            if o.settings() != theirs.settings():
+                raise CalibrationError(f"site {self.name!r}: {m} settings differ between shards ({o.settings()} vs "
+                                       f"{theirs.settings()}); calibrate every shard with the same recipe")
+            if isinstance(o, HistogramObserver):
+                if id(o._h) not in done:
+                    o.merge(theirs)
+                    done.add(id(o._h))
+            else:
+                o.merge(theirs)
+            o.num_batches += theirs.num_batches
+            o.num_elements += theirs.num_elements
+        if other._grid is not None:
+            if self._grid is None:
+                self._grid, self._count = other._grid.clone(), other._count.clone()
+            else:
+                rows = max(self._grid.shape[0], other._grid.shape[0])
+                g, c = _pad_rows(self._grid, rows), _pad_rows(self._count, rows)
+                self._grid = torch.maximum(g, _pad_rows(other._grid.to(g.device), rows))
+                self._count = c + _pad_rows(other._count.to(c.device), rows)
 
     def __repr__(self) -> str:
         steps = 0 if self._grid is None else self._grid.shape[0]

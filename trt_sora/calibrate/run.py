@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from trt_sora.calibrate.data import CalibPreset, CalibShape, load_preset, prompts_for_preset
+from trt_sora.calibrate.shards import shard_range
 from trt_sora.config.recipe import CalibConfig, CalibMethod, QuantConfig, QuantFormat
 from trt_sora.errors import CalibrationError, ConfigError
 
@@ -206,11 +207,85 @@ def _resolve_preset(adapter, config: CalibConfig, preset) -> CalibPreset:
     return load_preset(preset or config.preset)
 
 
+def _collect(adapter, model, preset: CalibPreset, settings, plan, todo: range, *, encode, methods, okw, cfg: str,
+             model_dtype, timesteps: list, progress: Progress, total: int) -> dict:
+    """Run the trajectories ``plan[k] for k in todo`` with the observers installed; ``{site: SiteStats}``."""
+    from trt_sora.calibrate.hooks import CollectionHooks
+    from trt_sora.sampling import CallInfo, adapter_call, sample
+
+    model_device = next(model.parameters()).device
+    done = 0
+    progress("calibrate", 0, total)
+    with CollectionHooks(model, methods=methods, branches=settings.branches, observer_kwargs=okw) as hooks:
+        def on_call(call: CallInfo):
+            nonlocal done
+            if len(timesteps) <= call.step:
+                timesteps.append(call.timestep)
+            done += 1
+            progress("calibrate", done, total)
+            return hooks.at(step=call.step, branch=call.branch)
+
+        for k in todo:  # k: the trajectory's index in the whole plan (it seeds the noise), shards included
+            _, shape, chunk = plan[k]
+            cond = _encode(encode, [p.prompt for p in chunk], shape.text_len, model_device)
+            uncond = _uncond(adapter, encode, preset, len(chunk), shape.text_len, model_device) \
+                if settings.uses_cfg else None
+            noise = _noise(adapter, shape, preset.seed * 1_000_003 + k, model_device)
+            label = f"shape {shape.as_dict()}, prompts {[p.id for p in chunk]}"
+            sample(adapter_call(adapter, model), noise, cond, uncond, scheduler=adapter.scheduler(settings.shift),
+                   settings=settings, cfg=cfg if settings.uses_cfg else "split", dtype=model_dtype, hook=on_call,
+                   label=label)
+        sites = hooks.used_sites()
+    if not sites:
+        raise CalibrationError("no calibration site saw data: the model has no nn.Linear reached by its forward; "
+                               "check the adapter's forward")
+    return sites
+
+
+def _reduce(model, sites: Mapping[str, Any], meta):
+    """``CalibStats`` of the sites, plus every linear's per-output-channel weight amax ``max |W|``."""
+    import torch
+
+    from trt_sora.calibrate.stats import CalibStats
+
+    modules = dict(model.named_modules())
+    meta.extra["weight_sites"] = []
+    meta.extra["attention_sites"] = [n for n in sites if not isinstance(modules.get(n), torch.nn.Linear)]
+    stats = CalibStats.from_sites(sites, meta)
+    for name in list(sites):
+        mod = modules.get(name)
+        if isinstance(mod, torch.nn.Linear):
+            with torch.no_grad():
+                wa = mod.weight.detach().float().abs().amax(dim=1).cpu()
+            # an all-zero output row quantizes to zero at any scale; 1.0 keeps the file valid (amax > 0)
+            stats.amax[f"{name}.weight"] = torch.where(wa > 0, wa, torch.ones_like(wa))
+            meta.extra["weight_sites"].append(f"{name}.weight")
+    return stats
+
+
+def _merged(folders: Sequence[str | Path], adapter, preset: CalibPreset, settings, method: str):
+    """The exact merge of shard folders (:mod:`trt_sora.calibrate.shards`), checked against this run."""
+    from trt_sora.calibrate.shards import merge_stats
+    from trt_sora.calibrate.stats import CalibStats
+
+    stats = merge_stats([CalibStats.load(Path(f) / "stats.safetensors", validate=False) for f in folders])
+    m = stats.metadata
+    want = {"model_hash": adapter.spec.model_hash(), "preset": preset.name, "method": method,
+            "num_steps": settings.num_steps, "guidance_scale": settings.guidance_scale, "shift": settings.shift}
+    bad = {k: (getattr(m, k), v) for k, v in want.items() if getattr(m, k) != v}
+    if bad:
+        k, (got, exp) = next(iter(bad.items()))
+        raise CalibrationError(f"the shards were calibrated with {k}={got!r}, this run asks for {exp!r}; merge them "
+                               "with the recipe, preset and model they were run with (or rerun the shards)")
+    return stats
+
+
 def calibrate(adapter, config: CalibConfig, out_dir, *, model=None, preset: CalibPreset | str | None = None,
               quant_format: QuantFormat = QuantFormat.FP8_E4M3, text_encoder: str | None = None,
               device="cpu", progress: Progress | None = None, report: bool = True,
               quant_config: QuantConfig | None = None, report_options: ReportOptions | None = None,
-              dtype: str | None = None) -> CalibResult:
+              dtype: str | None = None, cfg: str = "split", shard: tuple[int, int] | None = None,
+              from_shards: Sequence[str | Path] | None = None) -> CalibResult:
     """Calibrate ``adapter``'s model over real denoising trajectories; write stats, report, manifest.
 
     Args:
@@ -230,6 +305,13 @@ def calibrate(adapter, config: CalibConfig, out_dir, *, model=None, preset: Cali
             sites the quantize stage will (default ``QuantConfig(format=quant_format)``).
         report_options: see :class:`ReportOptions`.
         dtype: load dtype when ``model`` is None (``"fp32"``, ``"bf16"``, ``"fp16"``).
+        cfg: ``"split"`` (one forward per CFG branch) or ``"batched"`` (both branches in one forward
+            at twice the batch: half the forwards and observer calls; per-branch drift is still kept).
+            The EMA observer sees one batch per step instead of two, so its amax differs.
+        shard: ``(i, n)``: run only slice ``i`` of ``n`` of the trajectories and write a shard
+            artifact (observer states, no report); see :mod:`trt_sora.calibrate.shards`.
+        from_shards: shard folders of one calibration: merge them (exactly) instead of running
+            trajectories, then write the stats, report and manifest like a one-pass run.
 
     Returns:
         :class:`CalibResult`.
@@ -239,13 +321,9 @@ def calibrate(adapter, config: CalibConfig, out_dir, *, model=None, preset: Cali
         CalibrationError: missing or empty prompt set, NaN/inf activations (naming site, step,
             branch), a forward that changes the sample shape, a site that only saw zeros.
     """
-    import torch
-
-    from trt_sora.calibrate.hooks import CollectionHooks
-    from trt_sora.calibrate.stats import CalibStats, StatsMetadata
+    from trt_sora.calibrate.stats import StatsMetadata
     from trt_sora.config.base import to_dict
-    from trt_sora.manifest import staged_dir, write_manifest
-    from trt_sora.sampling import CallInfo, adapter_call, sample
+    from trt_sora.manifest import file_entry, staged_dir, write_manifest
 
     t_start = time.perf_counter()
     method = _method(config.method)
@@ -264,62 +342,39 @@ def calibrate(adapter, config: CalibConfig, out_dir, *, model=None, preset: Cali
     methods = (method,) + tuple(m for m in ALL_METHODS if m != method)
     okw = observer_kwargs(config, qfmt)
     settings, sampling_note = calibration_sampling(adapter, preset, config)
-    branches = settings.branches
-
+    if cfg not in ("split", "batched"):
+        raise ConfigError(f"cfg={cfg!r}: use 'split' or 'batched'")
     plan = [(si, shape, chunk) for si, shape in enumerate(preset.shapes) for chunk in _chunks(prompts, shape.batch)]
-    total = len(plan) * settings.num_steps * len(branches)
-    done = 0
-    progress("calibrate", 0, total)
+    todo = range(len(plan)) if shard is None else shard_range(len(plan), *shard)
+    if shard is not None:
+        report = False  # the merged calibration reports: calibrate(from_shards=...)
+    calls = 1 if cfg == "batched" or not settings.uses_cfg else len(settings.branches)
+    total = 0 if from_shards else len(todo) * settings.num_steps * calls
     timesteps: list[float] = []
-    log.info("calibrating %s: %d trajectories x %d steps x %d branches (%s, methods %s; sampling: %s)",
-             adapter.name, len(plan), settings.num_steps, len(branches), preset.name, ", ".join(methods),
-             sampling_note)
-
-    with CollectionHooks(model, methods=methods, branches=branches, observer_kwargs=okw) as hooks:
-        def on_call(call: CallInfo):
-            nonlocal done
-            if len(timesteps) <= call.step:
-                timesteps.append(call.timestep)
-            done += 1
-            progress("calibrate", done, total)
-            return hooks.at(step=call.step, branch=call.branch)
-
-        for k, (si, shape, chunk) in enumerate(plan):
-            cond = _encode(encode, [p.prompt for p in chunk], shape.text_len, model_device)
-            uncond = _uncond(adapter, encode, preset, len(chunk), shape.text_len, model_device) \
-                if settings.uses_cfg else None
-            noise = _noise(adapter, shape, preset.seed * 1_000_003 + k, model_device)
-            label = f"shape {shape.as_dict()}, prompts {[p.id for p in chunk]}"
-            sample(adapter_call(adapter, model), noise, cond, uncond, scheduler=adapter.scheduler(settings.shift),
-                   settings=settings, cfg="split", dtype=model_dtype, hook=on_call, label=label)
-        sites = hooks.used_sites()
-    if not sites:
-        raise CalibrationError("no calibration site saw data: the model has no nn.Linear reached by its forward; "
-                               "check the adapter's forward")
+    if from_shards:
+        stats = _merged(from_shards, adapter, preset, settings, method)
+        timesteps = list(stats.metadata.timesteps)
+    else:
+        log.info("calibrating %s: %d of %d trajectories x %d steps x %d branches (%s, cfg %s, methods %s; "
+                 "sampling: %s)", adapter.name, len(todo), len(plan), settings.num_steps, len(settings.branches),
+                 preset.name, cfg, ", ".join(methods), sampling_note)
+        sites = _collect(adapter, model, preset, settings, plan, todo, encode=encode, methods=methods, okw=okw,
+                         cfg=cfg, model_dtype=model_dtype, timesteps=timesteps, progress=progress, total=total)
+        meta = StatsMetadata(
+            method=method, num_samples=sum(plan[k][1].batch for k in todo),
+            num_steps=settings.num_steps, timesteps=timesteps, branches=list(settings.branches),
+            shapes=[s.as_dict() for s in preset.shapes], model=adapter.spec.ref,
+            model_hash=adapter.spec.model_hash(), preset=preset.name, prompt_set=preset.prompt_set, seed=preset.seed,
+            guidance_scale=settings.guidance_scale, shift=settings.shift,
+            extra={"sampling": sampling_note, "model_sampling": adapter.sampling.to_dict(),
+                   "prompt_ids": [p.id for p in prompts], "negative_prompt": _negative_label(adapter, preset),
+                   "model_dtype": str(model_dtype).replace("torch.", ""), "device": str(model_device),
+                   "quant_format": qfmt.value, "cfg": cfg,
+                   "collect_seconds": round(time.perf_counter() - t_start, 3)})
+        if shard is not None:
+            meta.extra.update({"shard": list(shard), "shard_trajectories": [todo.start, todo.stop]})
+        stats = _reduce(model, sites, meta)
     t_collect = time.perf_counter() - t_start
-    modules = dict(model.named_modules())
-
-    meta = StatsMetadata(
-        method=method, num_samples=sum(shape.batch for _, shape, _ in plan),
-        num_steps=settings.num_steps, timesteps=timesteps, branches=list(branches),
-        shapes=[s.as_dict() for s in preset.shapes], model=adapter.spec.ref, model_hash=adapter.spec.model_hash(),
-        preset=preset.name, prompt_set=preset.prompt_set, seed=preset.seed, guidance_scale=settings.guidance_scale,
-        shift=settings.shift,
-        extra={"sampling": sampling_note, "model_sampling": adapter.sampling.to_dict(), "prompt_ids": [p.id for p in prompts], "negative_prompt": _negative_label(adapter, preset),
-               "model_dtype": str(model_dtype).replace("torch.", ""), "device": str(model_device),
-               "quant_format": qfmt.value, "collect_seconds": round(t_collect, 3),
-               "weight_sites": [], "attention_sites": [n for n in sites if not isinstance(modules.get(n),
-                                                                                         torch.nn.Linear)]})
-    stats = CalibStats.from_sites(sites, meta)
-    # Weights: per-output-channel max |W| (what the Q/DQ graph's weight DequantizeLinear uses).
-    for name in list(sites):
-        mod = modules.get(name)
-        if isinstance(mod, torch.nn.Linear):
-            with torch.no_grad():
-                wa = mod.weight.detach().float().abs().amax(dim=1).cpu()
-            # an all-zero output row quantizes to zero at any scale; 1.0 keeps the file valid (amax > 0)
-            stats.amax[f"{name}.weight"] = torch.where(wa > 0, wa, torch.ones_like(wa))
-            meta.extra["weight_sites"].append(f"{name}.weight")
 
     evaluation = None
     with staged_dir(out_dir) as tmp:
@@ -339,7 +394,8 @@ def calibrate(adapter, config: CalibConfig, out_dir, *, model=None, preset: Cali
             report_path = write_report(tmp, stats, evaluation, preset=preset, options=opts,
                                        quant_format=qcfg.format.value)
         seconds = time.perf_counter() - t_start
-        results = {"num_sites": len(stats.amax), "method": method, "methods": list(methods),
+        results = {"num_sites": len(stats.amax), "method": method, "methods": list(methods), "cfg": cfg,
+                   "shard": list(shard) if shard else None, "from_shards": len(from_shards) if from_shards else None,
                    "sampling": {**settings.to_dict(), "note": sampling_note},
                    "collect_seconds": round(t_collect, 3), "seconds": round(seconds, 3),
                    "num_forwards": total, "timesteps": timesteps}
@@ -352,7 +408,9 @@ def calibrate(adapter, config: CalibConfig, out_dir, *, model=None, preset: Cali
         manifest = write_manifest(
             tmp, stage="calibrate",
             inputs={"model": adapter.describe(), "preset": preset.to_dict(),
-                    "text_encoder": text_encoder or adapter.spec.text_encoder or "default"},
+                    "text_encoder": text_encoder or adapter.spec.text_encoder or "default",
+                    **({"shards": [file_entry(Path(f) / "stats.safetensors") for f in from_shards]}
+                       if from_shards else {})},
             config={"calibration": to_dict(config), "quant_format": qfmt.value,
                     "quantization": to_dict(quant_config) if quant_config is not None else None},
             results=results, outputs=outputs)

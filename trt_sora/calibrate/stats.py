@@ -15,8 +15,15 @@ key                            dtype      shape / meaning
 ``<site>.amax_<method>``       fp32       amax of another method collected in the same pass
                                           (``minmax``, ``ema``, ``percentile``, ``mse``). Optional.
 ``<site>.hist``                int64      ``[num_bins]`` histogram of ``|x|``. Optional.
-``<site>.hist_range``          fp32       ``[]``: upper edge of the last ``hist`` bin.
+``<site>.hist_range``          fp32       ``[]``: upper edge of the last ``hist`` bin (a power of two).
+``<site>.hist_absmax``         fp32       ``[]``: exact ``max|x|`` behind ``hist``. Optional.
+``<site>.ema_history``         fp32       ``[batches, 2]``: each batch's min and max, in collection
+                                          order (the EMA observer's state). Optional.
 =============================  =========  ===================================================
+
+``hist``, ``hist_absmax``, ``amax_minmax`` and ``ema_history`` are the observers' full
+states: :func:`sites_from_stats` rebuilds the per-site observers from them, so the
+statistics of calibration shards merge exactly (:mod:`trt_sora.calibrate.shards`).
 
 The safetensors header metadata holds ``{"format": "trt_sora.calib_stats",
 "format_version": "1", "trt_sora.calib": "<json of StatsMetadata>"}``;
@@ -46,7 +53,8 @@ __all__ = ["STATS_FORMAT", "STATS_FORMAT_VERSION", "CalibStats", "StatsMetadata"
 STATS_FORMAT = "trt_sora.calib_stats"
 STATS_FORMAT_VERSION = 1
 _META_KEY = "trt_sora.calib"
-_KEY_RE = re.compile(r"^(?P<site>.+)\.(?P<field>amax|amax_per_step|count_per_step|hist|hist_range|amax_[a-z0-9]+)$")
+_KEY_RE = re.compile(r"^(?P<site>.+)\.(?P<field>amax|amax_per_step|count_per_step|hist|hist_range|hist_absmax|"
+                     r"ema_history|amax_[a-z0-9]+)$")
 _RECALIBRATE = "re-run calibration (trt-sora calibrate ... --out DIR) to regenerate it"
 
 
@@ -119,6 +127,8 @@ class CalibStats:
         count_per_step: ``{site: int64}`` batches behind each ``amax_per_step`` entry.
         method_amax: ``{site: {method: fp32 amax}}`` other methods from the same pass.
         histograms: ``{site: (int64 [num_bins] counts, range)}`` of ``|x|``.
+        hist_absmax: ``{site: fp32 []}`` exact ``max|x|`` behind each histogram.
+        ema_history: ``{site: fp32 [batches, 2]}`` per-batch min/max (the EMA observer's state).
     """
 
     amax: dict[str, Tensor]
@@ -127,6 +137,8 @@ class CalibStats:
     count_per_step: dict[str, Tensor] = dataclasses.field(default_factory=dict)
     method_amax: dict[str, dict[str, Tensor]] = dataclasses.field(default_factory=dict)
     histograms: dict[str, tuple[Tensor, float]] = dataclasses.field(default_factory=dict)
+    hist_absmax: dict[str, Tensor] = dataclasses.field(default_factory=dict)
+    ema_history: dict[str, Tensor] = dataclasses.field(default_factory=dict)
 
     @property
     def sites(self) -> list[str]:
@@ -162,6 +174,10 @@ class CalibStats:
                 hobs = next((o for o in site.observers.values() if isinstance(o, HistogramObserver)), None)
                 if hobs is not None and hobs.num_batches:
                     out.histograms[key] = hobs.histogram()
+                    out.hist_absmax[key] = hobs.absmax.float().cpu().reshape(())
+                ema = site.observers.get("ema")
+                if ema is not None and ema.num_batches:
+                    out.ema_history[key] = ema.history
             for m, o in site.observers.items():
                 metadata.observers.setdefault(m, o.settings())
             metadata.branches = list(site.branches)
@@ -227,6 +243,10 @@ class CalibStats:
                 h, r = self.histograms[site]
                 out[f"{site}.hist"] = c(h).long()
                 out[f"{site}.hist_range"] = torch.tensor(r, dtype=torch.float32)
+            if site in self.hist_absmax:
+                out[f"{site}.hist_absmax"] = c(self.hist_absmax[site]).float()
+            if site in self.ema_history:
+                out[f"{site}.ema_history"] = c(self.ema_history[site]).float()
         return out
 
     def save(self, path: str | os.PathLike) -> Path:
@@ -285,13 +305,18 @@ class CalibStats:
                 out.histograms[site] = (t, math.nan)
             elif field == "hist_range":
                 ranges[site] = float(t)
+            elif field == "hist_absmax":
+                out.hist_absmax[site] = t
+            elif field == "ema_history":
+                out.ema_history[site] = t
             else:
                 out.method_amax.setdefault(site, {})[field[len("amax_"):]] = t
         for site, (h, _) in list(out.histograms.items()):
             if site not in ranges:
                 raise _site_error(path, site, "has 'hist' without 'hist_range'")
             out.histograms[site] = (h, ranges[site])
-        orphans = sorted((set(out.amax_per_step) | set(out.method_amax) | set(out.histograms)) - set(out.amax))
+        orphans = sorted((set(out.amax_per_step) | set(out.method_amax) | set(out.histograms) | set(out.hist_absmax)
+                          | set(out.ema_history)) - set(out.amax))
         if orphans:
             raise _site_error(path, orphans[0], "has statistics but no '<site>.amax'")
         return out.validate(path) if validate else out
@@ -330,3 +355,47 @@ def read_metadata(path: str | os.PathLike) -> StatsMetadata:
         raise CalibrationError(f"{path}: metadata format_version {meta.format_version} is not supported "
                                f"(this trt_sora reads {STATS_FORMAT_VERSION}); {_RECALIBRATE}")
     return meta
+
+
+def sites_from_stats(stats: CalibStats) -> dict[str, Any]:
+    """Rebuild ``{site: SiteStats}`` (observers with their full states, the per-step grid) from a stats
+    file's tensors, for merging shards. Raises CalibrationError when a state is missing (a file written
+    without observer states, or by an older trt_sora)."""
+    from trt_sora.calibrate.histogram import exponent_of
+    from trt_sora.calibrate.observers import SiteStats
+
+    meta = stats.metadata
+    weight_sites = set(meta.extra.get("weight_sites", []))
+    out = {}
+    for site, amax in stats.amax.items():
+        if site in weight_sites:
+            continue
+        methods = {meta.method: amax, **stats.method_amax.get(site, {})}
+        kwargs = {m: {k: v for k, v in st.items() if k not in ("method", "axis")} for m, st in meta.observers.items()}
+        ss = SiteStats(site, [m for m in meta.observers if m in methods], branches=meta.branches,
+                       observer_kwargs=kwargs)
+        n = int(stats.count_per_step[site].sum()) if site in stats.count_per_step else 0
+        for m, o in ss.observers.items():
+            o.num_batches = n
+            if m == "minmax":
+                a = methods[m].float()
+                o.min_val, o.max_val = -a, a.clone()
+            elif m == "ema":
+                if site not in stats.ema_history:
+                    raise _site_error("stats", site, "has no ema_history (the EMA observer's state)")
+                o._load_state_tensors({"history": stats.ema_history[site]})
+                o.num_batches = stats.ema_history[site].shape[0]
+            elif site not in stats.histograms or site not in stats.hist_absmax:
+                raise _site_error("stats", site, f"has no histogram state for its {m} observer")
+        if site in stats.histograms:
+            h, r = stats.histograms[site]
+            hobs = next(o for o in ss.observers.values() if hasattr(o, "_h"))
+            hobs._h.counts = h.long().clone()
+            hobs._h.exponent = exponent_of(torch.tensor(r, dtype=torch.float32) * 0.5) if r > 0 else \
+                exponent_of(torch.tensor(0.0))
+            hobs._h.absmax = stats.hist_absmax[site].float().reshape(()).clone()
+        if site in stats.amax_per_step:
+            g, c = stats.amax_per_step[site], stats.count_per_step[site]
+            ss._grid, ss._count = (g[:, None], c[:, None]) if g.dim() == 1 else (g.clone(), c.clone())
+        out[site] = ss
+    return out

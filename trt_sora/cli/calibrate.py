@@ -1,4 +1,8 @@
-"""``trt-sora calibrate --model M --recipe R --method {minmax,ema,percentile,mse} --out DIR``."""
+"""``trt-sora calibrate --model M --recipe R --method {minmax,ema,percentile,mse} --out DIR``.
+
+Shards: ``--shard i/n`` (one slice, no report), ``--from-shards DIR...`` (exact merge + report),
+``--workers N`` (every shard in its own torchrun process, e.g. one per GPU; merged by rank 0).
+"""
 from __future__ import annotations
 
 METHODS = ("minmax", "ema", "percentile", "mse")
@@ -27,11 +31,32 @@ def add_parser(sub) -> None:
     p.add_argument("--sensitivity", choices=("kind", "block", "both", "none"), default="both",
                    help="layer groups of the report's sensitivity ranking")
     p.add_argument("--no-report", action="store_true", help="stats only: skip the PyTorch evaluation and report")
+    p.add_argument("--cfg", choices=("split", "batched"), default="split",
+                   help="CFG branches as two forwards (split) or one forward at twice the batch (batched: half the "
+                        "forwards and observer calls; the EMA observer then sees one batch per step)")
+    p.add_argument("--shard", default=None, metavar="I/N",
+                   help="calibrate slice I of N of the trajectories only (0-based); merge with --from-shards")
+    p.add_argument("--from-shards", nargs="+", default=None, metavar="DIR",
+                   help="merge these shard folders exactly (all N of one calibration) instead of calibrating")
+    p.add_argument("--workers", type=int, default=1,
+                   help="run N shards in parallel under torchrun (with --device cuda: one per GPU, cuda:LOCAL_RANK) "
+                        "into OUT.shards/, then merge into OUT; rerunning skips the shards already done")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
     import dataclasses
+    import os
+    import subprocess
+    import sys
+
+    from trt_sora.calibrate import launch
+    from trt_sora.calibrate.shards import parse_shard
+
+    if args.workers > 1 and not launch.in_worker():
+        argv = sys.argv[1:]
+        os.makedirs(args.out, exist_ok=True)
+        return subprocess.call(launch.torchrun_command(argv, args.workers))
 
     from trt_sora.calibrate.run import ReportOptions, calibrate
     from trt_sora.config import load_recipe
@@ -60,12 +85,28 @@ def run(args) -> int:
         bar.n = done
         bar.refresh()
 
+    def go(out, device, **kw):
+        return calibrate(adapter, cfg, out, preset=preset, quant_format=fmt, text_encoder=args.text_embeddings,
+                         device=device, progress=progress, report=not args.no_report,
+                         quant_config=recipe.quantization, cfg=args.cfg,
+                         report_options=ReportOptions(eval_prompts=args.eval_prompts, sensitivity=args.sensitivity),
+                         dtype=args.dtype or recipe.model.dtype.value, **kw)
+
     try:
-        res = calibrate(adapter, cfg, args.out, preset=preset, quant_format=fmt,
-                        text_encoder=args.text_embeddings, device=args.device, progress=progress,
-                        report=not args.no_report, quant_config=recipe.quantization,
-                        report_options=ReportOptions(eval_prompts=args.eval_prompts, sensitivity=args.sensitivity),
-                        dtype=args.dtype or recipe.model.dtype.value)
+        if args.workers > 1:  # inside a torchrun worker
+            from trt_sora.calibrate.data import load_preset
+            from trt_sora.config.base import to_dict
+
+            expect = {"config": {"calibration": to_dict(cfg), "quant_format": fmt.value,
+                                 "quantization": to_dict(recipe.quantization)},
+                      "model_hash": adapter.spec.model_hash(), "preset": load_preset(preset).to_dict()}
+            launch.run_worker(args.out, args.device,
+                              run_shard=lambda sh, folder, dev: go(folder, dev, shard=sh),
+                              merge=lambda folders, dev: go(args.out, dev, from_shards=folders),
+                              expect=lambda sh: {**expect, "shard": list(sh)})
+            return 0
+        res = go(args.out, args.device, shard=parse_shard(args.shard) if args.shard else None,
+                 from_shards=args.from_shards)
     finally:
         for bar in bars.values():
             bar.close()

@@ -14,6 +14,8 @@ def add_parser(sub) -> None:
     p.add_argument("--stages", default=None, help="comma-separated subset, e.g. export,calibrate")
     p.add_argument("--dry-run", action="store_true", help="say which stages would be reused or rerun, and why "
                    "(re-hashes the artifacts), without running anything")
+    p.add_argument("--calib-shards", type=int, default=1, metavar="N",
+                   help="calibrate as N shards one after another and merge them (exact: the same stats as one pass)")
     p.set_defaults(func=run)
 
 
@@ -30,7 +32,8 @@ def run(args) -> int:
 
     if not args.out.strip():
         raise ArtifactError("--out '' is not an output folder; pass the artifact root (default: build)")
-    pipe = EnginePipeline(args.recipe, args.model, args.out, force=args.force, progress=progress, on_wait=on_wait)
+    pipe = EnginePipeline(args.recipe, args.model, args.out, force=args.force, progress=progress, on_wait=on_wait,
+                          calib_shards=args.calib_shards)
     print(f"[engine   ] model {pipe.adapter.name}, recipe {pipe.recipe.name} "
           f"({pipe.recipe.backend.value}, SM {pipe.recipe.compute_capability}), buckets from "
           f"{pipe.bucket_source}: {', '.join(b.name for b in pipe.buckets)} -> {pipe.run_dir}",
