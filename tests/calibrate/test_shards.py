@@ -135,3 +135,48 @@ def test_torchrun_workers_on_cpu_resume_and_match_one_pass(tmp_path, tiny_adapte
     assert (tmp_path / "calib.shards" / "shard-1-of-2" / "stats.safetensors").is_file()
     b2 = CalibStats.load(out / "stats.safetensors").to_tensors()
     assert all(torch.equal(a[k], b2[k]) for k in a)
+
+
+@pytest.mark.gpu
+def test_site_updates_never_sync_with_the_host_on_cuda():
+    """The calibration hot path (SiteStats.collect / collect_cfg_batch for every method) issues no
+    device->host sync: torch raises on any sync in 'error' debug mode. Only check_finite syncs, once."""
+    from trt_sora.calibrate.observers import check_finite
+
+    site = SiteStats("blocks.0.attn1.to_q", METHODS, observer_kwargs=KW)
+    xs = [torch.randn(2, 4096, 512, device="cuda", dtype=torch.bfloat16) * s for s in (0.1, 3.0, 0.5)]
+    site.collect(xs[0], step=0, branch="cond")  # first call allocates; the steady state is what counts
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        site.collect(xs[1], step=1, branch="uncond")
+        site.collect_cfg_batch(xs[2], step=2)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    check_finite([site])
+    cpu = SiteStats("blocks.0.attn1.to_q", METHODS, observer_kwargs=KW)
+    cpu.collect(xs[0].cpu(), step=0, branch="cond")
+    cpu.collect(xs[1].cpu(), step=1, branch="uncond")
+    cpu.collect_cfg_batch(xs[2].cpu(), step=2)
+    a, b = site.compute_all(), cpu.compute_all()
+    for m in ("minmax", "percentile", "ema"):  # same bins, same maxima on either device
+        assert torch.equal(a[m].cpu(), b[m]), m
+
+
+def test_hooks_summarize_a_shared_input_once(tiny_adapter, tiny_model, monkeypatch):
+    """Q, K and V of self-attention read one tensor: one batch summary serves all three sites."""
+    from trt_sora.calibrate.hooks import CollectionHooks
+
+    calls = []
+    real = SiteStats.summarize
+    monkeypatch.setattr(SiteStats, "summarize", lambda self, x, order=None: calls.append(self.name) or
+                        real(self, x, order))
+    x = tiny_adapter.example_inputs({"batch": 1, "latent_frames": 2, "latent_height": 4, "latent_width": 4,
+                                     "text_len": 8})
+    with CollectionHooks(tiny_model, methods=METHODS, observer_kwargs=KW) as hooks:
+        with hooks.at(step=0, branch="cond"), torch.inference_mode():
+            tiny_adapter.forward(tiny_model, x)
+    sites = hooks.used_sites()
+    assert "blocks.0.attn1.to_q" in calls and "blocks.0.attn1.to_k" not in calls and len(calls) < len(sites)
+    q, k = sites["blocks.0.attn1.to_q"].compute_all(), sites["blocks.0.attn1.to_k"].compute_all()
+    assert all(torch.equal(q[m], k[m]) for m in METHODS)

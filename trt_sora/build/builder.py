@@ -10,12 +10,15 @@ engine file name states the model, SM and backend version:
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
 import logging
 import os
 import resource
+import shutil
+import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -328,146 +331,220 @@ def build_engine(onnx_path: str | os.PathLike, config: Recipe | BuildConfig, out
     groups = [(b.name, [b]) for b in buckets] if build_cfg.separate_engines else [(None, list(buckets))]
     cache_file = Path(timing_cache) if timing_cache else out_dir / TIMING_CACHE
 
-    engines: list[tuple[str, bytes, str, int]] = []  # (file, bytes, log text, profiles built)
-    lg = _capture_logger(trt)
-    builder = trt.Builder(lg)
-    lg.quiet_cuda = False
-    if not rtx:
-        for lib in _resolve_plugins(build_cfg.plugins):
-            if trt.get_plugin_registry().load_library(str(lib)) is None:
-                raise BuildError(f"TensorRT could not load plugin library {lib}; rebuild it for TensorRT {version}")
-    cache_status = "disabled"
-    t_build = 0.0
-    cfg_keep = None
-    for bucket_name, group in groups:
-        flags = 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)
-        network = builder.create_network(flags)
-        parser = trt.OnnxParser(network, lg)
-        if not parser.parse_from_file(str(onnx_path)):  # resolves model.onnx.data next to the file
-            errs = "; ".join(str(parser.get_error(i).desc()) for i in range(parser.num_errors))
-            raise BuildError(f"TensorRT's ONNX parser rejected {onnx_path}: {errs or 'unknown error'}; "
-                             "check that the .onnx.data file lies beside it and the opset is >= 19")
-        bcfg = builder.create_builder_config()
-        bcfg.builder_optimization_level = build_cfg.optimization_level
-        bcfg.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(build_cfg.workspace_gb * (1 << 30)))
-        bcfg.profiling_verbosity = trt.ProfilingVerbosity.DETAILED
-        if rtx:
-            cc = getattr(trt.ComputeCapability, f"SM{target.sm}", None)
-            if cc is None:
-                raise ConfigError(f"TensorRT-RTX {version} has no compute capability SM{target.sm}; "
-                                  f"choose one of {[m for m in trt.ComputeCapability.__members__ if m.startswith('SM')]}")
-            bcfg.num_compute_capabilities = 1
-            bcfg.set_compute_capability(cc, 0)
-        if build_cfg.timing_cache:
-            tc, cache_status = _timing_cache(trt, bcfg, cache_file, lg)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", DeprecationWarning)
-                bcfg.set_timing_cache(tc, ignore_mismatch=False)
-        for b in group:
-            prof = builder.create_optimization_profile()
-            for i in range(network.num_inputs):
-                inp = network.get_input(i)
-                spec = dims.get(inp.name)
-                if spec is None:
-                    raise BuildError(f"network input {inp.name!r} is not an ONNX graph input")
-                prof.set_shape(inp.name, *(_shape(spec, b.point(w)) for w in ("min", "opt", "max")))
-            if bcfg.add_optimization_profile(prof) < 0:
-                raise BuildError(f"TensorRT rejected the profile for bucket {b.name!r}; check its shapes")
-        n_prof = bcfg.num_optimization_profiles
-        log.info("building %s for SM%d with %d profile(s) (%s %s)", onnx_path.name, target.sm, n_prof,
-                 target.backend.value, version)
-        t0 = time.perf_counter()
-        n_err = len(lg.errors)
-        serialized = builder.build_serialized_network(network, bcfg)
-        t_build += time.perf_counter() - t0
-        if serialized is None:
-            raise BuildError(f"TensorRT failed to build the engine for SM{target.sm}: "
-                             f"{'; '.join(lg.errors[n_err:][-3:]) or 'no error message'}")
-        fname = engine_file_name(model_name, target.sm, target.backend, version, bucket_name)
-        engines.append((fname, bytes(serialized), lg.text, n_prof))
-        lg.kept.clear()
-        cfg_keep = bcfg
-        del serialized, parser, network
+    with _scratch_dir(out_dir) as scratch:  # engines stream to disk here; moved in when all passed
+        engines: list[tuple[str, Path, str, int]] = []  # (file, scratch path, log text, profiles built)
+        lg = _capture_logger(trt)
+        builder = trt.Builder(lg)
+        lg.quiet_cuda = False
+        if not rtx:
+            for lib in _resolve_plugins(build_cfg.plugins):
+                if trt.get_plugin_registry().load_library(str(lib)) is None:
+                    raise BuildError(f"TensorRT could not load plugin library {lib}; rebuild it for TensorRT {version}")
+        cache_status = "disabled"
+        t_build = 0.0
+        cfg_keep = None
+        for bucket_name, group in groups:
+            flags = 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)
+            network = builder.create_network(flags)
+            parser = trt.OnnxParser(network, lg)
+            if not parser.parse_from_file(str(onnx_path)):  # resolves model.onnx.data next to the file
+                errs = "; ".join(str(parser.get_error(i).desc()) for i in range(parser.num_errors))
+                raise BuildError(f"TensorRT's ONNX parser rejected {onnx_path}: {errs or 'unknown error'}; "
+                                 "check that the .onnx.data file lies beside it and the opset is >= 19")
+            bcfg = builder.create_builder_config()
+            bcfg.builder_optimization_level = build_cfg.optimization_level
+            bcfg.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(build_cfg.workspace_gb * (1 << 30)))
+            bcfg.profiling_verbosity = trt.ProfilingVerbosity.DETAILED
+            if rtx:
+                cc = getattr(trt.ComputeCapability, f"SM{target.sm}", None)
+                if cc is None:
+                    sms = [m for m in trt.ComputeCapability.__members__ if m.startswith("SM")]
+                    raise ConfigError(f"TensorRT-RTX {version} has no compute capability SM{target.sm}; "
+                                      f"choose one of {sms}")
+                bcfg.num_compute_capabilities = 1
+                bcfg.set_compute_capability(cc, 0)
+            if build_cfg.timing_cache:
+                tc, cache_status = _timing_cache(trt, bcfg, cache_file, lg)
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", DeprecationWarning)
+                    bcfg.set_timing_cache(tc, ignore_mismatch=False)
+            for b in group:
+                prof = builder.create_optimization_profile()
+                for i in range(network.num_inputs):
+                    inp = network.get_input(i)
+                    spec = dims.get(inp.name)
+                    if spec is None:
+                        raise BuildError(f"network input {inp.name!r} is not an ONNX graph input")
+                    prof.set_shape(inp.name, *(_shape(spec, b.point(w)) for w in ("min", "opt", "max")))
+                if bcfg.add_optimization_profile(prof) < 0:
+                    raise BuildError(f"TensorRT rejected the profile for bucket {b.name!r}; check its shapes")
+            n_prof = bcfg.num_optimization_profiles
+            log.info("building %s for SM%d with %d profile(s) (%s %s)", onnx_path.name, target.sm, n_prof,
+                     target.backend.value, version)
+            t0 = time.perf_counter()
+            n_err = len(lg.errors)
+            fname = engine_file_name(model_name, target.sm, target.backend, version, bucket_name)
+            ok = _serialize_to_file(trt, builder, network, bcfg, scratch / fname)
+            t_build += time.perf_counter() - t0
+            if not ok:
+                raise BuildError(f"TensorRT failed to build the engine for SM{target.sm}: "
+                                 f"{'; '.join(lg.errors[n_err:][-3:]) or 'no error message'}")
+            engines.append((fname, scratch / fname, lg.text, n_prof))
+            lg.kept.clear()
+            cfg_keep = bcfg
+            del parser, network
 
-    # ---- report
-    reports = []
-    for fname, blob, text, n_prof in engines:
-        layers, in_engine, evidence = _layer_info(trt, blob, text, lg)
-        reports.append({"file": fname, "bytes": len(blob), "profiles_built": n_prof,
-                        "profiles_in_engine": in_engine, "evidence": evidence,
-                        "analysis": rep.analyze(layers, facts)})
-    first = reports[0]
-    report = {
-        "name": name,
-        "status": "ok",
-        "failures": [],
-        "backend": target.backend.value,
-        "backend_version": str(getattr(trt, "__version__", version)),
-        "sm": target.sm,
-        "quant_format": QuantFormat(target.quant_format).value,
-        "onnx": str(onnx_path.resolve()),
-        "buckets": [b.to_yaml() for b in buckets],
-        "separate_engines": build_cfg.separate_engines,
-        "engines": [{"file": r["file"], "bytes": r["bytes"], "profiles": r["profiles_in_engine"]} for r in reports],
-        "engine_bytes": sum(r["bytes"] for r in reports),
-        "profiles": {"built": sum(r["profiles_built"] for r in reports),
-                     "in_engine": sum(r["profiles_in_engine"] or 0 for r in reports),
-                     "evidence": first["evidence"]},
-        "build_seconds": round(t_build, 2),
-        "total_seconds": round(time.perf_counter() - t_start, 2),
-        "peak_rss_mb": round(_peak_rss_mb(), 1),
-        "timing_cache": cache_status + (" (TensorRT-RTX: timing cache ops are no-ops)" if rtx and
-                                        build_cfg.timing_cache else ""),
-        "onnx_qdq_nodes": facts.num_qdq,
-        "analysis": first["analysis"],
-        "per_engine": [{"file": r["file"], "analysis": r["analysis"]} for r in reports[1:]],
-    }
-    fails = [f for f in rep.check_requirements(report, build_cfg.requirements)]
-    for r in reports[1:]:
-        fails += [f"{r['file']}: {f}" for f in rep.check_requirements({"analysis": r["analysis"]},
-                                                                     build_cfg.requirements)]
-    if fails:
-        report["status"] = "failed"
-        report["failures"] = fails
-        path = rep.write_report(out_dir, report, failed=True)
-        (out_dir / BUILD_LOG).write_text("\n\n".join(t for _, _, t, _ in engines))
-        raise BuildError(f"engine misses the recipe's requirements: {'; '.join(fails)}. "
-                         f"Report: {path}. Fix: {rep.requirement_fix_hint(fails)}")
+        # ---- report
+        reports = []
+        for fname, epath, text, n_prof in engines:
+            layers, in_engine, evidence = _layer_info(trt, epath, text, lg)
+            reports.append({"file": fname, "bytes": epath.stat().st_size, "profiles_built": n_prof,
+                            "profiles_in_engine": in_engine, "evidence": evidence,
+                            "analysis": rep.analyze(layers, facts)})
+        first = reports[0]
+        report = {
+            "name": name,
+            "status": "ok",
+            "failures": [],
+            "backend": target.backend.value,
+            "backend_version": str(getattr(trt, "__version__", version)),
+            "sm": target.sm,
+            "quant_format": QuantFormat(target.quant_format).value,
+            "onnx": str(onnx_path.resolve()),
+            "buckets": [b.to_yaml() for b in buckets],
+            "separate_engines": build_cfg.separate_engines,
+            "engines": [{"file": r["file"], "bytes": r["bytes"], "profiles": r["profiles_in_engine"]} for r in reports],
+            "engine_bytes": sum(r["bytes"] for r in reports),
+            "profiles": {"built": sum(r["profiles_built"] for r in reports),
+                         "in_engine": sum(r["profiles_in_engine"] or 0 for r in reports),
+                         "evidence": first["evidence"]},
+            "build_seconds": round(t_build, 2),
+            "total_seconds": round(time.perf_counter() - t_start, 2),
+            "peak_rss_mb": round(_peak_rss_mb(), 1),
+            "timing_cache": cache_status + (" (TensorRT-RTX: timing cache ops are no-ops)" if rtx and
+                                            build_cfg.timing_cache else ""),
+            "onnx_qdq_nodes": facts.num_qdq,
+            "analysis": first["analysis"],
+            "per_engine": [{"file": r["file"], "analysis": r["analysis"]} for r in reports[1:]],
+        }
+        fails = [f for f in rep.check_requirements(report, build_cfg.requirements)]
+        for r in reports[1:]:
+            fails += [f"{r['file']}: {f}" for f in rep.check_requirements({"analysis": r["analysis"]},
+                                                                         build_cfg.requirements)]
+        if fails:
+            report["status"] = "failed"
+            report["failures"] = fails
+            path = rep.write_report(out_dir, report, failed=True)
+            (out_dir / BUILD_LOG).write_text("\n\n".join(t for _, _, t, _ in engines))
+            raise BuildError(f"engine misses the recipe's requirements: {'; '.join(fails)}. "
+                             f"Report: {path}. Fix: {rep.requirement_fix_hint(fails)}")
 
-    with staged_dir(out_dir) as tmp:
-        paths = []
-        for fname, blob, _, _ in engines:
-            (tmp / fname).write_bytes(blob)
-            paths.append(fname)
-        (tmp / BUILD_LOG).write_text("\n\n".join(t for _, _, t, _ in engines))
-        if build_cfg.timing_cache and cfg_keep is not None:
-            _save_timing_cache(cfg_keep, tmp / TIMING_CACHE, version)
-        rep.write_report(tmp, report)
-        spec = {"target": target, "buckets": [b.to_yaml() for b in buckets], "build": build_cfg}
-        inputs = {"onnx": file_entry(onnx_path)}
-        if export:
-            inputs["export_manifest_created"] = export.get("created")
-        manifest = write_manifest(
-            tmp, stage="build", inputs=inputs, config=spec,
-            outputs={"engines": paths, "report": rep.REPORT_JSON, "report_md": rep.REPORT_MD},
-            results={k: report[k] for k in ("backend", "backend_version", "sm", "engine_bytes", "profiles",
-                                            "build_seconds", "peak_rss_mb")}
-            | {"fp8_gemm_fraction": report["analysis"]["fp8_gemm_fraction"],
-               "int8_gemm_fraction": report["analysis"]["int8_gemm_fraction"],
-               "gemm_counts": report["analysis"]["gemm_counts"],
-               "attention_fused": report["analysis"]["attention"]["fused"]})
-    log.info("built %s: %.1f MB, %d profile(s), FP8 GEMMs %d/%d, %.1f s", paths[0], report["engine_bytes"] / 1e6,
-             report["profiles"]["in_engine"], report["analysis"]["gemm_counts"].get("fp8", 0),
-             report["analysis"]["gemm_total"], t_build)
-    return BuildResult(out_dir, tuple(out_dir / p for p in paths), report, manifest)
+        with staged_dir(out_dir) as tmp:
+            paths = []
+            for fname, epath, _, _ in engines:
+                os.replace(epath, tmp / fname)  # same filesystem: a rename, not a copy of a 15 GB plan
+                paths.append(fname)
+            (tmp / BUILD_LOG).write_text("\n\n".join(t for _, _, t, _ in engines))
+            if build_cfg.timing_cache and cfg_keep is not None:
+                _save_timing_cache(cfg_keep, tmp / TIMING_CACHE, version)
+            rep.write_report(tmp, report)
+            spec = {"target": target, "buckets": [b.to_yaml() for b in buckets], "build": build_cfg}
+            inputs = {"onnx": file_entry(onnx_path)}
+            if export:
+                inputs["export_manifest_created"] = export.get("created")
+            manifest = write_manifest(
+                tmp, stage="build", inputs=inputs, config=spec,
+                outputs={"engines": paths, "report": rep.REPORT_JSON, "report_md": rep.REPORT_MD},
+                results={k: report[k] for k in ("backend", "backend_version", "sm", "engine_bytes", "profiles",
+                                                "build_seconds", "peak_rss_mb")}
+                | {"fp8_gemm_fraction": report["analysis"]["fp8_gemm_fraction"],
+                   "int8_gemm_fraction": report["analysis"]["int8_gemm_fraction"],
+                   "gemm_counts": report["analysis"]["gemm_counts"],
+                   "attention_fused": report["analysis"]["attention"]["fused"]})
+        log.info("built %s: %.1f MB, %d profile(s), FP8 GEMMs %d/%d, %.1f s", paths[0], report["engine_bytes"] / 1e6,
+                 report["profiles"]["in_engine"], report["analysis"]["gemm_counts"].get("fp8", 0),
+                 report["analysis"]["gemm_total"], t_build)
+        return BuildResult(out_dir, tuple(out_dir / p for p in paths), report, manifest)
 
 
-def _layer_info(trt, blob: bytes, text: str, lg) -> tuple[list[rep.LayerInfo], int | None, str]:
+@contextlib.contextmanager
+def _scratch_dir(out_dir: Path):
+    """A hidden folder beside ``out_dir`` (same filesystem) for engine files as they are built; removed."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    path = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.engines-", dir=out_dir.parent))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _serialize_to_file(trt, builder, network, config, path: Path) -> bool:
+    """Build and write the plan to ``path``: streamed chunk by chunk where the builder can
+    (``build_serialized_network_to_stream``: a 15 GB plan never sits in host memory twice), else
+    written from the builder's buffer without a Python copy. False when the build failed."""
+    with open(path, "wb") as fh:
+        if hasattr(builder, "build_serialized_network_to_stream"):
+            writer = _stream_writer(trt, fh)
+            ok = bool(builder.build_serialized_network_to_stream(network, config, writer))
+            if writer.error is not None:
+                raise BuildError(f"writing the engine to {path} failed: {writer.error}") from writer.error
+        else:
+            blob = builder.build_serialized_network(network, config)
+            ok = blob is not None
+            if ok:
+                fh.write(memoryview(blob))
+    return ok and path.stat().st_size > 0
+
+
+def _stream_writer(trt, fh):
+    """A ``trt.IStreamWriter`` appending each chunk to ``fh``; remembers the first error (TensorRT only
+    logs exceptions raised inside the callback)."""
+
+    class FileWriter(trt.IStreamWriter):
+        def __init__(self):
+            trt.IStreamWriter.__init__(self)
+            self.error: BaseException | None = None
+
+        def write(self, data, size=None):  # noqa: D401 - TensorRT callback
+            try:
+                if size is None:  # bytes-like (TensorRT-RTX 1.7)
+                    fh.write(data)
+                    return len(data)
+                import ctypes  # a capsule around `size` bytes (other bindings)
+
+                get = ctypes.pythonapi.PyCapsule_GetPointer
+                get.restype, get.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+                name = ctypes.pythonapi.PyCapsule_GetName
+                name.restype, name.argtypes = ctypes.c_char_p, [ctypes.py_object]
+                fh.write(ctypes.string_at(get(data, name(data)), int(size)))
+                return int(size)
+            except BaseException as exc:  # noqa: BLE001 - reported after the build
+                self.error = self.error or exc
+                return 0
+
+    return FileWriter()
+
+
+def _gpu_present() -> bool:
+    """Whether a CUDA driver with at least one device is there (cheap; no torch, no TensorRT runtime)."""
+    import ctypes
+
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+        n = ctypes.c_int(0)
+        return cuda.cuInit(0) == 0 and cuda.cuDeviceGetCount(ctypes.byref(n)) == 0 and n.value > 0
+    except OSError:
+        return False
+
+
+def _layer_info(trt, path: Path, text: str, lg) -> tuple[list[rep.LayerInfo], int | None, str]:
     """Layers + profile count: EngineInspector when the engine deserializes (GPU), else the log."""
+    if not _gpu_present():  # a CPU-only builder cannot deserialize: do not read a 15 GB plan to find out
+        return _layers_from_log(text)
     lg.quiet_cuda = True
     try:
         runtime = trt.Runtime(lg)
-        engine = runtime.deserialize_cuda_engine(blob)
+        engine = runtime.deserialize_cuda_engine(path.read_bytes())
     except Exception:  # no GPU: deserialization is impossible; fall back to the builder's log
         engine = None
     finally:
@@ -476,6 +553,10 @@ def _layer_info(trt, blob: bytes, text: str, lg) -> tuple[list[rep.LayerInfo], i
         insp = engine.create_engine_inspector()
         lines = insp.get_engine_information(trt.LayerInformationFormat.ONELINE)
         return rep.parse_layer_dump(lines), engine.num_optimization_profiles, "deserialized engine"
+    return _layers_from_log(text)
+
+
+def _layers_from_log(text: str) -> tuple[list[rep.LayerInfo], int | None, str]:
     layers = rep.parse_layer_dump(text)
     if not layers:
         log.warning("the builder log has no per-layer dump; the report cannot prove precisions "

@@ -50,14 +50,37 @@ def rebin(counts: Tensor, shift: Tensor) -> Tensor:
     return torch.zeros_like(counts).index_add_(0, idx, counts)
 
 
+_NATIVE: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def _native_histc(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``torch.histc`` takes ``dtype`` on ``device`` (probed once). bf16 has fp32's exponent range,
+    so scaling by ``2**-e`` stays exact in bf16 and the fp32 copy (twice the bytes) is skipped."""
+    key = (device.type, dtype)
+    if key not in _NATIVE:
+        try:
+            torch.histc(torch.zeros(2, dtype=dtype, device=device), bins=2, min=0.0, max=1.0)
+            _NATIVE[key] = True
+        except (RuntimeError, NotImplementedError):
+            _NATIVE[key] = False
+    return _NATIVE[key]
+
+
 def batch_counts(x: Tensor, e: Tensor, num_bins: int) -> Tensor:
-    """int64 ``[num_bins]`` counts of ``|x|`` on ``[0, 2**e)`` (``|x| < 2**e``, finite)."""
+    """int64 ``[num_bins]`` counts of ``|x|`` on ``[0, 2**e)`` (``|x| < 2**e``, finite).
+
+    Per chunk: one ``abs`` (a fresh temporary, never the caller's tensor), one in-place multiply by
+    ``2**-e`` (exact), one ``histc`` over ``[0, 1)``. bf16 stays bf16 where ``histc`` takes it; fp16
+    (too narrow an exponent range for the scale) and others go through fp32.
+    """
     one = torch.ones((), dtype=torch.float32, device=x.device)
     scale = torch.where(e > EMPTY, torch.ldexp(one, (-e).clamp(max=126).to(torch.float32)), one)
+    native = x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and _native_histc(x.device, x.dtype))
+    if native and x.dtype != torch.float32:
+        scale = scale.to(x.dtype)
     out = torch.zeros(num_bins, dtype=torch.int64, device=x.device)
     for chunk in x.reshape(-1).split(CHUNK):
-        # a fresh fp32 temporary (never the caller's tensor), |x| scaled by a power of two: exact
-        u = chunk.abs() if chunk.dtype == torch.float32 else chunk.float().abs_()
+        u = chunk.abs() if native else chunk.float().abs_()
         u.mul_(scale)
         out += torch.histc(u, bins=num_bins, min=0.0, max=1.0).to(torch.int64)
     return out
@@ -85,13 +108,22 @@ class Histogram:
 
     def update(self, x: Tensor, amax: Tensor) -> None:
         """Add batch ``x`` whose ``max|x|`` is ``amax`` (fp32 0-d, same device). No host sync."""
+        self.add(*self.batch(x, amax, self.num_bins), amax)
+
+    @staticmethod
+    def batch(x: Tensor, amax: Tensor, num_bins: int) -> tuple[Tensor, Tensor]:
+        """``(e_b, counts)`` of one batch at its own exponent (reusable by every histogram of ``num_bins``)."""
         e_b = exponent_of(amax)
+        return e_b, batch_counts(x, e_b, num_bins)
+
+    def add(self, e_b: Tensor, counts: Tensor, amax: Tensor) -> None:
+        """Fold a batch's ``(e_b, counts)`` (see :meth:`batch`) in."""
         if self.counts is None:
-            self.counts = torch.zeros(self.num_bins, dtype=torch.int64, device=x.device)
-            self.exponent = torch.full((), EMPTY, dtype=torch.int64, device=x.device)
+            self.counts = torch.zeros(self.num_bins, dtype=torch.int64, device=counts.device)
+            self.exponent = torch.full((), EMPTY, dtype=torch.int64, device=counts.device)
             self.absmax = amax.clone()
         e = torch.maximum(self.exponent, e_b)
-        self.counts = rebin(self.counts, e - self.exponent) + rebin(batch_counts(x, e_b, self.num_bins), e - e_b)
+        self.counts = rebin(self.counts, e - self.exponent) + rebin(counts, e - e_b)
         self.exponent = e
         self.absmax = torch.maximum(self.absmax, amax)
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import weakref
 import logging
 from typing import Any, Iterator, Mapping, Sequence
 
@@ -82,6 +83,7 @@ class CollectionHooks:
         self._step: int | None = None
         self._branch: str | None = None
         self._handles: list = []
+        self._last = None  # (weakref to the tensor, its version, CFG order, summary): see _last_summary
         self._saved_processors: list[tuple[torch.nn.Module, Any]] = []
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -135,16 +137,34 @@ class CollectionHooks:
             check_finite(list(self.sites.values()), f" (denoising step {step}, CFG branch {branch!r})")
         finally:
             self._step, self._branch = prev
+            self._last = None
 
     # -- hooks ----------------------------------------------------------------------------------
     def _collect(self, site: SiteStats, x: torch.Tensor) -> None:
         if not isinstance(x, torch.Tensor):
             raise CalibrationError(f"site {site.name!r} got a {type(x).__name__} input, not a tensor; "
                                    "exclude it from calibration")
-        if isinstance(self._branch, tuple):
-            site.collect_cfg_batch(x, step=self._step, order=self._branch)
+        if x.numel() == 0:
+            return
+        order = self._branch if isinstance(self._branch, tuple) else None
+        if order is not None and (x.dim() == 0 or x.shape[0] % len(order)):
+            site.collect_cfg_batch(x, step=self._step, order=order)  # raises, naming the site
+        summary = self._last_summary(site, x, order)
+        if order is not None:
+            site.fold(summary, step=self._step, order=order)
         else:
-            site.collect(x, step=self._step, branch=self._branch)
+            site.fold(summary, step=self._step, branch=self._branch)
+
+    def _last_summary(self, site: SiteStats, x: torch.Tensor, order):
+        """The batch summary of ``x``; the previous site's when it read the very same tensor (Q, K and V of
+        one input, K and V of the text): computed once. One entry, held by weak reference, so no
+        activation outlives its forward and a new tensor at a freed address never matches."""
+        last, version = self._last, _version(x)
+        if last is not None and last[0]() is x and last[1] == version and last[2] == order:
+            return last[3]
+        summary = site.summarize(x, order)
+        self._last = (weakref.ref(x), version, order, summary)
+        return summary
 
     def _linear_hook(self, site: SiteStats):
         def hook(_module, args):
@@ -167,6 +187,15 @@ class CollectionHooks:
             log.warning("calibration: %d site(s) never ran in the forward and get no statistics: %s",
                         len(unused), ", ".join(unused[:8]) + (" ..." if len(unused) > 8 else ""))
         return {n: s for n, s in self.sites.items() if s.num_batches}
+
+
+def _version(x: torch.Tensor) -> int:
+    """The tensor's in-place version counter (inference-mode tensors have none: nothing writes to them
+    between two hooks of one forward)."""
+    try:
+        return x._version
+    except RuntimeError:
+        return -1
 
 
 @contextlib.contextmanager

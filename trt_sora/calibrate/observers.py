@@ -184,10 +184,10 @@ class Observer:
     # -- subclass hooks -------------------------------------------------------------------------
     def _observe(self, x: Tensor, mn: Tensor, mx: Tensor) -> None:
         """Fold one batch in; ``mn``/``mx`` are this batch's (already checked) fp32 min/max."""
-        self._count(x, mn)
+        self._count(x.numel(), mn)
         self._update(x, mn, mx)
 
-    def _count(self, x: Tensor, mn: Tensor) -> None:
+    def _count(self, numel: int, mn: Tensor) -> None:
         """Counters and the channel-count check of one batch (no data touched)."""
         if self.axis is not None:
             c = int(mn.numel())
@@ -199,7 +199,7 @@ class Observer:
                     "before; the module's shape changed between calibration batches - check the model's "
                     "forward, or calibrate this site per tensor (axis=None)")
         self.num_batches += 1
-        self.num_elements += x.numel()
+        self.num_elements += numel
 
     def _update(self, x: Tensor, mn: Tensor, mx: Tensor) -> None:
         raise NotImplementedError
@@ -687,24 +687,44 @@ class SiteStats:
         """
         if x.numel() == 0:
             return
-        x = x.detach()
-        mn, mx = _minmax(x, self.name, self.axis)
-        self._fold(x, mn, mx)
-        if step is not None:
-            self._record(step, self._branch_index(branch), _absmax(mn, mx))
+        self.fold(self.summarize(x), step=step, branch=branch)
 
-    def _fold(self, x: Tensor, mn: Tensor, mx: Tensor) -> None:
-        """One batch into every observer (shared histograms once), on the device, without a host sync."""
+    def summarize(self, x: Tensor, order: Sequence[str] | None = None) -> dict[str, Any]:
+        """What a batch contributes, computed once on its device (no host sync): min/max (per CFG part
+        when ``order`` names the concatenated branches) and each histogram's batch counts. Sites that
+        read the same tensor (Q/K/V projections of one input) fold one summary
+        (:class:`~trt_sora.calibrate.hooks.CollectionHooks` does)."""
+        x = x.detach()
+        if order is not None:
+            parts = [_minmax(p, self.name, self.axis) for p in x.chunk(len(order), dim=0)]
+            mn = torch.stack([p[0] for p in parts]).amin(0)
+            mx = torch.stack([p[1] for p in parts]).amax(0)
+        else:
+            parts = None
+            mn, mx = _minmax(x, self.name, self.axis)
+        amax = _absmax(mn, mx)
+        hists = {h.num_bins: Histogram.batch(x, amax, h.num_bins) for h in self._histograms}
+        return {"mn": mn, "mx": mx, "amax": amax, "parts": parts, "hists": hists, "numel": x.numel()}
+
+    def fold(self, summary: Mapping[str, Any], *, step: int | None = None, branch: str | int | None = None,
+             order: Sequence[str] | None = None) -> None:
+        """Fold a :meth:`summarize` result into every observer and the per-step grid."""
+        mn, mx = summary["mn"], summary["mx"]
         bad = ~(torch.isfinite(mn).all() & torch.isfinite(mx).all())
         self._nonfinite = bad if self._nonfinite is None else self._nonfinite | bad
         for o in self.observers.values():
-            o._count(x, mn)
+            o._count(summary["numel"], mn)
             if not isinstance(o, HistogramObserver):
-                o._update(x, mn, mx)
-        if self._histograms:
-            amax = _absmax(mn, mx)
-            for h in self._histograms:
-                h.update(x, amax)
+                o._update(None, mn, mx)  # min/max and EMA read only the batch's min/max
+        for h in self._histograms:
+            h.add(*summary["hists"][h.num_bins], summary["amax"])
+        if step is None:
+            return
+        if summary["parts"] is None:
+            self._record(step, self._branch_index(branch), summary["amax"])
+        else:
+            for b, (pmn, pmx) in zip(order, summary["parts"]):
+                self._record(step, self._branch_index(b), _absmax(pmn, pmx))
 
     def check_finite(self, where: str = "") -> None:
         """Raise CalibrationError if a batch since the last reset held NaN/inf (one host sync)."""
@@ -726,14 +746,7 @@ class SiteStats:
             raise CalibrationError(f"site {self.name!r}: CFG-batched tensor of shape {tuple(x.shape)} cannot be "
                                    f"split into {len(order)} branches {order} along dim 0; run the branches as "
                                    "separate forwards and use collect(..., branch=...)")
-        x = x.detach()
-        parts = [_minmax(p, self.name, self.axis) for p in x.chunk(len(order), dim=0)]
-        mn = torch.stack([p[0] for p in parts]).amin(0)
-        mx = torch.stack([p[1] for p in parts]).amax(0)
-        self._fold(x, mn, mx)
-        if step is not None:
-            for b, (pmn, pmx) in zip(order, parts):
-                self._record(step, self._branch_index(b), _absmax(pmn, pmx))
+        self.fold(self.summarize(x, order), step=step, order=order)
 
     def compute_amax(self, method: str | None = None) -> Tensor:
         """amax of ``method`` (default: :attr:`primary`); fp32 ``[]`` or ``[C]``."""

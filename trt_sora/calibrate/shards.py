@@ -104,8 +104,8 @@ def merge_stats(parts: Sequence) -> object:
     extra = {k: v for k, v in first.extra.items() if k not in ("shard", "shard_trajectories", "collect_seconds")}
     extra.update({"merged_shards": count,
                   "collect_seconds": round(sum(p.metadata.extra.get("collect_seconds", 0.0) for p in parts), 3)})
-    meta = StatsMetadata(**{**first.to_dict(), "observers": {}, "num_samples": sum(p.metadata.num_samples for p in parts),
-                            "extra": extra})
+    meta = StatsMetadata(**{**first.to_dict(), "observers": {}, "extra": extra,
+                            "num_samples": sum(p.metadata.num_samples for p in parts)})
     out = CalibStats.from_sites(merged, meta)
     for w in first.extra.get("weight_sites", []):  # weights are the same for every shard: take shard 0's
         if not all(torch.equal(p.amax[w], parts[0].amax[w]) for p in parts):

@@ -244,7 +244,7 @@ def export_onnx(model_ref, config: ExportConfig, out_dir: str | Path, *, model=N
         manifest = write_manifest(tmp, stage="export", inputs={"model": adapter.describe()}, config=config,
                                   results=results, outputs=outputs)
     out = Path(out_dir)
-    manifest["outputs"]["onnx_entry"] = file_entry(out / ONNX_NAME)
+    manifest["outputs"]["onnx_entry"] = _entry_from_manifest(out / ONNX_NAME, manifest)
     log.info("export of %s: %s", adapter.name, seconds)
     return ExportResult(out / ONNX_NAME, manifest)
 
@@ -258,6 +258,19 @@ def _streamed_reference(adapter, source, points, dtype: str) -> list:
         fns = [lambda i=i, p=p: reference_outputs(adapter, model, [p], dtype, first_index=i)[0]
                for i, p in enumerate(points)]
         return run_lockstep(model, fns)
+
+
+def _entry_from_manifest(path: Path, manifest: dict) -> dict:
+    """:func:`~trt_sora.manifest.file_entry` of the written ONNX, from the hashes the manifest just recorded
+    (re-hashing a 57 GB ``model.onnx.data`` would cost a minute)."""
+    files = manifest.get("files") or {}
+    if path.name not in files:
+        return file_entry(path)
+    entry = {"path": str(path.resolve()), **files[path.name]}
+    data = files.get(path.name + ".data")
+    if data is not None:
+        entry["external_data"] = {"path": str(path.with_name(path.name + ".data").resolve()), **data}
+    return entry
 
 
 def _peak_rss_mb() -> float:

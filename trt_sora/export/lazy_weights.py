@@ -11,9 +11,10 @@ right shape and dtype that occupies one element of memory (a NaN, so a rewrite
 rule that inspected its values would find no match rather than a wrong one),
 carrying a *recipe* (which weight, which transposes). Every other weight reads its
 real values whenever the optimizer asks (a rule such as
-``RemoveOptionalBiasFromGemm`` looks at a bias), one at a time. :func:`lazy_folding` lets the optimizer fold a ``Transpose`` of a
-placeholder into another placeholder; any other op that meets a placeholder gets
-the real values (correct, just not memory-free). Afterwards
+``RemoveOptionalBiasFromGemm`` looks at a bias), one at a time. :func:`lazy_folding`
+lets the optimizer fold a ``Transpose`` of a placeholder into another placeholder;
+any other op that meets a placeholder gets the real values (correct, just not
+memory-free). Afterwards
 :func:`resolve_placeholders` turns every placeholder left in the graph into a
 ``LazyTensor`` that reads the weight and applies the recipe when the file is
 written, so the optimizer runs exactly as in an in-memory export (same folds in

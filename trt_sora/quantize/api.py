@@ -243,7 +243,14 @@ def quantize_onnx(onnx_path: str | os.PathLike, stats, config: QuantConfig, out_
 
     # -- graph dtype + Q/DQ -----------------------------------------------------------------------
     quantized = [s for s in linears if decisions[s][0]]
-    dcounts = dtype_mod.convert_graph_dtype(graph, gdt, skip_constants={linears[s].weight.name for s in quantized})
+    src = dtype_mod.source_dtype(graph)
+    if src is DType.FP32:
+        dcounts = dtype_mod.convert_graph_dtype(graph, gdt, skip_constants={linears[s].weight.name for s in quantized})
+    elif src is gdt:  # exported in the graph dtype already (e.g. a bf16 export of a model too big for fp32 on disk)
+        dcounts = {"fp32_nodes": 0, "low_nodes": 0, "casts": 0}
+    else:
+        raise QuantizeError(f"{onnx_path.name} was exported in {src.value} but quantization.graph_dtype is "
+                            f"{gdt.value}; export in fp32 (export.dtype: fp32) or set quantization.graph_dtype: {src.value}")
     low = dtype_mod.np_dtype(gdt)
     by_tensor: dict[str, list[str]] = {}
     for s in quantized:
@@ -306,7 +313,7 @@ def quantize_onnx(onnx_path: str | os.PathLike, stats, config: QuantConfig, out_
     if not external and size > PROTOBUF_LIMIT:
         raise QuantizeError(f"the Q/DQ model is {size / 1e9:.1f} GB, over protobuf's 2 GB limit; set "
                             "quantization.external_data to auto or always")
-    inputs = {"onnx": file_entry(onnx_path)}
+    inputs = {"onnx": _input_entry(onnx_path, exp)}
     if stats_path is not None:
         inputs["stats"] = {"path": str(Path(stats_path).resolve()), "sha256": sha256_file(stats_path)}
     elif calib is not None:
@@ -343,6 +350,19 @@ def quantize_onnx(onnx_path: str | os.PathLike, stats, config: QuantConfig, out_
     log.info("quantize: %d/%d linears %s, %d fused groups, graph %s -> %s", counts["quantized_linears"],
              counts["linears"], fmt.value, counts["fused_groups"], gdt.value, out / QDQ_NAME)
     return QuantResult(out / QDQ_NAME, out / MAP_NAME, manifest)
+
+
+def _input_entry(onnx_path: Path, exp: dict | None) -> dict:
+    """The input's :func:`file_entry`, from its export manifest's hashes when that manifest lists it (those
+    were verified against the file before parsing it: no second pass over a 57 GB ``model.onnx.data``)."""
+    files = (exp or {}).get("files") or {}
+    if onnx_path.name not in files:
+        return file_entry(onnx_path)
+    entry = {"path": str(onnx_path.resolve()), **files[onnx_path.name]}
+    data = files.get(onnx_path.name + ".data")
+    if data is not None:
+        entry["external_data"] = {"path": str(onnx_path.with_name(onnx_path.name + ".data").resolve()), **data}
+    return entry
 
 
 def _elem_name(e: int) -> str:

@@ -47,6 +47,19 @@ def onnx_elem(dtype: DType) -> int:
             DType.BF16: onnx.TensorProto.BFLOAT16}[dtype]
 
 
+def source_dtype(graph, *, input_name: str | None = None) -> DType:
+    """The float dtype an exported graph was traced in: that of its first float input other than the
+    fp32 ``timestep`` (``hidden_states`` for the DiTs)."""
+    for t in graph.inputs:
+        if t.name == "timestep" or (input_name and t.name != input_name) or t.dtype is None:
+            continue
+        d = tensors._np_dtype(t.dtype)  # graphsurgeon gives an onnx enum for bf16
+        for dt in (DType.FP32, DType.FP16, DType.BF16):
+            if d == np_dtype(dt):
+                return dt
+    return DType.FP32
+
+
 def _is_float(t) -> bool:
     return t.dtype is not None and np.dtype(t.dtype) == np.float32
 

@@ -196,6 +196,7 @@ def write_model(graph, path: Path, *, external: bool, opset: int, ir_version: in
         if not external or d.nbytes < EXTERNAL_THRESHOLD:
             if isinstance(t._values, D):
                 t.values = d.load()  # inline: a plain array graphsurgeon serializes itself
+                t.data_location = None  # it may have been external in the export
             continue
         t._values = d
         if id(d) in seen:

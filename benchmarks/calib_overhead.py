@@ -1,0 +1,87 @@
+"""Calibration observer overhead on the GPU: a plain transformer forward vs the same forward with every
+calibration observer installed (minmax, EMA, percentile, MSE on every linear input and attention q/k/v).
+
+    python benchmarks/calib_overhead.py --model wan2.1-t2v-1.3b --cfg split
+    python benchmarks/calib_overhead.py --model wan2.1-t2v-14b --cfg batched --out bench_14b.json
+
+480p x 81 frames (latent 21 x 60 x 104, text 512), bf16 weights on cuda:0, random-init weights
+(same shapes and op counts as the release checkpoints). ``--cfg split``: one forward per CFG branch
+(batch 1); ``--cfg batched``: both branches in one forward (batch 2, half the observer calls per
+sample). Prints and writes: ms per forward (plain, observed), the ratio, forwards per second, and
+the per-sample cost. Runs with the observers of whatever trt_sora is on PYTHONPATH, so the same
+command on an older checkout measures "before" (that one only knows ``--cfg split``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+
+def _time(fn, reps: int) -> float:
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) / reps
+
+
+def main() -> None:
+    from trt_sora.calibrate.hooks import CollectionHooks
+    from trt_sora.calibrate.run import ALL_METHODS, observer_kwargs
+    from trt_sora.config.recipe import CalibConfig
+    from trt_sora.models import get_adapter
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="wan2.1-t2v-1.3b")
+    ap.add_argument("--cfg", choices=("split", "batched"), default="split")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--frames", type=int, default=21, help="latent frames (81 video frames)")
+    ap.add_argument("--height", type=int, default=60)
+    ap.add_argument("--width", type=int, default=104)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+
+    adapter = get_adapter(args.model)
+    model = adapter.load("bf16", "cuda")
+    batch = 2 if args.cfg == "batched" else 1
+    point = {"batch": batch, "latent_frames": args.frames, "latent_height": args.height,
+             "latent_width": args.width, "text_len": 512}
+    inputs = adapter.example_inputs(point, dtype="bf16", device="cuda")
+    branch = "cond+uncond" if batch == 2 else "cond"
+
+    @torch.inference_mode()
+    def plain():
+        adapter.forward(model, inputs)
+
+    plain()  # warm-up (kernels, allocator)
+    t_plain = _time(plain, args.reps)
+    okw = observer_kwargs(CalibConfig(), "fp8_e4m3")
+    with CollectionHooks(model, methods=ALL_METHODS, branches=("cond", "uncond"), observer_kwargs=okw) as hooks:
+        step = [0]
+
+        @torch.inference_mode()
+        def observed():
+            with hooks.at(step=step[0] % 50, branch=branch):
+                adapter.forward(model, inputs)
+            step[0] += 1
+
+        observed()
+        t_obs = _time(observed, args.reps)
+        n_sites = len(hooks.sites)
+    res = {"model": args.model, "cfg": args.cfg, "batch": batch, "point": point, "sites": n_sites,
+           "plain_ms": round(t_plain * 1e3, 1), "observed_ms": round(t_obs * 1e3, 1),
+           "overhead_ratio": round(t_obs / t_plain, 3), "observed_forwards_per_s": round(1.0 / t_obs, 3),
+           "observed_ms_per_sample_and_branch": round(t_obs * 1e3 / batch, 1),
+           "device": torch.cuda.get_device_name(0), "torch": torch.__version__}
+    print(json.dumps(res, indent=2))
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump(res, fh, indent=2)
+
+
+if __name__ == "__main__":
+    main()
