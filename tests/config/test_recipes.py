@@ -101,6 +101,7 @@ def test_check_point_lists_buckets():
     (("parity", "qdq", "max_floor_ratio"), 0.0), (("parity", "num_samples"), 0), (("parity", "jump_factor"), 1.0),
     (("build", "requirements", "min_fp8_gemm_fraction"), 1.5), (("build", "workspace_gb"), -3),
     (("build", "workspace_gb"), float("inf")), (("export", "min_cosine"), 2.0), (("calibration", "num_bins"), 0),
+    (("calibration", "num_bins"), 1000),
 ])
 def test_gates_and_limits_are_range_checked(path, value):
     """A threshold that can never pass (or passes anything) is a typo: a ConfigError naming the key."""

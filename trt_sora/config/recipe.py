@@ -138,6 +138,9 @@ class CalibConfig:
             raise ConfigError(f"calibration.percentile={self.percentile} must be in (0, 100]")
         if not 0.0 < self.ema_constant <= 1.0:
             raise ConfigError(f"calibration.ema_constant={self.ema_constant} must be in (0, 1]")
+        if self.num_bins < 2 or self.num_bins & (self.num_bins - 1):
+            raise ConfigError(f"calibration.num_bins={self.num_bins} must be a power of two (e.g. 2048): histograms "
+                              "use power-of-two ranges so that batches and shards merge exactly")
         if self.num_bins < 16:
             raise ConfigError(f"calibration.num_bins={self.num_bins}: a histogram needs at least 16 bins "
                               "(default 2048)")
