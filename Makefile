@@ -7,7 +7,7 @@ RECIPE  ?= rtx4090-fp8
 MODEL   ?=
 OUT     ?= build
 BIN      = $(VENV)/bin
-EXTRAS  ?= export,tensorrt-rtx,dev
+EXTRAS  ?= export,tensorrt-rtx,serve,dev
 
 .PHONY: install test test-fast engine export clean distclean help
 

@@ -26,6 +26,7 @@ LAYERS: list[set[str]] = [
     {"parity"},
     {"runtime"},
     {"pipeline"},
+    {"serve"},
     {"cli", "__main__"},
 ]
 LAYER_OF = {name: i for i, layer in enumerate(LAYERS) for name in layer}

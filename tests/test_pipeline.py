@@ -28,6 +28,10 @@ def test_every_stage_ran_and_wrote_its_manifest(first_run):
         assert m["inputs"], stage
     assert (pipe.folder("calibrate") / "report.md").is_file()
     assert (pipe.folder("quantize") / "qdq_map.json").is_file()
+    from trt_sora.cli.common import run_recipe  # the recipe as run, for `trt-sora check --run DIR`
+
+    recipe, source = run_recipe(pipe.run_dir)
+    assert recipe == pipe.recipe and source.endswith("recipe.yaml")
 
 
 def test_build_report_proves_fp8_and_profiles(first_run):

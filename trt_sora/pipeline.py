@@ -34,6 +34,7 @@ log = logging.getLogger("trt_sora")
 STAGES = ("export", "calibrate", "quantize", "build", "check")
 STATE = "pipeline.json"
 FOLDERS = {"export": "export", "calibrate": "calib", "quantize": "quant", "build": "engine", "check": "parity"}
+RECIPE_FILE = "recipe.yaml"
 
 
 @dataclasses.dataclass
@@ -271,6 +272,17 @@ class EnginePipeline:
 
         return self._run("check", go)
 
+    def _record_recipe(self) -> None:
+        """``recipe.yaml`` in the run folder: the recipe as run (``trt-sora check`` / ``ls`` read it)."""
+        import os
+
+        from trt_sora.config import dump_recipe
+
+        path = self.run_dir / RECIPE_FILE
+        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+        tmp.write_text(dump_recipe(self.recipe))
+        os.replace(tmp, path)
+
     # -- running -------------------------------------------------------------------------
     def _selected(self, stages: Sequence[str]) -> list[str]:
         unknown = [s for s in stages if s not in STAGES]
@@ -285,6 +297,7 @@ class EnginePipeline:
         with folder_lock(self.run_dir, on_wait=self.on_wait):
             self.state = self._read_state()  # another run may have finished while we waited
             sweep_dead_temps(self.run_dir)
+            self._record_recipe()
             for stage in selected:
                 if stage == "calibrate" and not self.quantized:
                     outcome = StageOutcome(stage, "skipped", detail="recipe has quantization.format none")

@@ -7,7 +7,8 @@ def add_parser(sub) -> None:
                        description="Compare every stage of a run folder against PyTorch and write "
                                    "DIR/parity/report.json + report.md. Exit 1 when a gate fails.")
     p.add_argument("--run", required=True, help="run folder build/<model>/<recipe>/ (holds export/, quant/, ...)")
-    p.add_argument("--recipe", required=True, help="recipe name (recipes/*.yaml) or path; gates from its parity:")
+    p.add_argument("--recipe", default=None, help="recipe name (recipes/*.yaml) or path; gates from its parity: "
+                   "(default: the recipe recorded in the run folder)")
     p.add_argument("--model", default=None, help="override the model (default: the export manifest's)")
     p.add_argument("--backend", choices=["ort", "trt", "torch-fp8"], default="ort",
                    help="candidate backend (default ort; torch-fp8: FP8 tensor-core GEMMs + Triton kernels on a GPU)")
@@ -16,11 +17,16 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from trt_sora.cli.common import stage_line
+    import sys
+
+    from trt_sora.cli.common import run_recipe, stage_line
     from trt_sora.parity import check_artifacts
 
+    recipe, source = run_recipe(args.run, args.recipe)
+    if not args.recipe:
+        print(f"[check] recipe {recipe.name} from {source}", file=sys.stderr)
     with stage_line("check"):
-        rep = check_artifacts(args.run, args.recipe, model=args.model, backend=args.backend, device=args.device)
+        rep = check_artifacts(args.run, recipe, model=args.model, backend=args.backend, device=args.device)
     for c in rep["comparisons"]:
         shown = ", ".join(f"{ch['metric']} {ch['value']:.6g} ({ch['op']} {ch['threshold']})" for ch in c["checks"])
         print(f"  {c['level']:8s} {'ok  ' if c['passed'] else 'FAIL'} {shown}")

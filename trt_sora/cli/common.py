@@ -18,3 +18,28 @@ def stage_line(name: str):
 
 def print_json(data) -> None:
     print(json.dumps(data, indent=2, default=str))
+
+
+def run_recipe(run, given: str | None = None):
+    """``(Recipe, source)`` for a run folder: ``given``, else the ``recipe.yaml`` the pipeline wrote
+    there, else the recipe its parity report names, else its folder name (``build/<model>/<recipe>``)
+    when that is a known recipe. ConfigError when none applies."""
+    from pathlib import Path
+
+    from trt_sora.config import list_recipes, load_recipe
+    from trt_sora.errors import ConfigError
+
+    if given:
+        return load_recipe(given), "--recipe"
+    run = Path(run)
+    if (run / "recipe.yaml").is_file():
+        return load_recipe(run / "recipe.yaml"), f"{run}/recipe.yaml"
+    rep = run / "parity" / "report.json"
+    if rep.is_file():
+        name = json.loads(rep.read_text()).get("recipe")
+        if name in list_recipes():
+            return load_recipe(name), f"{rep} (recipe {name})"
+    if run.name in list_recipes():
+        return load_recipe(run.name), f"the run folder's name ({run.name})"
+    raise ConfigError(f"{run} records no recipe (no recipe.yaml, no parity report naming one, and its name is not "
+                      "a recipe); pass --recipe NAME")

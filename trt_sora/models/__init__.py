@@ -36,7 +36,8 @@ def _wan_shapes_spec() -> ModelSpec:
         ref="wan-shapes", family="wan", source="checkpoint", path=str(ms.WEIGHTS_DIR),
         config={k: v for k, v in config.items() if not k.startswith("_")}, text_encoder="minilm",
         defaults={
-            **ms.SAMPLING, "negative_prompt": ms.NEGATIVE_PROMPT, "calib_preset": "moving-shapes",
+            **ms.SAMPLING, "negative_prompt": ms.NEGATIVE_PROMPT, "calib_preset": "moving-shapes", "fps": ms.FPS,
+            "caption_probe": "trt_sora.models.moving_shapes.probe:verdict",
             "heldout_prompts": "moving_shapes_v1",
             # trained at one resolution only: one clip with CFG (batch 1-2) and two clips (3-4)
             "buckets": [{"name": "shapes-1clip", "batch": [1, 2, 2], **bucket},
@@ -88,7 +89,12 @@ def adapter_for_manifest(entry: dict) -> ModelAdapter:
     """The adapter for an export manifest's ``results.model`` entry: its registry name when that is
     registered (so a named checkpoint such as ``wan-shapes`` keeps its own buckets, text encoder and
     defaults), else its checkpoint folder, else its recorded family + config (an unregistered random-init
-    architecture), else its ref."""
+    architecture), else its ref. The text encoder and sampling settings the entry records (what the
+    artifact was calibrated and checked with) take precedence."""
+    return _with_record(_adapter_for_entry(entry), entry)
+
+
+def _adapter_for_entry(entry: dict) -> ModelAdapter:
     ref = entry.get("ref")
     if ref in _named():
         return get_adapter(ref)
@@ -106,6 +112,18 @@ def adapter_for_manifest(entry: dict) -> ModelAdapter:
         return get_adapter(ModelSpec(ref=ref or "model", family=entry["family"], source="random-init",
                                      config=dict(entry["config"]), text_encoder="hash"))
     return get_adapter(ref)
+
+
+def _with_record(adapter: ModelAdapter, entry: dict) -> ModelAdapter:
+    import dataclasses
+
+    changes = {}
+    if entry.get("text_encoder") and entry["text_encoder"] != adapter.spec.text_encoder:
+        changes["text_encoder"] = entry["text_encoder"]
+    recorded = entry.get("sampling") or {}
+    if any(adapter.spec.defaults.get(k) != v for k, v in recorded.items()):
+        changes["defaults"] = {**adapter.spec.defaults, **recorded}
+    return type(adapter)(dataclasses.replace(adapter.spec, **changes)) if changes else adapter
 
 
 __all__ = ["DEFAULT_MODEL", "ModelAdapter", "ModelSpec", "adapter_for_manifest", "get_adapter", "list_models",

@@ -223,6 +223,14 @@ class ModelAdapter(abc.ABC):
     def text_encoder(self, source: str | None = None) -> Callable[[list[str], int], "torch.Tensor"]:
         """``encode(prompts, text_len) -> [B, text_len, text_dim] float32``."""
 
+    def diffusers_pipeline(self, transformer, *, encode, scheduler, defaults: Mapping[str, Any]):
+        """A ready diffusers pipeline of the family around ``transformer`` whose prompts go through
+        ``encode`` and whose call defaults are ``defaults`` (see ``trt_sora.runtime.diffusers_pipeline``)."""
+        from trt_sora.errors import ModelError
+
+        raise ModelError(f"model family {self.family!r} has no diffusers pipeline helper yet; drive the "
+                         "runtime with trt_sora.runtime.generate")
+
     def buckets_for(self, recipe) -> tuple[tuple, str]:
         """``(buckets, source)``: the recipe's shape buckets, or the model's own when it declares
         them (toy models trained or sized for one small resolution cannot run at 480p). Each
@@ -263,13 +271,65 @@ class ModelAdapter(abc.ABC):
 
         return [p.prompt for p in load_prompts(ref, split="heldout")]
 
+    # -- pixels <-> latents --------------------------------------------------------------
+    @property
+    def vae_scale(self) -> tuple[int, int]:
+        """``(temporal, spatial)`` downsampling of the family's latent decoder: ``num_frames =
+        (latent_frames - 1) * temporal + 1``, ``height = latent_height * spatial``; ``(1, 1)`` for
+        pixel-space models."""
+        return (1, 1)
+
+    @property
+    def fps(self) -> float:
+        """Playback frame rate of the model's clips (the model's ``fps`` default; Wan 2.1: 16)."""
+        return float(self.spec.defaults.get("fps", 16))
+
+    def pixel_size(self, point: Mapping[str, int]) -> tuple[int, int, int]:
+        """``(num_frames, height, width)`` in pixels of a latent-space point."""
+        t, s = self.vae_scale
+        return ((int(point["latent_frames"]) - 1) * t + 1, int(point["latent_height"]) * s,
+                int(point["latent_width"]) * s)
+
+    def latent_size(self, num_frames: int, height: int, width: int) -> dict[str, int]:
+        """``{latent_frames, latent_height, latent_width}`` of a pixel size; ShapeError naming the
+        nearest valid size when the decoder's scale (and the patch) do not divide it."""
+        from trt_sora.errors import ShapeError
+
+        t, s = self.vae_scale
+        _, ph, pw = self.patch_size
+        bad = [f"num_frames {num_frames} (needs (n - 1) divisible by {t})" if (num_frames - 1) % t or num_frames < 1
+               else "", f"height {height} (needs a multiple of {s * ph})" if height % (s * ph) or height < 1 else "",
+               f"width {width} (needs a multiple of {s * pw})" if width % (s * pw) or width < 1 else ""]
+        bad = [b for b in bad if b]
+        if bad:
+            raise ShapeError(f"{self.name} cannot make {num_frames} frames of {height}x{width}: {'; '.join(bad)}; "
+                             f"pick e.g. {max(1, (num_frames - 1) // t) * t + 1} frames of "
+                             f"{max(1, height // (s * ph)) * s * ph}x{max(1, width // (s * pw)) * s * pw}")
+        return {"latent_frames": (num_frames - 1) // t + 1, "latent_height": height // s, "latent_width": width // s}
+
+    def caption_probe(self) -> Callable[[str, Any], dict] | None:
+        """``verdict(caption, frames uint8 [F, H, W, 3]) -> dict`` (with ``passes``) when the model
+        ships a checker that reads a clip back against its caption (wan-shapes' probe), else None."""
+        ref = self.spec.defaults.get("caption_probe")
+        if not ref:
+            return None
+        import importlib
+
+        module, _, name = ref.partition(":")
+        return getattr(importlib.import_module(module), name)
+
     def describe(self) -> dict:
-        """JSON-safe identity for manifests."""
-        return {
+        """JSON-safe identity for manifests, with how the model is sampled (its text encoder and
+        sampling settings), so a run folder carries what generation needs."""
+        out = {
             "ref": self.spec.ref,
             "family": self.family,
             "source": self.spec.source,
             "path": self.spec.path,
             "model_hash": self.spec.model_hash(),
             "config": dict(self.spec.config),
+            "text_encoder": self.spec.text_encoder,
         }
+        if all(k in self.spec.defaults for k in ("num_steps", "guidance_scale", "shift")):
+            out["sampling"] = self.sampling.to_dict()
+        return out

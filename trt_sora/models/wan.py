@@ -268,34 +268,44 @@ class WanAdapter(ModelAdapter):
         blocks[0].register_forward_pre_hook(shard)
         blocks[-1].register_forward_hook(lambda _m, _args, out: seq.gather(out, dim=1))
 
+    @property
+    def vae_scale(self) -> tuple[int, int]:
+        """Wan's VAE: 4x in time (``num_frames = 4k + 1``), 8x in space; pixel-space models: 1x."""
+        return (1, 1) if self.latent_channels == 3 else (4, 8)
+
     def scheduler(self, shift: float | None = None):
         return make_scheduler(self.sampling.shift if shift is None else shift)
 
-    def decoder(self):
-        """Pixel-space models (3 latent channels, e.g. wan-shapes): the latents are the frames
-        (clamped). Otherwise the checkpoint's ``vae/`` (``AutoencoderKLWan``) when the model came
-        from a pipeline folder, else a small random one (seeded; enough to see how latent error
-        turns into pixel error)."""
+    def vae(self):
+        """``(vae, description)``: the checkpoint's ``vae/`` (``AutoencoderKLWan``, fp32, eval) when
+        the model came from a pipeline folder, else a small random one (seeded; enough to see how
+        latent error turns into pixel error); ``(None, ...)`` for pixel-space models (3 latent
+        channels, e.g. wan-shapes)."""
         import torch
 
         if self.latent_channels == 3:
-            return (lambda z: z.float().clamp(-1, 1)), "identity (pixel-space model: latents are frames)"
+            return None, "identity (pixel-space model: latents are frames)"
         diffusers = require("diffusers", extra="export")
-        vae, desc = None, ""
         if self.spec.path:
             root = Path(self.spec.path)
             for cand in (root.parent / "vae", root / "vae"):
                 if (cand / "config.json").is_file():
                     vae = diffusers.AutoencoderKLWan.from_pretrained(str(cand), torch_dtype=torch.float32)
-                    desc = f"AutoencoderKLWan from {cand}"
-                    break
+                    return vae.eval().requires_grad_(False), f"AutoencoderKLWan from {cand}"
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            vae = diffusers.AutoencoderKLWan(base_dim=8, z_dim=self.latent_channels, dim_mult=[1, 1, 1, 1],
+                                             num_res_blocks=1, temperal_downsample=[False, True, True])
+        return vae.eval().requires_grad_(False), "random tiny AutoencoderKLWan (seed 0; no VAE weights with this model)"
+
+    def decoder(self):
+        """Latents -> frames through :meth:`vae` (un-normalised with its ``latents_mean`` /
+        ``latents_std``, as WanPipeline does); pixel-space models: the latents, clamped."""
+        import torch
+
+        vae, desc = self.vae()
         if vae is None:
-            with torch.random.fork_rng():
-                torch.manual_seed(0)
-                vae = diffusers.AutoencoderKLWan(base_dim=8, z_dim=self.latent_channels, dim_mult=[1, 1, 1, 1],
-                                                 num_res_blocks=1, temperal_downsample=[False, True, True])
-            desc = "random tiny AutoencoderKLWan (seed 0; no VAE weights with this model)"
-        vae = vae.eval().requires_grad_(False)
+            return (lambda z: z.float().clamp(-1, 1)), desc
         mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1)
         std = torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1)
 
@@ -305,6 +315,13 @@ class WanAdapter(ModelAdapter):
             return x.float().clamp(-1, 1)
 
         return decode, desc
+
+    def diffusers_pipeline(self, transformer, *, encode, scheduler, defaults):
+        """A ready ``WanPipeline`` (see :func:`diffusers_pipeline`): the checkpoint's VAE, or
+        :func:`pixel_vae` for pixel-space models."""
+        vae, _ = self.vae()
+        return diffusers_pipeline(transformer, encode=encode, vae=vae if vae is not None else
+                                  pixel_vae(self.latent_channels), scheduler=scheduler, defaults=defaults)
 
     def text_encoder(self, source: str | None = None):
         """``source``: None (the model's default), ``"hash"``, a ``.safetensors`` embedding file,
@@ -321,6 +338,61 @@ class WanAdapter(ModelAdapter):
         if str(source).endswith(".safetensors"):
             return text.PrecomputedTextEncoder(source)
         return text.T5TextEncoder(source)
+
+
+def pixel_vae(channels: int):
+    """A stand-in ``AutoencoderKLWan`` for pixel-space models: scale 1 in time and space, zero
+    mean, unit std, ``decode(z) = clamp(z, -1, 1)`` - what a WanPipeline needs to run a model whose
+    latents are its frames."""
+    import torch
+    from diffusers.configuration_utils import FrozenDict
+    from diffusers.models.autoencoders.vae import DecoderOutput
+
+    class PixelSpaceVAE(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("_anchor", torch.zeros(()), persistent=False)  # a device for diffusers to read
+            self.config = FrozenDict(scale_factor_temporal=1, scale_factor_spatial=1, z_dim=channels,
+                                     latents_mean=[0.0] * channels, latents_std=[1.0] * channels)
+
+        @property
+        def dtype(self):
+            return torch.float32
+
+        @property
+        def device(self):
+            return self._anchor.device
+
+        def decode(self, z, return_dict: bool = True):
+            x = z.float().clamp(-1, 1)
+            return DecoderOutput(sample=x) if return_dict else (x,)
+
+    return PixelSpaceVAE()
+
+
+def diffusers_pipeline(transformer, *, encode, vae, scheduler, defaults: Mapping[str, Any]):
+    """A ``WanPipeline`` around ``transformer`` (a model or the runtime's drop-in) whose prompts go
+    through ``encode(prompts, text_len) -> [B, text_len, D]`` (any text encoder, not only UMT5) and
+    whose call defaults (size, steps, guidance, ``max_sequence_length``) are ``defaults``."""
+    from diffusers import WanPipeline
+
+    class ArtifactWanPipeline(WanPipeline):
+        """``WanPipeline`` with the artifact's text encoder and sampling defaults; otherwise stock."""
+
+        def _get_t5_prompt_embeds(self, prompt=None, num_videos_per_prompt: int = 1, max_sequence_length: int = 226,
+                                  device=None, dtype=None):
+            prompt = [prompt] if isinstance(prompt, str) else list(prompt)
+            e = encode(prompt, max_sequence_length).to(device=device or self._execution_device,
+                                                       dtype=dtype or transformer.dtype)
+            return e.repeat_interleave(num_videos_per_prompt, dim=0)
+
+        def __call__(self, *args, **kwargs):
+            for k, v in defaults.items():
+                kwargs.setdefault(k, v)
+            return super().__call__(*args, **kwargs)
+
+    return ArtifactWanPipeline(tokenizer=None, text_encoder=None, vae=vae, scheduler=scheduler,
+                               transformer=transformer)
 
 
 def make_scheduler(shift: float):
@@ -383,4 +455,5 @@ def spec_from_record(entry: Mapping[str, Any]) -> ModelSpec:
     """A ModelSpec from a manifest's model entry (ref, path, config) when the checkpoint folder is
     not on this machine: every fact comes from the recorded config; ``load`` fails naming the path."""
     return ModelSpec(ref=entry.get("ref") or entry["path"], family="wan", source="checkpoint",
-                     config=dict(entry["config"]), path=entry["path"], defaults=dict(CHECKPOINT_DEFAULTS))
+                     config=dict(entry["config"]), path=entry["path"], text_encoder=entry.get("text_encoder"),
+                     defaults={**CHECKPOINT_DEFAULTS, **(entry.get("sampling") or {})})

@@ -6,6 +6,8 @@
     runner = rt.load("build/wan-tiny/rtx4090-fp8", backend="auto")   # serves only what parity verified
     out = runner.infer({"hidden_states": x, "timestep": t, "encoder_hidden_states": e})["sample"]
     pipe.transformer = rt.as_diffusers_transformer(runner)         # WanPipeline, unchanged
+    clips = rt.generate(runner, ["a red circle moving right"])     # prompts -> uint8 clips + metadata
+    pipe = rt.diffusers_pipeline(runner)                           # a ready WanPipeline over the runner
 
 Importing this module loads neither torch nor onnx (standard library, numpy, trt_sora.config).
 """
@@ -25,8 +27,8 @@ from trt_sora.manifest import read_manifest
 
 log = logging.getLogger("trt_sora")
 
-__all__ = ["InputError", "NumericsError", "ServingRunner", "as_diffusers_transformer", "load", "mismatch",
-           "read_report"]
+__all__ = ["Clip", "ClipRequest", "Generator", "InputError", "NumericsError", "ServingRunner", "as_diffusers_transformer",
+           "diffusers_pipeline", "generate", "load", "mismatch", "read_report"]
 
 BACKENDS = ("auto", "trt", "ort", "torch", "torch-fp8")
 
@@ -541,3 +543,13 @@ def as_diffusers_transformer(runner, *, dtype=None, device=None):
     from trt_sora.runtime._diffusers import make_transformer
 
     return make_transformer(runner, dtype=dtype, device=device)
+
+
+def diffusers_pipeline(runner, **kwargs):
+    """A ready diffusers pipeline over ``runner`` (see :func:`trt_sora.runtime.diffusers_pipeline.make_pipeline`)."""
+    from trt_sora.runtime.diffusers_pipeline import make_pipeline
+
+    return make_pipeline(runner, **kwargs)
+
+
+from trt_sora.runtime.generate import Clip, ClipRequest, Generator, generate  # noqa: E402  (numpy + stdlib only)

@@ -9,16 +9,31 @@ def make_transformer(runner, *, dtype=None, device=None):
     import torch
     from diffusers.configuration_utils import FrozenDict
     from diffusers.models.modeling_outputs import Transformer2DModelOutput
+    from diffusers.models.modeling_utils import ModelMixin
 
-    class RuntimeTransformer:
-        """Duck-typed ``WanTransformer3DModel``: same call signature, runs ``runner``."""
+    class RuntimeTransformer(ModelMixin):
+        """Duck-typed ``WanTransformer3DModel``: same call signature, runs ``runner``.
+
+        A ``ModelMixin`` (so ``WanPipeline.from_pretrained(root, transformer=...)`` accepts it and
+        pipeline placement works) with no parameters of its own: ``dtype`` and ``device`` say what
+        its inputs and outputs are; the weights live in the runner.
+        """
 
         def __init__(self):
+            super().__init__()
             self.runner = runner
             self.config = FrozenDict(getattr(runner, "model_config", {}))
-            self.dtype = dtype or torch.float32
-            self.device = torch.device(device or "cpu")
+            self._dtype = dtype or torch.float32
+            self._device = torch.device(device or "cpu")
             self.calls = 0
+
+        @property
+        def dtype(self):
+            return self._dtype
+
+        @property
+        def device(self):
+            return self._device
 
         @contextlib.contextmanager
         def cache_context(self, name: str, **_kw):
@@ -54,8 +69,5 @@ def make_transformer(runner, *, dtype=None, device=None):
             return Transformer2DModelOutput(sample=y)
 
         forward = __call__
-
-        def parameters(self):
-            return iter(())
 
     return RuntimeTransformer()

@@ -27,6 +27,9 @@ SAMPLING = {"num_steps": 20, "guidance_scale": 4.0, "shift": 2.0}
 #: The unconditional branch is the zero embedding (trained with both zeros and the encoding of "").
 NEGATIVE_PROMPT = None
 
+#: Playback rate of its clips (the model card's GIFs: 180 ms a frame).
+FPS = 5.5
+
 __all__ = [
     "WEIGHTS_DIR",
     "LATENT_CHANNELS",
@@ -36,4 +39,5 @@ __all__ = [
     "TEXT_LEN",
     "TEXT_DIM",
     "SAMPLING",
+    "FPS",
 ]

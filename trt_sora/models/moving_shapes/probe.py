@@ -109,3 +109,22 @@ def probe_clip(clip) -> ProbeResult:
 def probe_batch(clips) -> list[ProbeResult]:
     """Probe each clip of [B, 3, F, H, W]."""
     return [probe_clip(c) for c in clips]
+
+
+def verdict(caption: str, frames) -> dict:
+    """The probe's reading of a generated clip against its caption: ``frames`` uint8
+    ``[F, H, W, 3]`` (``trt_sora.runtime.Clip.frames``). ``passes`` (colour and motion right) is
+    None when the caption is not one of the dataset's."""
+    from .data import parse_caption
+
+    x = np.asarray(frames, dtype=np.float32)
+    r = probe_clip(np.transpose(x / 127.5 - 1.0, (3, 0, 1, 2)))
+    out = {"colour": r.colour, "motion": r.motion, "background": r.background, "shape": r.shape,
+           "matches": None, "passes": None}
+    try:
+        spec = parse_caption(caption)
+    except ValueError:
+        return out
+    out["matches"] = r.matches(spec)
+    out["passes"] = bool(r.passes(spec))
+    return out

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from . import SAMPLING
+from . import FPS, SAMPLING
 from .data import HEIGHT, NUM_FRAMES, WIDTH
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -71,8 +71,15 @@ def sample(
     noise = gaussian_noise((text_embeds.shape[0], 3, NUM_FRAMES, HEIGHT, WIDTH), config.seed, text_embeds.device)
     res = run_sampler(lambda inputs: transformer(**inputs, return_dict=False)[0], noise, text_embeds,
                       negative_embeds, scheduler=make_scheduler(config.shift), settings=settings, cfg="batched",
-                      dtype=dtype or next(transformer.parameters()).dtype)
+                      dtype=dtype or _dtype_of(transformer))
     return res.latents.clamp(-1, 1)
+
+
+def _dtype_of(transformer) -> "torch.dtype":
+    """The compute dtype of a transformer: its ``dtype`` (diffusers models and the runtime's drop-in,
+    which has no parameters of its own), else its first parameter's."""
+    dt = getattr(transformer, "dtype", None)
+    return dt if dt is not None else next(transformer.parameters()).dtype
 
 
 def load_transformer(folder=None, dtype: "torch.dtype | None" = None):
@@ -111,7 +118,7 @@ def save_gif(clips: "torch.Tensor", path, columns: int = 4, scale: int = 4, gap:
             canvas[r * (h * scale + gap):r * (h * scale + gap) + h * scale,
                    c * (w * scale + gap):c * (w * scale + gap) + w * scale] = tile
         frames.append(Image.fromarray(canvas))
-    frames[0].save(path, save_all=True, append_images=frames[1:], duration=180, loop=0)
+    frames[0].save(path, save_all=True, append_images=frames[1:], duration=round(1000 / FPS), loop=0)
 
 
 def main(argv=None) -> int:

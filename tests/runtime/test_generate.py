@@ -1,0 +1,171 @@
+"""trt_sora.runtime.generate: prompts -> clips over a loaded artifact, against diffusers' WanPipeline;
+the clip files; the diffusers drop-in and ready pipeline (the issue's defects)."""
+import json
+
+import numpy as np
+import pytest
+
+from trt_sora.errors import ConfigError, ShapeError
+
+
+@pytest.fixture(scope="module")
+def runner(checked_run):
+    import trt_sora.runtime as rt
+
+    return rt.load(checked_run, backend="ort")
+
+
+def test_clip_and_metadata_say_how_it_was_made(runner, checked_run):
+    import trt_sora.runtime as rt
+
+    (clip,) = rt.generate(runner, "a red kite over a beach", seed=3)
+    assert clip.frames.dtype == np.uint8 and clip.frames.shape == (9, 32, 48, 3)  # first bucket's opt point
+    m = clip.metadata
+    # the run folder knows its sampling settings (export manifest) and its text encoder
+    rec = json.loads((checked_run / "export" / "manifest.json").read_text())["results"]["model"]
+    assert rec["sampling"] == {"num_steps": 4, "guidance_scale": 5.0, "shift": 3.0} and rec["text_encoder"] == "hash"
+    assert m["sampling"] == rec["sampling"] and m["sampling_source"] == "recorded in export/manifest.json"
+    assert m["text_encoder"] == "hash" and m["cfg"] == "batched" and m["batch"]["call_batch"] == 2
+    assert m["scheduler"] == {"class": "FlowMatchEulerDiscreteScheduler", "shift": 3.0, "num_train_timesteps": 1000}
+    assert "AutoencoderKLWan" in m["decoder"] and m["checked"]["passed"] is True
+    assert m["latent"] == {"latent_frames": 3, "latent_height": 4, "latent_width": 6}
+    json.dumps(m)  # JSON-safe
+
+
+def test_matches_diffusers_wan_pipeline(runner):
+    """Independent reference: diffusers' own WanPipeline loop (split CFG) with the runtime as its
+    transformer, the same noise and embeddings, decoded by the same VAE."""
+    import torch
+
+    import trt_sora.runtime as rt
+    from trt_sora.sampling import gaussian_noise
+
+    (clip,) = rt.generate(runner, ["a cat walks"], seed=11, cfg="split", steps=3, guidance=4.0)
+    pipe = rt.diffusers_pipeline(runner)  # the ready pipeline: artifact text encoder, VAE, defaults
+    noise = gaussian_noise((1, 16, 3, 4, 6), 11)
+    frames = pipe("a cat walks", latents=noise, num_inference_steps=3, guidance_scale=4.0, output_type="np").frames
+    assert pipe.transformer.calls == 6  # 3 steps x 2 branches
+    ref = np.rint(np.asarray(frames[0]) * 255).astype(np.int16)
+    # the pipeline un-normalises latents as x / (1 / std) + mean and rounds (x / 2 + 0.5) * 255: one level
+    assert np.abs(ref - clip.frames.astype(np.int16)).max() <= 1
+    assert torch.is_tensor(noise)
+
+
+def test_batching_does_not_change_a_clip(runner):
+    import trt_sora.runtime as rt
+
+    both = rt.generate(runner, ["a cat walks", "a dog runs"], seed=[5, 6], guidance=1.0)  # no CFG: 2 clips a call
+    assert [c.metadata["batch"]["clips"] for c in both] == [2, 2] and both[0].metadata["cfg"] == "none"
+    alone = rt.generate(runner, ["a dog runs"], seed=6, guidance=1.0)[0]
+    assert alone.metadata["batch"]["clips"] == 1
+    np.testing.assert_array_equal(alone.latents, both[1].latents)
+    np.testing.assert_array_equal(alone.frames, both[1].frames)
+    assert not np.array_equal(both[0].frames, both[1].frames)
+
+
+def test_bad_requests_are_typed(runner):
+    import trt_sora.runtime as rt
+
+    with pytest.raises(ShapeError, match="num_frames 10"):
+        rt.generate(runner, "x", num_frames=10)
+    with pytest.raises(ShapeError, match="no bucket"):
+        rt.generate(runner, "x", num_frames=81, height=480, width=832)
+    with pytest.raises(ConfigError, match="one seed per prompt"):
+        rt.generate(runner, ["a", "b"], seed=[1])
+    with pytest.raises(ConfigError, match="steps"):
+        rt.generate(runner, "x", steps=0)
+    with pytest.raises(ConfigError, match="did you mean 'seed'"):
+        rt.ClipRequest.from_dict({"prompt": "x", "seeed": 1})
+
+
+def test_clip_files(runner, tmp_path):
+    import trt_sora.runtime as rt
+    from trt_sora.runtime import video
+
+    (clip,) = rt.generate(runner, "a red kite", seed=1, steps=2)
+    mp4 = video.write_clip(clip.frames, tmp_path / "c.mp4", clip.fps, scale=2)
+    back = video.read_video(mp4)
+    assert back.shape == (9, 64, 96, 3)
+    up = clip.frames.repeat(2, 1).repeat(2, 2).astype(np.float64)
+    assert 10 * np.log10(255 ** 2 / np.mean((back - up) ** 2)) > 30  # H.264 at crf 18
+    gif = video.read_video(video.write_clip(clip.frames, tmp_path / "c.gif", clip.fps))
+    assert gif.shape == clip.frames.shape
+    from PIL import Image
+
+    sheet = np.asarray(Image.open(video.write_clip(clip.frames, tmp_path / "c.png", clip.fps)))
+    assert sheet.shape == (32, 9 * 48 + 8 * 2, 3)
+    np.testing.assert_array_equal(sheet[:, 50:98], clip.frames[1])
+    np.testing.assert_array_equal(np.load(video.write_clip(clip.frames, tmp_path / "c.npy", clip.fps)), clip.frames)
+    with pytest.raises(ConfigError, match="unknown suffix"):
+        video.write_clip(clip.frames, tmp_path / "c.avi", clip.fps)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.gif", "c.mp4", "c.npy", "c.png"]  # no temp files
+
+
+def test_drop_in_in_stock_wan_pipeline_from_a_saved_checkpoint(runner, tmp_path):
+    """A tiny saved WanPipeline (UMT5 text encoder + tokenizer, VAE, wan-tiny's transformer weights):
+    ``WanPipeline.from_pretrained(root, transformer=rt.as_diffusers_transformer(runner))``, unchanged."""
+    import torch
+    from diffusers import WanPipeline
+
+    import trt_sora.runtime as rt
+    from trt_sora.config import load_recipe
+    from trt_sora.metrics import frame_metrics
+
+    root = _save_tiny_pipeline(tmp_path / "pipe")
+    kw = dict(height=32, width=48, num_frames=9, num_inference_steps=4, guidance_scale=5.0, output_type="np",
+              max_sequence_length=16)
+    want = WanPipeline.from_pretrained(root)("a red kite over a beach", generator=torch.Generator().manual_seed(3),
+                                             **kw).frames
+    pipe = WanPipeline.from_pretrained(root, transformer=rt.as_diffusers_transformer(runner))
+    got = pipe("a red kite over a beach", generator=torch.Generator().manual_seed(3), **kw).frames
+    assert pipe.transformer.calls == 8
+    to = lambda v: np.transpose(np.asarray(v), (0, 4, 1, 2, 3)) * 2 - 1  # noqa: E731
+    assert frame_metrics(to(want), to(got))["worst_psnr_db"] >= load_recipe("rtx4090-fp8").parity.frames.min_psnr_db
+
+
+def _save_tiny_pipeline(root):
+    import torch
+    from diffusers import AutoencoderKLWan, WanPipeline, WanTransformer3DModel
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast, UMT5Config, UMT5EncoderModel
+
+    from trt_sora.models import get_adapter
+
+    adapter = get_adapter("wan-tiny")
+    words = "<pad> </s> <unk> a red kite over beach cat dog walks runs".split()
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>")
+    torch.manual_seed(0)
+    te = UMT5EncoderModel(UMT5Config(vocab_size=len(words), d_model=adapter.text_dim, d_kv=16, d_ff=64, num_layers=1,
+                                     num_heads=2, relative_attention_num_buckets=8, pad_token_id=0,
+                                     eos_token_id=1)).eval()
+    vae = AutoencoderKLWan(base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                           temperal_downsample=[False, True, True]).eval()
+    tr = WanTransformer3DModel(**dict(adapter.spec.config))
+    tr.load_state_dict(adapter.load("fp32", "cpu").state_dict())  # the weights the artifact was exported from
+    WanPipeline(tokenizer=fast, text_encoder=te, vae=vae, scheduler=adapter.scheduler(), transformer=tr).save_pretrained(root)
+    return root
+
+
+def test_moving_shapes_sampler_runs_the_drop_in():
+    """The issue's defect: ``moving_shapes.sample`` with the runtime drop-in died with a bare
+    StopIteration (it read the dtype from ``next(transformer.parameters())``). Same clip as the model."""
+    import torch
+
+    from trt_sora.models import get_adapter
+    from trt_sora.models.moving_shapes import sample as ms
+    from trt_sora.runners.torch_runner import TorchRunner
+    from trt_sora.runtime import as_diffusers_transformer
+
+    adapter = get_adapter("wan-shapes")
+    model = adapter.load("fp32", "cpu")
+    runner = TorchRunner(adapter, model=model).activate()
+    runner.model_config = dict(adapter.spec.config)
+    emb = torch.randn(1, 16, 384, generator=torch.Generator().manual_seed(0))
+    cfg = ms.SampleConfig(steps=1, seed=4)
+    got = ms.sample(as_diffusers_transformer(runner), emb, cfg)
+    want = ms.sample(model, emb, cfg)
+    assert got.shape == (1, 3, 9, 32, 32)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -1,0 +1,408 @@
+"""Prompts in, clips out: text encoding, the model's sampler with CFG, decoding, over a runtime runner.
+
+::
+
+    import trt_sora.runtime as rt
+    runner = rt.load("build/wan-shapes/rtx4090-fp8")
+    clips = rt.generate(runner, ["a red circle moving right on a black background"], seed=0)
+    clips[0].frames            # uint8 [num_frames, height, width, 3]
+    clips[0].metadata          # prompt, seed, sampling, cfg, scheduler, text encoder, decoder, timings, ...
+
+Everything a clip depends on comes from the run folder: the model (export manifest), its text
+encoder and sampling settings (recorded there with the model; the model's own otherwise), the
+shape buckets, and the family's decoder (the checkpoint's VAE through diffusers for latent models,
+identity for pixel-space models such as wan-shapes). The denoising loop is
+:func:`trt_sora.sampling.sample`, the one sampler calibration and parity also run.
+
+Batching: clips that share settings and size are denoised together, as many per transformer call
+as a bucket allows (with CFG, both branches of every clip in one call when a bucket takes twice
+the batch). Every clip's noise is drawn from its own seed, so a clip does not depend on what it is
+batched with beyond the backend's arithmetic (ONNX Runtime on the CPU: bit-identical).
+
+torch is imported inside the functions; importing this module loads numpy and the standard library.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+import weakref
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+
+from trt_sora.errors import ConfigError, ShapeError
+
+log = logging.getLogger("trt_sora")
+
+__all__ = ["Clip", "ClipRequest", "Generator", "generate", "to_uint8"]
+
+CFG_CHOICES = ("auto", "batched", "split")
+
+
+@dataclasses.dataclass(frozen=True)
+class ClipRequest:
+    """One clip to make. ``None`` fields take the run folder's defaults (see :meth:`Generator.resolve`).
+
+    Attributes:
+        prompt: the caption.
+        seed: noise seed (the clip's noise is drawn from it alone).
+        negative_prompt: the unconditional branch's text (``""``: Wan's default).
+        steps, guidance, shift: sampling overrides (default: the artifact's sampling settings).
+        num_frames, height, width: pixel size (default: the first bucket's opt point).
+    """
+
+    prompt: str
+    seed: int = 0
+    negative_prompt: str = ""
+    steps: int | None = None
+    guidance: float | None = None
+    shift: float | None = None
+    num_frames: int | None = None
+    height: int | None = None
+    width: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.prompt, str):
+            raise ConfigError(f"prompt must be a string, got {type(self.prompt).__name__}")
+        if not isinstance(self.negative_prompt, str):
+            raise ConfigError(f"negative_prompt must be a string, got {type(self.negative_prompt).__name__}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2 ** 63:
+            raise ConfigError(f"seed={self.seed!r} must be an integer in [0, 2**63)")
+        for k in ("steps", "num_frames", "height", "width"):
+            v = getattr(self, k)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ConfigError(f"{k}={v!r} must be an integer >= 1")
+        for k in ("guidance", "shift"):
+            v = getattr(self, k)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+                raise ConfigError(f"{k}={v!r} must be a number")
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], *, where: str = "request") -> "ClipRequest":
+        """From a JSON object (a batch line, an HTTP body); unknown keys are a ConfigError."""
+        from trt_sora.config.base import did_you_mean
+
+        if not isinstance(d, Mapping):
+            raise ConfigError(f"{where}: expected a JSON object with at least \"prompt\", got {type(d).__name__}")
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = [k for k in d if k not in names]
+        if unknown:
+            raise ConfigError(f"{where}: unknown key {unknown[0]!r}{did_you_mean(unknown[0], names)}; "
+                              f"known keys: {', '.join(names)}")
+        if "prompt" not in d:
+            raise ConfigError(f"{where}: missing \"prompt\"")
+        try:
+            return cls(**dict(d))
+        except ConfigError as exc:
+            raise ConfigError(f"{where}: {exc}") from None
+
+
+@dataclasses.dataclass
+class Clip:
+    """A generated clip: ``frames`` uint8 ``[num_frames, height, width, 3]`` (RGB), the final
+    ``latents`` fp32 ``[C, latent_frames, latent_height, latent_width]`` and ``metadata`` (JSON-safe:
+    prompt, seed, sampling settings, CFG mode, scheduler, text encoder, decoder, model, backend,
+    batch, timings)."""
+
+    prompt: str
+    seed: int
+    frames: np.ndarray
+    latents: np.ndarray
+    metadata: dict
+
+    @property
+    def fps(self) -> float:
+        return float(self.metadata.get("fps", 16))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Resolved:
+    """A request with every default filled in; ``key`` groups clips that can share a call."""
+
+    request: ClipRequest
+    settings: Any  # SamplingSettings
+    point: dict  # latent point without batch: latent_frames/height/width, text_len
+    size: tuple[int, int, int]  # num_frames, height, width
+
+    @property
+    def key(self) -> tuple:
+        s = self.settings
+        return (s.num_steps, s.guidance_scale, s.shift, *(self.point[k] for k in sorted(self.point)))
+
+
+def to_uint8(frames) -> np.ndarray:
+    """Frames ``[3, F, H, W]`` float in ``[-1, 1]`` -> uint8 ``[F, H, W, 3]`` (``round((x + 1) * 127.5)``)."""
+    x = np.asarray(frames, dtype=np.float32)
+    return np.transpose(np.rint((np.clip(x, -1, 1) + 1) * 127.5).astype(np.uint8), (1, 2, 3, 0)).copy()
+
+
+class Generator:
+    """Generation over one runner: the text encoder and decoder are loaded once, on first use.
+
+    Args:
+        runner: a :class:`trt_sora.runtime.ServingRunner` (``runtime.load``), or any runner with
+            ``infer``, ``buckets`` and ``run_dir``.
+        text_encoder: override the recorded text encoder (``"hash"``, ``"minilm"``, an embedding
+            ``.safetensors``, a pipeline folder with ``text_encoder/``).
+        adapter: override the model adapter (default: from the run folder's export manifest).
+
+    Thread-safe: concurrent :meth:`run` calls share the runner's pool; loading is locked.
+    """
+
+    def __init__(self, runner, *, text_encoder: str | None = None, adapter=None):
+        from trt_sora.manifest import read_manifest
+
+        self.runner = runner
+        self.run_dir = Path(getattr(runner, "run_dir", "."))
+        entry = read_manifest(self.run_dir / "export", stage="export")["results"]["model"]
+        if adapter is None:
+            from trt_sora.models import adapter_for_manifest
+
+            adapter = adapter_for_manifest(entry)
+        self.adapter = adapter
+        self.settings = adapter.sampling
+        self.sampling_source = ("recorded in export/manifest.json" if entry.get("sampling")
+                                else f"the model's ({adapter.name}; this run folder predates recording it)")
+        self.text_encoder_source = text_encoder or adapter.spec.text_encoder or "hash"
+        self._text_override = text_encoder
+        self._encode = None
+        self._decode = None
+        self.decoder_description = ""
+        self._lock = threading.Lock()
+        self.checked = _checked(self.run_dir)
+
+    # -- defaults ---------------------------------------------------------------------------------
+    @property
+    def default_point(self) -> dict[str, int]:
+        """The first bucket's opt point without batch (the default clip size)."""
+        p = self.runner.buckets[0].point("opt")
+        return {k: int(p[k]) for k in ("latent_frames", "latent_height", "latent_width", "text_len")}
+
+    @property
+    def default_size(self) -> tuple[int, int, int]:
+        """``(num_frames, height, width)`` of :attr:`default_point`."""
+        return self.adapter.pixel_size(self.default_point)
+
+    def resolve(self, req: ClipRequest) -> _Resolved:
+        """Fill the defaults in; ShapeError / ConfigError for a size or setting the artifact cannot run."""
+        settings = self.settings.override(num_steps=req.steps, guidance_scale=req.guidance, shift=req.shift)
+        f0, h0, w0 = self.default_size
+        size = (req.num_frames or f0, req.height or h0, req.width or w0)
+        lat = self.adapter.latent_size(*size)
+        text_len = self._text_len(lat, size)
+        return _Resolved(req, settings, {**lat, "text_len": text_len}, size)
+
+    def _text_len(self, lat: Mapping[str, int], size) -> int:
+        for b in self.runner.buckets:
+            if all(getattr(b, k).contains(v) for k, v in lat.items()):
+                return b.text_len.opt
+        listing = "; ".join(f"{b.name}: {self.adapter.pixel_size(b.point('min'))} .. "
+                            f"{self.adapter.pixel_size(b.point('max'))}" for b in self.runner.buckets)
+        raise ShapeError(f"no bucket of {self.run_dir} makes {size[0]} frames of {size[1]}x{size[2]} "
+                         f"(latent {lat['latent_frames']}x{lat['latent_height']}x{lat['latent_width']}); "
+                         f"(frames, height, width) per bucket: {listing}; pick a size inside one or rebuild "
+                         "with a bucket for it")
+
+    def call_batches(self, r: _Resolved) -> list[int]:
+        """Transformer-call batch sizes some bucket takes at ``r``'s point, ascending."""
+        hi = max(b.batch.max for b in self.runner.buckets)
+        return [n for n in range(1, hi + 1) if any(b.contains({**r.point, "batch": n}) for b in self.runner.buckets)]
+
+    def cfg_mode(self, r: _Resolved, cfg: str = "auto") -> str:
+        """``"none"`` without guidance; else ``"batched"`` when a bucket takes both branches of a
+        clip in one call (``cfg="auto"`` / ``"batched"``), else ``"split"``."""
+        if cfg not in CFG_CHOICES:
+            raise ConfigError(f"cfg={cfg!r}; use one of {', '.join(CFG_CHOICES)}")
+        if not r.settings.uses_cfg:
+            return "none"
+        if cfg == "split":
+            return "split"
+        if 2 in self.call_batches(r):
+            return "batched"
+        if cfg == "batched":
+            raise ShapeError(f"cfg='batched' needs a bucket with batch 2 at {r.point}; buckets: "
+                             f"{[(b.name, b.batch.to_yaml()) for b in self.runner.buckets]}; use cfg='split'")
+        return "split"
+
+    def clip_batches(self, r: _Resolved, cfg: str = "auto") -> list[int]:
+        """How many clips one call group may hold at ``r`` (ascending): call batches / 2 with
+        batched CFG."""
+        per = 2 if self.cfg_mode(r, cfg) == "batched" else 1
+        calls = set(self.call_batches(r))
+        return [n for n in range(1, max(calls, default=0) // per + 1) if n * per in calls]
+
+    def max_clips(self, r: _Resolved, cfg: str = "auto") -> int:
+        """The most clips one call group can hold at ``r`` (the bucket's batch; halved by batched CFG)."""
+        sizes = self.clip_batches(r, cfg)
+        if not sizes:
+            raise ShapeError(f"no bucket of {self.run_dir} takes one clip at {r.point}")
+        return sizes[-1]
+
+    # -- loading ----------------------------------------------------------------------------------
+    def _parts(self):
+        with self._lock:
+            if self._encode is None:
+                self._encode = self.adapter.text_encoder(self._text_override)
+                self._decode, self.decoder_description = self.adapter.decoder()
+                if "random" in self.decoder_description:
+                    log.warning("generate: %s has no VAE weights; decoding with a %s", self.adapter.name,
+                                self.decoder_description)
+        return self._encode, self._decode
+
+    # -- generation -------------------------------------------------------------------------------
+    def run(self, requests: Sequence[ClipRequest], *, cfg: str = "auto", max_batch: int | None = None,
+            hook: Callable | None = None) -> list[Clip]:
+        """Clips for ``requests``, in order. Requests with the same settings and size are denoised
+        together in groups of at most ``max_batch`` clips (default: what the buckets allow).
+
+        ``hook``: :func:`trt_sora.sampling.sample`'s per-call hook (e.g. to time calls).
+        Raises ShapeError (size outside every bucket), ConfigError (bad setting), and what the
+        backend raises.
+        """
+        if isinstance(requests, (str, ClipRequest)):
+            raise ConfigError("pass a list of requests")
+        resolved = [self.resolve(r) for r in requests]
+        out: list[Clip | None] = [None] * len(resolved)
+        groups: dict[tuple, list[int]] = {}
+        for i, r in enumerate(resolved):
+            groups.setdefault(r.key, []).append(i)
+        for idx in groups.values():
+            for chunk in self._chunks(resolved[idx[0]], len(idx), cfg, max_batch):
+                part, idx = idx[:chunk], idx[chunk:]
+                for i, clip in zip(part, self._run_group([resolved[i] for i in part], cfg, hook)):
+                    out[i] = clip
+        return out  # type: ignore[return-value]
+
+    def _chunks(self, r: _Resolved, n: int, cfg: str, max_batch: int | None) -> list[int]:
+        sizes = [s for s in self.clip_batches(r, cfg) if max_batch is None or s <= max_batch]
+        if not sizes:
+            raise ShapeError(f"no bucket of {self.run_dir} takes {max_batch} clip(s) at {r.point} "
+                             f"(buckets: {[(b.name, b.batch.to_yaml()) for b in self.runner.buckets]})")
+        chunks = []
+        while n > 0:
+            fit = [s for s in sizes if s <= n]
+            if not fit:
+                raise ShapeError(f"{n} clip(s) at {r.point}: no bucket takes that few; buckets take "
+                                 f"{sizes} clip(s) per call")
+            chunks.append(fit[-1])
+            n -= fit[-1]
+        return chunks
+
+    def _run_group(self, group: list[_Resolved], cfg: str, hook) -> list[Clip]:
+        import torch
+
+        from trt_sora.sampling import gaussian_noise, runner_call, sample
+
+        encode, decode = self._parts()
+        r0 = group[0]
+        mode = self.cfg_mode(r0, cfg)
+        settings, p = r0.settings, r0.point
+        t0 = time.perf_counter()
+        cond = encode([g.request.prompt for g in group], p["text_len"]).float()
+        uncond = encode([g.request.negative_prompt for g in group], p["text_len"]).float() \
+            if settings.uses_cfg else None
+        t1 = time.perf_counter()
+        shape = (1, self.adapter.latent_channels, p["latent_frames"], p["latent_height"], p["latent_width"])
+        noise = torch.cat([gaussian_noise(shape, g.request.seed) for g in group])
+        label = f"{len(group)} clip(s) at {r0.size[0]} frames {r0.size[1]}x{r0.size[2]}"
+        scheduler = self.adapter.scheduler(settings.shift)
+        res = sample(runner_call(self.runner), noise, cond, uncond, scheduler=scheduler, settings=settings,
+                     cfg="split" if mode == "none" else mode, dtype=torch.float32, hook=hook, label=label)
+        t2 = time.perf_counter()
+        frames = decode(res.latents).float().cpu().numpy()
+        t3 = time.perf_counter()
+        call_batch = len(group) * (2 if mode == "batched" else 1)
+        bucket = self.runner.bucket_for({**p, "batch": call_batch}).name
+        seconds = {"encode": round(t1 - t0, 4), "sample": round(t2 - t1, 4), "decode": round(t3 - t2, 4),
+                   "total": round(t3 - t0, 4)}
+        common = self._metadata(settings, mode, scheduler, r0, bucket, len(group), call_batch, seconds)
+        latents = res.latents.float().cpu().numpy()
+        return [Clip(prompt=g.request.prompt, seed=g.request.seed, frames=to_uint8(frames[i]), latents=latents[i],
+                     metadata={"prompt": g.request.prompt, "negative_prompt": g.request.negative_prompt,
+                               "seed": g.request.seed, **common, "batch": {**common["batch"], "index": i}})
+                for i, g in enumerate(group)]
+
+    def _metadata(self, settings, mode, scheduler, r: _Resolved, bucket, clips, call_batch, seconds) -> dict:
+        from trt_sora import __version__
+
+        sc = dict(getattr(scheduler, "config", {}) or {})
+        spec = self.adapter.spec
+        f, h, w = r.size
+        return {
+            "sampling": settings.to_dict(), "sampling_source": self.sampling_source,
+            "sampler": "trt_sora.sampling.sample (flow-matching Euler + classifier-free guidance)",
+            "cfg": mode,
+            "scheduler": {"class": type(scheduler).__name__, "shift": sc.get("shift"),
+                          "num_train_timesteps": sc.get("num_train_timesteps")},
+            "text_encoder": self.text_encoder_source, "text_len": r.point["text_len"],
+            "decoder": self.decoder_description,
+            "size": {"num_frames": f, "height": h, "width": w}, "fps": self.adapter.fps,
+            "latent": {k: r.point[k] for k in ("latent_frames", "latent_height", "latent_width")},
+            "model": {"ref": spec.ref, "family": self.adapter.family, "model_hash": spec.model_hash()},
+            "run": str(self.run_dir), "backend": getattr(self.runner, "backend", type(self.runner).__name__),
+            "bucket": bucket, "batch": {"clips": clips, "call_batch": call_batch},
+            "checked": self.checked, "seconds": seconds, "trt_sora": __version__,
+        }
+
+
+def _checked(run: Path) -> dict:
+    """What the run folder's parity report says (passed, the backend and sampling it checked)."""
+    import json
+
+    rep = run / "parity" / "report.json"
+    if not rep.is_file():
+        return {"passed": None, "note": "no parity/report.json"}
+    d = json.loads(rep.read_text())
+    loop = next((c for c in d.get("comparisons", []) if c.get("level") == "loop"), {})
+    return {"passed": bool(d.get("passed")), "backend": d.get("backend"), "sampling": loop.get("sampling")}
+
+
+_GENERATORS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_GEN_LOCK = threading.Lock()
+
+
+def generator_for(runner, *, text_encoder: str | None = None) -> Generator:
+    """The :class:`Generator` of ``runner`` (one per runner and text encoder, kept while the runner lives)."""
+    with _GEN_LOCK:
+        per = _GENERATORS.setdefault(runner, {})
+        if text_encoder not in per:
+            per[text_encoder] = Generator(runner, text_encoder=text_encoder)
+        return per[text_encoder]
+
+
+def generate(runner, prompts: str | Sequence[str], *, steps: int | None = None, guidance: float | None = None,
+             seed: int | Sequence[int] = 0, negative_prompt: str = "", shift: float | None = None,
+             num_frames: int | None = None, height: int | None = None, width: int | None = None,
+             cfg: str = "auto", max_batch: int | None = None, text_encoder: str | None = None,
+             hook: Callable | None = None) -> list[Clip]:
+    """Generate one clip per prompt with a loaded artifact (``trt_sora.runtime.load``).
+
+    Args:
+        runner: the loaded run folder (a :class:`~trt_sora.runtime.ServingRunner`).
+        prompts: one caption or a list.
+        steps, guidance, shift: sampling overrides; default: the artifact's sampling settings (what it
+            was calibrated and checked with; ``clip.metadata["checked"]`` says what parity ran).
+        seed: one seed (prompt ``i`` gets ``seed + i``) or one per prompt.
+        negative_prompt: text of the unconditional CFG branch.
+        num_frames, height, width: pixel size (default: the first bucket's opt point; wan-shapes 9x32x32).
+        cfg: ``"auto"`` (both branches in one call when a bucket allows), ``"batched"``, ``"split"``.
+        max_batch: at most this many clips per transformer call group.
+        text_encoder: override the recorded text encoder.
+        hook: per-call hook of :func:`trt_sora.sampling.sample`.
+
+    Returns:
+        one :class:`Clip` per prompt, in order (uint8 frames ``[F, H, W, 3]`` + metadata).
+    """
+    prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+    if not prompts:
+        raise ConfigError("generate: no prompts given")
+    seeds = [seed + i for i in range(len(prompts))] if isinstance(seed, int) and not isinstance(seed, bool) \
+        else list(seed)
+    if len(seeds) != len(prompts):
+        raise ConfigError(f"generate: {len(prompts)} prompts but {len(seeds)} seeds; pass one seed per prompt")
+    reqs = [ClipRequest(prompt=p, seed=s, negative_prompt=negative_prompt, steps=steps, guidance=guidance, shift=shift,
+                        num_frames=num_frames, height=height, width=width) for p, s in zip(prompts, seeds)]
+    return generator_for(runner, text_encoder=text_encoder).run(reqs, cfg=cfg, max_batch=max_batch, hook=hook)
