@@ -28,6 +28,7 @@ def test_clip_and_metadata_say_how_it_was_made(runner, checked_run):
     assert m["text_encoder"] == "hash" and m["cfg"] == "batched" and m["batch"]["call_batch"] == 2
     assert m["scheduler"] == {"class": "FlowMatchEulerDiscreteScheduler", "shift": 3.0, "num_train_timesteps": 1000}
     assert "AutoencoderKLWan" in m["decoder"] and m["checked"]["passed"] is True
+    assert m["negative_prompt"] is None and m["unconditional"] == "the model's negative prompt ''"
     assert m["latent"] == {"latent_frames": 3, "latent_height": 4, "latent_width": 6}
     json.dumps(m)  # JSON-safe
 

@@ -21,7 +21,8 @@ def add_sampling_args(p) -> None:
     p.add_argument("--steps", type=int, default=None, help="denoising steps (default: the artifact's)")
     p.add_argument("--guidance", type=float, default=None, help="CFG scale (default: the artifact's; <= 1: no CFG)")
     p.add_argument("--shift", type=float, default=None, help="flow-matching sigma shift (default: the artifact's)")
-    p.add_argument("--negative-prompt", default="", help="text of the unconditional branch (default empty)")
+    p.add_argument("--negative-prompt", default=None, help="text of the unconditional branch (default: the model's own "
+                   "unconditional conditioning, what it was checked with)")
     p.add_argument("--frames", type=int, default=None, help="num_frames in pixels (default: first bucket's opt)")
     p.add_argument("--height", type=int, default=None)
     p.add_argument("--width", type=int, default=None)

@@ -120,7 +120,9 @@ def _with_record(adapter: ModelAdapter, entry: dict) -> ModelAdapter:
     changes = {}
     if entry.get("text_encoder") and entry["text_encoder"] != adapter.spec.text_encoder:
         changes["text_encoder"] = entry["text_encoder"]
-    recorded = entry.get("sampling") or {}
+    recorded = dict(entry.get("sampling") or {})
+    if "negative_prompt" in entry:
+        recorded["negative_prompt"] = entry["negative_prompt"]
     if any(adapter.spec.defaults.get(k) != v for k, v in recorded.items()):
         changes["defaults"] = {**adapter.spec.defaults, **recorded}
     return type(adapter)(dataclasses.replace(adapter.spec, **changes)) if changes else adapter

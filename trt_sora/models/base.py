@@ -329,6 +329,7 @@ class ModelAdapter(abc.ABC):
             "model_hash": self.spec.model_hash(),
             "config": dict(self.spec.config),
             "text_encoder": self.spec.text_encoder,
+            "negative_prompt": self.spec.defaults.get("negative_prompt", ""),
         }
         if all(k in self.spec.defaults for k in ("num_steps", "guidance_scale", "shift")):
             out["sampling"] = self.sampling.to_dict()

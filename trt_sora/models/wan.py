@@ -321,7 +321,8 @@ class WanAdapter(ModelAdapter):
         :func:`pixel_vae` for pixel-space models."""
         vae, _ = self.vae()
         return diffusers_pipeline(transformer, encode=encode, vae=vae if vae is not None else
-                                  pixel_vae(self.latent_channels), scheduler=scheduler, defaults=defaults)
+                                  pixel_vae(self.latent_channels), scheduler=scheduler, defaults=defaults,
+                                  negative=lambda n, text_len: self.negative_embedding(encode, n, text_len))
 
     def text_encoder(self, source: str | None = None):
         """``source``: None (the model's default), ``"hash"``, a ``.safetensors`` embedding file,
@@ -370,10 +371,12 @@ def pixel_vae(channels: int):
     return PixelSpaceVAE()
 
 
-def diffusers_pipeline(transformer, *, encode, vae, scheduler, defaults: Mapping[str, Any]):
+def diffusers_pipeline(transformer, *, encode, vae, scheduler, defaults: Mapping[str, Any], negative=None):
     """A ``WanPipeline`` around ``transformer`` (a model or the runtime's drop-in) whose prompts go
     through ``encode(prompts, text_len) -> [B, text_len, D]`` (any text encoder, not only UMT5) and
-    whose call defaults (size, steps, guidance, ``max_sequence_length``) are ``defaults``."""
+    whose call defaults (size, steps, guidance, ``max_sequence_length``) are ``defaults``.
+    ``negative(batch, text_len)``: the unconditional conditioning when no negative prompt is given
+    (the model's own; None: WanPipeline's encoded ``""``)."""
     from diffusers import WanPipeline
 
     class ArtifactWanPipeline(WanPipeline):
@@ -386,10 +389,15 @@ def diffusers_pipeline(transformer, *, encode, vae, scheduler, defaults: Mapping
                                                        dtype=dtype or transformer.dtype)
             return e.repeat_interleave(num_videos_per_prompt, dim=0)
 
-        def __call__(self, *args, **kwargs):
+        def __call__(self, prompt=None, **kwargs):
             for k, v in defaults.items():
                 kwargs.setdefault(k, v)
-            return super().__call__(*args, **kwargs)
+            if negative is not None and kwargs.get("negative_prompt") is None and \
+                    kwargs.get("negative_prompt_embeds") is None and kwargs["guidance_scale"] > 1:
+                n = (1 if isinstance(prompt, str) else len(prompt) if prompt is not None
+                     else kwargs["prompt_embeds"].shape[0]) * (kwargs.get("num_videos_per_prompt") or 1)
+                kwargs["negative_prompt_embeds"] = negative(n, kwargs["max_sequence_length"])
+            return super().__call__(prompt, **kwargs)
 
     return ArtifactWanPipeline(tokenizer=None, text_encoder=None, vae=vae, scheduler=scheduler,
                                transformer=transformer)

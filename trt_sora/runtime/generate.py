@@ -49,14 +49,16 @@ class ClipRequest:
     Attributes:
         prompt: the caption.
         seed: noise seed (the clip's noise is drawn from it alone).
-        negative_prompt: the unconditional branch's text (``""``: Wan's default).
+        negative_prompt: the unconditional branch's text; None = the model's own unconditional
+            conditioning (``adapter.negative_embedding``: Wan's encoded negative prompt, wan-shapes'
+            zero embedding).
         steps, guidance, shift: sampling overrides (default: the artifact's sampling settings).
         num_frames, height, width: pixel size (default: the first bucket's opt point).
     """
 
     prompt: str
     seed: int = 0
-    negative_prompt: str = ""
+    negative_prompt: str | None = None
     steps: int | None = None
     guidance: float | None = None
     shift: float | None = None
@@ -67,7 +69,7 @@ class ClipRequest:
     def __post_init__(self) -> None:
         if not isinstance(self.prompt, str):
             raise ConfigError(f"prompt must be a string, got {type(self.prompt).__name__}")
-        if not isinstance(self.negative_prompt, str):
+        if self.negative_prompt is not None and not isinstance(self.negative_prompt, str):
             raise ConfigError(f"negative_prompt must be a string, got {type(self.negative_prompt).__name__}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2 ** 63:
             raise ConfigError(f"seed={self.seed!r} must be an integer in [0, 2**63)")
@@ -302,7 +304,7 @@ class Generator:
         settings, p = r0.settings, r0.point
         t0 = time.perf_counter()
         cond = encode([g.request.prompt for g in group], p["text_len"]).float()
-        uncond = encode([g.request.negative_prompt for g in group], p["text_len"]).float() \
+        uncond = self._uncond(encode, [g.request.negative_prompt for g in group], p["text_len"]) \
             if settings.uses_cfg else None
         t1 = time.perf_counter()
         shape = (1, self.adapter.latent_channels, p["latent_frames"], p["latent_height"], p["latent_width"])
@@ -322,8 +324,26 @@ class Generator:
         latents = res.latents.float().cpu().numpy()
         return [Clip(prompt=g.request.prompt, seed=g.request.seed, frames=to_uint8(frames[i]), latents=latents[i],
                      metadata={"prompt": g.request.prompt, "negative_prompt": g.request.negative_prompt,
-                               "seed": g.request.seed, **common, "batch": {**common["batch"], "index": i}})
+                               "unconditional": self.negative_description(g.request.negative_prompt)
+                               if settings.uses_cfg else "none (no CFG)", "seed": g.request.seed, **common, "batch": {**common["batch"], "index": i}})
                 for i, g in enumerate(group)]
+
+    def _uncond(self, encode, negatives: list, text_len: int):
+        """``[B, text_len, D]``: each row the given negative prompt encoded, or the model's own
+        unconditional conditioning where it is None."""
+        import torch
+
+        given = [n for n in negatives if n is not None]
+        enc = iter(encode(given, text_len).float()) if given else iter(())
+        own = self.adapter.negative_embedding(encode, 1, text_len)[0] if len(given) < len(negatives) else None
+        return torch.stack([next(enc) if n is not None else own for n in negatives])
+
+    def negative_description(self, negative: str | None) -> str:
+        """What the unconditional branch of a clip was conditioned on, in words."""
+        if negative is not None:
+            return f"negative prompt {negative!r}"
+        own = self.adapter.spec.defaults.get("negative_prompt", "")
+        return "the model's zero embedding" if own is None else f"the model's negative prompt {own!r}"
 
     def _metadata(self, settings, mode, scheduler, r: _Resolved, bucket, clips, call_batch, seconds) -> dict:
         from trt_sora import __version__
@@ -374,7 +394,7 @@ def generator_for(runner, *, text_encoder: str | None = None) -> Generator:
 
 
 def generate(runner, prompts: str | Sequence[str], *, steps: int | None = None, guidance: float | None = None,
-             seed: int | Sequence[int] = 0, negative_prompt: str = "", shift: float | None = None,
+             seed: int | Sequence[int] = 0, negative_prompt: str | None = None, shift: float | None = None,
              num_frames: int | None = None, height: int | None = None, width: int | None = None,
              cfg: str = "auto", max_batch: int | None = None, text_encoder: str | None = None,
              hook: Callable | None = None) -> list[Clip]:
@@ -386,7 +406,8 @@ def generate(runner, prompts: str | Sequence[str], *, steps: int | None = None, 
         steps, guidance, shift: sampling overrides; default: the artifact's sampling settings (what it
             was calibrated and checked with; ``clip.metadata["checked"]`` says what parity ran).
         seed: one seed (prompt ``i`` gets ``seed + i``) or one per prompt.
-        negative_prompt: text of the unconditional CFG branch.
+        negative_prompt: text of the unconditional CFG branch (None: the model's own unconditional
+            conditioning, what it was calibrated and checked with).
         num_frames, height, width: pixel size (default: the first bucket's opt point; wan-shapes 9x32x32).
         cfg: ``"auto"`` (both branches in one call when a bucket allows), ``"batched"``, ``"split"``.
         max_batch: at most this many clips per transformer call group.
