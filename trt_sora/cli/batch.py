@@ -53,7 +53,7 @@ def run(args) -> int:
 
         executor = RayExecutor(args.run, backend=args.backend, workers=args.workers, address=args.ray_address,
                                force=args.force, reference=gate.reference if gate else None, cfg=config.cfg,
-                               text_encoder=args.text_encoder)
+                               text_encoder=args.text_encoder, threads=args.threads)
         runner, ref = None, None
         kwargs["executor"] = executor
     else:

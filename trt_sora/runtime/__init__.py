@@ -28,7 +28,7 @@ from trt_sora.manifest import read_manifest
 log = logging.getLogger("trt_sora")
 
 __all__ = ["Clip", "ClipRequest", "Generator", "InputError", "NumericsError", "ServingRunner", "as_diffusers_transformer",
-           "diffusers_pipeline", "generate", "load", "mismatch", "read_report"]
+           "buckets_of", "diffusers_pipeline", "generate", "load", "mismatch", "read_report"]
 
 BACKENDS = ("auto", "trt", "ort", "torch", "torch-fp8")
 
@@ -170,6 +170,12 @@ def _buckets(run: Path, rep: dict | None) -> tuple[ShapeProfile, ...]:
         return tuple(ShapeProfile.from_yaml(b) for b in rep["buckets"])
     dyn = read_manifest(run / "export", stage="export")["results"]["dynamic"]
     return (ShapeProfile.from_yaml({"name": "export-range", **dyn}),)
+
+
+def buckets_of(artifact_dir) -> tuple[ShapeProfile, ...]:
+    """The shape buckets a run folder serves, read from its files (nothing is loaded)."""
+    run = Path(artifact_dir)
+    return _buckets(run, read_report(run))
 
 
 def _gpu_check(run: Path) -> None:

@@ -17,7 +17,10 @@ identity for pixel-space models such as wan-shapes). The denoising loop is
 Batching: clips that share settings and size are denoised together, as many per transformer call
 as a bucket allows (with CFG, both branches of every clip in one call when a bucket takes twice
 the batch). Every clip's noise is drawn from its own seed, so a clip does not depend on what it is
-batched with beyond the backend's arithmetic (ONNX Runtime on the CPU: bit-identical).
+batched with beyond the backend's arithmetic: each clip is decoded alone, and ONNX Runtime on the
+CPU gives every row the same bits at any batch size, so there a clip is bit-identical however it was
+batched (GPU backends may pick other kernels per batch size: then batched clips can differ from
+unbatched ones in the last bits, within the artifact's parity).
 
 torch is imported inside the functions; importing this module loads numpy and the standard library.
 """
@@ -314,7 +317,8 @@ class Generator:
         res = sample(runner_call(self.runner), noise, cond, uncond, scheduler=scheduler, settings=settings,
                      cfg="split" if mode == "none" else mode, dtype=torch.float32, hook=hook, label=label)
         t2 = time.perf_counter()
-        frames = decode(res.latents).float().cpu().numpy()
+        # one clip at a time: a decoder's convolutions need not give the same bits at another batch size
+        frames = [decode(res.latents[i:i + 1]).float().cpu().numpy()[0] for i in range(len(group))]
         t3 = time.perf_counter()
         call_batch = len(group) * (2 if mode == "batched" else 1)
         bucket = self.runner.bucket_for({**p, "batch": call_batch}).name

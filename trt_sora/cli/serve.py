@@ -1,0 +1,51 @@
+"""``trt-sora serve --run DIR``: the reference HTTP server (dynamic batching, metrics, drain on SIGTERM)."""
+from __future__ import annotations
+
+
+def add_parser(sub) -> None:
+    from trt_sora.cli.generate import add_runtime_args
+
+    p = sub.add_parser("serve", help="HTTP server: submit / poll / fetch clips, /healthz, /readyz, /metrics",
+                       description="Serve a checked run folder over HTTP (FastAPI on uvicorn): POST /v1/jobs, GET "
+                                   "/v1/jobs/ID, GET /v1/jobs/ID/result, POST /v1/generate, /v1/info, /healthz, "
+                                   "/readyz, /metrics. Compatible requests are batched; SIGTERM drains.")
+    add_runtime_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-queue", type=int, default=64, help="waiting jobs before 429 (default 64)")
+    p.add_argument("--max-wait-ms", type=float, default=50.0, help="how long a job waits for others to join its "
+                   "batch (default 50 ms; 0: only what is already queued)")
+    p.add_argument("--max-batch", type=int, default=None, help="at most N clips per batch (1: no batching)")
+    p.add_argument("--workers", type=int, default=1, help="batches generated at once (default 1)")
+    p.add_argument("--memory-headroom", type=float, default=0.1, help="fraction of free memory kept free")
+    p.add_argument("--memory-budget-mb", type=float, default=None, help="size the batch cap for this much memory "
+                   "instead of the measured free memory")
+    p.add_argument("--keep", type=int, default=1000, help="finished jobs kept for fetching (default 1000)")
+    p.add_argument("--results", default=None, help="folder for the clips (default: a temp folder)")
+    p.add_argument("--warmup-steps", type=int, default=1)
+    p.add_argument("--cfg", default="auto", choices=["auto", "batched", "split"])
+    p.add_argument("--drain-timeout", type=float, default=600.0, help="longest drain on SIGTERM (s)")
+    p.add_argument("--drain-grace", type=float, default=2.0, help="seconds results stay fetchable after the drain")
+    p.add_argument("--log-level", default="warning", help="uvicorn log level")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    import trt_sora.runtime as rt
+    from trt_sora.serve.scheduler import ServeConfig
+    from trt_sora.serve.server import HttpConfig, serve
+
+    config = ServeConfig(max_queue=args.max_queue, max_wait_s=args.max_wait_ms / 1000, max_batch=args.max_batch,
+                         workers=args.workers, memory_headroom=args.memory_headroom,
+                         memory_budget_bytes=int(args.memory_budget_mb * 2**20) if args.memory_budget_mb else None,
+                         keep_results=args.keep, results_dir=args.results, warmup_steps=args.warmup_steps,
+                         cfg=args.cfg)
+    http = HttpConfig(host=args.host, port=args.port, drain_timeout_s=args.drain_timeout,
+                      drain_grace_s=args.drain_grace, log_level=args.log_level)
+
+    def load():
+        return rt.load(args.run, backend=args.backend, force=args.force, device=args.device, threads=args.threads,
+                       concurrency=args.workers)
+
+    print(f"serving {args.run} on http://{args.host}:{args.port} (ready when /readyz answers 200)", flush=True)
+    return serve(load, config, http, text_encoder=args.text_encoder)

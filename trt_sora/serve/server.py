@@ -1,0 +1,228 @@
+"""The reference HTTP server: FastAPI on uvicorn over :class:`~trt_sora.serve.scheduler.Engine`.
+
+``trt-sora serve --run DIR [--host 127.0.0.1 --port 8000]``::
+
+    POST /v1/jobs                 {"prompt": ..., "seed": 1, "steps": ..., ...}  -> 202 {"id", "status", ...}
+    GET  /v1/jobs/{id}            status: queued / running / done / failed, timings, metadata
+    GET  /v1/jobs/{id}/result     ?format=mp4|gif|png|npy&scale=N  -> the clip (409 until done)
+    POST /v1/generate             same body, waits, returns the clip (?format=, ?timeout=)
+    GET  /v1/info                 artifact, backend, buckets, sampling defaults, batch cap, memory
+    GET  /healthz                 200 while the process runs
+    GET  /readyz                  200 after warm-up; 503 while warming up, after a failed start, draining
+    GET  /metrics                 Prometheus text format (see trt_sora.serve.metrics)
+
+Errors are JSON ``{"error": "one line naming the problem and the fix"}``: 400 for a bad request
+(not JSON, unknown key, bad value, a size no bucket takes), 404 unknown job, 409 result not ready,
+429 queue full (``Retry-After``), 503 not ready / draining, 500 a failed job.
+
+SIGTERM (or SIGINT) drains: ``/readyz`` turns 503, new submissions get 503, every accepted job
+finishes, results stay fetchable for ``drain_grace_s``, then the process exits 0. A second signal
+exits at once.
+"""
+# no `from __future__ import annotations`: FastAPI reads the endpoints' annotations (Request) at runtime
+
+import dataclasses
+import json
+import logging
+import signal
+import threading
+import time
+
+from trt_sora.errors import ConfigError, ShapeError, TrtSoraError, require
+
+log = logging.getLogger("trt_sora")
+
+__all__ = ["make_app", "serve"]
+
+MEDIA = {"mp4": "video/mp4", "gif": "image/gif", "png": "image/png", "npy": "application/octet-stream"}
+
+
+def make_app(engine, metrics):
+    """The FastAPI app over ``engine`` (shared by ``trt-sora serve`` and the Ray Serve deployment)."""
+    fastapi = require("fastapi", extra="serve")
+    from fastapi import Request
+    from fastapi.responses import FileResponse, JSONResponse, Response
+
+    app = fastapi.FastAPI(title="trt_sora", version="1", docs_url="/docs")
+
+    def error(status: int, message: str, headers: dict | None = None):
+        return JSONResponse({"error": message}, status_code=status, headers=headers)
+
+    @app.middleware("http")
+    async def measure(request: Request, call_next):
+        t0 = time.perf_counter()
+        response = await call_next(request)
+        route = request.scope.get("route")
+        path = getattr(route, "path", "unmatched")
+        metrics.http_requests.labels(route=path, method=request.method, status=str(response.status_code)).inc()
+        metrics.http_seconds.labels(route=path).observe(time.perf_counter() - t0)
+        return response
+
+    async def parse(request: Request):
+        from trt_sora.runtime.generate import ClipRequest
+
+        try:
+            body = json.loads(await request.body() or b"null")
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"the body is not JSON ({exc.msg}); send a JSON object such as "
+                              '{"prompt": "a red circle moving right", "seed": 1}') from None
+        return ClipRequest.from_dict(body, where="request body")
+
+    def submit_or_error(req):
+        from trt_sora.serve.scheduler import Draining, NotReady, QueueFull
+
+        try:
+            return engine.submit(req), None
+        except QueueFull as exc:
+            metrics.rejected.labels(reason="queue_full").inc()
+            return None, error(429, str(exc), {"Retry-After": str(engine.retry_after())})
+        except (Draining, NotReady) as exc:
+            metrics.rejected.labels(reason="draining" if isinstance(exc, Draining) else "not_ready").inc()
+            return None, error(503, str(exc), {"Retry-After": "5"})
+        except (ConfigError, ShapeError) as exc:
+            metrics.rejected.labels(reason="bad_request").inc()
+            return None, error(400, str(exc))
+
+    @app.post("/v1/jobs", status_code=202)
+    async def submit(request: Request):
+        try:
+            req = await parse(request)
+        except ConfigError as exc:
+            metrics.rejected.labels(reason="bad_request").inc()
+            return error(400, str(exc))
+        job, err = submit_or_error(req)
+        if err is not None:
+            return err
+        return JSONResponse({**job.view(), "links": {"status": f"/v1/jobs/{job.id}",
+                                                     "result": f"/v1/jobs/{job.id}/result"}}, status_code=202)
+
+    @app.get("/v1/jobs/{job_id}")
+    def status(job_id: str):
+        job = engine.get(job_id)
+        return error(404, f"no job {job_id!r} (unknown, or dropped after keep_results newer jobs)") if job is None \
+            else job.view()
+
+    def result_response(job, fmt: str, scale: int):
+        if fmt not in MEDIA:
+            return error(400, f"format={fmt!r}; use one of {', '.join(MEDIA)}")
+        if scale < 1 or scale > 16:
+            return error(400, f"scale={scale} must be in 1..16")
+        if job.status == "failed":
+            return error(500, f"job {job.id} failed: {job.error}")
+        if job.status != "done":
+            return error(409, f"job {job.id} is {job.status}; poll /v1/jobs/{job.id} until it is done")
+        path = _encoded(job, fmt, scale, engine)
+        return FileResponse(path, media_type=MEDIA[fmt], filename=f"{job.id}.{fmt}",
+                            headers={"X-Trt-Sora-Seed": str(job.request.seed)})
+
+    @app.get("/v1/jobs/{job_id}/result")
+    def result(job_id: str, format: str = "mp4", scale: int = 1):
+        job = engine.get(job_id)
+        if job is None:
+            return error(404, f"no job {job_id!r}")
+        return result_response(job, format, scale)
+
+    @app.post("/v1/generate")
+    async def generate(request: Request, format: str = "mp4", scale: int = 1, timeout: float = 600.0):
+        import anyio
+
+        try:
+            req = await parse(request)
+        except ConfigError as exc:
+            metrics.rejected.labels(reason="bad_request").inc()
+            return error(400, str(exc))
+        job, err = submit_or_error(req)
+        if err is not None:
+            return err
+        await anyio.to_thread.run_sync(job.done_event.wait, timeout)
+        return result_response(job, format, scale)
+
+    @app.get("/v1/info")
+    def info():
+        return engine.info()
+
+    @app.get("/healthz")
+    def healthz():
+        return {"status": "ok"}
+
+    @app.get("/readyz")
+    def readyz():
+        if engine.ready and not engine.draining:
+            return {"status": "ready", "backend": engine.generator.runner.backend, "batch_cap": engine.memory.get("cap")}
+        why = ("failed: " + engine.failed) if engine.failed else "draining" if engine.draining else "warming up"
+        return error(503, why)
+
+    @app.get("/metrics")
+    def prometheus():
+        body, ctype = metrics.exposition()
+        return Response(body, media_type=ctype)
+
+    return app
+
+
+def _encoded(job, fmt: str, scale: int, engine):
+    """The job's clip as ``fmt`` (encoded once, kept beside its frames)."""
+    import numpy as np
+
+    from trt_sora.runtime.video import write_clip
+
+    if fmt == "npy" and scale == 1:
+        return job.result_path
+    path = engine.results / f"{job.id}.x{scale}.{fmt}"
+    if not path.is_file():
+        write_clip(np.load(job.result_path), path, float(job.metadata.get("fps", 16)), scale=scale)
+    return path
+
+
+@dataclasses.dataclass(frozen=True)
+class HttpConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    drain_timeout_s: float = 600.0
+    drain_grace_s: float = 2.0
+    log_level: str = "warning"
+
+
+def serve(load, config, http: HttpConfig = HttpConfig(), *, text_encoder: str | None = None,
+          on_listen=None) -> int:
+    """Run the server until a signal drains it; returns the exit code (0 after a clean drain).
+
+    ``load``: ``() -> runner`` (loading and warm-up happen after the port is open, so ``/healthz``
+    answers at once and ``/readyz`` turns 200 when the engine is warm).
+    """
+    uvicorn = require("uvicorn", extra="serve")
+    from trt_sora.serve.metrics import ServerMetrics
+    from trt_sora.serve.scheduler import Engine
+
+    metrics = ServerMetrics()
+    engine = Engine(load, config, metrics=metrics, text_encoder=text_encoder)
+    app = make_app(engine, metrics)
+    outcome = {"code": 0}
+
+    class DrainingServer(uvicorn.Server):
+        """uvicorn's server whose first SIGTERM/SIGINT drains the engine before shutting down."""
+
+        def handle_exit(self, sig, frame):  # noqa: ARG002 (signal handler signature)
+            if engine.draining:  # a second signal: stop now
+                outcome["code"] = 128 + int(sig)
+                self.force_exit = self.should_exit = True
+                return
+            log.warning("serve: signal %s: draining (%d queued)", signal.Signals(sig).name, engine.queue_depth)
+            threading.Thread(target=self._drain, daemon=True).start()
+
+        def _drain(self):
+            drained = engine.drain(http.drain_timeout_s)
+            if not drained:
+                outcome["code"] = 1
+                log.error("serve: drain timed out after %.0f s", http.drain_timeout_s)
+            time.sleep(http.drain_grace_s)  # let clients fetch the last results
+            self.should_exit = True
+
+    server = DrainingServer(uvicorn.Config(app, host=http.host, port=http.port, log_level=http.log_level,
+                                           lifespan="off", timeout_graceful_shutdown=5))
+    engine.start()
+    if on_listen:
+        on_listen(engine)
+    server.run()
+    engine.close()
+    return outcome["code"]
