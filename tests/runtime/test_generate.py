@@ -170,3 +170,25 @@ def test_moving_shapes_sampler_runs_the_drop_in():
     want = ms.sample(model, emb, cfg)
     assert got.shape == (1, 3, 9, 32, 32)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_ready_pipeline_for_the_default_model_needs_no_workarounds():
+    """wan-shapes in a WanPipeline: pixel space (no VAE, scale 1), MiniLM text states (not UMT5),
+    16 text tokens, the zero embedding as its unconditional branch. The adapter's pipeline takes a
+    plain caption and gives the model card's sampler's clip."""
+    import torch
+
+    from trt_sora.models import get_adapter
+    from trt_sora.models.moving_shapes import sample as ms, text
+    from trt_sora.sampling import gaussian_noise
+
+    adapter = get_adapter("wan-shapes")
+    model = ms.load_transformer()
+    caption = "a red circle moves up over a plain black background"
+    pipe = adapter.diffusers_pipeline(model, encode=adapter.text_encoder(), scheduler=adapter.scheduler(),
+                                      defaults={"num_frames": 9, "height": 32, "width": 32, "max_sequence_length": 16,
+                                                "num_inference_steps": 1, "guidance_scale": 4.0})
+    noise = gaussian_noise((1, 3, 9, 32, 32), 5)
+    got = pipe(caption, latents=noise, output_type="pt").frames  # [B, F, C, H, W] in [0, 1]
+    want = ms.sample(model, text.encode([caption]), ms.SampleConfig(steps=1, seed=5))  # [B, C, F, H, W] in [-1, 1]
+    torch.testing.assert_close(got.permute(0, 2, 1, 3, 4) * 2 - 1, want, rtol=0, atol=2e-5)

@@ -207,3 +207,20 @@ def test_memory_cap_from_the_warm_up_peaks():
     assert memory_cap(3 * gib, 9 * gib, 4, 20 * gib, 0.1) == (8, gib, 2 * gib)
     assert memory_cap(3 * gib, 9 * gib, 4, 2 * gib, 0.0)[0] == 0  # not even one clip
     assert memory_cap(5 * gib, 5 * gib, 1, 16 * gib, 0.0)[0] == 3  # one measurement: all of it per clip
+
+
+@pytest.mark.gpu
+def test_gpu_memory_sets_the_batch_cap(checked_run):
+    """On a GPU the warm-up measures device memory (mem_get_info sampled during the calls)."""
+    import trt_sora.runtime as rt
+    from trt_sora.serve.metrics import ServerMetrics
+    from trt_sora.serve.scheduler import Engine, ServeConfig
+
+    metrics = ServerMetrics()
+    engine = Engine(rt.load(checked_run, backend="torch", device="cuda"), ServeConfig(), metrics=metrics)
+    engine.start(block=True)
+    m = engine.memory
+    assert engine.ready and m["device"] == "gpu" and m["per_clip_bytes"] > 0 and m["cap"] >= 1
+    text = metrics.exposition()[0].decode()
+    assert re.search(r'^trt_sora_gpu_memory_bytes\{kind="total"\} [1-9]', text, re.M)
+    engine.close()

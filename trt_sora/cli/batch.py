@@ -45,9 +45,8 @@ def run(args) -> int:
     config = BatchConfig(formats=tuple(f.strip() for f in args.formats.split(",") if f.strip()), scale=args.scale,
                          retries=args.retries, retry_wait=args.retry_wait, max_batch=args.max_batch, cfg=args.cfg,
                          gate=gate)
-    jobs = read_jobs(args.prompts)
-    bar = _progress_bar(len(jobs), args.no_progress)
-    kwargs = {"progress": bar.update if bar else None}
+    jobs = read_jobs(args.prompts)  # a bad jobs file fails before anything loads
+    kwargs = {}
     if args.ray:
         from trt_sora.serve.ray_fleet import RayExecutor
 
@@ -62,8 +61,10 @@ def run(args) -> int:
 
         runner = load_runner(args)
         ref = rt.load(args.run, backend=gate.reference, force=args.force, device=args.device) if gate else None
+    bar = _progress_bar(len(jobs), args.no_progress)
     try:
-        summary = run_batch(runner, args.prompts, args.out, config, reference_runner=ref, **kwargs)
+        summary = run_batch(runner, args.prompts, args.out, config, reference_runner=ref,
+                            progress=bar.update if bar else None, text_encoder=args.text_encoder, **kwargs)
     finally:
         if bar:
             bar.close()

@@ -296,7 +296,7 @@ def _artifact_identity(generator) -> dict:
     rep = run / "parity" / "report.json"
     cand = (json.loads(rep.read_text()).get("candidate") or {}) if rep.is_file() else {}
     return {"run": str(run), "backend": getattr(generator.runner, "backend", "?"), "candidate_sha256": cand.get("sha256"),
-            "model_hash": generator.adapter.spec.model_hash()}
+            "model_hash": generator.adapter.spec.model_hash(), "text_encoder": generator.text_encoder_source}
 
 
 def _now() -> str:
@@ -304,7 +304,7 @@ def _now() -> str:
 
 
 def run_batch(runner, jobs, out_dir, config: BatchConfig = BatchConfig(), *, reference_runner=None,
-              executor=None, progress: Callable[[dict], None] | None = None,
+              executor=None, progress: Callable[[dict], None] | None = None, text_encoder: str | None = None,
               sleep: Callable[[float], None] = time.sleep) -> BatchSummary:
     """Generate every job of ``jobs`` (a JSONL path or a list of :class:`Job`) into ``out_dir``.
 
@@ -319,6 +319,7 @@ def run_batch(runner, jobs, out_dir, config: BatchConfig = BatchConfig(), *, ref
         executor: what runs clip groups (default :class:`LocalExecutor`; ``trt_sora.serve.ray_fleet``
             spreads them over a Ray cluster).
         progress: called after every group with ``{"done", "total", "failed", "skipped", ...}``.
+        text_encoder: override the recorded text encoder (local executor).
 
     Returns:
         :class:`BatchSummary`; ``summary.ok`` is False when a job failed or a clip failed its gate.
@@ -331,8 +332,8 @@ def run_batch(runner, jobs, out_dir, config: BatchConfig = BatchConfig(), *, ref
         jobs_path = Path(jobs)
         jobs = read_jobs(jobs_path)
     if executor is None:
-        gen = generator_for(runner)
-        ref = Generator(reference_runner) if config.gate else None
+        gen = generator_for(runner, text_encoder=text_encoder)
+        ref = Generator(reference_runner, text_encoder=text_encoder) if config.gate else None
         if config.gate and reference_runner is None:
             raise ConfigError("a quality gate needs the reference runner (reference_runner=)")
         executor = LocalExecutor(gen, ref, cfg=config.cfg)
