@@ -5,6 +5,7 @@ PY      ?= python3
 VENV    ?= .venv
 RECIPE  ?= rtx4090-fp8
 MODEL   ?=
+SHARDS  ?=
 OUT     ?= build
 BIN      = $(VENV)/bin
 EXTRAS  ?= export,tensorrt-rtx,serve,dev
@@ -12,7 +13,7 @@ EXTRAS  ?= export,tensorrt-rtx,serve,dev
 .PHONY: install test test-fast engine export clean distclean help
 
 help:
-	@echo "make install | test | engine RECIPE=<recipe> [MODEL=<name-or-path>] | clean"
+	@echo "make install | test | engine RECIPE=<recipe> [MODEL=<name-or-path>] [SHARDS=<n>] | clean"
 
 # torch is pinned to 2.13.0: on our CPU machines pip takes the CPU build from local disk
 # instead of pulling a multi-GB CUDA build. On GPU boxes install your CUDA torch first.
@@ -33,8 +34,9 @@ test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow"
 
 # export -> calibrate -> quantize -> build -> check under $(OUT)/<model>/$(RECIPE)/
+# SHARDS=n: calibrate as n shards and merge them (the same stats as one pass)
 engine: install
-	$(BIN)/trt-sora engine --recipe $(RECIPE) $(if $(MODEL),--model $(MODEL)) --out $(OUT)
+	$(BIN)/trt-sora engine --recipe $(RECIPE) $(if $(MODEL),--model $(MODEL)) $(if $(SHARDS),--calib-shards $(SHARDS)) --out $(OUT)
 
 export: install
 	$(BIN)/trt-sora export --recipe $(RECIPE) $(if $(MODEL),--model $(MODEL)) --out $(OUT)/export

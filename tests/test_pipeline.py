@@ -3,6 +3,7 @@ TensorRT-RTX build, stage reuse by fingerprint, and the fail-fast path of a Tens
 import dataclasses
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -130,3 +131,19 @@ def test_two_calibration_shards_give_the_same_quantized_graph(first_run, tmp_pat
         if a.exists():
             assert a.read_bytes() == b.read_bytes(), name
     assert (two.folder("calibrate").parent / "calib.shards" / "shard-1-of-2" / "stats.safetensors").is_file()
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="no make")
+def test_make_engine_passes_shards_to_the_engine_command():
+    """`make engine SHARDS=2` runs the command the test above runs (`trt-sora engine --calib-shards 2`)."""
+    import shlex
+    import subprocess
+
+    from trt_sora.cli import build_parser
+
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run(["make", "-n", "-C", str(root), "engine", "SHARDS=2", "MODEL=wan-tiny", "VENV=/v"],
+                         capture_output=True, text=True, check=True).stdout
+    line = next(ln for ln in out.splitlines() if ln.startswith("/v/bin/trt-sora engine"))
+    args = build_parser().parse_args(shlex.split(line)[1:])
+    assert (args.calib_shards, args.model) == (2, "wan-tiny")
