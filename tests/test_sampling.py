@@ -123,6 +123,11 @@ def test_errors_name_the_step_and_branch(toy_inputs):
         sample(lambda i: _toy(i)[..., :-1], noise, e_c, e_u, scheduler=_scheduler(), settings=st)
     with pytest.raises(ConfigError, match="num_steps"):
         SamplingSettings(num_steps=0, guidance_scale=1.0, shift=1.0)
+    for bad in (float("nan"), float("inf")):  # would only surface as NaN frames after every step ran
+        with pytest.raises(ConfigError, match="guidance_scale=.* finite"):
+            SamplingSettings(num_steps=1, guidance_scale=bad, shift=1.0)
+        with pytest.raises(ConfigError, match="shift=.* finite"):
+            SamplingSettings(num_steps=1, guidance_scale=1.0, shift=bad)
 
 
 def test_wan_tiny_split_and_batched_agree(tiny_adapter, tiny_model):

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from typing import TYPE_CHECKING, Any, Callable, ContextManager, Mapping, Sequence
 
 from trt_sora.errors import ConfigError, ShapeError, TrtSoraError
@@ -72,10 +73,10 @@ class SamplingSettings:
     def __post_init__(self) -> None:
         if isinstance(self.num_steps, bool) or not isinstance(self.num_steps, int) or self.num_steps < 1:
             raise ConfigError(f"sampling num_steps={self.num_steps!r} must be an integer >= 1")
-        if self.guidance_scale < 0:
-            raise ConfigError(f"sampling guidance_scale={self.guidance_scale} must be >= 0")
-        if self.shift <= 0:
-            raise ConfigError(f"sampling shift={self.shift} must be > 0")
+        if not math.isfinite(self.guidance_scale) or self.guidance_scale < 0:
+            raise ConfigError(f"sampling guidance_scale={self.guidance_scale} must be a finite number >= 0")
+        if not math.isfinite(self.shift) or self.shift <= 0:
+            raise ConfigError(f"sampling shift={self.shift} must be a finite number > 0")
 
     @property
     def uses_cfg(self) -> bool:

@@ -96,10 +96,23 @@ def test_health_info_and_clear_4xx(server):
     for body, fragment in ((b"{oops", "not JSON"), ({"prompt": "x", "sed": 1}, "did you mean 'seed'"),
                            ({"seed": 1}, 'missing "prompt"'), ({"prompt": "x", "num_frames": 10}, "num_frames 10"),
                            ({"prompt": "x", "height": 4096, "width": 4096}, "no bucket"),
-                           ({"prompt": "x", "steps": -1}, "steps=-1")):
+                           ({"prompt": "x", "steps": -1}, "steps=-1"),
+                           ({"prompt": "x", "steps": 10 ** 6}, "--max-steps"),
+                           (b'{"prompt": "x", "guidance": NaN}', "guidance_scale=nan must be a finite"),
+                           (b'{"prompt": "x", "shift": 1e999}', "shift=inf must be a finite"),
+                           ([{"prompt": "x"}], "expected a JSON object")):
         status, err = http.json("POST", "/v1/jobs", body)
         assert status == 400 and fragment in err["error"], (body, err)
     assert http.json("GET", "/v1/jobs/nope")[0] == 404
+    # FastAPI's own refusals speak the same one-line {"error": ...} (400, not 422 with a "detail" list)
+    status, err = http.json("GET", "/v1/jobs/nope/result?scale=big")
+    assert status == 400 and err["error"].startswith("query parameter scale='big': ") and "integer" in err["error"]
+    assert http.json("POST", "/v1/generate?timeout=0", {"prompt": "x"}) == (
+        400, {"error": "timeout=0.0 must be a number of seconds > 0"})
+    status, err = http.json("GET", "/v2/jobs")
+    assert status == 404 and "no route /v2/jobs" in err["error"]
+    status, err = http.json("DELETE", "/v1/jobs")
+    assert status == 405 and "DELETE is not allowed on /v1/jobs" in err["error"]
     status, job = http.json("POST", "/v1/jobs", {"prompt": "a red kite", "seed": 5})
     assert status == 202 and job["status"] == "queued"
     status, err = http.json("GET", f"/v1/jobs/{job['id']}/result")

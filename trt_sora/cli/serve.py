@@ -24,6 +24,8 @@ def add_parser(sub) -> None:
     p.add_argument("--results", default=None, help="folder for the clips (default: a temp folder)")
     p.add_argument("--warmup-steps", type=int, default=1)
     p.add_argument("--cfg", default="auto", choices=["auto", "batched", "split"])
+    p.add_argument("--max-steps", type=int, default=250, help="most denoising steps a request may ask for (default "
+                   "250; more: 400)")
     p.add_argument("--drain-timeout", type=float, default=600.0, help="longest drain on SIGTERM (s)")
     p.add_argument("--drain-grace", type=float, default=2.0, help="seconds results stay fetchable after the drain")
     p.add_argument("--log-level", default="warning", help="uvicorn log level")
@@ -39,7 +41,7 @@ def run(args) -> int:
                          workers=args.workers, memory_headroom=args.memory_headroom,
                          memory_budget_bytes=int(args.memory_budget_mb * 2**20) if args.memory_budget_mb else None,
                          keep_results=args.keep, results_dir=args.results, warmup_steps=args.warmup_steps,
-                         cfg=args.cfg)
+                         cfg=args.cfg, max_steps=args.max_steps)
     http = HttpConfig(host=args.host, port=args.port, drain_timeout_s=args.drain_timeout,
                       drain_grace_s=args.drain_grace, log_level=args.log_level)
 

@@ -74,6 +74,8 @@ class ServeConfig:
         results_dir: where clips are kept (default: a temp folder).
         warmup_steps: denoising steps of the warm-up generations.
         cfg: ``auto`` / ``batched`` / ``split``.
+        max_steps: most denoising steps one request may ask for (more: refused with a ConfigError,
+            HTTP 400), so one request cannot hold the workers for hours.
     """
 
     max_queue: int = 64
@@ -86,10 +88,11 @@ class ServeConfig:
     results_dir: str | None = None
     warmup_steps: int = 1
     cfg: str = "auto"
+    max_steps: int = 250
 
     def __post_init__(self) -> None:
-        if self.max_queue < 1 or self.workers < 1 or self.keep_results < 1 or self.warmup_steps < 1:
-            raise ConfigError("max_queue, workers, keep_results and warmup_steps must be >= 1")
+        if min(self.max_queue, self.workers, self.keep_results, self.warmup_steps, self.max_steps) < 1:
+            raise ConfigError("max_queue, workers, keep_results, warmup_steps and max_steps must be >= 1")
         if self.max_wait_s < 0 or not 0 <= self.memory_headroom < 1:
             raise ConfigError("max_wait_s must be >= 0 and memory_headroom in [0, 1)")
         if self.max_batch is not None and self.max_batch < 1:
@@ -333,6 +336,9 @@ class Engine:
         if not self.ready:
             raise NotReady("still warming up; retry when /readyz answers 200")
         resolved = self.generator.resolve(request)
+        if resolved.settings.num_steps > self.config.max_steps:
+            raise ConfigError(f"steps={resolved.settings.num_steps} is more than this server takes "
+                              f"({self.config.max_steps}, `trt-sora serve --max-steps`); ask for fewer")
         self.generator.max_clips(resolved, self.config.cfg)  # a size no bucket takes: refused here
         with self._cond:
             if self.draining:

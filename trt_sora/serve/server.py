@@ -12,8 +12,9 @@
     GET  /metrics                 Prometheus text format (see trt_sora.serve.metrics)
 
 Errors are JSON ``{"error": "one line naming the problem and the fix"}``: 400 for a bad request
-(not JSON, unknown key, bad value, a size no bucket takes), 404 unknown job, 409 result not ready,
-429 queue full (``Retry-After``), 503 not ready / draining, 500 a failed job.
+(not JSON, unknown key, bad or non-finite value, more steps than ``--max-steps``, a size no bucket
+takes, a query parameter of the wrong type), 404 unknown job or route, 405 wrong method, 409 result
+not ready, 429 queue full (``Retry-After``), 503 not ready / draining, 500 a failed job.
 
 SIGTERM (or SIGINT) drains: ``/readyz`` turns 503, new submissions get 503, every accepted job
 finishes, results stay fetchable for ``drain_grace_s``, then the process exits 0. A second signal
@@ -47,6 +48,8 @@ def make_app(engine, metrics):
 
     def error(status: int, message: str, headers: dict | None = None):
         return JSONResponse({"error": message}, status_code=status, headers=headers)
+
+    _json_errors(app, error)
 
     @app.middleware("http")
     async def measure(request: Request, call_next):
@@ -131,6 +134,8 @@ def make_app(engine, metrics):
         except ConfigError as exc:
             metrics.rejected.labels(reason="bad_request").inc()
             return error(400, str(exc))
+        if not 0 < timeout < float("inf"):
+            return error(400, f"timeout={timeout} must be a number of seconds > 0")
         job, err = submit_or_error(req)
         if err is not None:
             return err
@@ -158,6 +163,32 @@ def make_app(engine, metrics):
         return Response(body, media_type=ctype)
 
     return app
+
+
+def _json_errors(app, error) -> None:
+    """FastAPI's own refusals (a query parameter of the wrong type, an unknown route or method) in
+    the server's one-line ``{"error": ...}`` form, 400 instead of 422."""
+    from fastapi.exceptions import RequestValidationError
+    from starlette.exceptions import HTTPException
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_parameter(request, exc):
+        e = (exc.errors() or [{}])[0]
+        loc = [str(x) for x in e.get("loc", ())]
+        name = loc[-1] if loc else "request"
+        where = f"{loc[0]} parameter " if len(loc) > 1 else ""
+        return error(400, f"{where}{name}={e.get('input')!r}: {e.get('msg', 'invalid')}; "
+                          f"see {request.url.path} in /docs")
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request, exc):
+        if exc.status_code == 404:
+            message = f"no route {request.url.path}; the routes are listed at /docs"
+        elif exc.status_code == 405:
+            message = f"{request.method} is not allowed on {request.url.path}; the routes are listed at /docs"
+        else:
+            message = str(exc.detail)
+        return error(exc.status_code, message, getattr(exc, "headers", None))
 
 
 def _encoded(job, fmt: str, scale: int, engine):
