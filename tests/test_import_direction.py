@@ -20,7 +20,7 @@ LAYERS: list[set[str]] = [
     {"models"},
     {"export"},
     {"calibrate"},
-    {"quantize"},
+    {"quantize", "checkpoint"},  # siblings: two consumers of the calibration (Q/DQ graph, ModelOpt checkpoint)
     {"build"},
     {"runners"},
     {"parity"},

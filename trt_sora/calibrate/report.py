@@ -310,6 +310,10 @@ def write_report(out_dir: str | Path, stats, evaluation: Mapping[str, Any] | Non
                   f"{_f(a['psnr_db'], '.2f')} dB; with these exclusions ({skip['num_sites_kept']} quantized): "
                   f"cosine {b['cosine']:.6f}, PSNR {_f(b['psnr_db'], '.2f')} dB.", ""]
 
+    if evaluation and evaluation.get("peer"):
+        from trt_sora.calibrate.peer import report_section
+
+        L += report_section(evaluation["peer"])
     # drift
     drift = sorted((r for r in rows if r.get("drift")), key=lambda r: -r["drift"])[:top_k]
     if drift:

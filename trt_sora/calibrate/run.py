@@ -70,6 +70,11 @@ class ReportOptions:
         top_k: layers shown in the drift / outlier / CFG figures and tables.
         cache_weights: keep fake-quantized weight copies during evaluation runs (faster, one extra
             copy of the quantized weights); ``None`` = only when they total under 1 GiB.
+        peer: ``"modelopt"`` adds the peer comparison (:mod:`trt_sora.calibrate.peer`: ModelOpt's FP8
+            recipe calibrated on the same trajectories, sampled at the model's default step count);
+            ``None`` = off.
+        peer_prompts, peer_steps: held-out prompts and steps of the peer comparison (``None`` steps =
+            the model's default).
     """
 
     eval_prompts: int = 2
@@ -79,8 +84,13 @@ class ReportOptions:
     max_skip: int = 3
     top_k: int = 6
     cache_weights: bool | None = None
+    peer: str | None = None
+    peer_prompts: int = 2
+    peer_steps: int | None = None
 
     def __post_init__(self) -> None:
+        if self.peer not in (None, "modelopt"):
+            raise ConfigError(f"ReportOptions.peer={self.peer!r}; use 'modelopt' or None")
         if self.sensitivity not in ("kind", "block", "both", "none"):
             raise ConfigError(f"ReportOptions.sensitivity={self.sensitivity!r}; use kind, block, both or none")
         if self.eval_prompts < 1:
@@ -391,6 +401,12 @@ def calibrate(adapter, config: CalibConfig, out_dir, *, model=None, preset: Cali
                 qcfg = dataclasses.replace(qcfg, format=QuantFormat.FP8_E4M3)
             evaluation = ev.evaluate(adapter, model, stats, preset, qcfg, opts, encode=encode, settings=settings,
                                      model_dtype=model_dtype, progress=progress)
+            if opts.peer == "modelopt":
+                from trt_sora.calibrate.peer import modelopt_peer
+
+                evaluation["peer"] = modelopt_peer(adapter, model, stats, preset, qcfg, encode=encode, settings=settings,
+                                                   model_dtype=model_dtype, num_prompts=opts.peer_prompts,
+                                                   num_steps=opts.peer_steps, progress=progress)
             report_path = write_report(tmp, stats, evaluation, preset=preset, options=opts,
                                        quant_format=qcfg.format.value)
         seconds = time.perf_counter() - t_start
@@ -402,6 +418,8 @@ def calibrate(adapter, config: CalibConfig, out_dir, *, model=None, preset: Cali
         if evaluation is not None:
             results["comparison"] = evaluation.get("comparison")
             results["suggested_exclude"] = evaluation.get("skip", {}).get("patterns", [])
+            if evaluation.get("peer"):
+                results["peer"] = evaluation["peer"]
         outputs = {"stats": "stats.safetensors"}
         if report_path is not None:
             outputs["report"] = "report.md"

@@ -16,8 +16,8 @@ from trt_sora import __version__
 from trt_sora.errors import TrtSoraError
 
 #: Subcommand modules (``trt_sora.cli.<name>``), each with ``add_parser(subparsers)``.
-COMMANDS = ("export", "calibrate", "quantize", "build", "check", "engine", "info", "random_checkpoint", "ls",
-            "generate", "batch", "serve")
+COMMANDS = ("export", "calibrate", "quantize", "export_checkpoint", "build", "check", "engine", "info",
+            "random_checkpoint", "ls", "generate", "batch", "serve")
 
 
 def build_parser() -> argparse.ArgumentParser:

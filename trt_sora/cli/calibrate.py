@@ -41,6 +41,12 @@ def add_parser(sub) -> None:
     p.add_argument("--workers", type=int, default=1,
                    help="run N shards in parallel under torchrun (with --device cuda: one per GPU, cuda:LOCAL_RANK) "
                         "into OUT.shards/, then merge into OUT; rerunning skips the shards already done")
+    p.add_argument("--peer", choices=("modelopt",), default=None,
+                   help="add a peer comparison to the report: NVIDIA ModelOpt's FP8 recipe calibrated on the same "
+                        "trajectories, sampled with ours at the model's default step count (needs nvidia-modelopt)")
+    p.add_argument("--peer-prompts", type=int, default=2, help="held-out prompts of the peer comparison")
+    p.add_argument("--peer-steps", type=int, default=None,
+                   help="sampling steps of the peer comparison (default: the model's default)")
     p.set_defaults(func=run)
 
 
@@ -89,7 +95,9 @@ def run(args) -> int:
         return calibrate(adapter, cfg, out, preset=preset, quant_format=fmt, text_encoder=args.text_embeddings,
                          device=device, progress=progress, report=not args.no_report,
                          quant_config=recipe.quantization, cfg=args.cfg,
-                         report_options=ReportOptions(eval_prompts=args.eval_prompts, sensitivity=args.sensitivity),
+                         report_options=ReportOptions(eval_prompts=args.eval_prompts, sensitivity=args.sensitivity,
+                                                      peer=args.peer, peer_prompts=args.peer_prompts,
+                                                      peer_steps=args.peer_steps),
                          dtype=args.dtype or recipe.model.dtype.value, **kw)
 
     try:
@@ -114,6 +122,9 @@ def run(args) -> int:
     if ev:
         for row in ev["comparison"]:
             print(f"  {row['method']:>10} {row['format']:>8}: cosine {row['cosine']:.6f}, PSNR {row['psnr_db']:.2f} dB")
+        for row in (ev.get("peer") or {}).get("rows", []):
+            print(f"  peer {row['name']:>26}: cosine {row['cosine']:.6f}, PSNR {row['psnr_db']:.2f} dB, "
+                  f"calibration {row['calib_seconds']:.1f} s")
         if ev["skip"]["patterns"]:
             print("  suggested quantization.exclude: " + ", ".join(ev["skip"]["patterns"]))
     print(res.stats_path)

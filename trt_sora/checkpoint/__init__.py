@@ -1,0 +1,29 @@
+"""The checkpoint stage: calibration -> a quantized diffusers checkpoint in NVIDIA ModelOpt's format.
+
+What TensorRT-LLM VisualGen, vLLM-Omni and SGLang-Diffusion load as a pre-quantized
+transformer (FP8 weights with their scales, static input scales, the exclusions,
+``quantization_config`` in ``config.json``). Light on purpose: importing
+``trt_sora.checkpoint`` loads no torch. The public names resolve lazily:
+
+* :func:`export_checkpoint`, :class:`CheckpointResult`, :func:`checkpoint_plan` - :mod:`trt_sora.checkpoint.export`.
+* the format itself (names, scales, packing, ``ignore`` summary) - :mod:`trt_sora.checkpoint.modelopt_format`.
+* ModelOpt as the reference (its own export with our amax; loading a checkpoint into its
+  fake-quant quantizers) - :mod:`trt_sora.checkpoint.modelopt_interop` (needs ``nvidia-modelopt``).
+"""
+from __future__ import annotations
+
+import importlib
+
+_LAZY = {
+    "export_checkpoint": "trt_sora.checkpoint.export",
+    "CheckpointResult": "trt_sora.checkpoint.export",
+    "checkpoint_plan": "trt_sora.checkpoint.export",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'trt_sora.checkpoint' has no attribute {name!r}")
