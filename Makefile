@@ -8,23 +8,28 @@ MODEL   ?=
 SHARDS  ?=
 OUT     ?= build
 BIN      = $(VENV)/bin
-EXTRAS  ?= export,tensorrt-rtx,serve,dev
+EXTRAS  ?= export,ort,tensorrt-rtx,serve,dev
+# CI's exact versions (pyproject.toml keeps ranges); `make install CONSTRAINTS=` resolves freely.
+CONSTRAINTS ?= .ci/constraints.txt
+PIN      = $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 
 .PHONY: install test test-fast engine export clean distclean help
 
 help:
 	@echo "make install | test | engine RECIPE=<recipe> [MODEL=<name-or-path>] [SHARDS=<n>] | clean"
 
-# torch is pinned to 2.13.0: on our CPU machines pip takes the CPU build from local disk
-# instead of pulling a multi-GB CUDA build. On GPU boxes install your CUDA torch first.
+# The constraints pin torch 2.13.0: on our CPU machines pip takes the CPU build from local disk
+# instead of pulling a multi-GB CUDA build. On GPU boxes install your CUDA torch first and use
+# EXTRAS=export,ort-gpu,tensorrt CONSTRAINTS= (onnxruntime-gpu replaces the CPU onnxruntime).
 install: $(BIN)/.installed
 
-$(BIN)/.installed: pyproject.toml
+$(BIN)/.installed: pyproject.toml $(CONSTRAINTS)
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	@if command -v nvidia-smi >/dev/null 2>&1; then echo "GPU found: keeping pip's default torch build"; \
-	  else $(BIN)/pip install -q torch==2.13.0; fi
-	$(BIN)/pip install -q -e '.[$(EXTRAS)]' torch==2.13.0
+	  else $(BIN)/pip install -q $(PIN) torch; fi
+	$(BIN)/pip install -q $(PIN) -e '.[$(EXTRAS)]'
+	$(BIN)/pip check
 	@touch $@
 
 test: install

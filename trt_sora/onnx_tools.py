@@ -28,7 +28,7 @@ WRAPPER_PREFIX = "inner."
 def ort_session(model: str | Path | bytes, *, providers: Sequence[str] | None = None, threads: int | None = None):
     """An ``onnxruntime.InferenceSession`` on a ``.onnx`` path (external data beside it is found) or
     serialized model bytes; ``providers`` default: CUDA first when available, else CPU."""
-    ort = require("onnxruntime", extra="export")
+    ort = require("onnxruntime", extra="ort", pip="pip install 'trt_sora[ort]' (CPU) or 'trt_sora[ort-gpu]' (CUDA)")
     opts = ort.SessionOptions()
     if threads:
         opts.intra_op_num_threads = threads

@@ -34,9 +34,21 @@ def test_missing_backend_names_install_command(monkeypatch, backend):
     assert INSTALL[backend] in str(ei.value)
 
 
-def test_install_commands_are_exact():
-    assert INSTALL[Backend.TENSORRT] == "pip install --extra-index-url https://pypi.nvidia.com tensorrt-cu12"
-    assert INSTALL[Backend.TENSORRT_RTX] == "pip install tensorrt-rtx-cu13==1.7.1.116"
+def test_install_commands_match_the_declared_extras():
+    """The hints name exactly what pyproject's extras install (NVIDIA's PyPI packages: ``tensorrt`` = CUDA 13,
+    ``tensorrt-cu12``; TensorRT-RTX's range), and no extra index: TensorRT 10.x/11.x wheels are on PyPI."""
+    import re
+    import tomllib
+    from pathlib import Path
+
+    extras = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    names = lambda reqs: {re.split(r"[<>=!;\[ ]", r, maxsplit=1)[0] for r in reqs}  # noqa: E731
+    trt = INSTALL[Backend.TENSORRT]
+    assert "extra-index-url" not in trt
+    assert {w.strip("()") for w in trt.split() if w.startswith("tensorrt")} == names(extras["tensorrt"]) | names(
+        extras["tensorrt-cu12"])
+    assert "'" + extras["tensorrt-rtx"][0] + "'" in INSTALL[Backend.TENSORRT_RTX]
 
 
 @pytest.mark.trt_rtx

@@ -10,6 +10,7 @@ import yaml
 
 from trt_sora.calibrate.data import (
     CalibPreset,
+    load_prompt_rows,
     calib_dir,
     list_presets,
     load_preset,
@@ -22,7 +23,7 @@ from trt_sora.errors import CalibrationError, ConfigError
 SET = "video_prompts_v1"
 
 
-def _rows() -> list[dict]:  # independent reader: the json module, not datasets
+def _rows() -> list[dict]:  # independent reader: the json module
     return [json.loads(line) for line in resolve_prompt_set(SET).read_text().splitlines() if line.strip()]
 
 
@@ -157,4 +158,43 @@ def test_importing_calibrate_and_data_loads_no_torch():
     code = ("import sys, trt_sora, trt_sora.calibrate, trt_sora.calibrate.data; "
             "bad = [m for m in ('torch', 'onnx', 'datasets', 'safetensors') if m in sys.modules]; "
             "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_user_tables_through_datasets(tmp_path):
+    """A user's own prompts as parquet, CSV or a datasets folder: read through ``datasets`` with the same
+    validation and selection as our JSONL (the same prompts come back)."""
+    datasets = pytest.importorskip("datasets")
+    rows = [r for r in _rows() if r["split"] == "heldout"][:5] + [r for r in _rows() if r["split"] == "calib"][:7]
+    table = datasets.Dataset.from_list([{"id": r["id"], "prompt": r["prompt"], "split": r["split"],
+                                         "source": "extra columns are ignored"} for r in rows])
+    table.to_parquet(str(tmp_path / "mine.parquet"))
+    table.to_csv(str(tmp_path / "mine.csv"))
+    datasets.DatasetDict({"calib": table.filter(lambda r: r["split"] == "calib").remove_columns(["split", "id"]),
+                          "heldout": table.filter(lambda r: r["split"] == "heldout").remove_columns(["split", "id"])}
+                         ).save_to_disk(str(tmp_path / "folder"))
+    want = {(r["id"], r["prompt"], r["split"]) for r in rows}
+    for ref in ("mine.parquet", "mine.csv"):
+        got = load_prompt_rows(tmp_path / ref, cache_dir=tmp_path / "cache")
+        assert {(p.id, p.prompt, p.split) for p in got} == want
+    folder = load_prompt_rows(tmp_path / "folder")
+    assert sorted((p.prompt, p.split) for p in folder) == sorted((r["prompt"], r["split"]) for r in rows)
+    assert len({p.id for p in folder}) == len(rows)  # ids made up per split and row
+    assert len(load_prompts(tmp_path / "mine.parquet", split="heldout", num_prompts=3)) == 3
+    datasets.Dataset.from_list([{"text": "a fox"}]).to_parquet(str(tmp_path / "bad.parquet"))
+    with pytest.raises(CalibrationError, match="no 'prompt' column"):
+        load_prompt_rows(tmp_path / "bad.parquet")
+    datasets.DatasetDict({"train": table}).save_to_disk(str(tmp_path / "train_split"))
+    with pytest.raises(CalibrationError, match="name them 'calib' and 'heldout'"):
+        load_prompt_rows(tmp_path / "train_split")
+    (tmp_path / "x.txt").write_text("a fox")
+    with pytest.raises(CalibrationError, match="unknown file type"):
+        load_prompt_rows(tmp_path / "x.txt")
+
+
+def test_jsonl_needs_no_datasets():
+    """Our own prompt sets load without the datasets library (it is an optional extra)."""
+    code = ("import sys; sys.modules['datasets'] = None; "
+            "from trt_sora.calibrate.data import load_prompts; "
+            f"assert len(load_prompts({SET!r}, split='all')) > 100")
     subprocess.run([sys.executable, "-c", code], check=True)

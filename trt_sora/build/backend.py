@@ -22,10 +22,11 @@ MODULES: dict[Backend, tuple[str, ...]] = {
     Backend.TENSORRT_RTX: ("tensorrt_rtx", "tensorrt_rtx_bindings"),
 }
 
-#: Exact install commands (PyPI's ``tensorrt`` is a stub that fetches from NVIDIA's index).
+#: Install commands as NVIDIA documents them for TensorRT 10.x/11.x (real wheels on PyPI: the bare
+#: ``tensorrt`` package is the CUDA 13 build, ``tensorrt-cu12`` the CUDA 12 one) and TensorRT-RTX.
 INSTALL: dict[Backend, str] = {
-    Backend.TENSORRT: "pip install --extra-index-url https://pypi.nvidia.com tensorrt-cu12",
-    Backend.TENSORRT_RTX: "pip install tensorrt-rtx-cu13==1.7.1.116",
+    Backend.TENSORRT: "pip install --upgrade tensorrt  (CUDA 13; on CUDA 12: pip install --upgrade tensorrt-cu12)",
+    Backend.TENSORRT_RTX: "pip install 'tensorrt-rtx-cu13>=1.7,<2'",
 }
 
 #: Compute capabilities TensorRT-RTX builds for (support matrix 1.5+: Turing 7.5,

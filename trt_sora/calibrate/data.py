@@ -18,14 +18,14 @@ from typing import Any
 
 from trt_sora.config.base import did_you_mean
 from trt_sora.errors import ConfigError
-from trt_sora.prompts import (SPLITS, Prompt, calib_dir, list_prompt_sets, load_prompt_dataset,  # noqa: F401
+from trt_sora.prompts import (SPLITS, Prompt, calib_dir, list_prompt_sets, load_prompt_rows,  # noqa: F401
                               load_prompts, resolve_prompt_set)
 
 log = logging.getLogger("trt_sora")
 
 __all__ = [
     "SPLITS", "CalibPreset", "CalibShape", "Prompt", "calib_dir", "list_presets", "list_prompt_sets",
-    "load_preset", "load_prompt_dataset", "load_prompts", "prompts_for_preset", "resolve_prompt_set",
+    "load_preset", "load_prompt_rows", "load_prompts", "prompts_for_preset", "resolve_prompt_set",
 ]
 
 

@@ -78,7 +78,7 @@ class OrtRunner(Runner):
     def _activate_impl(self) -> None:
         from trt_sora.errors import require
 
-        ort = require("onnxruntime", extra="export")
+        ort = require("onnxruntime", extra="ort", pip="pip install 'trt_sora[ort]' (CPU) or 'trt_sora[ort-gpu]' (CUDA)")
         del ort
         try:
             self.session = self._make_session(self.path)

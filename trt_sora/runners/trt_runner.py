@@ -16,10 +16,6 @@ from trt_sora.runners.base import Runner, is_torch, to_numpy
 log = logging.getLogger("trt_sora")
 
 
-_INSTALL = {"tensorrt": "pip install --extra-index-url https://pypi.nvidia.com tensorrt-cu12",
-            "tensorrt_rtx": "pip install tensorrt-rtx-cu13==1.7.1.116"}
-
-
 def import_tensorrt(flavor: str | None = None):
     """The TensorRT runtime module for an engine built by ``flavor`` (``"tensorrt"`` or ``"tensorrt_rtx"``,
     as the engine manifest's ``results.backend`` says: an engine runs only on the runtime that built
@@ -35,8 +31,11 @@ def import_tensorrt(flavor: str | None = None):
             return importlib.import_module(mod)
         except ImportError:
             continue
+    from trt_sora.build.backend import INSTALL  # the install commands live with the backends
+    from trt_sora.config.recipe import Backend
+
     what = f"the {flavor} runtime (this engine was built by it)" if flavor else "no TensorRT runtime"
-    cmd = _INSTALL[flavor] if flavor else _INSTALL["tensorrt"]
+    cmd = INSTALL[Backend(flavor or "tensorrt")]
     raise BackendMissingError(f"{what} is not installed: {cmd} (or use backend='ort' / 'torch')")
 
 

