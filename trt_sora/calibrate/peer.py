@@ -7,7 +7,7 @@ as its diffusers example leaves them by default, and the example's Wan exclusion
 ``patch_embedding``, ``condition_embedder``, ``proj_out``) over exactly our
 calibration trajectories (the preset's prompts, steps, CFG and noise), then samples
 held-out prompts with the model's **deployment sampling settings** (``adapter.sampling``:
-its step count, CFG and shift) with
+its step count, CFG and shift; ``adapter.negative_embedding`` for the unconditional branch) with
 
 * the unquantized model (the reference),
 * ours as the engine runs it (the recipe's method, weights per output channel),
@@ -121,7 +121,7 @@ def modelopt_peer(adapter, model, stats, preset, quant_config, *, encode: Callab
 
     from trt_sora.calibrate.data import prompts_for_preset
     from trt_sora.calibrate.fakequant_model import fake_quantized, quantized_sites
-    from trt_sora.calibrate.run import _chunks, _encode, _noise, calibration_sampling
+    from trt_sora.calibrate.run import _chunks, _encode, _noise, _uncond, calibration_sampling
     from trt_sora.metrics import compare
     from trt_sora.sampling import adapter_call, sample as run_sampler
 
@@ -143,8 +143,8 @@ def modelopt_peer(adapter, model, stats, preset, quant_config, *, encode: Callab
     feeds = []
     for k, chunk in enumerate(_chunks(prompts, shape.batch)):
         cond = _encode(encode, [p.prompt for p in chunk], shape.text_len, device)
-        uncond = _encode(encode, [preset.negative_prompt] * len(chunk), shape.text_len, device) \
-            if eval_settings.uses_cfg else None
+        uncond = adapter.negative_embedding(encode, len(chunk), shape.text_len).to(device) \
+            if eval_settings.uses_cfg else None  # the unconditional branch users sample with
         feeds.append((_noise(adapter, shape, preset.seed * 1_000_003 + 700_000 + k, device), cond, uncond))
     calib_plan = [(shape_, chunk) for shape_ in preset.shapes
                   for chunk in _chunks(prompts_for_preset(preset), shape_.batch)]
@@ -171,7 +171,7 @@ def modelopt_peer(adapter, model, stats, preset, quant_config, *, encode: Callab
     def calibration_loop(net):  # our calibration trajectories, replayed (same prompts, noise, steps, CFG)
         for k, (shape_, chunk) in enumerate(calib_plan):
             cond = _encode(encode, [p.prompt for p in chunk], shape_.text_len, device)
-            uncond = _encode(encode, [preset.negative_prompt] * len(chunk), shape_.text_len, device) \
+            uncond = _uncond(adapter, encode, preset, len(chunk), shape_.text_len, device) \
                 if calib_settings.uses_cfg else None
             run_sampler(adapter_call(adapter, net), _noise(adapter, shape_, preset.seed * 1_000_003 + k, device), cond,
                         uncond, scheduler=adapter.scheduler(calib_settings.shift), settings=calib_settings,
