@@ -226,6 +226,7 @@ def modelopt_peer(adapter, model, stats, preset, quant_config, *, encode: Callab
     del sites_net
     return {
         "setup": {"prompt_ids": [p.id for p in prompts], "num_steps": steps,
+                  "deployment_steps": adapter.sampling.num_steps,
                   "guidance_scale": eval_settings.guidance_scale, "shift": eval_settings.shift, "shape": shape.as_dict(),
                   "psnr_peak": peak, "psnr_peak_def": "reference final sample max - min", "calib_preset": preset.name,
                   "calib_trajectories": len(calib_plan), "calib_steps": calib_settings.num_steps},
@@ -254,8 +255,10 @@ def report_section(peer: Mapping[str, Any]) -> list[str]:
              f"ModelOpt {peer['modelopt_version']}'s diffusers FP8 recipe (`{peer['modelopt_recipe']}`, max "
              f"calibration, attention unquantized, exclusions `{peer['modelopt_exclude']}`) calibrated over our "
              f"calibration trajectories ({s['calib_trajectories']} x {s['calib_steps']} steps of preset "
-             f"`{s['calib_preset']}`), against ours. Final sample of a **{s['num_steps']}-step** trajectory (the "
-             f"model's default; guidance {s['guidance_scale']}, shift {s['shift']}) at {s['shape']} on held-out "
+             f"`{s['calib_preset']}`), against ours. Final sample of a **{s['num_steps']}-step** trajectory ("
+             + ("the model's deployment step count" if s["num_steps"] == s.get("deployment_steps") else
+                f"SHORTER than the model's {s.get('deployment_steps')} deployment steps")
+             + f"; guidance {s['guidance_scale']}, shift {s['shift']}) at {s['shape']} on held-out "
              f"prompts {', '.join(s['prompt_ids'])}, each against the unquantized model; "
              f"**PSNR peak = {s['psnr_peak']:.4g}** ({s['psnr_peak_def']}). Calibration time: ours collects four "
              "observers and per-step statistics in one pass; ModelOpt's is its max calibrator.", "",
