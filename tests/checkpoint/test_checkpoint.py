@@ -137,6 +137,19 @@ def _run(adapter, model, inputs):
         return adapter.forward(model, {k: v if k == "timestep" else v.to(dt) for k, v in inputs.items()}).float()
 
 
+def _assert_only_ties(x, ours, theirs, scale, site):
+    """``ours`` and ``theirs`` (two fake quantizations of ``x`` at one scale) agree to float rounding, except in at
+    most a few elements (<= 1e-4 of them), each one quantization step apart with ``x / scale`` on the rounding tie
+    between the two (to float rounding of the scale)."""
+    differ = ~torch.isclose(ours, theirs, rtol=1e-5, atol=1e-6 * scale)
+    n = int(differ.sum())
+    assert n <= max(2, 1e-4 * x.numel()), (site, n, x.numel())
+    if n:
+        mid = (ours[differ] + theirs[differ]).double() / 2 / scale
+        scaled = x[differ].double() / scale
+        assert torch.allclose(scaled, mid, rtol=1e-5, atol=1e-6), (site, scaled.tolist(), mid.tolist())
+
+
 LOAD_CASES = [("wan-tiny", "fp8_e4m3", "fp32"), ("wan-tiny", "int8", "fp16"), ("wan-shapes", "fp8_e4m3", "fp32")]
 
 
@@ -144,8 +157,8 @@ LOAD_CASES = [("wan-tiny", "fp8_e4m3", "fp32"), ("wan-tiny", "int8", "fp16"), ("
 def test_loads_back_through_modelopt(calib_dirs, tmp_path, model, fmt, dtype):
     """The checkpoint read back as a consumer reads it (weights dequantized, activations quantized at
     input_scale) and run with ModelOpt's fake-quant quantizers is our fake-quant model: every quantized
-    linear gives our output on the input it sees (up to a few elements rounding the other way), and the
-    whole forward lies closer
+    linear gives our output on the input it sees (its quantized input equals ours but for a few rounding ties),
+    and the whole forward lies closer
     to ours than the quantization error itself (FP8 rounding is discontinuous, so float-level
     differences in attention flip a few roundings and grow over the layers of a trained model)."""
     pytest.importorskip("modelopt")
@@ -176,11 +189,12 @@ def test_loads_back_through_modelopt(calib_dirs, tmp_path, model, fmt, dtype):
         lin = ref_model.get_submodule(site)
         w_amax = p["weight_amax"] if fmt == "int8" else p["weight_amax"].max()
         w = fake_quant(lin.weight.float(), w_amax, fmt, axis=0 if fmt == "int8" else None).to(lin.weight.dtype)
-        want = F.linear(fake_quant(x, torch.tensor(p["act_amax"]), fmt), w, lin.bias)
-        err, own = compare(want, y)["rel_l2"], compare(F.linear(x, lin.weight, lin.bias), want)["rel_l2"]
-        # ModelOpt quantizes x * (448 / amax), we divide by the stored scale: a few elements round the other
-        # way, far below the layer's own quantization error
-        assert err < 0.01 * own, (site, err, own)
+        # inputs: ModelOpt quantizes x * (qmax / amax), we divide by the stored scale; the two agree up to float
+        # rounding except at exact rounding ties, which may go either way
+        x_ours, x_theirs = fake_quant(x, torch.tensor(p["act_amax"]), fmt), loaded.get_submodule(site).input_quantizer(x)
+        _assert_only_ties(x, x_ours, x_theirs, p["act_amax"] / {"fp8_e4m3": 448.0, "int8": 127.0}[fmt], site)
+        # weights: on the same quantized input, ModelOpt's linear is ours
+        assert compare(F.linear(x_theirs, w, lin.bias), y)["rel_l2"] < 1e-5, site
     load_err, quant_err = compare(ours, got), compare(plain, ours)
     assert quant_err["rel_l2"] > 1e-4  # quantization really happened
     assert load_err["rel_l2"] < quant_err["rel_l2"], (load_err, quant_err)
