@@ -50,37 +50,18 @@ def rebin(counts: Tensor, shift: Tensor) -> Tensor:
     return torch.zeros_like(counts).index_add_(0, idx, counts)
 
 
-_NATIVE: dict[tuple[str, torch.dtype], bool] = {}
-
-
-def _native_histc(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether ``torch.histc`` takes ``dtype`` on ``device`` (probed once). bf16 has fp32's exponent range,
-    so scaling by ``2**-e`` stays exact in bf16 and the fp32 copy (twice the bytes) is skipped."""
-    key = (device.type, dtype)
-    if key not in _NATIVE:
-        try:
-            torch.histc(torch.zeros(2, dtype=dtype, device=device), bins=2, min=0.0, max=1.0)
-            _NATIVE[key] = True
-        except (RuntimeError, NotImplementedError):
-            _NATIVE[key] = False
-    return _NATIVE[key]
-
-
 def batch_counts(x: Tensor, e: Tensor, num_bins: int) -> Tensor:
     """int64 ``[num_bins]`` counts of ``|x|`` on ``[0, 2**e)`` (``|x| < 2**e``, finite).
 
-    Per chunk: one ``abs`` (a fresh temporary, never the caller's tensor), one in-place multiply by
-    ``2**-e`` (exact), one ``histc`` over ``[0, 1)``. bf16 stays bf16 where ``histc`` takes it; fp16
-    (too narrow an exponent range for the scale) and others go through fp32.
+    Per chunk: one fp32 ``abs`` (a fresh temporary, never the caller's tensor), one in-place multiply
+    by ``2**-e`` (exact), one ``histc`` over ``[0, 1)``. Always in fp32: ``histc`` returns its counts in
+    the input's dtype, so a bf16 input counts in bf16 (a bin stops growing near 256).
     """
     one = torch.ones((), dtype=torch.float32, device=x.device)
     scale = torch.where(e > EMPTY, torch.ldexp(one, (-e).clamp(max=126).to(torch.float32)), one)
-    native = x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and _native_histc(x.device, x.dtype))
-    if native and x.dtype != torch.float32:
-        scale = scale.to(x.dtype)
     out = torch.zeros(num_bins, dtype=torch.int64, device=x.device)
     for chunk in x.reshape(-1).split(CHUNK):
-        u = chunk.abs() if native else chunk.float().abs_()
+        u = chunk.abs() if chunk.dtype == torch.float32 else chunk.float().abs_()
         u.mul_(scale)
         out += torch.histc(u, bins=num_bins, min=0.0, max=1.0).to(torch.int64)
     return out
