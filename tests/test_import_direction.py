@@ -14,9 +14,10 @@ ROOT = Path(trt_sora.__file__).resolve().parent
 #: Bottom to top. A module may import its own layer and the layers below it, never a later one.
 LAYERS: list[set[str]] = [
     # neutral: errors, config, manifests, metrics, the sampler, ONNX helpers, prompt sets, the Q/DQ
-    # site policy, kernels (pure ops), the multi-process communication (parallel), weights one tensor at a time
-    {"__init__", "errors", "config", "manifest", "metrics", "sampling", "onnx_tools", "prompts", "site_policy", "parallel",
-     "kernels", "weights"},
+    # site policy, kernels (pure ops), the multi-process communication (parallel), weights one tensor at a time,
+    # the teacher-forced trajectory comparison
+    {"__init__", "errors", "config", "manifest", "metrics", "sampling", "trajectory", "onnx_tools", "prompts",
+     "site_policy", "parallel", "kernels", "weights"},
     {"models"},
     {"export"},
     {"calibrate"},

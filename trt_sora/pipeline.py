@@ -139,8 +139,9 @@ class EnginePipeline:
                                 self.adapter.sampling.to_dict())
         if stage == "quantize":
             stats = [self.folder("calibrate") / "stats.safetensors"] if self.quantized else []
+            weights = self._calib_output("weights") if self.quantized else None  # GPTQ-rounded weights, if any
             return _fingerprint("quantize", __version__, to_dict(r.quantization),
-                                _file_hashes(self.folder("export") / "model.onnx", *stats))
+                                _file_hashes(self.folder("export") / "model.onnx", *stats, *([weights] if weights else [])))
         if stage == "build":
             return _fingerprint("build", __version__, r.backend.value, r.compute_capability, to_dict(r.build),
                                 [b.to_yaml() for b in self.buckets],
@@ -235,15 +236,28 @@ class EnginePipeline:
 
         # unquantized recipes (bf16): the graph is only cast to the graph dtype, no stats
         stats = self.folder("calibrate") / "stats.safetensors" if self.quantized else None
+        weights = self._calib_output("weights") if self.quantized else None  # GPTQ-rounded weights, if any
 
         def go():
             res = quantize_onnx(self.folder("export") / "model.onnx", stats, self.recipe.quantization,
-                                self.folder("quantize"), model_hash=self.adapter.spec.model_hash())
+                                self.folder("quantize"), model_hash=self.adapter.spec.model_hash(), weights=weights)
             c = res.counts
             return (f"{c['quantized_linears']} of {c['graph_linears']} linears quantized "
                     f"({self.recipe.quantization.format.value}), {c['fused_groups']} fused groups")
 
         return self._run("quantize", go)
+
+    def _calib_output(self, key: str):
+        """A file the calibration stage's manifest lists under ``outputs`` (None when it wrote none)."""
+        from trt_sora.errors import ArtifactError
+        from trt_sora.manifest import read_manifest
+
+        folder = self.folder("calibrate")
+        try:
+            name = read_manifest(folder, stage="calibrate").get("outputs", {}).get(key)
+        except ArtifactError:  # no calibration manifest: nothing listed
+            return None
+        return folder / name if name else None
 
     def build(self) -> StageOutcome:
         from trt_sora.build import build_engine

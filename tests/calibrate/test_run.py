@@ -159,6 +159,43 @@ def test_report_sensitivity_and_skip_list(e2e):
     assert all(float(r[sqnr]) > 10 for r in rows if r[1] == "y")
 
 
+def test_report_per_step_view_and_tradeoff(e2e, tiny_adapter, tiny_model):
+    """Per-step sensitivity at the calibration's own steps, each window of steps quantized alone, and the
+    quality-vs-speed table: its FLOP shares are the linears' (2 x tokens x in x out), its "all steps" row is
+    the fully quantized run, and the recommendation names one of its options."""
+    res, _ = e2e
+    ev = res.evaluation
+    steps = ev["eval"]["num_steps"]
+    assert [r["step"] for r in ev["per_step"]] == list(range(steps))
+    assert all(a["sigma"] > b["sigma"] for a, b in zip(ev["per_step"], ev["per_step"][1:]))
+    assert all(-1 <= r["call_cosine"] <= 1 and r["contribution_db"] > 0 for r in ev["per_step"])
+    covered = [s for w in ev["step_windows"] for s in range(*w["steps"])]
+    assert covered == list(range(steps))
+    flops = {}  # one forward at the evaluation shape: 2 x tokens x in x out per linear
+    hooks = [m.register_forward_hook(lambda m, a, o, n=n: flops.__setitem__(n, 2 * a[0].numel() * m.out_features))
+             for n, m in tiny_model.named_modules() if isinstance(m, torch.nn.Linear)]
+    with torch.no_grad():
+        tiny_adapter.forward(tiny_model, tiny_adapter.example_inputs(ev["eval"]["shape"], seed=0))
+    for h in hooks:
+        h.remove()
+    want = sum(flops[s] for s in ev["quantized_sites"]) / sum(flops.values())
+    assert 0 < want < 1 and ev["linear_flops"]["quantized_fraction"] == pytest.approx(want, rel=1e-9)
+    rows = {t["option"]: t for t in ev["tradeoff"]}
+    full = rows["all steps, every quantized linear"]
+    assert full["psnr_db"] == pytest.approx(ev["skip"]["all_quantized"]["psnr_db"])
+    assert full["fp8_linear_flop_fraction"] == pytest.approx(ev["linear_flops"]["quantized_fraction"])
+    step_aware = [t for t in ev["tradeoff"] if "unquantized_steps" in t.get("recipe", {})]
+    assert len(step_aware) == 1
+    lo, hi = step_aware[0]["recipe"]["unquantized_steps"]
+    assert step_aware[0]["fp8_linear_flop_fraction"] == pytest.approx(
+        full["fp8_linear_flop_fraction"] * (steps - (hi - lo)) / steps)
+    text = res.report_path.read_text()
+    assert "## Per-step sensitivity" in text and "## Quality vs speed" in text
+    rec = text.split("Recommended: **", 1)[1].split("**", 1)[0]
+    assert rec in rows
+    assert (res.report_path.parent / "figures" / "per_step.png").is_file()
+
+
 def test_hooks_see_real_activations(tiny_adapter, tiny_model, small_preset, tmp_path):
     """Step-0 cond abs-max of one linear and one attention site == a manual capture of the same forward."""
     from trt_sora.calibrate.data import load_preset, prompts_for_preset

@@ -96,7 +96,8 @@ def _act_amax(stats, method: str, sites: Sequence[str]) -> dict[str, torch.Tenso
 
 
 def evaluate(adapter, model, stats, preset, quant_config, options, *, encode: Callable, settings=None,
-             model_dtype=None, progress: Callable[[str, int, int], None] | None = None) -> dict[str, Any]:
+             model_dtype=None, progress: Callable[[str, int, int], None] | None = None,
+             weights: tuple[Mapping[str, torch.Tensor], str] | None = None) -> dict[str, Any]:
     """Run the comparison, sensitivity ranking and skip-list check; see the module docstring.
 
     Args:
@@ -110,6 +111,7 @@ def evaluate(adapter, model, stats, preset, quant_config, options, *, encode: Ca
             (default: :func:`trt_sora.calibrate.run.calibration_sampling`).
         model_dtype: dtype fed to the model (default fp32).
         progress: ``progress("evaluate", done, total)``.
+        weights: ``({site: W'}, format)``: GPTQ-rounded weights, used by every run in that format.
 
     Returns:
         JSON-safe dict: ``eval`` (setup, PSNR peak), ``quantized_sites``, ``comparison`` (rows of
@@ -148,7 +150,11 @@ def evaluate(adapter, model, stats, preset, quant_config, options, *, encode: Ca
     w_bytes = sum(modules[s].weight.numel() * modules[s].weight.element_size() for s in candidates)
     cache = options.cache_weights if options.cache_weights is not None else w_bytes < (1 << 30)
     per_run = len(chunks) * steps * len(settings.branches)
-    total = per_run * (1 + len(methods) * len(formats) + len(groups) + 1)
+    windows = _step_windows(steps)
+    # reference, method x format table, one run per group, the skip-list check, the windows, the
+    # worst window's complement; plus the teacher-forced per-step trajectory (one held-out chunk)
+    total = per_run * (1 + len(methods) * len(formats) + len(groups) + 1 + len(windows) + (len(windows) > 1)) \
+        + steps * len(settings.branches)
     done = 0
 
     def count(_call):
@@ -156,21 +162,32 @@ def evaluate(adapter, model, stats, preset, quant_config, options, *, encode: Ca
         done += 1
         progress("evaluate", done, total)
 
-    def run(quant: Mapping[str, torch.Tensor] | None, fmt: str | None, sites=None):
+    def run(quant: Mapping[str, torch.Tensor] | None, fmt: str | None, sites=None, steps_quantized=None):
+        """Final latents of every held-out trajectory; ``steps_quantized``: the steps run quantized
+        (None = all), the others on the unquantized linears."""
         outs = []
+        at: dict[str, int] = {}
+
+        def hook(call):
+            at["step"] = call.step
+            count(call)
         for noise, cond, uncond, chunk in feeds:
             kw = dict(scheduler=adapter.scheduler(settings.shift), settings=settings, cfg="split", dtype=model_dtype,
-                      hook=count, label=f"evaluation, held-out prompts {[p.id for p in chunk]}")
+                      hook=hook, label=f"evaluation, held-out prompts {[p.id for p in chunk]}")
             if quant is None:
                 outs.append(sample(adapter_call(adapter, model), noise, cond, uncond, **kw).latents)
             else:
                 weight_amax = {s: stats.amax[f"{s}.weight"] for s in quant if f"{s}.weight" in stats.amax}
-                with fake_quantized(model, quant, fmt, sites=sites, weight_amax=weight_amax, cache_weights=cache):
+                on = None if steps_quantized is None else (lambda: at["step"] in steps_quantized)
+                rounded = weights[0] if weights is not None and weights[1] == fmt else None
+                with fake_quantized(model, quant, fmt, sites=sites, weight_amax=weight_amax, cache_weights=cache,
+                                    enabled=on, weights=rounded):
                     outs.append(sample(adapter_call(adapter, model), noise, cond, uncond, **kw).latents)
         return torch.cat(outs).cpu()
 
     progress("evaluate", 0, total)
-    ref = run(None, None)
+    with _counting_flops(model) as flops:
+        ref = run(None, None)
     peak = float(ref.max() - ref.min())
 
     def metrics(got) -> dict[str, float]:
@@ -201,10 +218,33 @@ def evaluate(adapter, model, stats, preset, quant_config, options, *, encode: Ca
         kept = [s for s in candidates if not any(fnmatch.fnmatchcase(s, p) for p in skip["patterns"])]
         skip["with_skip"] = metrics(run(main_amax, fmt_main, kept))
         skip["num_sites_kept"] = len(kept)
-    else:
-        done = total
+    else:  # no skip-list run: its share of the progress is done
+        done += per_run
         progress("evaluate", done, total)
     skip["all_quantized"] = {k: full[k] for k in ("cosine", "max_abs", "rel_l2", "psnr_db")} if full else None
+
+    # -- per step: which steps' quantization reaches the clip, and what keeping them unquantized buys -------
+    per_step = _per_step_view(adapter, model, feeds[0], settings, main_amax, fmt_main, candidates, stats, cache,
+                              model_dtype, count, weights[0] if weights is not None and weights[1] == fmt_main else None)
+    linear_total = sum(flops.values()) or 1.0
+    frac = lambda sites: sum(flops.get(s, 0) for s in sites) / linear_total  # noqa: E731
+    window_rows = []
+    for lo, hi in windows:  # one window of steps quantized alone: its share of the final error
+        got = run(main_amax, fmt_main, candidates, steps_quantized=set(range(lo, hi)))
+        window_rows.append({"steps": [lo, hi], **metrics(got)})
+    tradeoff = [{"option": "all steps, every quantized linear", "fp8_linear_flop_fraction": frac(candidates),
+                 **skip["all_quantized"]}] if full else []
+    if skip.get("with_skip"):
+        tradeoff.append({"option": f"skip list ({', '.join(skip['groups'])})", "fp8_linear_flop_fraction":
+                         frac(kept), **skip["with_skip"], "recipe": {"exclude": skip["patterns"]}})
+    worst = min(window_rows, key=lambda r: r["psnr_db"]) if window_rows else None
+    if worst is not None and len(windows) > 1:
+        keep = set(range(steps)) - set(range(*worst["steps"]))
+        got = run(main_amax, fmt_main, candidates, steps_quantized=keep)
+        lo, hi = worst["steps"]
+        tradeoff.append({"option": f"steps {lo}-{hi - 1} unquantized (the window that costs most)",
+                         "fp8_linear_flop_fraction": frac(candidates) * len(keep) / steps, **metrics(got),
+                         "recipe": {"unquantized_steps": [lo, hi], "timesteps": _window_timesteps(per_step, lo, hi)}})
     return {
         "eval": {"prompt_ids": [p.id for p in prompts], "shape": shape.as_dict(), "num_steps": steps,
                  "guidance_scale": settings.guidance_scale, "shift": settings.shift,
@@ -217,6 +257,10 @@ def evaluate(adapter, model, stats, preset, quant_config, options, *, encode: Ca
         "methods": methods, "formats": formats,
         "sensitivity_method": stats.metadata.method, "sensitivity_format": fmt_main,
         "comparison": comparison, "sensitivity": sensitivity, "skip": skip,
+        "per_step": per_step, "step_windows": window_rows, "tradeoff": tradeoff,
+        "target_psnr_db": options.target_psnr_db if options.target_psnr_db is not None else
+        {"fp8_e4m3": 35.0, "int8": 30.0}.get(fmt_main),
+        "linear_flops": {"total_per_call": linear_total, "quantized_fraction": frac(candidates)},
     }
 
 
@@ -245,3 +289,78 @@ def _skip_list(rows: Sequence[Mapping[str, Any]], max_skip: int) -> dict[str, An
         lines = ["quantization:", "  exclude: []   # no group stands out"]
     return {"rule": rule, "groups": [r["group"] for r in chosen], "patterns": patterns,
             "yaml": "\n".join(lines) + "\n"}
+
+
+def _step_windows(steps: int, parts: int = 4) -> list[tuple[int, int]]:
+    """Up to ``parts`` consecutive windows covering ``0 .. steps - 1`` (the last one ends the schedule)."""
+    n = min(parts, steps)
+    edges = [round(i * steps / n) for i in range(n + 1)]
+    return [(edges[i], edges[i + 1]) for i in range(n) if edges[i + 1] > edges[i]]
+
+
+def _window_timesteps(per_step: list[dict], lo: int, hi: int) -> list[float]:
+    """The timestep range ``[t(hi - 1), t(lo)]`` of steps ``lo .. hi - 1`` (timesteps fall over the schedule)."""
+    ts = {r["step"]: r["timestep"] for r in per_step}
+    return [round(ts[hi - 1], 3), round(ts[lo], 3)]
+
+
+class _counting_flops:
+    """Per-call FLOPs of every ``nn.Linear`` (``2 x tokens x in x out``), averaged over the calls seen."""
+
+    def __init__(self, model):
+        self.model, self.flops, self.calls, self.hooks = model, {}, {}, []
+
+    def __enter__(self) -> dict[str, float]:
+        for name, m in self.model.named_modules():
+            if isinstance(m, torch.nn.Linear):
+                self.hooks.append(m.register_forward_hook(self._hook(name)))
+        return self.flops
+
+    def _hook(self, name):
+        def h(mod, args, out):
+            n = self.calls.get(name, 0)
+            f = 2.0 * args[0].numel() * mod.out_features
+            self.flops[name] = (self.flops.get(name, 0.0) * n + f) / (n + 1)
+            self.calls[name] = n + 1
+        return h
+
+    def __exit__(self, *exc) -> None:
+        for h in self.hooks:
+            h.remove()
+
+
+def _per_step_view(adapter, model, feed, settings, amax, fmt, sites, stats, cache, model_dtype, count,
+                   rounded=None) -> list[dict]:
+    """One held-out trajectory with the fake-quantized model teacher-forced on the unquantized one's
+    inputs: per step the worst call's cosine / PSNR and the update's contribution estimate (dB)."""
+    from trt_sora.sampling import adapter_call
+    from trt_sora.trajectory import reference_with_candidate
+
+    noise, cond, uncond, _ = feed
+    state = {"quantized": False}
+    weight_amax = {s: stats.amax[f"{s}.weight"] for s in sites if f"{s}.weight" in stats.amax}
+    base = adapter_call(adapter, model)
+
+    def ref_call(f):
+        state["quantized"] = False
+        return base(f)
+
+    def cand_call(f):
+        state["quantized"] = True
+        try:
+            return base(f)
+        finally:
+            state["quantized"] = False
+
+    with fake_quantized(model, amax, fmt, sites=sites, weight_amax=weight_amax, cache_weights=cache,
+                        enabled=lambda: state["quantized"], weights=rounded):
+        run = reference_with_candidate(ref_call, cand_call, noise, cond.to(model_dtype), None if uncond is None
+                                       else uncond.to(model_dtype), scheduler=adapter.scheduler(settings.shift),
+                                       settings=settings, cfg="split", count=count)
+    rows = []
+    for st in run.steps:
+        calls = [c for c in run.calls if c["step"] == st["step"]]
+        rows.append({"step": st["step"], "timestep": st["timestep"], "sigma": st["sigma"],
+                     "sigma_next": st["sigma_next"], "call_cosine": min(c["cosine"] for c in calls),
+                     "call_psnr_db": min(c["psnr_db"] for c in calls), "contribution_db": st["contribution_db"]})
+    return rows

@@ -61,7 +61,9 @@ def _scalar_amax(site: str, a) -> torch.Tensor:
 def fake_quantized(model: torch.nn.Module, act_amax: Mapping[str, torch.Tensor | float],
                    fmt: QuantFormat | str, *, sites: Callable[[str], bool] | Iterable[str] | None = None,
                    weight_amax: Mapping[str, torch.Tensor] | None = None, quantize_weights: bool = True,
-                   cache_weights: bool = True, round_inputs: torch.dtype | None = None) -> Iterator[list[str]]:
+                   cache_weights: bool = True, round_inputs: torch.dtype | None = None,
+                   enabled: Callable[[], bool] | None = None,
+                   weights: Mapping[str, torch.Tensor] | None = None) -> Iterator[list[str]]:
     """Simulate FP8/INT8 Q/DQ on the selected linears of ``model`` while the context is open.
 
     Args:
@@ -80,6 +82,10 @@ def fake_quantized(model: torch.nn.Module, act_amax: Mapping[str, torch.Tensor |
             quantizing it, as a Q/DQ graph in that dtype holds its activations. The parity
             checker uses it to measure the rounding floor: how far an fp16 graph's FP8
             roundings may legitimately drift from an fp32 simulation.
+        weights: ``{site: W'}`` weights to quantize instead of the module's (GPTQ-rounded weights from
+            ``weights.safetensors``, already on the grid, so quantizing them is the identity).
+        enabled: ``enabled() -> bool`` asked on every call: False runs the unquantized linear
+            (e.g. the steps a step-aware recipe keeps unquantized, or teacher-forced comparisons).
 
     Yields:
         the list of quantized module paths (module order).
@@ -108,13 +114,16 @@ def fake_quantized(model: torch.nn.Module, act_amax: Mapping[str, torch.Tensor |
             a = _scalar_amax(name, act_amax[name]).to(mod.weight.device)
             w_fq = None
             w_a = None
+            w_src = None
             if quantize_weights:
                 w_a = None if weight_amax is None or name not in weight_amax else \
                     torch.as_tensor(weight_amax[name], dtype=torch.float32).reshape(-1).to(mod.weight.device)
-                if cache_weights:
-                    w_fq = _fq_weight(mod.weight, w_a, fmt)
+                if weights is not None and name in weights:
+                    w_src = weights[name].to(mod.weight.device, mod.weight.dtype)
+                if cache_weights or w_src is not None:
+                    w_fq = _fq_weight(mod.weight if w_src is None else w_src, w_a, fmt)
             patched.append((mod, mod.__dict__.get("forward")))
-            mod.forward = _make_forward(mod, a, fmt, quantize_weights, w_fq, w_a, round_inputs)
+            mod.forward = _make_forward(mod, a, fmt, quantize_weights, w_fq, w_a, round_inputs, enabled)
             names.append(name)
         log.debug("fake-quantizing %d linears in %s", len(names), fmt)
         yield names
@@ -135,8 +144,11 @@ def _fq_weight(w: torch.Tensor, w_amax: torch.Tensor | None, fmt: str) -> torch.
 
 
 def _make_forward(mod: torch.nn.Linear, amax: torch.Tensor, fmt: str, quantize_weights: bool,
-                  w_fq: torch.Tensor | None, w_amax: torch.Tensor | None, round_inputs: torch.dtype | None = None):
+                  w_fq: torch.Tensor | None, w_amax: torch.Tensor | None, round_inputs: torch.dtype | None = None,
+                  enabled: Callable[[], bool] | None = None):
     def forward(x: torch.Tensor) -> torch.Tensor:
+        if enabled is not None and not enabled():
+            return F.linear(x, mod.weight, mod.bias)
         if round_inputs is not None:
             x = x.to(round_inputs).to(x.dtype)
         xq = fake_quant(x, amax, fmt)

@@ -231,6 +231,59 @@ def comparison_table(evaluation: Mapping[str, Any]) -> list[str]:
     return lines
 
 
+def _per_step_section(evaluation: Mapping[str, Any], figs: Path) -> list[str]:
+    """Per-step sensitivity (teacher-forced calls, windows quantized alone) and the quality-vs-speed
+    table with the recommended recipe setting."""
+    per_step, windows, trade = (evaluation.get(k) for k in ("per_step", "step_windows", "tradeoff"))
+    if not per_step:
+        return []
+    L = ["## Per-step sensitivity", "",
+         "One held-out trajectory; at every call the fake-quantized model gets the unquantized model's inputs "
+         "(teacher forcing): the worst call's cosine / PSNR per step, and the error its update writes into the "
+         "latents (sigma step x velocity error, PSNR against the final latents' peak). Then each window of steps "
+         "quantized alone (the others unquantized): its share of the final error.", "",
+         "| step | t | sigma step | worst call cosine | worst call PSNR (dB) | update contribution (dB) |",
+         "|---|---|---|---|---|---|"]
+    for r in per_step:
+        L.append(f"| {r['step']} | {r['timestep']:.1f} | {r['sigma'] - r['sigma_next']:.4f} | {r['call_cosine']:.5f} | "
+                 f"{_f(r['call_psnr_db'], '.1f')} | {_f(r['contribution_db'], '.1f')} |")
+    if windows:
+        L += ["", "| steps quantized (others unquantized) | final cosine | final PSNR (dB) |", "|---|---|---|"]
+        L += [f"| {w['steps'][0]}-{w['steps'][1] - 1} | {w['cosine']:.6f} | {_f(w['psnr_db'], '.2f')} |"
+              for w in windows]
+    _per_step_figure(per_step, figs / "per_step.png")
+    L += ["", "![per-step](figures/per_step.png)", ""]
+    if trade:
+        L += ["## Quality vs speed", "",
+              "Final-latent PSNR against the unquantized model (same trajectories and peak as above) and the share "
+              "of the linear layers' FLOPs that still run quantized.", "",
+              "| option | quantized linear FLOPs | cosine | PSNR (dB) |", "|---|---|---|---|"]
+        L += [f"| {t['option']} | {100 * t['fp8_linear_flop_fraction']:.1f}% | {t['cosine']:.6f} | "
+              f"{_f(t['psnr_db'], '.2f')} |" for t in trade]
+        target = evaluation.get("target_psnr_db")
+        ok = [t for t in trade if target is not None and t["psnr_db"] >= target]
+        best = max(ok, key=lambda t: t["fp8_linear_flop_fraction"]) if ok else max(trade, key=lambda t: t["psnr_db"])
+        rec = best.get("recipe")
+        why = (f"the most quantized option at or above the {target:g} dB target" if ok else
+               f"no option reaches the {target:g} dB target; the best PSNR" if target is not None else "the best PSNR")
+        L += ["", f"Recommended: **{best['option']}**" + (f" (`{rec}`)" if rec else " (the recipe as it is)") +
+              f": {why}.", ""]
+    return L
+
+
+def _per_step_figure(rows, path: Path) -> None:
+    fig = _figure(7.0, 3.5)
+    ax = fig.add_subplot(1, 1, 1)
+    x = [r["step"] for r in rows]
+    ax.plot(x, [r["call_psnr_db"] for r in rows], "o-", label="worst call PSNR")
+    ax.plot(x, [r["contribution_db"] for r in rows], "s--", label="update contribution")
+    ax.set_xlabel("denoising step")
+    ax.set_ylabel("dB")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+
+
 def _steps_note(ev: dict) -> str:
     """Says so when the evaluation ran fewer steps than users sample (``calibration.eval_steps``)."""
     model = ev.get("model_num_steps")
@@ -309,6 +362,8 @@ def write_report(out_dir: str | Path, stats, evaluation: Mapping[str, Any] | Non
             L += [f"Checked: all {len(quantized)} quantized: cosine {a['cosine']:.6f}, PSNR "
                   f"{_f(a['psnr_db'], '.2f')} dB; with these exclusions ({skip['num_sites_kept']} quantized): "
                   f"cosine {b['cosine']:.6f}, PSNR {_f(b['psnr_db'], '.2f')} dB.", ""]
+
+        L += _per_step_section(evaluation, figs)
 
     if evaluation and evaluation.get("peer"):
         from trt_sora.calibrate.peer import report_section

@@ -33,6 +33,7 @@ trajectory order are fixed, and the observers are order-stable.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -75,6 +76,8 @@ class ReportOptions:
             ``None`` = off.
         peer_prompts, peer_steps: held-out prompts and steps of the peer comparison (``None`` steps =
             the model's default).
+        target_psnr_db: final-latent PSNR the quality-vs-speed recommendation aims for; ``None`` =
+            35 dB for FP8, 30 dB for INT8 (issue 13's goals against the unquantized model).
     """
 
     eval_prompts: int = 2
@@ -87,6 +90,7 @@ class ReportOptions:
     peer: str | None = None
     peer_prompts: int = 2
     peer_steps: int | None = None
+    target_psnr_db: float | None = None
 
     def __post_init__(self) -> None:
         if self.peer not in (None, "modelopt"):
@@ -211,6 +215,27 @@ def _negative_label(adapter, preset: CalibPreset) -> str:
     return "(zero embedding: the model's unconditional)" if neg is None else neg
 
 
+def _gptq_sites(model, config: CalibConfig, qfmt: QuantFormat, quant_config: QuantConfig | None) -> list[str]:
+    """The linears GPTQ rounds: the ones the quantize stage quantizes (none for nearest rounding or an
+    unquantized recipe)."""
+    if config.weight_rounding != "gptq" or qfmt is QuantFormat.NONE:
+        return []
+    from trt_sora.calibrate.fakequant_model import quantized_sites
+
+    return quantized_sites(model, quant_config or QuantConfig(format=qfmt))
+
+
+def _round_weights(modules, stats, hessians, sites, fmt: str, config: CalibConfig) -> dict:
+    """``{site: W'}``: each site's weight GPTQ-rounded onto its ``<site>.weight`` per-row grid."""
+    from trt_sora.calibrate.gptq import gptq_round
+
+    t0 = time.perf_counter()
+    out = {s: gptq_round(modules[s].weight, hessians.hessians[s], stats.amax[f"{s}.weight"], fmt,
+                         damp=config.gptq_damp).cpu() for s in sites if hessians.tokens[s]}
+    log.info("GPTQ-rounded %d weights (%s) in %.1f s", len(out), fmt, time.perf_counter() - t0)
+    return out
+
+
 def _resolve_preset(adapter, config: CalibConfig, preset) -> CalibPreset:
     if isinstance(preset, CalibPreset):
         return preset
@@ -218,15 +243,17 @@ def _resolve_preset(adapter, config: CalibConfig, preset) -> CalibPreset:
 
 
 def _collect(adapter, model, preset: CalibPreset, settings, plan, todo: range, *, encode, methods, okw, cfg: str,
-             model_dtype, timesteps: list, progress: Progress, total: int) -> dict:
-    """Run the trajectories ``plan[k] for k in todo`` with the observers installed; ``{site: SiteStats}``."""
+             model_dtype, timesteps: list, progress: Progress, total: int, hessians=None) -> dict:
+    """Run the trajectories ``plan[k] for k in todo`` with the observers installed; ``{site: SiteStats}``.
+    ``hessians``: a :class:`~trt_sora.calibrate.gptq.HessianHooks` open over the same forwards (GPTQ)."""
     from trt_sora.calibrate.hooks import CollectionHooks
     from trt_sora.sampling import CallInfo, adapter_call, sample
 
     model_device = next(model.parameters()).device
     done = 0
     progress("calibrate", 0, total)
-    with CollectionHooks(model, methods=methods, branches=settings.branches, observer_kwargs=okw) as hooks:
+    with CollectionHooks(model, methods=methods, branches=settings.branches, observer_kwargs=okw) as hooks, \
+            (hessians if hessians is not None else contextlib.nullcontext()):
         def on_call(call: CallInfo):
             nonlocal done
             if len(timesteps) <= call.step:
@@ -331,6 +358,7 @@ def calibrate(adapter, config: CalibConfig, out_dir, *, model=None, preset: Cali
         CalibrationError: missing or empty prompt set, NaN/inf activations (naming site, step,
             branch), a forward that changes the sample shape, a site that only saw zeros.
     """
+    from trt_sora.calibrate.gptq import WEIGHTS_FILE, HessianHooks, save_rounded_weights
     from trt_sora.calibrate.stats import StatsMetadata
     from trt_sora.config.base import to_dict
     from trt_sora.manifest import file_entry, staged_dir, write_manifest
@@ -361,6 +389,11 @@ def calibrate(adapter, config: CalibConfig, out_dir, *, model=None, preset: Cali
     calls = 1 if cfg == "batched" or not settings.uses_cfg else len(settings.branches)
     total = 0 if from_shards else len(todo) * settings.num_steps * calls
     timesteps: list[float] = []
+    gptq_sites = _gptq_sites(model, config, qfmt, quant_config)
+    if gptq_sites and (shard is not None or from_shards):
+        raise ConfigError("calibration.weight_rounding: gptq needs every trajectory's inputs in one process; "
+                          "calibrate without --shard/--from-shards (or --workers), or use weight_rounding: nearest")
+    hessians = HessianHooks(model, gptq_sites) if gptq_sites else None
     if from_shards:
         stats = _merged(from_shards, adapter, preset, settings, method)
         timesteps = list(stats.metadata.timesteps)
@@ -369,7 +402,8 @@ def calibrate(adapter, config: CalibConfig, out_dir, *, model=None, preset: Cali
                  "sampling: %s)", adapter.name, len(todo), len(plan), settings.num_steps, len(settings.branches),
                  preset.name, cfg, ", ".join(methods), sampling_note)
         sites = _collect(adapter, model, preset, settings, plan, todo, encode=encode, methods=methods, okw=okw,
-                         cfg=cfg, model_dtype=model_dtype, timesteps=timesteps, progress=progress, total=total)
+                         cfg=cfg, model_dtype=model_dtype, timesteps=timesteps, progress=progress, total=total,
+                         hessians=hessians)
         meta = StatsMetadata(
             method=method, num_samples=sum(plan[k][1].batch for k in todo),
             num_steps=settings.num_steps, timesteps=timesteps, branches=list(settings.branches),
@@ -386,9 +420,15 @@ def calibrate(adapter, config: CalibConfig, out_dir, *, model=None, preset: Cali
         stats = _reduce(model, sites, meta)
     t_collect = time.perf_counter() - t_start
 
+    rounded = _round_weights(dict(model.named_modules()), stats, hessians, gptq_sites, qfmt.value, config) \
+        if gptq_sites else None
+
     evaluation = None
     with staged_dir(out_dir) as tmp:
         stats_path = stats.save(tmp / "stats.safetensors")
+        if rounded is not None:
+            save_rounded_weights(tmp / WEIGHTS_FILE, rounded, {s: stats.amax[f"{s}.weight"] for s in rounded},
+                                 qfmt.value, {"method": "gptq", "damp": config.gptq_damp, "sites": len(rounded)})
         report_path = None
         if report:
             from trt_sora.calibrate import evaluate as ev
@@ -400,7 +440,8 @@ def calibrate(adapter, config: CalibConfig, out_dir, *, model=None, preset: Cali
             if qcfg.format is QuantFormat.NONE:  # an unquantized recipe: still show what FP8 would cost
                 qcfg = dataclasses.replace(qcfg, format=QuantFormat.FP8_E4M3)
             evaluation = ev.evaluate(adapter, model, stats, preset, qcfg, opts, encode=encode, settings=settings,
-                                     model_dtype=model_dtype, progress=progress)
+                                     model_dtype=model_dtype, progress=progress,
+                                     weights=(rounded, qfmt.value) if rounded else None)
             if opts.peer == "modelopt":
                 from trt_sora.calibrate.peer import modelopt_peer
 
@@ -421,6 +462,9 @@ def calibrate(adapter, config: CalibConfig, out_dir, *, model=None, preset: Cali
             if evaluation.get("peer"):
                 results["peer"] = evaluation["peer"]
         outputs = {"stats": "stats.safetensors"}
+        if rounded is not None:
+            outputs["weights"] = WEIGHTS_FILE
+            results["weight_rounding"] = {"method": "gptq", "format": qfmt.value, "sites": len(rounded)}
         if report_path is not None:
             outputs["report"] = "report.md"
         manifest = write_manifest(

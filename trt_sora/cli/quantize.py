@@ -8,6 +8,8 @@ def add_parser(sub) -> None:
     p.add_argument("--onnx", required=True, help="model.onnx from `trt-sora export`")
     p.add_argument("--stats", default=None, help="stats.safetensors from `trt-sora calibrate` "
                    "(not needed with quantization.format: none)")
+    p.add_argument("--weights", default=None, help="weights.safetensors from `trt-sora calibrate` with "
+                   "calibration.weight_rounding: gptq (the rounded weights replace the graph's)")
     p.add_argument("--recipe", required=True, help="recipe name (recipes/*.yaml) or path")
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--format", choices=["fp8_e4m3", "int8", "none"], default=None,
@@ -38,7 +40,7 @@ def run(args) -> int:
     if args.no_fused_qkv:
         cfg = dataclasses.replace(cfg, fused_qkv=False)
     with stage_line("quantize"):
-        res = quantize_onnx(args.onnx, args.stats, cfg, args.out)
+        res = quantize_onnx(args.onnx, args.stats, cfg, args.out, weights=args.weights)
     c = res.counts
     print(f"  {c['quantized_linears']}/{c['graph_linears']} GEMMs {cfg.format.value} "
           f"({c['fused_groups']} fused QKV/KV groups, {c['activation_quantizers']} activation quantizers), "

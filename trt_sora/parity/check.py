@@ -293,7 +293,8 @@ def check_artifacts(run_dir: str | Path, recipe, *, model=None, backend: str = "
     verify_run(run, arts, recipe)
 
     from trt_sora.parity.loop import loop_inputs, parity_sampling
-    from trt_sora.parity.trajectory import judge, measured_contribution, reference_with_candidate
+    from trt_sora.parity.trajectory import judge
+    from trt_sora.trajectory import measured_contribution, reference_with_candidate
     from trt_sora.runners import OrtRunner, TorchFakeQuantRunner, TorchRunner
     from trt_sora.sampling import runner_call, sample
 

@@ -84,6 +84,27 @@ def _fusable_projections(exp_model: dict) -> tuple:
     return tuple(adapter_for_manifest(exp_model).fusable_projections)
 
 
+def _use_rounded_weights(linears: dict, path) -> None:
+    """Replace each listed site's weight constant by its rounded value (deferred, in the constant's own
+    dtype and layout: ``[in, out]`` for MatMul, ``[out, in]`` for Gemm transB)."""
+    from trt_sora.calibrate.gptq import load_rounded_weights
+    from trt_sora.quantize import tensors
+
+    D = tensors.deferred_class()
+    for site, w in load_rounded_weights(path).items():
+        lin = linears.get(site)
+        if lin is None:
+            raise QuantizeError(f"rounded weight for {site!r} in {path} matches no linear of the graph; the weights "
+                                "file belongs to another model - recalibrate this one")
+        old = tensors.of(lin.weight)
+        arr = w.numpy().astype(np.float32)
+        arr = np.ascontiguousarray(arr.T if lin.weight_axis == 1 else arr)
+        if arr.shape != old.shape:
+            raise QuantizeError(f"rounded weight for {site!r} has shape {arr.shape}, the graph's is {old.shape}; "
+                                "recalibrate this model")
+        lin.weight.values = D(old.shape, old.dtype, lambda a=arr, dt=old.dtype: a.astype(dt), f"{site}.rounded")
+
+
 def _amax_scalar(site: str, a, what: str = "amax") -> float:
     t = np.asarray(a.detach().cpu().numpy() if hasattr(a, "detach") else a, dtype=np.float64)
     if t.size == 0 or not np.all(np.isfinite(t)):
@@ -97,7 +118,8 @@ def _amax_scalar(site: str, a, what: str = "amax") -> float:
 
 
 def quantize_onnx(onnx_path: str | os.PathLike, stats, config: QuantConfig, out_dir: str | os.PathLike, *,
-                  model_hash: str | None = None, head_dim: int | None = None) -> QuantResult:
+                  model_hash: str | None = None, head_dim: int | None = None,
+                  weights: str | os.PathLike | None = None) -> QuantResult:
     """Insert calibrated Q/DQ into an exported graph and convert its float type.
 
     Args:
@@ -111,6 +133,8 @@ def quantize_onnx(onnx_path: str | os.PathLike, stats, config: QuantConfig, out_
         model_hash: identity the stats must match; default: the export manifest's
             ``results.model.model_hash`` (``onnx_path``'s folder).
         head_dim: attention head size for ``fp8_attention``; default: the export manifest's model config.
+        weights: the calibration's ``weights.safetensors`` (GPTQ-rounded weights on the stats' own
+            per-channel grid): they replace the graph's weights of those sites before Q/DQ insertion.
 
     Graph I/O after conversion: ``hidden_states``, ``encoder_hidden_states`` and ``sample`` in
     ``config.graph_dtype``, ``timestep`` fp32 ([B]). Raises :class:`QuantizeError` (one line, with the fix).
@@ -172,6 +196,8 @@ def quantize_onnx(onnx_path: str | os.PathLike, stats, config: QuantConfig, out_
         raise QuantizeError(f"{onnx_path} has no matchable linear (MatMul/Gemm with a constant weight and a recorded "
                             "module scope); export it with trt_sora's dynamo exporter (trt-sora export)")
     attentions = find_attentions(graph, scopes)
+    if weights is not None:
+        _use_rounded_weights(linears, weights)
 
     decisions = {s: site_policy(s, config) for s in linears}
     if fmt is QuantFormat.NONE:
@@ -314,6 +340,8 @@ def quantize_onnx(onnx_path: str | os.PathLike, stats, config: QuantConfig, out_
         raise QuantizeError(f"the Q/DQ model is {size / 1e9:.1f} GB, over protobuf's 2 GB limit; set "
                             "quantization.external_data to auto or always")
     inputs = {"onnx": _input_entry(onnx_path, exp)}
+    if weights is not None:
+        inputs["weights"] = file_entry(weights)
     if stats_path is not None:
         inputs["stats"] = {"path": str(Path(stats_path).resolve()), "sha256": sha256_file(stats_path)}
     elif calib is not None:
@@ -329,7 +357,11 @@ def quantize_onnx(onnx_path: str | os.PathLike, stats, config: QuantConfig, out_
         except onnx.checker.ValidationError as exc:
             raise QuantizeError(f"onnx.checker rejected the Q/DQ graph ({str(exc).splitlines()[0]}); this is a "
                                 "trt_sora bug - please report it with the recipe") from None
-        write_json(tmp / MAP_NAME, {"format": fmt.value, "graph_dtype": gdt.value, "sites": entries})
+        qmap = {"format": fmt.value, "graph_dtype": gdt.value, "sites": entries}
+        if weights is not None:  # the runners that simulate this graph must use the same rounded weights
+            qmap["rounded_weights"] = {"path": os.path.relpath(Path(weights).resolve(), Path(out_dir).resolve()),
+                                       "sha256": inputs["weights"]["sha256"]}
+        write_json(tmp / MAP_NAME, qmap)
         outputs = {"onnx": QDQ_NAME, "qdq_map": MAP_NAME}
         if external:
             outputs["external_data"] = QDQ_NAME + ".data"

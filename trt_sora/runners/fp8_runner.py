@@ -163,6 +163,10 @@ class TorchFp8Runner(Runner):
         if missing:
             raise ArtifactError(f"qdq_map site {missing[0]!r} is not a module of {self.adapter.name}; the map belongs "
                                 "to another model - re-run `trt-sora quantize` on this model's export")
+        if self.qdq_map is not None:  # GPTQ-rounded weights the Q/DQ graph was built with, if any
+            from trt_sora.runners.torch_runner import read_qdq_map, use_rounded_weights
+
+            use_rounded_weights(model, read_qdq_map(self.qdq_map)[1])
         self.blocks = wan_fp8.prepare(model, self.plan, fused=self.mode == "fused", counters=self.counters)
         self.model = model
         self._fwd = self.adapter.export_module(model).eval()

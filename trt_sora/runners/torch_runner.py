@@ -142,6 +142,7 @@ def read_qdq_map(path_or_data) -> tuple[list[QdqSite], dict]:
         if not p.is_file():
             raise ArtifactError(f"{p} does not exist; re-run `trt-sora quantize` to write the Q/DQ map")
         data = json.loads(p.read_text())
+        data["_dir"] = str(p.resolve().parent)
     else:
         data = dict(path_or_data)
     entries = data.get("sites")
@@ -166,6 +167,41 @@ def read_qdq_map(path_or_data) -> tuple[list[QdqSite], dict]:
         raise QuantizeError("qdq_map.json lists no quantized linear; the Q/DQ graph quantized nothing "
                             "(check quantization.include/exclude)")
     return sites, data
+
+
+def map_rounded_weights(qdq_meta: dict) -> dict | None:
+    """``{site: W'}``: the GPTQ-rounded weights the Q/DQ graph was built with (``qdq_map.json``'s
+    ``rounded_weights``, a path relative to the map, checked by sha256), or None (nearest rounding)."""
+    ref = qdq_meta.get("rounded_weights")
+    if not ref:
+        return None
+    from trt_sora.calibrate.gptq import load_rounded_weights
+    from trt_sora.manifest import sha256_file
+
+    path = Path(ref["path"])
+    if not path.is_absolute():
+        path = Path(qdq_meta.get("_dir", ".")) / path
+    if not path.is_file() or sha256_file(path) != ref.get("sha256"):
+        raise ArtifactError(f"the Q/DQ graph was built with rounded weights {path} but that file is "
+                            f"{'missing' if not path.is_file() else 'changed'}; re-run `trt-sora quantize` with "
+                            "the calibration's weights.safetensors")
+    return load_rounded_weights(path)
+
+
+def use_rounded_weights(model, qdq_meta: dict) -> int:
+    """Copy the map's rounded weights (:func:`map_rounded_weights`) into ``model``'s linears, in place
+    (backends that quantize the module's own weight, e.g. the torch-fp8 one); returns how many."""
+    import torch
+
+    rounded = map_rounded_weights(qdq_meta) or {}
+    mods = dict(model.named_modules())
+    with torch.no_grad():
+        for site, w in rounded.items():
+            if site not in mods:
+                raise ArtifactError(f"rounded weight {site!r} is not a module of the model; the Q/DQ map belongs to "
+                                    "another model - re-run `trt-sora quantize` on this model's export")
+            mods[site].weight.copy_(w.to(mods[site].weight.device, mods[site].weight.dtype))
+    return len(rounded)
 
 
 def _stats_amax(stats, site: str):
@@ -260,10 +296,11 @@ class TorchFakeQuantRunner(TorchRunner):
             if w_amax is not None:
                 wam[s.module] = w_amax
         # the same fake-quant model the calibration report evaluates (one implementation of the math)
+        rounded = map_rounded_weights(self.qdq_meta)
         self._stack = contextlib.ExitStack()
         for fmt, (act, wam) in by_format.items():
             self._stack.enter_context(fake_quantized(
-                self.model, act, fmt, weight_amax=wam or None,
+                self.model, act, fmt, weight_amax=wam or None, weights=rounded,
                 round_inputs=torch_dtype(self.round_inputs) if self.round_inputs else None))
         log.info("%s: simulating Q/DQ at %d sites", self.name, len(self.sites))
 
