@@ -8,6 +8,7 @@
 # Parts: tests (pytest -m gpu), attention (kernel vs cuDNN/flash), quality (wan-shapes clips),
 # check (trt-sora check --backend torch-fp8 on the wan-shapes run folder),
 # m13 / m14 (one transformer call, 480p x 81, batch 1: eager, compile, the torch-fp8 ladder),
+# calib13 / calib14 (calibration observer overhead),
 # m14b2 (14B batch 2), m14_720 (14B 720p batch 1), prof14 (profiler of the 14B fp8 call).
 set -u
 OUT=${OUT:-/tmp/out}
@@ -33,7 +34,9 @@ part() {  # name, limit_s, command...
 
 for p in "$@"; do
   case $p in
-    tests) part tests 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels tests/runtime/test_torch_fp8.py tests/models/test_wan.py ;;
+    tests) part tests 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels tests/runtime/test_torch_fp8.py tests/models/test_wan.py tests/calibrate/test_shards.py ;;
+    calib13) part calib13 200 bash -c "python3 benchmarks/calib_overhead.py --model wan2.1-t2v-1.3b --cfg split --out $OUT/calib13_split.json && python3 benchmarks/calib_overhead.py --model wan2.1-t2v-1.3b --cfg batched --out $OUT/calib13_batched.json" ;;
+    calib14) part calib14 360 python3 benchmarks/calib_overhead.py --model wan2.1-t2v-14b --cfg batched --reps 3 --out "$OUT/calib14_batched.json" ;;
     attention) part attention 240 python3 benchmarks/fp8_bench.py --parts attention --out "$OUT/attention.json" ;;
     quality) part quality 240 python3 benchmarks/fp8_quality.py --run "$RUN" \
                --prompts build/wan_shapes_heldout.safetensors --num 16 --out "$OUT/quality.json" ;;
@@ -42,7 +45,7 @@ for p in "$@"; do
     m13) part m13 300 python3 benchmarks/fp8_bench.py --parts models --models wan2.1-t2v-1.3b --batches 1 \
            --out "$OUT/m13.json" ;;
     m14) part m14 540 python3 benchmarks/fp8_bench.py --parts models --models wan2.1-t2v-14b --batches 1 \
-           --out "$OUT/m14.json" ;;
+           --rungs "${M14_RUNGS:-compile_bf16,fp8_gemm,fp8_fused,fp8_fused_attn8,fp8_fused_attn8_graph}" --out "$OUT/m14.json" ;;
     m14b2) part m14b2 540 python3 benchmarks/fp8_bench.py --parts models --models wan2.1-t2v-14b --batches 2 \
              --iters 10 --rungs fp8_fused_attn8_graph --out "$OUT/m14b2.json" ;;
     m14_720) part m14_720 540 python3 benchmarks/fp8_bench.py --parts models --models wan2.1-t2v-14b --sizes 720p \

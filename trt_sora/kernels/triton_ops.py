@@ -332,26 +332,43 @@ def qkv_rmsnorm_rope(qkv, wq, wk, cos, sin, heads: int, eps: float = 1e-6, *, fp
 
 # -- 8-bit flash attention ----------------------------------------------------------------------------------
 def _attn_configs():
-    """Query tile x warps x pipeline depth. A 64-row tile on one warpgroup needs about half the
+    """Query tile x warps x pipeline depth x PIPE. A 64-row tile on one warpgroup needs about half the
     registers of a 128-row tile on two, so two or three CTAs share an SM and one's softmax
     (special-function unit) runs while another's tensor-core products do: the overlap that
-    FA3 gets from ping-pong scheduling.
-    Every config computes bit-identical results (same key tiles, same per-row arithmetic), so
-    the choice never changes numbers. (An exponential in packed f16 pairs, ``ex2.approx.f16x2``,
-    measured 4% slower on the H200: the f32 -> f16 conversions cost what the halved EX2 saves.)"""
-    return [triton.Config({"BLOCK_M": bm}, num_warps=w, num_stages=st)
-            for bm, w in ((128, 8), (64, 4)) for st in (2, 3)]
+    FA3 gets from ping-pong scheduling. PIPE issues the next key tile's Q K^T before this tile's
+    softmax (FA3's intra-warpgroup overlap, by source order; loop-carried, so the wgmma runs
+    while the CUDA cores do the softmax).
+    Every config computes bit-identical results (same key tiles, same per-row arithmetic in the
+    same order), so the choice never changes numbers. (An exponential in packed f16 pairs,
+    ``ex2.approx.f16x2``, measured 4% slower on the H200: the f32 -> f16 conversions cost what the
+    halved EX2 saves.)"""
+    return [triton.Config({"BLOCK_M": bm, "PIPE": pipe}, num_warps=w, num_stages=st)
+            for bm, w in ((128, 8), (64, 4)) for st in (2, 3) for pipe in (False, True)]
+
+
+@triton.jit
+def _attn_tile(qk_i32, c, m_i, l_i, acc, vt):
+    """One full key tile: online softmax of ``qk_i32 * c`` (log2 domain) and ``acc += P V``.
+    int32 -> fp32 by the magic-number add (exact, |acc| < 2**22 for D <= 256; no I2F on the
+    special-function unit); its offset 1.5 * 2**23 is folded into the one FMA to the log2 domain,
+    then EX2, row max / sum, FP8 pack of 448 * p."""
+    LOG2_448: tl.constexpr = 8.807354922057604
+    raw = (qk_i32 + 0x4B400000).to(tl.float32, bitcast=True)  # = qk + 12582912, exactly
+    m_new = tl.maximum(m_i, (tl.max(raw, 1) - 12582912.0) * c)
+    p = tl.math.exp2(raw * c - (12582912.0 * c + m_new - LOG2_448)[:, None])  # 448 * softmax numerator
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = tl.dot(p.to(tl.float8e4nv), tl.trans(vt), acc * alpha[:, None])
+    return m_new, l_i, acc
 
 
 @triton.autotune(configs=_attn_configs(), key=["D", "S_LOG2"])
 @triton.jit
 def _attn_fp8_kernel(Q8, QS, K8, KS, VT8, VS, O, OSC, S, S_pad, H, nblk, qk_scale, S_LOG2,
-                     D: tl.constexpr, OUT_FP8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
+                     D: tl.constexpr, OUT_FP8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+                     PIPE: tl.constexpr):
     """One (query tile of BLOCK_M rows, batch x head); key tiles of BLOCK_N = the scale block, so
-    each K tile has one scale and each query tile lies inside one Q scale block. Per element of a
-    QK^T tile: int32 -> fp32 by the magic-number add (exact, |acc| < 2**22 for D <= 256; no I2F on
-    the special-function unit), one FMA to the log2 domain with the tile's scalar scale, EX2, row
-    max / sum, FP8 pack of 448 * p."""
+    each K tile has one scale and each query tile lies inside one Q scale block."""
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -368,27 +385,32 @@ def _attn_fp8_kernel(Q8, QS, K8, KS, VT8, VS, O, OSC, S, S_pad, H, nblk, qk_scal
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)  # running max in the log2 domain (finite: no inf - inf)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
-    LOG2_448: tl.constexpr = 8.807354922057604
     n_full = S // BLOCK_N
-    for j in range(0, n_full):
-        k = tl.load(kp + j * BLOCK_N * D)
-        c = qsc * tl.load(KS + bh * nblk + j)
-        qk = (tl.dot(q, tl.trans(k)) + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
-        m_new = tl.maximum(m_i, tl.max(qk, 1) * c)
-        p = tl.math.exp2(qk * c - (m_new - LOG2_448)[:, None])  # 448 * softmax numerator
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        vt = tl.load(vp + j * BLOCK_N)
-        acc = tl.dot(p.to(tl.float8e4nv), tl.trans(vt), acc * alpha[:, None])
-        m_i = m_new
+    if PIPE:  # tile j+1's Q K^T in flight during tile j's softmax; the tile after the last full one is masked
+        qk = tl.dot(q, tl.trans(tl.load(kp, mask=(offs_n < S)[:, None], other=0)))
+        for j in range(0, n_full):
+            nxt = (j + 1) * BLOCK_N
+            qk_next = tl.dot(q, tl.trans(tl.load(kp + nxt * D, mask=(nxt + offs_n < S)[:, None], other=0)))
+            m_i, l_i, acc = _attn_tile(qk, qsc * tl.load(KS + bh * nblk + j), m_i, l_i, acc,
+                                       tl.load(vp + j * BLOCK_N))
+            qk = qk_next
+    else:
+        for j in range(0, n_full):
+            qk = tl.dot(q, tl.trans(tl.load(kp + j * BLOCK_N * D)))
+            m_i, l_i, acc = _attn_tile(qk, qsc * tl.load(KS + bh * nblk + j), m_i, l_i, acc,
+                                       tl.load(vp + j * BLOCK_N))
     if n_full * BLOCK_N < S:  # the ragged last block: keys past S are masked out of the softmax
+        LOG2_448: tl.constexpr = 8.807354922057604
         nm = (n_full * BLOCK_N + offs_n) < S
-        k = tl.load(kp + n_full * BLOCK_N * D, mask=nm[:, None], other=0)
+        if PIPE:
+            qk_last = qk
+        else:
+            qk_last = tl.dot(q, tl.trans(tl.load(kp + n_full * BLOCK_N * D, mask=nm[:, None], other=0)))
         c = qsc * tl.load(KS + bh * nblk + n_full)
-        qk = (tl.dot(q, tl.trans(k)) + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
-        qk = tl.where(nm[None, :], qk * c, -1.0e30)
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        p = tl.math.exp2(qk - (m_new - LOG2_448)[:, None])
+        sc = (qk_last + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
+        sc = tl.where(nm[None, :], sc * c, -1.0e30)
+        m_new = tl.maximum(m_i, tl.max(sc, 1))
+        p = tl.math.exp2(sc - (m_new - LOG2_448)[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         vt = tl.load(vp + n_full * BLOCK_N, mask=nm[None, :], other=0.0)
