@@ -4,7 +4,9 @@
     python benchmarks/runtime_bench.py --device cpu --model wan-tiny --iters 5   # CI smoke
 
 Builds a run folder (export + parity check) when --run is not given, then measures the backends
-torch (bf16 on GPU / fp32 on CPU, eager and optionally torch.compile) and ort (CPU provider).
+torch (bf16 on GPU / fp32 on CPU, eager and optionally torch.compile) and ort: its CPU provider and,
+with --device cuda, its CUDA provider (onnxruntime-gpu, the `ort-gpu` extra; without it that row records
+the error instead of ORT's silent CPU fallback), each row with the providers the session really used.
 Prints JSON to stdout and writes it to $OUT/runtime_bench.json when $OUT is set.
 """
 from __future__ import annotations
@@ -121,13 +123,17 @@ def main(argv=None) -> int:
                 variants.append(("torch-compile-" + dtype_name,
                                  dict(backend="torch", device=args.device, dtype=dtype_name, compile=True)))
         elif b == "ort":
-            variants.append(("ort-cpu", dict(backend="ort")))
+            variants.append(("ort-cpu", dict(backend="ort", device="cpu")))
+            if args.device.startswith("cuda"):
+                variants.append(("ort-cuda", dict(backend="ort", device=args.device)))
     for name, kw in variants:
         try:
             r = rt.load(run, concurrency=args.threads, force=True, **kw)
-            dev = kw.get("device", "cpu")
+            dev = kw.get("device", "cpu") if kw["backend"] != "ort" else "cpu"  # ORT is fed host arrays
             dt = torch_dtype(kw.get("dtype", "fp32"))
             results["backends"][name] = measure(r, dev, dt, args.iters, args.threads)
+            if kw["backend"] == "ort":
+                results["backends"][name]["providers"] = r._runners[0].providers_in_use
             r.close()
         except Exception as exc:  # one backend failing must not lose the others' numbers
             results["backends"][name] = {"error": f"{type(exc).__name__}: {exc}"}

@@ -125,3 +125,36 @@ def test_batched_cfg_allowed_by_bucket(checked_run):
 
     r = rt.load(checked_run, backend="ort", warmup=False)
     assert r.allows_batched_cfg(1) and not r.allows_batched_cfg(2)
+
+
+def test_ort_device_picks_the_provider(checked_run):
+    """``device`` pins ONNX Runtime's provider: ``cpu`` runs on the CPU provider only; ``cuda`` without a working
+    CUDA provider is a typed error naming the fix, not ORT's silent fallback to CPU; an unknown device is refused."""
+    import onnxruntime as ort
+
+    import trt_sora.runtime as rt
+    from trt_sora.errors import BackendMissingError, ConfigError
+
+    r = rt.load(checked_run, backend="ort", device="cpu")
+    assert r._runners[0].providers_in_use == ["CPUExecutionProvider"]
+    assert r.infer(_feeds())["sample"].shape == (2, 16, 3, 4, 6)
+    with pytest.raises(ConfigError, match="cuda:N"):
+        rt.load(checked_run, backend="ort", device="gpu0")
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        with pytest.raises(BackendMissingError, match=r"trt_sora\[ort-gpu\]"):
+            rt.load(checked_run, backend="ort", device="cuda")
+
+
+@pytest.mark.gpu
+def test_ort_cuda_matches_cpu(checked_run):
+    """onnxruntime-gpu: the CUDA provider runs the checked graph and agrees with the CPU provider."""
+    import onnxruntime as ort
+
+    import trt_sora.runtime as rt
+
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        pytest.skip("onnxruntime-gpu is not installed (pip install 'trt_sora[ort-gpu]')")
+    gpu, cpu = rt.load(checked_run, backend="ort", device="cuda"), rt.load(checked_run, backend="ort", device="cpu")
+    assert gpu._runners[0].providers_in_use[0] == "CUDAExecutionProvider"
+    a, b = gpu.infer(_feeds())["sample"], cpu.infer(_feeds())["sample"]
+    assert np.linalg.norm(a - b) / np.linalg.norm(b) < 1e-3

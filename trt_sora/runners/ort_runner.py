@@ -8,7 +8,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from trt_sora.errors import ArtifactError
+from trt_sora.errors import ArtifactError, BackendMissingError, ConfigError
 from trt_sora.runners.base import Runner, is_torch, to_numpy
 
 log = logging.getLogger("trt_sora")
@@ -41,12 +41,29 @@ def _ensure_outputs(model, names: Sequence[str]) -> list[str]:
     return added
 
 
+def providers_for(device: str | None) -> list | None:
+    """ONNX Runtime execution providers for a torch-style ``device``: ``None`` = CUDA first when available,
+    else CPU; ``"cpu"`` = CPU only; ``"cuda"`` / ``"cuda:N"`` = CUDA device N (CPU for the ops it lacks),
+    which :class:`OrtRunner` then requires to be in use."""
+    if device is None:
+        return None
+    d = str(device)
+    if d == "cpu":
+        return ["CPUExecutionProvider"]
+    if d == "cuda" or (d.startswith("cuda:") and d[5:].isdigit()):
+        return [("CUDAExecutionProvider", {"device_id": int(d[5:] or 0)}), "CPUExecutionProvider"]
+    raise ConfigError(f"device {device!r} for ONNX Runtime; use cpu, cuda or cuda:N")
+
+
 class OrtRunner(Runner):
     """ONNX Runtime session on ``onnx_path`` (plain export or ``model.qdq.onnx``).
 
     Args:
         onnx_path: the ``.onnx`` file (external data beside it is found automatically).
-        providers: ORT providers; default CUDA first when available, else CPU.
+        providers: ORT providers (:func:`providers_for` maps a device); default CUDA first when available,
+            else CPU. When CUDA is asked for first, a session that fell back to CPU (ORT does that
+            silently: no onnxruntime-gpu, or its CUDA / cuDNN libraries did not load) raises
+            BackendMissingError.
         threads: intra-op threads (None: ORT's default).
         probe_source: an ONNX with the exporter's scope metadata (the plain export) used to map
             probe names to tensor names when ``onnx_path`` lost that metadata (Q/DQ rewrite).
@@ -86,10 +103,24 @@ class OrtRunner(Runner):
             msg = " ".join(str(exc).split())[:200]
             raise ArtifactError(f"ONNX Runtime cannot load {self.path} ({type(exc).__name__}: {msg}); the file is "
                                 "corrupt or incomplete - re-run the stage that wrote it") from None
+        self._require_cuda_if_asked()
         self._in_types = {i.name: _ORT_TO_NP.get(i.type, "float32") for i in self.session.get_inputs()}
         self.input_names = tuple(i.name for i in self.session.get_inputs())
         self.output_names = tuple(o.name for o in self.session.get_outputs())
         log.debug("%s: providers %s", self.name, self.session.get_providers())
+
+    def _require_cuda_if_asked(self) -> None:
+        first = (self.providers or [None])[0]
+        if (first[0] if isinstance(first, tuple) else first) != "CUDAExecutionProvider":
+            return
+        if "CUDAExecutionProvider" not in self.session.get_providers():
+            import onnxruntime as ort
+
+            self.session = None
+            raise BackendMissingError(
+                f"ONNX Runtime {ort.__version__} runs {self.path.name} on {ort.get_available_providers()} only, not "
+                "CUDA: install the GPU build in place of the CPU one (pip uninstall onnxruntime; pip install "
+                "'trt_sora[ort-gpu]') with the CUDA and cuDNN libraries it was built for, or use device='cpu'")
 
     def _deactivate_impl(self) -> None:
         self.session = None

@@ -407,7 +407,9 @@ def load(artifact_dir, backend: str = "auto", *, force: bool = False, concurrenc
             every such problem is logged as a WARNING (``LOADING UNVERIFIED ARTIFACT``).
         concurrency: pooled runners (TensorRT execution contexts / ORT sessions / torch replicas
             share one model) = concurrent callers served at once; more callers wait.
-        device: torch backends' device (default ``cuda`` when available else ``cpu``); trt: ``cuda:N``.
+        device: torch backends' device (default ``cuda`` when available else ``cpu``); trt: ``cuda:N``;
+            ort: ``cpu`` (CPU provider only), ``cuda[:N]`` (the CUDA provider of onnxruntime-gpu, required),
+            default CUDA when onnxruntime-gpu has it, else CPU.
         dtype: torch backend compute dtype (``fp32``/``bf16``/``fp16``).
         warmup: run every bucket once at load (timings in ``warmup_seconds``).
         compile: torch backend: ``torch.compile`` the forward.
@@ -521,11 +523,12 @@ def _make_runners(run: Path, backend: str, files, rep, family, *, concurrency, d
         return [TorchFp8Runner(family, qmap, stats, device=device or "cuda",
                                attention=AttentionPolicy.from_dict(ran.get("attention_policy"))).activate()]
     if backend == "ort":
-        from trt_sora.runners.ort_runner import OrtRunner
+        from trt_sora.runners.ort_runner import OrtRunner, providers_for
 
         qdq = run / "quant" / "model.qdq.onnx"
         onnx = _candidate_path(run, files, ".onnx", qdq if qdq.is_file() else run / "export" / "model.onnx")
-        return [OrtRunner(onnx, threads=threads).activate()]  # ORT's run() is thread-safe: share it
+        # ORT's run() is thread-safe: share one session
+        return [OrtRunner(onnx, threads=threads, providers=providers_for(device)).activate()]
     from trt_sora.runners.torch_runner import TorchRunner
 
     adapter = family
