@@ -14,6 +14,10 @@ def add_runtime_args(p) -> None:
     p.add_argument("--force", action="store_true", help="load even when the parity report is missing or failed")
     p.add_argument("--text-encoder", default=None, help="override the recorded text encoder (hash, minilm, a "
                    ".safetensors embedding file, a pipeline folder)")
+    p.add_argument("--parallel", default=None, metavar="cfg=2,ulysses=U",
+                   help="split every call over the processes of a torchrun job (CFG-parallel x Ulysses sequence "
+                        "parallel; torch / torch-fp8 backends): torchrun --nproc-per-node 4 -m trt_sora ... "
+                        "--parallel cfg=2,ulysses=2. Rank 0 does the work of the command, the others follow it")
 
 
 def add_sampling_args(p) -> None:
@@ -49,9 +53,48 @@ def add_parser(sub) -> None:
 
 
 def load_runner(args):
+    """The run folder's runner; with ``--parallel``, ranks != 0 follow rank 0's calls and exit here."""
     import trt_sora.runtime as rt
 
-    return rt.load(args.run, backend=args.backend, force=args.force, device=args.device, threads=args.threads)
+    parallel = _parallel(args)
+    runner = rt.load(args.run, backend=args.backend, force=args.force, device=args.device, threads=args.threads,
+                     parallel=parallel)
+    if parallel is not None:
+        import atexit
+
+        import torch.distributed as dist
+
+        if dist.get_rank() != 0:
+            runner.follow()
+            raise SystemExit(0)
+        atexit.register(runner.close)  # releases the followers however rank 0's command ends
+    return runner
+
+
+def _parallel(args):
+    import os
+
+    if not getattr(args, "parallel", None):
+        return None
+    from trt_sora.errors import ConfigError
+    from trt_sora.parallel import ParallelConfig, init_process_group
+
+    config = ParallelConfig.parse(args.parallel)
+    if "RANK" not in os.environ:
+        raise ConfigError(f"--parallel {args.parallel} needs a torchrun job: torchrun --nproc-per-node "
+                          f"{config.world_size} -m trt_sora {' '.join(_argv())}")
+    init_process_group(args.device or ("cuda" if _has_cuda() else "cpu"))
+    return config
+
+
+def _argv() -> list:
+    return sys.argv[1:] if sys.argv and sys.argv[0].endswith(("trt-sora", "__main__.py")) else ["..."]
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def outputs_for(out: str, n: int) -> list:

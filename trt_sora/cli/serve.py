@@ -45,9 +45,24 @@ def run(args) -> int:
     http = HttpConfig(host=args.host, port=args.port, drain_timeout_s=args.drain_timeout,
                       drain_grace_s=args.drain_grace, log_level=args.log_level)
 
+    from trt_sora.cli.generate import _parallel
+
+    parallel = _parallel(args)
+    if parallel is not None:
+        import torch.distributed as dist
+
+        if dist.get_rank() != 0:  # followers: compute rank 0's calls, no HTTP
+            rt.load(args.run, backend=args.backend, force=args.force, device=args.device, parallel=parallel).follow()
+            return 0
+
     def load():
-        return rt.load(args.run, backend=args.backend, force=args.force, device=args.device, threads=args.threads,
-                       concurrency=args.workers)
+        runner = rt.load(args.run, backend=args.backend, force=args.force, device=args.device, threads=args.threads,
+                         concurrency=args.workers, parallel=parallel)
+        if parallel is not None:
+            import atexit
+
+            atexit.register(runner.close)  # releases the followers however the server stops
+        return runner
 
     print(f"serving {args.run} on http://{args.host}:{args.port} (ready when /readyz answers 200)", flush=True)
     return serve(load, config, http, text_encoder=args.text_encoder)
