@@ -2,7 +2,7 @@
 processes against the same call on one, in one torchrun job (the benchmark of issue #18).
 
     torchrun --nproc-per-node 2 benchmarks/parallel_bench.py --model wan2.1-t2v-14b --size 480p \
-        --parallel cfg=2 --parallel ulysses=2 --backend torch --out results.json
+        --parallel cfg=2 --parallel ulysses=2 --out results.json
     torchrun --nproc-per-node 2 benchmarks/parallel_bench.py --model wan-tiny --device cpu   # CPU smoke run
 
 Rank 0 first times the call alone (the other ranks wait), then every ``--parallel`` layout whose
