@@ -4,8 +4,10 @@ its largest process), the load average while it ran, free memory and disk before
 
     python benchmarks/measure.py --out results/x.json [--limit-gb 18] [--label L] -- trt-sora export ...
 
-``--trace S``: also keep the tree's RSS every S seconds (where the memory went). ``--limit-gb``: kill the tree when its summed RSS passes this (a shared machine must not swap or OOM);
-the record then says ``killed_at_limit: true`` and how far it got. Exits with the command's code.
+``--trace S``: also keep the tree's RSS every S seconds (where the memory went). ``--limit-gb``: kill
+the tree when its summed RSS passes this; ``--min-available-gb``: kill it when the machine's available
+memory falls below this (a shared machine must not swap or OOM). The record then says which limit
+killed it (``killed_at_limit``) and the tree's RSS at that moment. Exits with the command's code.
 """
 from __future__ import annotations
 
@@ -55,6 +57,8 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--label", default="")
     ap.add_argument("--limit-gb", type=float, default=None)
+    ap.add_argument("--min-available-gb", type=float, default=None,
+                    help="kill the tree when the machine's MemAvailable falls below this (shared machines)")
     ap.add_argument("--disk", default=".", help="filesystem whose free space to record")
     ap.add_argument("--trace", type=float, default=0.0, help="record (seconds, tree RSS GB) every this many seconds")
     ap.add_argument("cmd", nargs=argparse.REMAINDER)
@@ -71,15 +75,17 @@ def main() -> int:
             trace.append((round(time.time() - t0, 1), round(rss / GB, 2)))
         loads.append(os.getloadavg()[0])
         min_disk = min(min_disk, shutil.disk_usage(args.disk).free / GB)
-        if args.limit_gb and rss > args.limit_gb * GB:
+        low = args.min_available_gb and _mem_available() < args.min_available_gb * GB
+        if (args.limit_gb and rss > args.limit_gb * GB) or low:
             os.killpg(proc.pid, signal.SIGKILL)
-            killed = True
+            killed = "machine_mem_available_below_min" if low else "tree_rss_over_limit"
             break
         time.sleep(0.5)
     rc = proc.wait()
     wall = time.time() - t0
     ru = resource.getrusage(resource.RUSAGE_CHILDREN)
     rec = {"label": args.label, "cmd": cmd, "rc": rc, "killed_at_limit": killed, "limit_gb": args.limit_gb,
+           "min_available_gb": args.min_available_gb, "rss_at_kill_gb": round(rss / GB, 2) if killed else None,
            "wall_s": round(wall, 1), "cpu_user_s": round(ru.ru_utime, 1), "cpu_sys_s": round(ru.ru_stime, 1),
            "cpu_percent": round(100 * (ru.ru_utime + ru.ru_stime) / max(wall, 1e-9), 1),
            "peak_tree_rss_gb": round(peak / GB, 2), "max_rss_largest_process_gb": round(ru.ru_maxrss * 1024 / GB, 2),
