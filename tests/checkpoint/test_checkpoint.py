@@ -260,3 +260,36 @@ def test_cli_and_layout(calib_dirs, tmp_path):
     man = json.loads((out / "manifest.json").read_text())
     assert man["stage"] == "checkpoint" and man["results"]["counts"]["quantized_linears"] == 20
     assert man["inputs"]["stats"]["sha256"]
+
+
+def test_gptq_rounded_weights(tmp_path, tiny_adapter, tiny_model):
+    """A GPTQ calibration's rounded weights go into the INT8 checkpoint exactly (the codes and per-channel scales of
+    its weights.safetensors), ModelOpt's export of the model holding those weights is bit-identical, and they are not
+    nearest rounding; FP8 checkpoints (per-tensor weight scales) cannot hold them: a typed error unless nearest
+    rounding is asked for."""
+    pytest.importorskip("modelopt")
+    from safetensors import safe_open
+
+    from trt_sora.calibrate.run import calibrate
+    from trt_sora.checkpoint import modelopt_interop as mi
+
+    cal = calibrate(tiny_adapter, CalibConfig(method="minmax", weight_rounding="gptq", num_steps=2), tmp_path / "calib",
+                    model=tiny_model, preset="tiny", quant_format="int8", report=False)
+    cfg = QuantConfig(format=QuantFormat.INT8)
+    res = export_checkpoint(cal.stats_path, cfg, tmp_path / "gptq", dtype="fp16", verify=True)
+    assert res.manifest["results"]["weight_rounding"] == "gptq" and res.manifest["results"]["modelopt_match"]["equal"]
+    assert res.manifest["inputs"]["weights"]["sha256"]
+    near = export_checkpoint(cal.stats_path, cfg, tmp_path / "nearest", dtype="fp16", weights=False)
+    assert near.manifest["results"]["weight_rounding"] == "nearest"
+    (_, got), (_, nearest) = mi.read_checkpoint(tmp_path / "gptq"), mi.read_checkpoint(tmp_path / "nearest")
+    with safe_open(str(tmp_path / "calib" / "weights.safetensors"), "pt") as f:
+        sites = [k[:-len(".codes")] for k in f.keys() if k.endswith(".codes")]
+        assert len(sites) == res.manifest["results"]["counts"]["quantized_linears"] == 20
+        for s in sites:
+            assert torch.equal(got[f"{s}.weight"], f.get_tensor(f"{s}.codes")), s
+            assert torch.equal(got[f"{s}.weight_scale"], f.get_tensor(f"{s}.scale")), s
+    changed = sum(int((got[f"{s}.weight"] != nearest[f"{s}.weight"]).sum()) for s in sites)
+    assert changed > 0.01 * sum(got[f"{s}.weight"].numel() for s in sites)
+    with pytest.raises(QuantizeError, match="nearest-weights"):
+        export_checkpoint(cal.stats_path, QuantConfig(), tmp_path / "fp8")
+    assert not (tmp_path / "fp8").exists()

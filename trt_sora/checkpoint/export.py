@@ -131,8 +131,49 @@ def _model_from_stats(stats_path: Path | None, model):
     return adapter_for_manifest(entry)
 
 
+def _rounded_weights(stats_path: Path | None, weights, fmt: QuantFormat):
+    """``(path, {site: W' fp32 [out, in]})`` of the calibration's GPTQ-rounded weights, or ``(None, None)``.
+
+    ``weights``: ``None`` = the file the calibration folder's manifest lists (``outputs.weights``), if any;
+    ``False`` = none (round the original weights to nearest, as ModelOpt's export does); a path = that file.
+    """
+    from safetensors import safe_open
+
+    if weights is False:
+        return None, None
+    if weights is None:
+        if stats_path is None or not (stats_path.parent / "manifest.json").is_file():
+            return None, None
+        name = read_manifest(stats_path.parent, stage="calibrate").get("outputs", {}).get("weights")
+        if not name:
+            return None, None
+        weights = stats_path.parent / name
+    path = Path(weights)
+    if not path.is_file():
+        raise ArtifactError(f"{path} does not exist; pass the weights.safetensors of a calibration with "
+                            "calibration.weight_rounding: gptq, or none")
+    with safe_open(str(path), "pt") as f:
+        rounded_for = (f.metadata() or {}).get("quant_format")
+    if fmt is QuantFormat.FP8_E4M3:
+        raise QuantizeError(f"{path}: the calibration rounded its weights with GPTQ onto per-channel FP8 grids, which "
+                            "ModelOpt's FP8 checkpoint (one weight scale per tensor) cannot hold; pass --nearest-weights "
+                            "(weights=False) to round the original weights to nearest as ModelOpt does, or export "
+                            "--format int8 from an int8 GPTQ calibration")
+    if rounded_for != fmt.value:
+        raise QuantizeError(f"{path} holds weights rounded for {rounded_for}, the checkpoint is {fmt.value}; "
+                            f"calibrate with quantization.format {fmt.value}, or pass --nearest-weights")
+    from trt_sora.calibrate.gptq import load_rounded_weights
+    from trt_sora.errors import CalibrationError
+
+    try:
+        return path, load_rounded_weights(path)
+    except CalibrationError as exc:
+        raise QuantizeError(str(exc)) from None
+
+
 def export_checkpoint(stats, config: QuantConfig, out_dir: str | os.PathLike, *, model=None, dtype: str = "bf16",
-                      max_shard_size: str | int = "10GB", loaded=None, verify: bool = False) -> CheckpointResult:
+                      max_shard_size: str | int = "10GB", loaded=None, verify: bool = False,
+                      weights=None) -> CheckpointResult:
     """Write ``out_dir``: the quantized checkpoint of the calibrated model (see the module docstring).
 
     Args:
@@ -150,6 +191,10 @@ def export_checkpoint(stats, config: QuantConfig, out_dir: str | os.PathLike, *,
         verify: also run NVIDIA ModelOpt's own ``export_hf_checkpoint`` on the same model with our
             sites and amax loaded into its quantizers, and require the two checkpoints to be equal key
             for key and bit for bit (``results.modelopt_match``; needs ``nvidia-modelopt``).
+        weights: GPTQ-rounded weights (``calibration.weight_rounding: gptq``): ``None`` = the calibration
+            folder's ``weights.safetensors`` when its manifest lists one, ``False`` = none, or a path. INT8
+            stores their codes exactly (the same per-channel grid); FP8 cannot (per-tensor weight scales):
+            a QuantizeError unless ``False``.
 
     Returns:
         :class:`CheckpointResult`.
@@ -181,10 +226,18 @@ def export_checkpoint(stats, config: QuantConfig, out_dir: str | os.PathLike, *,
     tdtype = torch_dtype(dtype)
     net = loaded if loaded is not None else adapter.load(dtype, "cpu")
     plan = checkpoint_plan(net, calib, config)
+    rounded_path, rounded = _rounded_weights(stats_path, weights, fmt)
+    missing = sorted(set(plan["sites"]) - set(rounded or plan["sites"]))
+    if missing:
+        raise QuantizeError(f"{rounded_path} has no rounded weights for {missing[:3]} ({len(missing)} sites the recipe "
+                            "quantizes); recalibrate with this recipe, or pass --nearest-weights")
     with torch.no_grad():
         for site, p in plan["sites"].items():
             mod = net.get_submodule(site)
-            qweight, wscale = mf.pack_weight(mod.weight, p["weight_amax"], fmt, tdtype)
+            if rounded is not None:  # W' = codes x scale in fp32: dividing in fp32 gives the codes back exactly
+                qweight, wscale = mf.pack_weight(rounded[site], p["weight_amax"], fmt, torch.float32)
+            else:
+                qweight, wscale = mf.pack_weight(mod.weight, p["weight_amax"], fmt, tdtype)
             mod.weight = torch.nn.Parameter(qweight, requires_grad=False)
             mod.register_buffer("weight_scale", wscale)
             mod.register_buffer("input_scale", mf.input_scale(p["act_amax"], fmt))
@@ -197,19 +250,22 @@ def export_checkpoint(stats, config: QuantConfig, out_dir: str | os.PathLike, *,
         cfg_path.write_text(json.dumps(data, indent=4) + "\n")
         files = sorted(p.name for p in tmp.glob("*.safetensors"))
         integrity = _check_written(tmp, plan["sites"], fmt)
-        match = _verify_with_modelopt(tmp, adapter, calib, config, dtype) if verify else None
+        match = _verify_with_modelopt(tmp, adapter, calib, config, dtype, rounded) if verify else None
         results = {
             "model": adapter.describe(), "format": fmt.value, "quant_algo": algo, "dtype": dtype,
             "counts": {"quantized_linears": len(plan["sites"]), "excluded_modules": len(plan["excluded"]),
                        "tensors": integrity["tensors"], "files": len(files)},
             "weight_granularity": "per_channel" if mf.WEIGHT_PER_CHANNEL[fmt] else "per_tensor",
+            "weight_rounding": "gptq" if rounded is not None else "nearest",
             "ignore": plan["ignore"], "excluded": plan["excluded"],
             "bytes": sum((tmp / f).stat().st_size for f in files), "seconds": round(time.perf_counter() - t0, 2),
             "modelopt_match": match,
         }
         inputs = {"stats": {"path": str(stats_path.resolve()), "sha256": sha256_file(stats_path)}
                   if stats_path else {"path": None, "note": "CalibStats object passed in memory"},
-                  "model": adapter.describe()}
+                  "model": adapter.describe(),
+                  **({"weights": {"path": str(rounded_path.resolve()), "sha256": sha256_file(rounded_path)}}
+                     if rounded_path else {})}
         manifest = write_manifest(tmp, stage="checkpoint", inputs=inputs, config=config, results=results,
                                   outputs={"config": CONFIG_NAME, "weights": files})
     out = Path(out_dir)
@@ -218,8 +274,10 @@ def export_checkpoint(stats, config: QuantConfig, out_dir: str | os.PathLike, *,
     return CheckpointResult(out, manifest)
 
 
-def _verify_with_modelopt(folder: Path, adapter, calib, config: QuantConfig, dtype: str) -> dict[str, Any]:
-    """ModelOpt's export of the same model beside ``folder``, compared with it; raises on any difference."""
+def _verify_with_modelopt(folder: Path, adapter, calib, config: QuantConfig, dtype: str,
+                          rounded=None) -> dict[str, Any]:
+    """ModelOpt's export of the same model (its rounded weights, if any) beside ``folder``, compared with it;
+    raises on any difference."""
     import shutil
     import tempfile
 
@@ -228,7 +286,8 @@ def _verify_with_modelopt(folder: Path, adapter, calib, config: QuantConfig, dty
 
     ref_dir = Path(tempfile.mkdtemp(prefix=".modelopt-ref-", dir=folder.parent))
     try:
-        mi.reference_export(adapter.load(dtype, "cpu"), calib, config, ref_dir, dtype=torch_dtype(dtype))
+        mi.reference_export(_with_weights(adapter.load(dtype, "cpu"), rounded), calib, config, ref_dir,
+                            dtype=torch_dtype(dtype))
         diff = mi.compare_checkpoints(folder, ref_dir)
     finally:
         shutil.rmtree(ref_dir, ignore_errors=True)
@@ -241,6 +300,17 @@ def _verify_with_modelopt(folder: Path, adapter, calib, config: QuantConfig, dty
     import importlib.metadata
 
     return {"equal": True, "tensors": diff["tensors"], "modelopt": importlib.metadata.version("nvidia-modelopt")}
+
+
+def _with_weights(net, rounded):
+    """``net`` with the linears of ``rounded`` (``{site: W'}``) set to those weights (in place)."""
+    import torch
+
+    with torch.no_grad():
+        for site, w in (rounded or {}).items():
+            lin = net.get_submodule(site)
+            lin.weight.copy_(w.to(lin.weight.dtype))
+    return net
 
 
 def _load_stats(path: Path):

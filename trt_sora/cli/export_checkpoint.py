@@ -19,6 +19,10 @@ def add_parser(sub) -> None:
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16",
                    help="dtype of the unquantized tensors (default bf16)")
     p.add_argument("--max-shard-size", default="10GB", help="safetensors shard limit (default 10GB)")
+    p.add_argument("--weights", default=None, help="GPTQ-rounded weights (weights.safetensors of a calibration with "
+                   "calibration.weight_rounding: gptq; default: the calibration folder's, when it has one)")
+    p.add_argument("--nearest-weights", action="store_true",
+                   help="ignore GPTQ-rounded weights: round the original weights to nearest (as ModelOpt does)")
     p.add_argument("--verify-modelopt", action="store_true",
                    help="also run NVIDIA ModelOpt's own export with our amax and require identical checkpoints")
     p.set_defaults(func=run)
@@ -37,9 +41,11 @@ def run(args) -> int:
         cfg = dataclasses.replace(cfg, format=QuantFormat(args.format))
     with stage_line("export-checkpoint"):
         res = export_checkpoint(args.stats, cfg, args.out, model=args.model, dtype=args.dtype,
-                                max_shard_size=args.max_shard_size, verify=args.verify_modelopt)
+                                max_shard_size=args.max_shard_size, verify=args.verify_modelopt,
+                                weights=False if args.nearest_weights else args.weights)
     r = res.manifest["results"]
-    print(f"  {r['counts']['quantized_linears']} linears {r['quant_algo']} ({r['weight_granularity']} weights, static "
+    print(f"  {r['counts']['quantized_linears']} linears {r['quant_algo']} ({r['weight_granularity']} weights rounded "
+          f"{r['weight_rounding']}, static "
           f"input scales), {r['counts']['excluded_modules']} modules kept in {args.dtype}: ignore {r['ignore']}")
     if r.get("modelopt_match"):
         print(f"  identical to NVIDIA ModelOpt {r['modelopt_match']['modelopt']}'s export "
