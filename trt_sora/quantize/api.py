@@ -294,7 +294,8 @@ def quantize_onnx(onnx_path: str | os.PathLike, stats, config: QuantConfig, out_
         lin = linears[s]
         wa = w_amax_stats.get(s)
         if wa is None:  # one read of the weight, now (the quantized values are computed on write)
-            wa = np.abs(tensors.values(lin.weight).astype(np.float32)).max(axis=1 - lin.weight_axis)
+            w = tensors.values(lin.weight).astype(np.float32)
+            wa = np.abs(w, out=w).max(axis=1 - lin.weight_axis)
         info[s].update(qdq.quantize_linear_weight(graph, lin, wa.astype(np.float32), fmt, gdt))
         info[s]["weight_amax_source"] = "stats" if s in w_amax_stats else "weight"
     att_info = {}

@@ -53,12 +53,12 @@ def quantize_weight(w: np.ndarray, scale: np.ndarray, axis: int, fmt: QuantForma
     """
     shape = [1, 1]
     shape[axis] = -1
-    x = w.astype(np.float32) / scale.astype(np.float32).reshape(shape)
+    x = np.asarray(w, dtype=np.float32) / scale.astype(np.float32).reshape(shape)  # the one fp32 temporary
     if fmt is QuantFormat.INT8:
-        return np.clip(np.rint(x), -128, 127).astype(np.int8)
+        return np.clip(np.rint(x, out=x), -128, 127, out=x).astype(np.int8)
     import ml_dtypes
 
-    return np.clip(x, -FP8_MAX, FP8_MAX).astype(ml_dtypes.float8_e4m3fn)
+    return np.clip(x, -FP8_MAX, FP8_MAX, out=x).astype(ml_dtypes.float8_e4m3fn)
 
 
 def zero_point(fmt: QuantFormat, n: int | None = None) -> np.ndarray:
