@@ -5,11 +5,13 @@ for ModelOpt's max calibration, then samples held-out prompts at the model's dep
 (:func:`trt_sora.calibrate.peer.modelopt_peer`). Two steps, the first on a machine with the model's
 text encoder, the second anywhere (a GPU makes the 20-step trajectories quick)::
 
-    # 1. CPU: the prompts' embeddings (calibration prompts, held-out prompts, the negative prompt)
-    python benchmarks/peer_modelopt.py embed --calib build/wan-shapes/rtx4090-fp8/calib --num 16 \\
-        --out build/wan_shapes_peer_prompts.safetensors
-    # 2. the table (CPU or --device cuda; nvidia-modelopt importable)
-    python benchmarks/peer_modelopt.py table --calib build/wan-shapes/rtx4090-fp8/calib --num 16 \\
+    # 1. CPU: the prompts' embeddings (calibration prompts, held-out prompts, the negative prompt) of a
+    #    calibration folder, or of the preset a fresh calibration of --model will use
+    python benchmarks/peer_modelopt.py embed --model wan-shapes --num 16 --out build/wan_shapes_peer_prompts.safetensors
+    # 2. GPU: calibrate (those embeddings stand in for the text encoder), then the table
+    python -m trt_sora calibrate --model wan-shapes --recipe rtx4090-fp8 --device cuda --no-report \\
+        --text-embeddings build/wan_shapes_peer_prompts.safetensors --out /tmp/peer_calib
+    python benchmarks/peer_modelopt.py table --calib /tmp/peer_calib --num 16 \\
         --prompts build/wan_shapes_peer_prompts.safetensors --device cuda --out peer.json
 """
 from __future__ import annotations
@@ -56,7 +58,16 @@ def embed(args) -> None:
 
     from trt_sora.models.text import save_embeddings
 
-    adapter, _, preset, _ = _setup(Path(args.calib))
+    if args.calib:
+        adapter, _, preset, _ = _setup(Path(args.calib))
+    else:  # the preset `trt-sora calibrate --model M [--preset P]` will use
+        from trt_sora.calibrate.data import load_preset
+        from trt_sora.config import load_recipe
+        from trt_sora.models import get_adapter
+
+        adapter = get_adapter(args.model)
+        preset = load_preset(args.preset or adapter.spec.defaults.get("calib_preset")
+                             or load_recipe(args.recipe).calibration.preset)
     texts = _prompts(adapter, preset, args.num)
     text_len = max(s.text_len for s in preset.shapes)
     with torch.inference_mode():
@@ -93,15 +104,21 @@ def main() -> None:
     sub = ap.add_subparsers(dest="cmd", required=True)
     for name in ("embed", "table"):
         p = sub.add_parser(name)
-        p.add_argument("--calib", required=True, help="a `trt-sora calibrate` folder")
+        p.add_argument("--calib", required=name == "table", help="a `trt-sora calibrate` folder")
         p.add_argument("--num", type=int, default=16, help="held-out prompts")
         p.add_argument("--out", required=True)
+        p.add_argument("--recipe", default="rtx4090-fp8", help="recipe (table: its quantization section names our "
+                       "sites; embed: its calibration preset when the model names none)")
+    e = sub.choices["embed"]
+    e.add_argument("--model", default=None, help="instead of --calib: the model a fresh calibration will run")
+    e.add_argument("--preset", default=None, help="with --model: the calibration preset (default: the model's)")
     t = sub.choices["table"]
     t.add_argument("--prompts", default=None, help="embeddings from `embed` (default: the model's text encoder)")
-    t.add_argument("--recipe", default="rtx4090-fp8", help="recipe whose quantization section names our sites")
     t.add_argument("--device", default="cpu")
     t.add_argument("--steps", type=int, default=None, help="sampling steps (default: the model's deployment count)")
     args = ap.parse_args()
+    if args.cmd == "embed" and not (args.calib or args.model):
+        ap.error("embed needs --calib or --model")
     {"embed": embed, "table": table}[args.cmd](args)
 
 
