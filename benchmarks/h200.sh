@@ -9,7 +9,10 @@
 # check (trt-sora check --backend torch-fp8 on the wan-shapes run folder),
 # m13 / m14 (one transformer call, 480p x 81, batch 1: eager, compile, the torch-fp8 ladder),
 # calib13 / calib14 (calibration observer overhead),
-# m14b2 (14B batch 2), m14_720 (14B 720p batch 1), prof14 (profiler of the 14B fp8 call).
+# m14b2 (14B batch 2), m14_720 (14B 720p batch 1), prof14 (profiler of the 14B fp8 call),
+# peer (issue 17: wan-shapes calibrated here, then NVIDIA ModelOpt's FP8 recipe vs ours on 16 held-out
+# prompts at 20 steps; needs build/wan_shapes_peer_prompts.safetensors from
+# `python benchmarks/peer_modelopt.py embed --model wan-shapes --num 16 --out ...` and ModelOpt's wheels in .whl).
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -40,6 +43,10 @@ for p in "$@"; do
     attention) part attention 240 python3 benchmarks/fp8_bench.py --parts attention --out "$OUT/attention.json" ;;
     quality) part quality 240 python3 benchmarks/fp8_quality.py --run "$RUN" \
                --prompts build/wan_shapes_heldout.safetensors --num 16 --out "$OUT/quality.json" ;;
+    peer) part peer 540 bash -c "rm -rf /tmp/peer_calib && python3 -m trt_sora calibrate --model wan-shapes \
+            --recipe rtx4090-fp8 --device cuda --no-report --text-embeddings build/wan_shapes_peer_prompts.safetensors \
+            --out /tmp/peer_calib && python3 benchmarks/peer_modelopt.py table --calib /tmp/peer_calib --num 16 \
+            --prompts build/wan_shapes_peer_prompts.safetensors --device cuda --out $OUT/peer.json" ;;
     ktests) part ktests 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels ;;
     check) part check 200 python3 -m trt_sora check --run "$RUN" --recipe rtx4090-fp8 --backend torch-fp8 --device cuda ;;
     m13) part m13 300 python3 benchmarks/fp8_bench.py --parts models --models wan2.1-t2v-1.3b --batches 1 \
