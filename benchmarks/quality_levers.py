@@ -279,6 +279,18 @@ def build_variant(variant, adapter, base, sites, calib, calib_cond, st, dev, sta
     return adapter_call(adapter, mq), qsites, cfg["fp32_steps"]
 
 
+def table(path: str) -> str:
+    """The results JSON as the markdown table of benchmarks/README.md."""
+    res = json.loads(Path(path).read_text())
+    lines = ["| variant | mean PSNR (dB) | worst clip (dB) | probe passes (fp32) | quantized linear FLOPs |",
+             "|---|---|---|---|---|"]
+    for name, r in res.items():
+        lines.append(f"| `{name}` | {r['mean_psnr_db']:.2f} | {r['worst_psnr_db']:.2f} | "
+                     f"{r['probe_pass']}/{r['clips']} ({r['probe_pass_fp32']}) | "
+                     f"{100 * r['quantized_linear_flop_fraction']:.1f}% |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--encode", action="store_true", help="CPU: write the clips' and calibration captions' embeddings")
@@ -291,7 +303,11 @@ def main(argv=None) -> None:
     ap.add_argument("--ref", default=None, help="cache of the fp32 reference clips (default: <out>.fp32.pt)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--calibrate", default=None, metavar="DIR", help="write DIR/calib_fp8_e4m3 and DIR/calib_int8")
+    ap.add_argument("--table", default=None, metavar="JSON", help="print a results file as a markdown table")
     a = ap.parse_args(argv)
+    if a.table:
+        print(table(a.table))
+        return
     if a.calibrate:
         calibrate_both(a.calibrate, a.device)
         return

@@ -3,6 +3,7 @@ inputs it was fit to, file round trip; end to end on wan-tiny: calibrate -> weig
 quantize uses them -> ONNX Runtime matches the fake-quant runner that reads the same map."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -101,3 +102,35 @@ def test_calibrate_quantize_parity_use_the_rounded_weights(tiny_adapter, tiny_mo
     assert use_rounded_weights(m, read_qdq_map(gq.map_path)[1]) == len(rounded)
     mods = dict(m.named_modules())
     assert all(torch.equal(mods[s].weight.detach(), w) for s, w in rounded.items())
+
+
+def test_sharded_gptq_equals_one_pass_and_auto_falls_back(tiny_adapter, tiny_model, tmp_path):
+    """Shards save their input Hessians and the merge sums them: the rounded weights equal the one-pass
+    run's. ``auto`` rounds to nearest (and says why) when the Hessians exceed the memory limit; an explicit
+    ``gptq`` refuses there."""
+    from trt_sora.calibrate.run import calibrate
+    from trt_sora.calibrate.shards import shard_folder
+    from trt_sora.config.recipe import CalibConfig
+    from trt_sora.errors import ConfigError
+
+    cfg = CalibConfig(method="minmax", weight_rounding="auto", num_steps=2)
+    kw = dict(model=tiny_model, preset="tiny", report=False)
+    one = calibrate(tiny_adapter, cfg, tmp_path / "one", **kw)
+    assert one.manifest["results"]["weight_rounding"]["method"] == "gptq"
+    folders = [shard_folder(tmp_path / "two", i, 2) for i in range(2)]
+    for i, f in enumerate(folders):
+        part = calibrate(tiny_adapter, cfg, f, shard=(i, 2), **kw)
+        assert part.manifest["outputs"]["hessians"] == "hessians.safetensors" and "weights" not in part.manifest["outputs"]
+    calibrate(tiny_adapter, cfg, tmp_path / "two", from_shards=folders, **kw)
+    a = load_rounded_weights(tmp_path / "one" / "weights.safetensors")
+    b = load_rounded_weights(tmp_path / "two" / "weights.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[s], b[s]) for s in a)
+
+    tight = dataclasses.replace(cfg, gptq_max_hessian_gb=1e-6)
+    near = calibrate(tiny_adapter, tight, tmp_path / "near", **kw)
+    wr = near.manifest["results"]["weight_rounding"]
+    assert wr["method"] == "nearest" and "gptq_max_hessian_gb" in wr["note"]
+    assert "weights" not in near.manifest["outputs"] and not (tmp_path / "near" / "weights.safetensors").exists()
+    with pytest.raises(ConfigError, match="gptq_max_hessian_gb"):
+        calibrate(tiny_adapter, dataclasses.replace(tight, weight_rounding="gptq"), tmp_path / "refused", **kw)
+    assert not (tmp_path / "refused").exists()

@@ -18,7 +18,7 @@ The calibration stage writes ``weights.safetensors``: per site the codes (``floa
 ``<site>.scale``; :func:`load_rounded_weights` returns ``{site: W'}`` fp32.
 
 Memory: one ``in x in`` fp64 Hessian per quantized linear while the trajectories run
-(wan-shapes: 8.5 MB; Wan 1.3B: ~12 GB - pass ``max_hessian_bytes``).
+(wan-shapes: 8.5 MB; Wan 1.3B: ~25 GB - ``calibration.weight_rounding: auto`` then rounds to nearest).
 """
 from __future__ import annotations
 
@@ -32,10 +32,18 @@ import torch
 from trt_sora.calibrate.fake_quant import fake_quant, qmax
 from trt_sora.errors import CalibrationError, ConfigError
 
-__all__ = ["WEIGHTS_FILE", "HessianHooks", "gptq_round", "load_rounded_weights", "save_rounded_weights"]
+__all__ = ["HESSIANS_FILE", "WEIGHTS_FILE", "HessianHooks", "gptq_round", "hessian_bytes", "load_hessians",
+           "load_rounded_weights", "save_hessians", "save_rounded_weights"]
 
 WEIGHTS_FILE = "weights.safetensors"
+HESSIANS_FILE = "hessians.safetensors"  # a shard's input Hessians (summed by the merge)
 _FORMAT = "trt_sora.rounded_weights"
+
+
+def hessian_bytes(model: torch.nn.Module, sites: Sequence[str]) -> int:
+    """Memory of the fp64 input Hessians of ``sites`` (``in_features^2 x 8`` each)."""
+    mods = dict(model.named_modules())
+    return sum(mods[s].in_features ** 2 * 8 for s in sites)
 
 
 class HessianHooks:
@@ -43,7 +51,7 @@ class HessianHooks:
 
     def __init__(self, model: torch.nn.Module, sites: Sequence[str], *, max_bytes: int = 4 << 30):
         mods = dict(model.named_modules())
-        need = sum(mods[s].in_features ** 2 * 8 for s in sites)
+        need = hessian_bytes(model, sites)
         if need > max_bytes:
             raise ConfigError(f"GPTQ weight rounding needs {need / 2**30:.1f} GiB of input Hessians for {len(sites)} "
                               f"linears (over the {max_bytes / 2**30:.1f} GiB limit); set calibration.weight_rounding: "
@@ -71,6 +79,41 @@ class HessianHooks:
         for h in self._handles:
             h.remove()
         self._handles = []
+
+
+def save_hessians(path: str | os.PathLike, hessians: Mapping[str, torch.Tensor], tokens: Mapping[str, int]) -> Path:
+    """A shard's input Hessians (fp64) and token counts: the merge sums them (:func:`load_hessians`)."""
+    from safetensors.torch import save_file
+
+    p = Path(path)
+    save_file({s: h.cpu().contiguous() for s, h in hessians.items()}, str(p),
+              metadata={"format": _FORMAT + ".hessians", "tokens": json.dumps(dict(tokens))})
+    return p
+
+
+def load_hessians(paths: Sequence[str | os.PathLike], sites: Sequence[str]) -> tuple[dict, dict]:
+    """``({site: H}, {site: tokens})`` summed over shard files, in the order given (fp64 sums: the one-pass
+    Hessians to rounding)."""
+    from safetensors import safe_open
+
+    hs: dict[str, torch.Tensor] = {}
+    tokens: dict[str, int] = {s: 0 for s in sites}
+    for path in paths:
+        if not Path(path).is_file():
+            raise CalibrationError(f"{path} does not exist: that shard ran without GPTQ weight rounding; rerun the "
+                                   "shards with this recipe (calibration.weight_rounding)")
+        with safe_open(str(path), "pt") as f:
+            meta = f.metadata() or {}
+            missing = [s for s in sites if s not in f.keys()]
+            if meta.get("format") != _FORMAT + ".hessians" or missing:
+                raise CalibrationError(f"{path} lacks the Hessians of {missing[:1] or 'its sites'}; rerun the shards "
+                                       "with this recipe")
+            for s in sites:
+                h = f.get_tensor(s)
+                hs[s] = h if s not in hs else hs[s] + h
+            for s, n in json.loads(meta["tokens"]).items():
+                tokens[s] = tokens.get(s, 0) + int(n)
+    return hs, tokens
 
 
 def gptq_round(w: torch.Tensor, hessian: torch.Tensor, amax: torch.Tensor, fmt: str, *,

@@ -215,23 +215,35 @@ def _negative_label(adapter, preset: CalibPreset) -> str:
     return "(zero embedding: the model's unconditional)" if neg is None else neg
 
 
-def _gptq_sites(model, config: CalibConfig, qfmt: QuantFormat, quant_config: QuantConfig | None) -> list[str]:
-    """The linears GPTQ rounds: the ones the quantize stage quantizes (none for nearest rounding or an
-    unquantized recipe)."""
-    if config.weight_rounding != "gptq" or qfmt is QuantFormat.NONE:
-        return []
+def _gptq_sites(model, config: CalibConfig, qfmt: QuantFormat, quant_config: QuantConfig | None
+                ) -> tuple[list[str], str]:
+    """``(sites, note)``: the linears GPTQ rounds - the ones the quantize stage quantizes - or none
+    (nearest rounding, an unquantized recipe, or ``auto`` where GPTQ cannot run); ``note`` says why."""
     from trt_sora.calibrate.fakequant_model import quantized_sites
+    from trt_sora.calibrate.gptq import hessian_bytes
 
-    return quantized_sites(model, quant_config or QuantConfig(format=qfmt))
+    if config.weight_rounding == "nearest" or qfmt is QuantFormat.NONE:
+        return [], "nearest"
+    sites = quantized_sites(model, quant_config or QuantConfig(format=qfmt))
+    need, limit = hessian_bytes(model, sites), config.gptq_max_hessian_gb * 2 ** 30
+    why = (f"its input Hessians need {need / 2**30:.1f} GiB (calibration.gptq_max_hessian_gb: "
+           f"{config.gptq_max_hessian_gb:g})" if need > limit else None)
+    if why is None:
+        return sites, "gptq"
+    if config.weight_rounding == "gptq":
+        raise ConfigError(f"calibration.weight_rounding: gptq cannot run here: {why}; raise gptq_max_hessian_gb "
+                          "or use auto / nearest")
+    log.warning("calibration.weight_rounding: auto rounds to nearest: GPTQ would need %s", why)
+    return [], f"nearest (auto: {why})"
 
 
-def _round_weights(modules, stats, hessians, sites, fmt: str, config: CalibConfig) -> dict:
+def _round_weights(modules, stats, hessians, tokens, sites, fmt: str, config: CalibConfig) -> dict:
     """``{site: W'}``: each site's weight GPTQ-rounded onto its ``<site>.weight`` per-row grid."""
     from trt_sora.calibrate.gptq import gptq_round
 
     t0 = time.perf_counter()
-    out = {s: gptq_round(modules[s].weight, hessians.hessians[s], stats.amax[f"{s}.weight"], fmt,
-                         damp=config.gptq_damp).cpu() for s in sites if hessians.tokens[s]}
+    out = {s: gptq_round(modules[s].weight, hessians[s], stats.amax[f"{s}.weight"], fmt,
+                         damp=config.gptq_damp).cpu() for s in sites if tokens[s]}
     log.info("GPTQ-rounded %d weights (%s) in %.1f s", len(out), fmt, time.perf_counter() - t0)
     return out
 
@@ -358,7 +370,8 @@ def calibrate(adapter, config: CalibConfig, out_dir, *, model=None, preset: Cali
         CalibrationError: missing or empty prompt set, NaN/inf activations (naming site, step,
             branch), a forward that changes the sample shape, a site that only saw zeros.
     """
-    from trt_sora.calibrate.gptq import WEIGHTS_FILE, HessianHooks, save_rounded_weights
+    from trt_sora.calibrate.gptq import (HESSIANS_FILE, WEIGHTS_FILE, HessianHooks, load_hessians, save_hessians,
+                                         save_rounded_weights)
     from trt_sora.calibrate.stats import StatsMetadata
     from trt_sora.config.base import to_dict
     from trt_sora.manifest import file_entry, staged_dir, write_manifest
@@ -389,11 +402,9 @@ def calibrate(adapter, config: CalibConfig, out_dir, *, model=None, preset: Cali
     calls = 1 if cfg == "batched" or not settings.uses_cfg else len(settings.branches)
     total = 0 if from_shards else len(todo) * settings.num_steps * calls
     timesteps: list[float] = []
-    gptq_sites = _gptq_sites(model, config, qfmt, quant_config)
-    if gptq_sites and (shard is not None or from_shards):
-        raise ConfigError("calibration.weight_rounding: gptq needs every trajectory's inputs in one process; "
-                          "calibrate without --shard/--from-shards (or --workers), or use weight_rounding: nearest")
-    hessians = HessianHooks(model, gptq_sites) if gptq_sites else None
+    gptq_sites, rounding_note = _gptq_sites(model, config, qfmt, quant_config)
+    hessians = HessianHooks(model, gptq_sites, max_bytes=int(config.gptq_max_hessian_gb * 2 ** 30)) \
+        if gptq_sites and not from_shards else None
     if from_shards:
         stats = _merged(from_shards, adapter, preset, settings, method)
         timesteps = list(stats.metadata.timesteps)
@@ -420,12 +431,18 @@ def calibrate(adapter, config: CalibConfig, out_dir, *, model=None, preset: Cali
         stats = _reduce(model, sites, meta)
     t_collect = time.perf_counter() - t_start
 
-    rounded = _round_weights(dict(model.named_modules()), stats, hessians, gptq_sites, qfmt.value, config) \
-        if gptq_sites else None
+    if gptq_sites and from_shards:  # the shards' Hessians, summed in shard order
+        h, tokens = load_hessians([Path(f) / HESSIANS_FILE for f in from_shards], gptq_sites)
+    elif hessians is not None:
+        h, tokens = hessians.hessians, hessians.tokens
+    rounded = _round_weights(dict(model.named_modules()), stats, h, tokens, gptq_sites, qfmt.value, config) \
+        if gptq_sites and shard is None else None
 
     evaluation = None
     with staged_dir(out_dir) as tmp:
         stats_path = stats.save(tmp / "stats.safetensors")
+        if hessians is not None and shard is not None:  # the merge rounds: it needs this shard's Hessians
+            save_hessians(tmp / HESSIANS_FILE, hessians.hessians, hessians.tokens)
         if rounded is not None:
             save_rounded_weights(tmp / WEIGHTS_FILE, rounded, {s: stats.amax[f"{s}.weight"] for s in rounded},
                                  qfmt.value, {"method": "gptq", "damp": config.gptq_damp, "sites": len(rounded)})
@@ -462,9 +479,12 @@ def calibrate(adapter, config: CalibConfig, out_dir, *, model=None, preset: Cali
             if evaluation.get("peer"):
                 results["peer"] = evaluation["peer"]
         outputs = {"stats": "stats.safetensors"}
+        results["weight_rounding"] = {"method": "gptq" if gptq_sites else "nearest", "format": qfmt.value,
+                                      "sites": len(rounded or ()), "note": rounding_note}
         if rounded is not None:
             outputs["weights"] = WEIGHTS_FILE
-            results["weight_rounding"] = {"method": "gptq", "format": qfmt.value, "sites": len(rounded)}
+        if hessians is not None and shard is not None:
+            outputs["hessians"] = HESSIANS_FILE
         if report_path is not None:
             outputs["report"] = "report.md"
         manifest = write_manifest(

@@ -121,11 +121,14 @@ class CalibConfig:
     # Denoising steps of the calibration trajectories; None = the model's own step count (what
     # users run). A smaller number is an explicit shortening, stated in the report.
     num_steps: int | None = None
-    # How weights are rounded onto their per-channel grid: "nearest", or "gptq" (each weight column's
+    # How weights are rounded onto their per-channel grid: "nearest", "gptq" (each weight column's
     # rounding error compensated on the next columns through the calibration inputs' Hessian; written
-    # to calib/weights.safetensors and used by quantize, parity and the runtime).
-    weight_rounding: str = "nearest"
+    # to calib/weights.safetensors and used by quantize, parity and the runtime), or "auto": gptq when
+    # its input Hessians fit in gptq_max_hessian_gb and the calibration runs in one process, else
+    # nearest (the manifest and the log say which).
+    weight_rounding: str = "auto"
     gptq_damp: float = 0.01
+    gptq_max_hessian_gb: float = 4.0
     percentile: float = 99.99
     ema_constant: float = 0.01
     num_bins: int = 2048
@@ -137,8 +140,10 @@ class CalibConfig:
     def __post_init__(self) -> None:
         if self.sensitivity not in ("kind", "block", "both", "none"):
             raise ConfigError(f"calibration.sensitivity={self.sensitivity!r}: use kind, block, both or none")
-        if self.weight_rounding not in ("nearest", "gptq"):
-            raise ConfigError(f"calibration.weight_rounding={self.weight_rounding!r}: use nearest or gptq")
+        if self.weight_rounding not in ("nearest", "gptq", "auto"):
+            raise ConfigError(f"calibration.weight_rounding={self.weight_rounding!r}: use auto, gptq or nearest")
+        if not self.gptq_damp > 0 or not self.gptq_max_hessian_gb > 0:
+            raise ConfigError("calibration.gptq_damp and gptq_max_hessian_gb must be > 0")
         if self.eval_prompts < 1 or any(v is not None and v < 1 for v in (self.eval_steps, self.num_steps)):
             raise ConfigError("calibration.eval_prompts, eval_steps and num_steps must be >= 1")
         if not 0.0 < self.percentile <= 100.0:
