@@ -363,8 +363,8 @@ def main(argv=None) -> None:
     t0 = time.perf_counter()
     ref_file = Path(a.ref) if a.ref else out_path.with_suffix(".fp32.pt")  # reused by later invocations
     saved = torch.load(ref_file) if ref_file.is_file() else None
-    if saved is not None and saved.get("index") == index:
-        ref = saved["clips"]
+    if saved is not None and set(index) <= set(saved.get("index", ())):  # a superset: its clips are ours
+        ref = saved["clips"][[saved["index"].index(i) for i in index]]
     else:
         ref = clips(adapter_call(adapter, base))
         ref_file.parent.mkdir(parents=True, exist_ok=True)
