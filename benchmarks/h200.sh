@@ -6,6 +6,9 @@
 #   bash benchmarks/h200.sh tests attention quality m13 m14 ...
 #
 # Parts: tests (pytest -m gpu), attention (kernel vs cuDNN/flash), quality (wan-shapes clips),
+# levers (issue 13: FP8/INT8 quantization levers on 17 wan-shapes clips at 20 steps, vs fp32; needs
+# build/lev/prompts.safetensors + prompts.text.safetensors from `python benchmarks/quality_levers.py --encode
+# --out build/lev/prompts.safetensors` on CPU, carried),
 # check (trt-sora check --backend torch-fp8 on the wan-shapes run folder),
 # m13 / m14 (one transformer call, 480p x 81, batch 1: eager, compile, the torch-fp8 ladder),
 # calib13 / calib14 (calibration observer overhead),
@@ -23,6 +26,8 @@ if [ -d .whl ]; then
 fi
 export PYTHONPATH=${PYTHONPATH:-$PWD}
 RUN=${RUN:-build/wan-shapes/rtx4090-fp8}
+# issue 13's lever table (benchmarks/quality_levers.py; ModelOpt's last: it needs nvidia-modelopt)
+LEVERS=${LEVERS:-bf16,fp8_mse_wch,fp8_minmax_wch,fp8_mse_wtensor,fp8_minmax_wtensor,fp8_mse_wch_gptq,fp8_minmax_wch_gptq,fp8_mse_wch_gptq_last2,fp8_mse_wch_last4,fp8_mse_wch_first4,fp8_mse_wch_excl=ffn.down,int8_minmax_wch,int8_mse_wch,int8_percentile_wch,int8_mse_wch_gptq,int8_minmax_wch_gptq,int8_minmax_wch_sq0.5,int8_mse_wch_gptq_last2,modelopt,modelopt_wch}
 python3 -c 'import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())'
 
 part() {  # name, limit_s, command...
@@ -47,6 +52,11 @@ for p in "$@"; do
             --recipe rtx4090-fp8 --device cuda --no-report --text-embeddings build/wan_shapes_peer_prompts.safetensors \
             --out /tmp/peer_calib && python3 benchmarks/peer_modelopt.py table --calib /tmp/peer_calib --num 16 \
             --prompts build/wan_shapes_peer_prompts.safetensors --device cuda --out $OUT/peer.json" ;;
+    levers) part levers 540 bash -c "python3 benchmarks/quality_levers.py --calibrate build/lev --device cuda \
+              --prompts build/lev/prompts.safetensors && \
+              python3 benchmarks/quality_levers.py --calib fp8_e4m3=build/lev/calib_fp8_e4m3 \
+              --calib int8=build/lev/calib_int8 --prompts build/lev/prompts.safetensors --device cuda \
+              --variants \"$LEVERS\" --out $OUT/levers.json" ;;
     ktests) part ktests 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels ;;
     check) part check 200 python3 -m trt_sora check --run "$RUN" --recipe rtx4090-fp8 --backend torch-fp8 --device cuda ;;
     m13) part m13 300 python3 benchmarks/fp8_bench.py --parts models --models wan2.1-t2v-1.3b --batches 1 \

@@ -88,8 +88,13 @@ def table(args) -> None:
     model = adapter.load("fp32", args.device)
     encode = adapter.text_encoder(args.prompts)
     t0 = time.perf_counter()
+    from trt_sora.calibrate.gptq import load_rounded_weights
+
+    rounding = man["results"].get("weight_rounding") or {}
+    w = man.get("outputs", {}).get("weights")  # the shipped GPTQ-rounded weights, if the calibration wrote them
+    rounded = load_rounded_weights(Path(args.calib) / w) if w and rounding.get("format") == "fp8_e4m3" else None
     res = modelopt_peer(adapter, model, stats, preset, qcfg, encode=encode, settings=settings,
-                        num_prompts=args.num, num_steps=args.steps)
+                        num_prompts=args.num, num_steps=args.steps, weights=rounded)
     res["wall_seconds"] = round(time.perf_counter() - t0, 1)
     res["device"] = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     res["calib"] = {"folder": str(args.calib), "method": stats.metadata.method,

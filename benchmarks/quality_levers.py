@@ -24,7 +24,8 @@ The calibration folders are ``trt-sora calibrate`` outputs at the model's sampli
 format: the MSE observer targets its format), with ``calibration.weight_rounding: gptq`` for the
 ``gptq`` variants:
 
-    python benchmarks/quality_levers.py --encode --out build/levers_prompts.safetensors           # CPU
+    python benchmarks/quality_levers.py --encode --out build/lev/prompts.safetensors              # CPU
+    python benchmarks/quality_levers.py --calibrate build/lev --prompts build/lev/prompts.safetensors --device cuda
     python benchmarks/quality_levers.py --calib fp8_e4m3=build/lev/calib_fp8 --calib int8=build/lev/calib_int8 \\
         --prompts build/levers_prompts.safetensors --variants fp8_mse_wch,fp8_mse_wch_gptq,modelopt \\
         --device cuda --out benchmarks/results/levers.json
@@ -67,6 +68,13 @@ def encode(out: str, n: int) -> None:
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     save_file({"cond": emb, "calib_cond": cal}, out, metadata={"prompts": json.dumps(caps),
                                                              "calib_prompts": json.dumps(calib)})
+    from trt_sora.models.text import save_embeddings  # the same, for `--calibrate --text-embeddings` (no MiniLM)
+
+    save_embeddings(caps + calib, torch.cat([emb, cal]), text_file(out))
+
+
+def text_file(out: str) -> str:
+    return str(Path(out).with_suffix(".text.safetensors"))
 
 
 def calibration_prompts() -> list[str]:
@@ -198,7 +206,7 @@ def modelopt_model(adapter, base, sites, calib_cond, cal_settings, weight_axis, 
     return m
 
 
-def calibrate_both(folder: str, device: str) -> None:
+def calibrate_both(folder: str, device: str, text: str | None = None) -> None:
     """``<folder>/calib_fp8_e4m3`` and ``<folder>/calib_int8``: the default recipe's calibration (its
     preset for wan-shapes, the model's sampling settings) with ``weight_rounding: gptq``, per format."""
     import dataclasses
@@ -216,7 +224,7 @@ def calibrate_both(folder: str, device: str) -> None:
         t0 = time.perf_counter()
         res = calibrate(adapter, dataclasses.replace(r.calibration, weight_rounding="gptq"),
                         Path(folder) / f"calib_{fmt}", model=model, preset="moving-shapes", quant_format=q.format,
-                        quant_config=q, report=False)
+                        quant_config=q, report=False, text_encoder=text, device=device)
         print(fmt, f"{time.perf_counter() - t0:.0f} s", res.manifest["results"]["weight_rounding"], flush=True)
 
 
@@ -309,7 +317,7 @@ def main(argv=None) -> None:
         print(table(a.table))
         return
     if a.calibrate:
-        calibrate_both(a.calibrate, a.device)
+        calibrate_both(a.calibrate, a.device, text_file(a.prompts) if a.prompts else None)
         return
     if a.out is None:
         raise SystemExit("--out is required (the results JSON, or the embeddings file with --encode)")

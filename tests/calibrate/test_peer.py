@@ -40,7 +40,11 @@ def test_peer_in_report(tmp_path, tiny_adapter, tiny_model):
     assert peer["setup"]["num_steps"] == tiny_adapter.sampling.num_steps  # what users run
     assert peer["replay_max_rel_diff"] < 1e-6
     rows = {r["name"]: r for r in peer["rows"]}
-    assert set(rows) == {"trt_sora (engine)", "trt_sora (checkpoint)", "ModelOpt FP8 recipe", "ModelOpt max on our sites"}
+    # the calibration rounded its weights (GPTQ, the default): the engine row uses them, a nearest row is added
+    assert res.manifest["results"]["weight_rounding"]["method"] == "gptq"
+    assert set(rows) == {"trt_sora (engine)", "trt_sora (engine, nearest rounding)", "trt_sora (checkpoint)",
+                         "ModelOpt FP8 recipe", "ModelOpt max on our sites"}
+    assert rows["trt_sora (engine)"]["psnr_db"] != rows["trt_sora (engine, nearest rounding)"]["psnr_db"]
     assert rows["ModelOpt max on our sites"]["sites"] == rows["trt_sora (engine)"]["sites"] == 20
     assert rows["ModelOpt FP8 recipe"]["sites"] == 20  # wan-tiny: its exclusions equal our default ones
     for r in rows.values():

@@ -92,7 +92,8 @@ def _quantized(model) -> list[str]:
 
 def modelopt_peer(adapter, model, stats, preset, quant_config, *, encode: Callable, settings=None, model_dtype=None,
                   num_prompts: int = 2, num_steps: int | None = None,
-                  progress: Callable[[str, int, int], None] | None = None) -> dict[str, Any]:
+                  progress: Callable[[str, int, int], None] | None = None,
+                  weights: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Calibrate with ModelOpt's FP8 recipe and compare it with ours on held-out prompts (module docstring).
 
     Args:
@@ -109,6 +110,8 @@ def modelopt_peer(adapter, model, stats, preset, quant_config, *, encode: Callab
         num_steps: sampling steps of the comparison; default the model's deployment step count
             (``adapter.sampling.num_steps``).
         progress: ``progress("peer", done, total)``.
+        weights: ``{site: W'}`` the calibration's GPTQ-rounded FP8 weights (``weights.safetensors``):
+            the engine row uses them (what the Q/DQ graph holds) and a row with nearest rounding is added.
 
     Returns:
         JSON-safe dict: ``setup`` (prompts, steps, guidance, shift, shape, PSNR peak), ``rows``
@@ -150,7 +153,7 @@ def modelopt_peer(adapter, model, stats, preset, quant_config, *, encode: Callab
                   for chunk in _chunks(prompts_for_preset(preset), shape_.batch)]
     per_sample = len(feeds) * steps * len(eval_settings.branches)
     per_calib = len(calib_plan) * calib_settings.num_steps * len(calib_settings.branches)
-    total, done = 5 * per_sample + 2 * per_calib, 0
+    total, done = (5 + (weights is not None)) * per_sample + 2 * per_calib, 0
 
     def tick(*_):
         nonlocal done
@@ -197,9 +200,14 @@ def modelopt_peer(adapter, model, stats, preset, quant_config, *, encode: Callab
     method = stats.metadata.method
     ours_excl = [s for s in (n for n, mod in model.named_modules() if isinstance(mod, torch.nn.Linear))
                  if s not in ours_sites]
-    add("trt_sora (engine)", method, "per channel",
-        sample(model, lambda: fake_quantized(model, act, "fp8_e4m3", sites=ours_sites, weight_amax=w_pc)),
+    add("trt_sora (engine)", method, "per channel" + (", GPTQ-rounded" if weights is not None else ""),
+        sample(model, lambda: fake_quantized(model, act, "fp8_e4m3", sites=ours_sites, weight_amax=w_pc,
+                                             weights=weights)),
         ours_sites, ours_excl, ours_time)
+    if weights is not None:
+        add("trt_sora (engine, nearest rounding)", method, "per channel",
+            sample(model, lambda: fake_quantized(model, act, "fp8_e4m3", sites=ours_sites, weight_amax=w_pc)),
+            ours_sites, ours_excl, ours_time)
     add("trt_sora (checkpoint)", method, "per tensor",
         sample(model, lambda: fake_quantized(model, act, "fp8_e4m3", sites=ours_sites, weight_amax=w_pt)),
         ours_sites, ours_excl, ours_time)

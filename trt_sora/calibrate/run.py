@@ -464,7 +464,8 @@ def calibrate(adapter, config: CalibConfig, out_dir, *, model=None, preset: Cali
 
                 evaluation["peer"] = modelopt_peer(adapter, model, stats, preset, qcfg, encode=encode, settings=settings,
                                                    model_dtype=model_dtype, num_prompts=opts.peer_prompts,
-                                                   num_steps=opts.peer_steps, progress=progress)
+                                                   num_steps=opts.peer_steps, progress=progress,
+                                                   weights=rounded if qfmt is QuantFormat.FP8_E4M3 else None)
             report_path = write_report(tmp, stats, evaluation, preset=preset, options=opts,
                                        quant_format=qcfg.format.value)
         seconds = time.perf_counter() - t_start
