@@ -12,6 +12,19 @@ Otherwise it reruns, and the reason is logged (``engine/x.plan: sha256 differs .
 parity check raises :class:`ParityError` (the CLI exits 1) and is never recorded as done. One
 run at a time holds the run folder (a lock; a second run waits, then reuses what the first made),
 and temp folders of runs that died (kill -9) are removed when the next run starts.
+
+A pair of experts (Wan 2.2 A14B: a high-noise and a low-noise transformer switched at a
+timestep boundary) is one run with one folder per expert and one parity check over both::
+
+    build/<model>/<recipe>/
+        experts/        experts.json + manifest.json: the pair (boundary, which folder serves which
+                        timesteps, each expert's identity) - written by the export stage
+        high/export  high/calib  high/quant  high/engine     the high-noise expert (t >= boundary)
+        low/export   low/calib   low/quant   low/engine      the low-noise expert
+        parity/         one report: every level per expert, the switched loop and its frames
+
+Each stage runs for both experts (one calibration pass over shared trajectories writes both
+``calib/`` folders) and is reused only when every folder it wrote verifies.
 """
 from __future__ import annotations
 
@@ -35,6 +48,9 @@ STAGES = ("export", "calibrate", "quantize", "build", "check")
 STATE = "pipeline.json"
 FOLDERS = {"export": "export", "calibrate": "calib", "quantize": "quant", "build": "engine", "check": "parity"}
 RECIPE_FILE = "recipe.yaml"
+#: The folder tying a pair of experts together (written by the export stage; see the module docstring).
+EXPERTS_FOLDER = "experts"
+EXPERTS_JSON = "experts.json"
 
 
 @dataclasses.dataclass
@@ -85,7 +101,10 @@ class EnginePipeline:
         self.progress = progress or (lambda o: None)
         self.on_wait = on_wait
         self.calib_shards = int(calib_shards)  # calibrate as N shards + exact merge (same stats as one pass)
-        self._model = None
+        self.experts = tuple(self.adapter.experts)
+        # {expert: its adapter}; one model is the pair-less {None: adapter}
+        self.sides = {e: self.adapter.expert(e) for e in self.experts} or {None: self.adapter}
+        self._models: dict = {}
         self.state_path = self.run_dir / STATE
         self.state = self._read_state()
 
@@ -95,14 +114,30 @@ class EnginePipeline:
         """The recipe's preset, unless the model declares its own (toy models: tiny shapes)."""
         return self.adapter.spec.defaults.get("calib_preset") or self.recipe.calibration.preset
 
-    def folder(self, stage: str) -> Path:
-        return self.run_dir / FOLDERS.get(stage, stage)
+    def folder(self, stage: str, expert: str | None = None) -> Path:
+        """A stage's folder (of one expert of a pair: ``<run>/<expert>/<stage folder>``)."""
+        if expert is None and self.experts and stage != "check":
+            raise ConfigError(f"{self.adapter.name} is a pair of experts {list(self.experts)}: name the expert "
+                              f"whose {stage} folder you want (folder({stage!r}, expert))")
+        root = self.run_dir if expert is None or stage == "check" else self.run_dir / expert
+        return root / FOLDERS.get(stage, stage)
+
+    def folders(self, stage: str) -> list[Path]:
+        """Every folder ``stage`` writes (one per expert of a pair; the export also writes ``experts/``)."""
+        if stage == "check":
+            return [self.folder("check")]
+        out = [self.folder(stage, e) for e in self.sides]
+        return out + [self.run_dir / EXPERTS_FOLDER] if stage == "export" and self.experts else out
+
+    def model_of(self, expert: str | None = None):
+        """The loaded transformer (of one expert), loaded once."""
+        if expert not in self._models:
+            self._models[expert] = self.sides[expert].load(self.recipe.model.dtype.value, "cpu")
+        return self._models[expert]
 
     @property
     def model(self):
-        if self._model is None:
-            self._model = self.adapter.load(self.recipe.model.dtype.value, "cpu")
-        return self._model
+        return self.model_of(None)
 
     @property
     def quantized(self) -> bool:
@@ -129,24 +164,29 @@ class EnginePipeline:
     # -- fingerprints: what each stage reads ------------------------------------------------
     def _fingerprint(self, stage: str) -> str:
         r = self.recipe
+        sides = list(self.sides)
         if stage == "export":
-            return _fingerprint("export", __version__, self.adapter.describe(), to_dict(r.export))
+            return _fingerprint("export", __version__, [a.describe() for a in self.sides.values()], to_dict(r.export),
+                                self.adapter.sampling.to_dict() if self.experts else None)
         if stage == "calibrate":
             from trt_sora.calibrate.data import load_preset
 
-            return _fingerprint("calibrate", __version__, self.adapter.spec.model_hash(), to_dict(r.calibration),
-                                to_dict(load_preset(self.calib_preset_name)), to_dict(r.quantization),
-                                self.adapter.sampling.to_dict())
+            return _fingerprint("calibrate", __version__, [a.spec.model_hash() for a in self.sides.values()],
+                                to_dict(r.calibration), to_dict(load_preset(self.calib_preset_name)),
+                                to_dict(r.quantization), self.adapter.sampling.to_dict())
         if stage == "quantize":
-            stats = [self.folder("calibrate") / "stats.safetensors"] if self.quantized else []
-            weights = self._calib_output("weights") if self.quantized else None  # GPTQ-rounded weights, if any
-            return _fingerprint("quantize", __version__, to_dict(r.quantization),
-                                _file_hashes(self.folder("export") / "model.onnx", *stats, *([weights] if weights else [])))
+            files = []
+            for e in sides:
+                files.append(self.folder("export", e) / "model.onnx")
+                if self.quantized:  # the stats, and the GPTQ-rounded weights when the calibration wrote them
+                    files += [self.folder("calibrate", e) / "stats.safetensors",
+                              *filter(None, [self._calib_output("weights", e)])]
+            return _fingerprint("quantize", __version__, to_dict(r.quantization), _file_hashes(*files))
         if stage == "build":
             return _fingerprint("build", __version__, r.backend.value, r.compute_capability, to_dict(r.build),
                                 [b.to_yaml() for b in self.buckets],
-                                _file_hashes(self.folder("quantize") / "model.qdq.onnx"))
-        inputs = [self.folder(s) / MANIFEST for s in ("export", "calibrate", "quantize", "build")]
+                                _file_hashes(*[self.folder("quantize", e) / "model.qdq.onnx" for e in sides]))
+        inputs = [f / MANIFEST for s in ("export", "calibrate", "quantize", "build") for f in self.folders(s)]
         return _fingerprint("check", __version__, to_dict(r.parity), self.adapter.sampling.to_dict(),
                             _file_hashes(*inputs))
 
@@ -159,7 +199,8 @@ class EnginePipeline:
         if self.state[stage] != fp:
             return "its inputs or config changed"
         try:
-            verify_folder(self.folder(stage))
+            for folder in self.folders(stage):
+                verify_folder(folder)
         except ArtifactError as exc:
             return str(exc)
         return None
@@ -180,11 +221,14 @@ class EnginePipeline:
                 upstream_runs.append(stage)
         return out
 
+    def _shown(self, stage: str) -> str:
+        return ", ".join(str(f) for f in self.folders(stage))
+
     def _run(self, stage: str, fn: Callable[[], str]) -> StageOutcome:
         fp = self._fingerprint(stage)
         why = self._why_not_reuse(stage, fp)
         if why is None:
-            out = StageOutcome(stage, "reused", folder=str(self.folder(stage)),
+            out = StageOutcome(stage, "reused", folder=self._shown(stage),
                                detail="inputs unchanged, outputs verified (sha256)")
             self.progress(out)
             return out
@@ -197,36 +241,76 @@ class EnginePipeline:
         t0 = time.perf_counter()
         detail = fn() or ""
         self._record(stage, fp)
-        out = StageOutcome(stage, "ran", time.perf_counter() - t0, str(self.folder(stage)), detail)
+        out = StageOutcome(stage, "ran", time.perf_counter() - t0, self._shown(stage), detail)
         self.progress(out)
         return out
 
     # -- stages --------------------------------------------------------------------------
+    def _each(self, run_one) -> list:
+        """``run_one(expert, adapter)`` for every side (the one model, or each expert)."""
+        return [run_one(e, a) for e, a in self.sides.items()]
+
+    def _tag(self, e: str | None) -> str:
+        return f"{e}: " if e else ""
+
     def export(self) -> StageOutcome:
         from trt_sora.export import export_onnx
 
         def go():
-            # weightless: traced without weights, streamed from the checkpoint (same bytes as with them in memory)
-            res = export_onnx(self.adapter, self.recipe.export, self.folder("export"))
-            worst = min(p["cosine"] for p in res.parity) if res.parity else float("nan")
-            return f"ORT parity at {len(res.parity)} shapes, worst cosine {worst:.7f}"
+            def one(e, a):
+                # weightless: traced without weights, streamed from the checkpoint (same bytes as with them in memory)
+                res = export_onnx(a, self.recipe.export, self.folder("export", e))
+                worst = min(p["cosine"] for p in res.parity) if res.parity else float("nan")
+                return f"{self._tag(e)}ORT parity at {len(res.parity)} shapes, worst cosine {worst:.7f}"
+
+            details = self._each(one)
+            if self.experts:
+                self._write_experts()
+            return "; ".join(details)
 
         return self._run("export", go)
 
+    def _write_experts(self) -> None:
+        """``experts/``: which folder serves which timesteps, and each expert's identity (what the parity
+        check and the runtime read to load the pair)."""
+        from trt_sora.manifest import file_entry, staged_dir, write_manifest
+
+        st = self.adapter.sampling
+        pair = {"model": self.adapter.describe()["ref"], "model_hash": self.adapter.spec.model_hash(),
+                "boundary_ratio": st.boundary_ratio,
+                "boundary_timestep": st.boundary_timestep, "sampling": st.to_dict(),
+                "experts": {e: {"folder": e, "serves": ("timestep >= " if e == self.experts[0] else "timestep < ") +
+                                f"{st.boundary_timestep:g}", "model": a.describe()}
+                            for e, a in self.sides.items()}}
+        with staged_dir(self.run_dir / EXPERTS_FOLDER) as tmp:
+            write_json(tmp / EXPERTS_JSON, pair)
+            write_manifest(tmp, stage="experts", inputs={e: file_entry(self.folder("export", e) / "model.onnx",
+                                                                       self.run_dir) for e in self.experts},
+                           config=st.to_dict(), results=pair, outputs={"experts": EXPERTS_JSON})
+
     def calibrate(self) -> StageOutcome:
         from trt_sora.calibrate.data import load_preset
-        from trt_sora.calibrate.run import calibrate
+        from trt_sora.calibrate.run import calibrate, calibrate_experts
 
         def go():
             from trt_sora.calibrate.shards import shard_folder
 
-            kw = dict(model=self.model, preset=load_preset(self.calib_preset_name),
-                      quant_format=self.recipe.quantization.format, quant_config=self.recipe.quantization)
+            kw = dict(preset=load_preset(self.calib_preset_name), quant_format=self.recipe.quantization.format,
+                      quant_config=self.recipe.quantization)
+            if self.experts:
+                if self.calib_shards > 1:
+                    raise ConfigError(f"{self.adapter.name} is a pair of experts: calibrate it in one pass "
+                                      "(calib_shards 1); sharded calibration covers one transformer")
+                res = calibrate_experts(self.adapter, self.recipe.calibration,
+                                        {e: self.folder("calibrate", e) for e in self.experts},
+                                        models={e: self.model_of(e) for e in self.experts}, **kw)
+                return "; ".join(f"{e}: {len(r.stats.sites)} sites over steps "
+                                 f"{r.manifest['results']['expert']['steps_served']}" for e, r in res.items())
             out, n = self.folder("calibrate"), self.calib_shards
             folders = [shard_folder(out, i, n) for i in range(n)] if n > 1 else None
             for i, f in enumerate(folders or []):
-                calibrate(self.adapter, self.recipe.calibration, f, shard=(i, n), **kw)
-            res = calibrate(self.adapter, self.recipe.calibration, out, from_shards=folders, **kw)
+                calibrate(self.adapter, self.recipe.calibration, f, shard=(i, n), model=self.model, **kw)
+            res = calibrate(self.adapter, self.recipe.calibration, out, from_shards=folders, model=self.model, **kw)
             return f"{len(res.stats.sites)} sites -> {res.stats_path.name}" + (f" ({n} shards merged)" if n > 1 else "")
 
         return self._run("calibrate", go)
@@ -234,25 +318,27 @@ class EnginePipeline:
     def quantize(self) -> StageOutcome:
         from trt_sora.quantize import quantize_onnx
 
-        # unquantized recipes (bf16): the graph is only cast to the graph dtype, no stats
-        stats = self.folder("calibrate") / "stats.safetensors" if self.quantized else None
-        weights = self._calib_output("weights") if self.quantized else None  # GPTQ-rounded weights, if any
-
         def go():
-            res = quantize_onnx(self.folder("export") / "model.onnx", stats, self.recipe.quantization,
-                                self.folder("quantize"), model_hash=self.adapter.spec.model_hash(), weights=weights)
-            c = res.counts
-            return (f"{c['quantized_linears']} of {c['graph_linears']} linears quantized "
-                    f"({self.recipe.quantization.format.value}), {c['fused_groups']} fused groups")
+            def one(e, a):
+                # unquantized recipes (bf16): the graph is only cast to the graph dtype, no stats
+                stats = self.folder("calibrate", e) / "stats.safetensors" if self.quantized else None
+                weights = self._calib_output("weights", e) if self.quantized else None  # GPTQ-rounded, if any
+                res = quantize_onnx(self.folder("export", e) / "model.onnx", stats, self.recipe.quantization,
+                                    self.folder("quantize", e), model_hash=a.spec.model_hash(), weights=weights)
+                c = res.counts
+                return (f"{self._tag(e)}{c['quantized_linears']} of {c['graph_linears']} linears quantized "
+                        f"({self.recipe.quantization.format.value}), {c['fused_groups']} fused groups")
+
+            return "; ".join(self._each(one))
 
         return self._run("quantize", go)
 
-    def _calib_output(self, key: str):
+    def _calib_output(self, key: str, expert: str | None = None):
         """A file the calibration stage's manifest lists under ``outputs`` (None when it wrote none)."""
         from trt_sora.errors import ArtifactError
         from trt_sora.manifest import read_manifest
 
-        folder = self.folder("calibrate")
+        folder = self.folder("calibrate", expert)
         try:
             name = read_manifest(folder, stage="calibrate").get("outputs", {}).get(key)
         except ArtifactError:  # no calibration manifest: nothing listed
@@ -263,13 +349,16 @@ class EnginePipeline:
         from trt_sora.build import build_engine
 
         def go():
-            res = build_engine(self.folder("quantize") / "model.qdq.onnx", self.recipe, self.folder("build"),
-                               buckets=self.buckets, export_manifest=self.folder("export"),
-                               model_name=self.adapter.name)
-            a = res.report["analysis"]
-            return (f"{len(res.engine_paths)} engine(s), {res.report['profiles']['built']} profile(s); "
-                    f"GEMMs {a['gemm_counts']}, FP8 fraction of quantized {a['fp8_gemm_fraction']:.2f}; "
-                    f"attention fused: {a['attention']['fused']}")
+            def one(e, a):
+                res = build_engine(self.folder("quantize", e) / "model.qdq.onnx", self.recipe, self.folder("build", e),
+                                   buckets=self.buckets, export_manifest=self.folder("export", e),
+                                   model_name=f"{self.adapter.name}-{e}" if e else self.adapter.name)
+                an = res.report["analysis"]
+                return (f"{self._tag(e)}{len(res.engine_paths)} engine(s), {res.report['profiles']['built']} "
+                        f"profile(s); GEMMs {an['gemm_counts']}, FP8 fraction of quantized "
+                        f"{an['fp8_gemm_fraction']:.2f}; attention fused: {an['attention']['fused']}")
+
+            return "; ".join(self._each(one))
 
         return self._run("build", go)
 
@@ -310,7 +399,8 @@ class EnginePipeline:
         outcomes = []
         with folder_lock(self.run_dir, on_wait=self.on_wait):
             self.state = self._read_state()  # another run may have finished while we waited
-            sweep_dead_temps(self.run_dir)
+            for root in [self.run_dir, *(self.run_dir / e for e in self.experts)]:
+                sweep_dead_temps(root)
             self._record_recipe()
             for stage in selected:
                 if stage == "calibrate" and not self.quantized:

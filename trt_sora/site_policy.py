@@ -9,7 +9,8 @@ Order of precedence for a site (module path such as ``blocks.0.attn1.to_q``):
 2. an explicit ``quantization.include`` pattern *other than* ``"*"`` -> included, even when a
    default exclusion matches (this is how one default is overridden, e.g. ``include: ["*",
    "proj_out"]`` quantizes the final projection);
-3. a default exclusion (when ``default_excludes: true``) -> excluded with its reason;
+3. a default exclusion (when ``default_excludes: true``): the shared ones below, then the model
+   family's own (``ModelAdapter.quant_excludes``, passed as ``family_excludes``) -> excluded with its reason;
 4. the ``"*"`` include (the default) -> included; no include match -> excluded.
 
 Patterns are :func:`fnmatch.fnmatchcase` patterns over module paths without the
@@ -18,6 +19,7 @@ export wrapper's ``inner.`` prefix.
 from __future__ import annotations
 
 import fnmatch
+from typing import Mapping
 
 from trt_sora.config.recipe import QuantConfig
 
@@ -39,8 +41,9 @@ DEFAULT_EXCLUDES: dict[str, str] = {
 }
 
 
-def site_policy(site: str, config: QuantConfig) -> tuple[bool, str]:
-    """``(quantize?, reason)`` for one site under ``config`` (see the module docstring)."""
+def site_policy(site: str, config: QuantConfig, family_excludes: Mapping[str, str] | None = None) -> tuple[bool, str]:
+    """``(quantize?, reason)`` for one site under ``config`` (see the module docstring);
+    ``family_excludes``: the model family's own default exclusions, ``{pattern: reason}``."""
     for pat in config.exclude:
         if fnmatch.fnmatchcase(site, pat):
             return False, f"recipe exclude {pat!r}"
@@ -48,7 +51,7 @@ def site_policy(site: str, config: QuantConfig) -> tuple[bool, str]:
         if pat != "*" and fnmatch.fnmatchcase(site, pat):
             return True, f"recipe include {pat!r}"
     if config.default_excludes:
-        for pat, why in DEFAULT_EXCLUDES.items():
+        for pat, why in {**DEFAULT_EXCLUDES, **dict(family_excludes or {})}.items():
             if fnmatch.fnmatchcase(site, pat):
                 return False, f"default exclusion: {why} (override with quantization.include: ['*', {site!r}])"
     if "*" in config.include:

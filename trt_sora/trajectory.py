@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, Mapping
 
 __all__ = ["TrajectoryRun", "measured_contribution", "reference_with_candidate"]
 
@@ -42,13 +42,20 @@ class TrajectoryRun:
     peak: float
 
 
+def _pick(call, expert):
+    """The call of ``expert`` when ``call`` is a per-expert mapping (two experts), else ``call``."""
+    return call[expert] if isinstance(call, Mapping) else call
+
+
 def reference_with_candidate(ref_call, cand_call, noise, cond, uncond, *, scheduler, settings, cfg: str,
-                             keep_inputs=(), count=None) -> TrajectoryRun:
+                             keep_inputs=(), count=None, conditioner=None) -> TrajectoryRun:
     """Run the reference trajectory; feed every call's inputs to the candidate too (see module doc).
 
-    ``ref_call`` / ``cand_call``: :data:`trt_sora.sampling.ModelCall` s. ``keep_inputs``: steps whose
+    ``ref_call`` / ``cand_call``: :data:`trt_sora.sampling.ModelCall` s, or ``{expert: ModelCall}`` for
+    a two-expert model (each step judged on the expert serving it). ``keep_inputs``: steps whose
     first call's inputs are kept as numpy feeds (the single-call levels' samples). ``count(call)``:
-    called once per model call (progress).
+    called once per model call (progress). ``conditioner``: the family adapter (how latents +
+    conditioning become the model's inputs).
     """
     from trt_sora.metrics import compare
     from trt_sora.sampling import sample
@@ -58,7 +65,6 @@ def reference_with_candidate(ref_call, cand_call, noise, cond, uncond, *, schedu
     pending: dict[str, tuple[Any, Any]] = {}
     per_step: dict[int, dict] = {}
     inputs: dict[int, dict] = {}
-    g = settings.guidance_scale
 
     def hook(call):
         current["call"] = call
@@ -67,23 +73,25 @@ def reference_with_candidate(ref_call, cand_call, noise, cond, uncond, *, schedu
         if call.step in keep_inputs and call.step not in inputs:
             inputs[call.step] = {k: v.detach().cpu().numpy().copy() for k, v in call.inputs.items()}
 
-    def guided(i):
-        if not settings.uses_cfg:
+    def guided(i, g):
+        if g <= 1.0:
             return pending["cond"][i]
         return pending["uncond"][i] + g * (pending["cond"][i] - pending["uncond"][i])
 
     def both(feeds):
         call = current["call"]
-        y_r = ref_call(feeds).float()
-        y_c = cand_call(feeds).float().to(y_r.device)
+        y_r = _pick(ref_call, call.expert)(feeds).float()
+        y_c = _pick(cand_call, call.expert)(feeds).float().to(y_r.device)
         m = compare(y_r, y_c)
         calls.append({"step": call.step, "timestep": call.timestep, "sigma": call.sigma, "branch": call.branch,
+                      **({"expert": call.expert} if call.expert else {}),
                       **{k: m[k] for k in ("cosine", "psnr_db", "rel_l2")}})
         b = y_r.shape[0] // len(call.branches)
         for k, br in enumerate(call.branches):
             pending[br] = (y_r[k * b:(k + 1) * b], y_c[k * b:(k + 1) * b])
-        if len(pending) == len(settings.branches):  # the step's velocity is complete
-            v_r, v_c = guided(0), guided(1)
+        g = settings.guidance_at(call.timestep)
+        if len(pending) == (2 if g > 1.0 else 1):  # the step's velocity is complete
+            v_r, v_c = guided(0, g), guided(1, g)
             mv = compare(v_r, v_c)
             per_step[call.step] = {"velocity_cosine": mv["cosine"], "velocity_psnr_db": mv["psnr_db"],
                                    "velocity_mse": float((v_c - v_r).double().square().mean())}
@@ -91,7 +99,7 @@ def reference_with_candidate(ref_call, cand_call, noise, cond, uncond, *, schedu
         return y_r
 
     res = sample(both, noise, cond, uncond, scheduler=scheduler, settings=settings, cfg=cfg, hook=hook,
-                 keep=("latents",))
+                 keep=("latents",), conditioner=conditioner)
     peak = float(res.latents.max() - res.latents.min())
     steps = []
     for rec in res.steps:
@@ -110,7 +118,7 @@ def _psnr(mse: float, peak: float) -> float:
 
 
 def measured_contribution(run: TrajectoryRun, ref_call, cand_call, step: int, noise, cond, uncond, *, scheduler,
-                          settings, cfg: str) -> float:
+                          settings, cfg: str, conditioner=None) -> float:
     """Final-latent PSNR (peak ``run.peak``) of the reference loop with the candidate at ``step``
     only: resumed from the reference latents entering ``step`` (``noise`` for step 0), the
     candidate's calls there, the reference's after. ``scheduler``: a fresh one (same schedule)."""
@@ -120,11 +128,11 @@ def measured_contribution(run: TrajectoryRun, ref_call, cand_call, step: int, no
     at = {}
 
     def hook(call):
-        at["step"] = call.step
+        at["step"], at["expert"] = call.step, call.expert
 
     def mixed(feeds):
-        return (cand_call if at["step"] == step else ref_call)(feeds)
+        return _pick(cand_call if at["step"] == step else ref_call, at["expert"])(feeds)
 
     x = sample(mixed, x0, cond, uncond, scheduler=scheduler, settings=settings, cfg=cfg, hook=hook,
-               start_step=step).latents
+               start_step=step, conditioner=conditioner).latents
     return _psnr(float((x.double() - run.reference.latents.double()).square().mean()), run.peak)

@@ -155,16 +155,18 @@ def _check_buckets(buckets: Sequence[ShapeProfile], dims: Mapping[str, list], ex
                 continue
             size = shape[int(axis)]
             for b in buckets:
-                r = getattr(b, dim)
+                r = b.range(dim)
                 if (r.min, r.max) != (size, size):
                     raise ShapeError(f"bucket {b.name!r}: {dim} {r.min}..{r.max} but the ONNX input {inp!r} has "
                                      f"a static size {size} on axis {axis}; re-export with {dim} dynamic or "
                                      f"set the bucket's {dim} to {size}")
+    known = tuple(DIM_NAMES) + tuple(k for b in buckets for k, _ in b.extra if k not in DIM_NAMES)
     for inp, shape in dims.items():
         for axis, d in enumerate(shape):
-            if isinstance(d, str) and d not in DIM_NAMES:
+            if isinstance(d, str) and d not in known:
                 raise BuildError(f"ONNX input {inp!r} axis {axis} is dynamic with the unknown name {d!r}; "
-                                 f"expected one of {DIM_NAMES} — export with `trt-sora export`")
+                                 f"expected one of {known} — export with `trt-sora export` (and build with "
+                                 "the model's buckets, which carry its own dims)")
             if d is None:
                 raise BuildError(f"ONNX input {inp!r} axis {axis} is dynamic without a name; "
                                  "export with `trt-sora export` so every dynamic axis is named")
@@ -317,8 +319,9 @@ def build_engine(onnx_path: str | os.PathLike, config: Recipe | BuildConfig, out
     dims = _input_dims(model)
     del model
     _check_buckets(buckets, dims, export)
-    patch = ((export or {}).get("results", {}).get("model", {}).get("config", {}) or {}).get("patch_size")
-    if patch:
+    res = (export or {}).get("results", {})
+    patch = res.get("patch_size") or (res.get("model", {}).get("config", {}) or {}).get("patch_size")
+    if patch and not isinstance(patch, int):
         for b in buckets:
             b.validate(tuple(patch))
     if model_name is None:

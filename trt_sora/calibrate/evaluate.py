@@ -118,7 +118,7 @@ def evaluate(adapter, model, stats, preset, quant_config, options, *, encode: Ca
         method, format, cosine, max_abs, rel_l2, psnr_db), ``sensitivity`` (rows sorted worst first),
         ``skip`` (groups, patterns, YAML, verification metrics).
     """
-    from trt_sora.calibrate.run import _chunks, _encode, _noise, _uncond, calibration_sampling
+    from trt_sora.calibrate.run import _chunks, _noise, branch_inputs, calibration_sampling
     from trt_sora.metrics import compare
     from trt_sora.sampling import adapter_call, sample
 
@@ -136,15 +136,15 @@ def evaluate(adapter, model, stats, preset, quant_config, options, *, encode: Ca
     chunks = _chunks(prompts, shape.batch)
     feeds = []
     for k, chunk in enumerate(chunks):
-        cond = _encode(encode, [p.prompt for p in chunk], shape.text_len, device)
-        uncond = _uncond(adapter, encode, preset, len(chunk), shape.text_len, device) \
-            if settings.uses_cfg else None
-        feeds.append((_noise(adapter, shape, preset.seed * 1_000_003 + 500_000 + k, device), cond, uncond, chunk))
+        seed = preset.seed * 1_000_003 + 500_000 + k
+        cond, uncond = branch_inputs(adapter, encode, preset, [p.prompt for p in chunk], shape,
+                                     uses_cfg=settings.uses_cfg, seed=seed, device=device)
+        feeds.append((_noise(adapter, shape, seed, device), cond, uncond, chunk))
 
     fmt_main = quant_config.format.value
     methods = [stats.metadata.method] + sorted({m for per in stats.method_amax.values() for m in per})
     formats = list(dict.fromkeys(options.formats))
-    candidates = [s for s in quantized_sites(model, quant_config) if s in stats.amax]
+    candidates = [s for s in quantized_sites(model, quant_config, adapter.quant_excludes) if s in stats.amax]
     groups = layer_groups(candidates, options.sensitivity, adapter.layer_kinds)
     modules = dict(model.named_modules())
     w_bytes = sum(modules[s].weight.numel() * modules[s].weight.element_size() for s in candidates)
@@ -173,7 +173,8 @@ def evaluate(adapter, model, stats, preset, quant_config, options, *, encode: Ca
             count(call)
         for noise, cond, uncond, chunk in feeds:
             kw = dict(scheduler=adapter.scheduler(settings.shift), settings=settings, cfg="split", dtype=model_dtype,
-                      hook=hook, label=f"evaluation, held-out prompts {[p.id for p in chunk]}")
+                      hook=hook, label=f"evaluation, held-out prompts {[p.id for p in chunk]}",
+                      conditioner=adapter)
             if quant is None:
                 outs.append(sample(adapter_call(adapter, model), noise, cond, uncond, **kw).latents)
             else:
@@ -329,6 +330,13 @@ class _counting_flops:
             h.remove()
 
 
+def _cast(cond, dtype):
+    """A branch's conditioning (``{name: tensor}``, or None) with its float tensors in ``dtype``."""
+    if cond is None:
+        return None
+    return {k: v.to(dtype) if v.is_floating_point() else v for k, v in cond.items()}
+
+
 def _per_step_view(adapter, model, feed, settings, amax, fmt, sites, stats, cache, model_dtype, count,
                    rounded=None) -> list[dict]:
     """One held-out trajectory with the fake-quantized model teacher-forced on the unquantized one's
@@ -354,9 +362,9 @@ def _per_step_view(adapter, model, feed, settings, amax, fmt, sites, stats, cach
 
     with fake_quantized(model, amax, fmt, sites=sites, weight_amax=weight_amax, cache_weights=cache,
                         enabled=lambda: state["quantized"], weights=rounded):
-        run = reference_with_candidate(ref_call, cand_call, noise, cond.to(model_dtype), None if uncond is None
-                                       else uncond.to(model_dtype), scheduler=adapter.scheduler(settings.shift),
-                                       settings=settings, cfg="split", count=count)
+        run = reference_with_candidate(ref_call, cand_call, noise, _cast(cond, model_dtype), _cast(uncond, model_dtype),
+                                       scheduler=adapter.scheduler(settings.shift), settings=settings, cfg="split",
+                                       count=count, conditioner=adapter)
     rows = []
     for st in run.steps:
         calls = [c for c in run.calls if c["step"] == st["step"]]

@@ -38,16 +38,18 @@ log = logging.getLogger("trt_sora")
 __all__ = ["fake_quantized", "quantized_sites"]
 
 
-def quantized_sites(model: torch.nn.Module, config: QuantConfig | None = None) -> list[str]:
+def quantized_sites(model: torch.nn.Module, config: QuantConfig | None = None,
+                    family_excludes: Mapping[str, str] | None = None) -> list[str]:
     """Module paths of the ``nn.Linear`` layers the quantize stage would quantize under ``config``.
 
-    ``config`` defaults to ``QuantConfig()`` (everything except the default exclusions).
+    ``config`` defaults to ``QuantConfig()`` (everything except the default exclusions);
+    ``family_excludes``: the model family's own (``adapter.quant_excludes``), as the quantize stage.
     """
     from trt_sora.site_policy import site_policy
 
     config = config or QuantConfig()
     return [n for n, m in model.named_modules()
-            if isinstance(m, torch.nn.Linear) and site_policy(n, config)[0]]
+            if isinstance(m, torch.nn.Linear) and site_policy(n, config, family_excludes)[0]]
 
 
 def _scalar_amax(site: str, a) -> torch.Tensor:

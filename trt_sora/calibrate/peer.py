@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import logging
 import re
 import time
@@ -124,7 +125,7 @@ def modelopt_peer(adapter, model, stats, preset, quant_config, *, encode: Callab
 
     from trt_sora.calibrate.data import prompts_for_preset
     from trt_sora.calibrate.fakequant_model import fake_quantized, quantized_sites
-    from trt_sora.calibrate.run import _chunks, _encode, _noise, _uncond, calibration_sampling
+    from trt_sora.calibrate.run import _chunks, _noise, branch_inputs, calibration_sampling
     from trt_sora.metrics import compare
     from trt_sora.sampling import adapter_call, sample as run_sampler
 
@@ -145,10 +146,12 @@ def modelopt_peer(adapter, model, stats, preset, quant_config, *, encode: Callab
         prompts = prompts_for_preset(preset, split="heldout", num_prompts=None)
     feeds = []
     for k, chunk in enumerate(_chunks(prompts, shape.batch)):
-        cond = _encode(encode, [p.prompt for p in chunk], shape.text_len, device)
-        uncond = adapter.negative_embedding(encode, len(chunk), shape.text_len).to(device) \
-            if eval_settings.uses_cfg else None  # the unconditional branch users sample with
-        feeds.append((_noise(adapter, shape, preset.seed * 1_000_003 + 700_000 + k, device), cond, uncond))
+        seed = preset.seed * 1_000_003 + 700_000 + k
+        # the unconditional branch users sample with: the model's own (not the preset's negative prompt)
+        cond, uncond = branch_inputs(adapter, encode, dataclasses.replace(preset, negative_prompt=None),
+                                     [p.prompt for p in chunk], shape, uses_cfg=eval_settings.uses_cfg, seed=seed,
+                                     device=device)
+        feeds.append((_noise(adapter, shape, seed, device), cond, uncond))
     calib_plan = [(shape_, chunk) for shape_ in preset.shapes
                   for chunk in _chunks(prompts_for_preset(preset), shape_.batch)]
     per_sample = len(feeds) * steps * len(eval_settings.branches)
@@ -167,18 +170,18 @@ def modelopt_peer(adapter, model, stats, preset, quant_config, *, encode: Callab
             with ctx():
                 outs.append(run_sampler(adapter_call(adapter, net), noise, cond, uncond,
                                         scheduler=adapter.scheduler(eval_settings.shift), settings=eval_settings,
-                                        cfg="split", dtype=model_dtype, hook=tick,
+                                        cfg="split", dtype=model_dtype, hook=tick, conditioner=adapter,
                                         label="peer comparison, held-out prompts").latents)
         return torch.cat(outs).cpu()
 
     def calibration_loop(net):  # our calibration trajectories, replayed (same prompts, noise, steps, CFG)
         for k, (shape_, chunk) in enumerate(calib_plan):
-            cond = _encode(encode, [p.prompt for p in chunk], shape_.text_len, device)
-            uncond = _uncond(adapter, encode, preset, len(chunk), shape_.text_len, device) \
-                if calib_settings.uses_cfg else None
-            run_sampler(adapter_call(adapter, net), _noise(adapter, shape_, preset.seed * 1_000_003 + k, device), cond,
-                        uncond, scheduler=adapter.scheduler(calib_settings.shift), settings=calib_settings,
-                        cfg="split", dtype=model_dtype, hook=tick, label="ModelOpt calibration")
+            seed = preset.seed * 1_000_003 + k
+            cond, uncond = branch_inputs(adapter, encode, preset, [p.prompt for p in chunk], shape_,
+                                         uses_cfg=calib_settings.uses_cfg, seed=seed, device=device)
+            run_sampler(adapter_call(adapter, net), _noise(adapter, shape_, seed, device), cond, uncond,
+                        scheduler=adapter.scheduler(calib_settings.shift), settings=calib_settings, cfg="split",
+                        dtype=model_dtype, hook=tick, label="ModelOpt calibration", conditioner=adapter)
 
     progress("peer", 0, total)
     ref = sample(model)

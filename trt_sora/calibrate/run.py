@@ -48,7 +48,8 @@ from trt_sora.errors import CalibrationError, ConfigError
 
 log = logging.getLogger("trt_sora")
 
-__all__ = ["ALL_METHODS", "CalibResult", "ReportOptions", "calibrate", "observer_kwargs", "Progress"]
+__all__ = ["ALL_METHODS", "CalibResult", "ReportOptions", "calibrate", "calibrate_experts", "observer_kwargs",
+           "Progress"]
 
 #: Every method collected in one pass (the chosen one first).
 ALL_METHODS = tuple(m.value for m in CalibMethod)
@@ -170,14 +171,27 @@ def compute_dtype(model):
     return max(counts, key=counts.get)
 
 
-def _encode(encode, texts: list[str], text_len: int, device):
-    import torch
+def _to(cond: Mapping[str, Any], device) -> dict[str, Any]:
+    return {k: v.float().to(device) if v.is_floating_point() else v.to(device) for k, v in cond.items()}
 
-    emb = encode(texts, text_len)
-    if not isinstance(emb, torch.Tensor) or emb.dim() != 3 or emb.shape[:2] != (len(texts), text_len):
-        raise CalibrationError(f"the text encoder returned {getattr(emb, 'shape', type(emb))} for {len(texts)} "
-                               f"prompts at text_len {text_len}; expected [B, text_len, D]")
-    return emb.float().to(device)
+
+def branch_inputs(adapter, encode, preset: CalibPreset, prompts: list[str], shape: CalibShape, *, uses_cfg: bool,
+                  seed: int, device) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """``(cond, uncond)`` conditioning of one trajectory: the prompts' text inputs (the family's
+    :meth:`~trt_sora.models.base.ModelAdapter.text_conditioning`), the unconditional branch's (the
+    preset's negative prompt, else the model's own), and what both share (an image-to-video model's
+    image conditioning, seeded by ``seed``)."""
+    from trt_sora.errors import ModelError
+
+    point = adapter.with_family_dims(shape.as_dict())
+    try:
+        shared = adapter.image_conditioning(point, seed=seed)
+        cond = {**adapter.text_conditioning(encode, prompts, point), **shared}
+        uncond = {**adapter.negative_conditioning(encode, len(prompts), point, prompt=preset.negative_prompt),
+                  **shared} if uses_cfg else None
+    except ModelError as exc:
+        raise CalibrationError(str(exc)) from None
+    return _to(cond, device), (_to(uncond, device) if uncond is not None else None)
 
 
 def calibration_sampling(adapter, preset: CalibPreset, config: CalibConfig | None = None):
@@ -198,14 +212,6 @@ def calibration_sampling(adapter, preset: CalibPreset, config: CalibConfig | Non
                           f"{model.guidance_scale:g}, shift {model.shift:g})")
     short = " - SHORTER than users sample" if settings.num_steps < model.num_steps else ""
     return settings, f"overridden by the preset/recipe: {', '.join(changed)}{short}"
-
-
-def _uncond(adapter, encode, preset: CalibPreset, batch: int, text_len: int, device):
-    """The unconditional branch's embeddings: the preset's negative prompt, else the model's own
-    (``adapter.negative_embedding``: what users sample with)."""
-    if preset.negative_prompt is not None:
-        return _encode(encode, [preset.negative_prompt] * batch, text_len, device)
-    return adapter.negative_embedding(encode, batch, text_len).to(device)
 
 
 def _negative_label(adapter, preset: CalibPreset) -> str:
@@ -254,45 +260,58 @@ def _resolve_preset(adapter, config: CalibConfig, preset) -> CalibPreset:
     return load_preset(preset or config.preset)
 
 
-def _collect(adapter, model, preset: CalibPreset, settings, plan, todo: range, *, encode, methods, okw, cfg: str,
-             model_dtype, timesteps: list, progress: Progress, total: int, hessians=None) -> dict:
-    """Run the trajectories ``plan[k] for k in todo`` with the observers installed; ``{site: SiteStats}``.
-    ``hessians``: a :class:`~trt_sora.calibrate.gptq.HessianHooks` open over the same forwards (GPTQ)."""
+def _collect(sides, models, lead, preset: CalibPreset, settings, plan, todo: range, *, encode, methods, okw,
+             cfg: str, model_dtype, timesteps: dict, forwards: dict, progress: Progress, total: int,
+             hessians: Mapping[Any, Any] | None = None) -> dict:
+    """Run the trajectories ``plan[k] for k in todo`` with the observers installed on every model
+    (``sides``: ``{None: adapter}``, or ``{expert: adapter}`` for a pair switched at its boundary, each
+    observing exactly the steps it serves); ``{side: {site: SiteStats}}``. ``hessians``: ``{side:
+    HessianHooks}`` (:mod:`trt_sora.calibrate.gptq`) open over the same forwards (GPTQ)."""
     from trt_sora.calibrate.hooks import CollectionHooks
-    from trt_sora.sampling import CallInfo, adapter_call, sample
+    from trt_sora.sampling import CallInfo, adapter_call, expert_calls, sample
 
-    model_device = next(model.parameters()).device
+    model_device = next(models[next(iter(sides))].parameters()).device
     done = 0
     progress("calibrate", 0, total)
-    with CollectionHooks(model, methods=methods, branches=settings.branches, observer_kwargs=okw) as hooks, \
-            (hessians if hessians is not None else contextlib.nullcontext()):
+    with contextlib.ExitStack() as stack:
+        hooks = {k: stack.enter_context(CollectionHooks(m, methods=methods, branches=settings.branches,
+                                                        observer_kwargs=okw)) for k, m in models.items()}
+        for h in (hessians or {}).values():
+            stack.enter_context(h)
+
         def on_call(call: CallInfo):
             nonlocal done
-            if len(timesteps) <= call.step:
-                timesteps.append(call.timestep)
+            timesteps[call.expert].setdefault(call.step, call.timestep)
+            forwards[call.expert] += 1
             done += 1
             progress("calibrate", done, total)
-            return hooks.at(step=call.step, branch=call.branch)
+            return hooks[call.expert].at(step=call.step, branch=call.branch)
 
+        call = expert_calls(settings, lambda e: adapter_call(sides[e], models[e]))
         for k in todo:  # k: the trajectory's index in the whole plan (it seeds the noise), shards included
             _, shape, chunk = plan[k]
-            cond = _encode(encode, [p.prompt for p in chunk], shape.text_len, model_device)
-            uncond = _uncond(adapter, encode, preset, len(chunk), shape.text_len, model_device) \
-                if settings.uses_cfg else None
-            noise = _noise(adapter, shape, preset.seed * 1_000_003 + k, model_device)
+            seed = preset.seed * 1_000_003 + k
+            cond, uncond = branch_inputs(lead, encode, preset, [p.prompt for p in chunk], shape,
+                                         uses_cfg=settings.uses_cfg, seed=seed, device=model_device)
+            noise = _noise(lead, shape, seed, model_device)
             label = f"shape {shape.as_dict()}, prompts {[p.id for p in chunk]}"
-            sample(adapter_call(adapter, model), noise, cond, uncond, scheduler=adapter.scheduler(settings.shift),
-                   settings=settings, cfg=cfg if settings.uses_cfg else "split", dtype=model_dtype, hook=on_call,
-                   label=label)
-        sites = hooks.used_sites()
-    if not sites:
-        raise CalibrationError("no calibration site saw data: the model has no nn.Linear reached by its forward; "
-                               "check the adapter's forward")
+            sample(call, noise, cond, uncond, scheduler=lead.scheduler(settings.shift), settings=settings,
+                   cfg=cfg if settings.uses_cfg else "split", dtype=model_dtype, hook=on_call, label=label,
+                   conditioner=lead)
+        sites = {k: h.used_sites() for k, h in hooks.items()}
+    for k, found in sites.items():
+        if not found:
+            raise CalibrationError(
+                f"no calibration site of {sides[k].name}{f' (expert {k})' if k else ''} saw data: " +
+                ("the trajectories never reach its steps - check the boundary and the step count" if k else
+                 "the model has no nn.Linear reached by its forward; check the adapter's forward"))
     return sites
 
 
 def _reduce(model, sites: Mapping[str, Any], meta):
-    """``CalibStats`` of the sites, plus every linear's per-output-channel weight amax ``max |W|``."""
+    """``CalibStats`` of the sites, plus every linear's per-output-channel weight amax ``max |W|``. A site
+    that saw only zeros (e.g. an image projection fed zeros in text-to-video) has no scale to measure:
+    it gets no statistics (the quantize stage names it unless it is excluded) and a warning."""
     import torch
 
     from trt_sora.calibrate.stats import CalibStats
@@ -301,6 +320,15 @@ def _reduce(model, sites: Mapping[str, Any], meta):
     meta.extra["weight_sites"] = []
     meta.extra["attention_sites"] = [n for n in sites if not isinstance(modules.get(n), torch.nn.Linear)]
     stats = CalibStats.from_sites(sites, meta)
+    zeros = [k for k, a in stats.amax.items() if not bool((a > 0).all())]
+    if zeros:
+        log.warning("calibration: %d site(s) saw only zeros and get no statistics: %s", len(zeros),
+                    ", ".join(zeros[:8]) + (" ..." if len(zeros) > 8 else ""))
+        for store in (stats.amax, stats.method_amax, stats.amax_per_step, stats.count_per_step, stats.histograms):
+            for k in zeros:
+                store.pop(k, None)
+        sites = {k: v for k, v in sites.items() if k not in zeros}
+        meta.extra["zero_sites"] = zeros
     for name in list(sites):
         mod = modules.get(name)
         if isinstance(mod, torch.nn.Linear):
@@ -370,29 +398,65 @@ def calibrate(adapter, config: CalibConfig, out_dir, *, model=None, preset: Cali
         CalibrationError: missing or empty prompt set, NaN/inf activations (naming site, step,
             branch), a forward that changes the sample shape, a site that only saw zeros.
     """
-    from trt_sora.calibrate.gptq import (HESSIANS_FILE, WEIGHTS_FILE, HessianHooks, load_hessians, save_hessians,
-                                         save_rounded_weights)
-    from trt_sora.calibrate.stats import StatsMetadata
-    from trt_sora.config.base import to_dict
-    from trt_sora.manifest import file_entry, staged_dir, write_manifest
+    if adapter.experts:
+        raise ConfigError(f"model {adapter.name} is a pair of experts {list(adapter.experts)}; calibrate both over "
+                          "the same trajectories with calibrate_experts(adapter, config, {expert: out_dir})")
+    return _calibrate({None: adapter}, config, {None: out_dir}, models={None: model}, preset=preset,
+                      quant_format=quant_format, text_encoder=text_encoder, device=device, progress=progress,
+                      report=report, quant_config=quant_config, report_options=report_options, dtype=dtype,
+                      cfg=cfg, shard=shard, from_shards=from_shards)[None]
 
+
+def calibrate_experts(adapter, config: CalibConfig, out_dirs: Mapping[str, Any], *,
+                      models: Mapping[str, Any] | None = None, preset: CalibPreset | str | None = None,
+                      quant_format: QuantFormat = QuantFormat.FP8_E4M3, text_encoder: str | None = None,
+                      device="cpu", progress: Progress | None = None, report: bool = True,
+                      quant_config: QuantConfig | None = None, report_options: ReportOptions | None = None,
+                      dtype: str | None = None, cfg: str = "split") -> dict[str, CalibResult]:
+    """Calibrate both experts of a boundary-switched pair (Wan 2.2 A14B) over the *same* trajectories:
+    each trajectory switches at the model's boundary as users sample it, and each expert's observers
+    see exactly the steps that expert serves. Writes one calibration folder per expert
+    (``out_dirs[expert]``, as :func:`calibrate`), each recording the steps it served; its report holds
+    the statistics (drift, outliers) - a pair's PyTorch evaluation is the parity check's per-expert
+    levels. (Sharded calibration of a pair is not supported: run it in one pass.)
+
+    ``models``: ``{expert: loaded transformer}`` (default: each expert loaded); the other arguments
+    as :func:`calibrate`. Returns ``{expert: CalibResult}``.
+    """
+    if not adapter.experts:
+        raise ConfigError(f"model {adapter.name} is one transformer; use calibrate()")
+    missing = [e for e in adapter.experts if e not in out_dirs]
+    if missing:
+        raise ConfigError(f"calibrate_experts needs an output folder per expert; missing {missing}")
+    sides = {e: adapter.expert(e) for e in adapter.experts}
+    return _calibrate(sides, config, dict(out_dirs), models=dict(models or {}), preset=preset,
+                      quant_format=quant_format, text_encoder=text_encoder, device=device, progress=progress,
+                      report=report, quant_config=quant_config, report_options=report_options, dtype=dtype,
+                      cfg=cfg, pair=adapter)
+
+
+def _calibrate(sides: Mapping[Any, Any], config: CalibConfig, out_dirs: Mapping[Any, Any], *, models, preset,
+               quant_format, text_encoder, device, progress, report, quant_config, report_options, dtype,
+               cfg="split", shard=None, from_shards=None, pair=None) -> dict[Any, CalibResult]:
+    """One calibration pass: the trajectories of the preset at the model's sampling settings, every
+    call observed on the model serving it (``sides``: ``{None: adapter}`` or ``{expert: adapter}``)."""
     t_start = time.perf_counter()
+    lead = pair or sides[next(iter(sides))]
     method = _method(config.method)
     qfmt = QuantFormat(getattr(quant_format, "value", quant_format))
-    preset = _resolve_preset(adapter, config, preset)
+    preset = _resolve_preset(lead, config, preset)
     prompts = prompts_for_preset(preset)
     if not prompts:
         raise CalibrationError(f"preset {preset.name!r} selected no prompts; set num_prompts >= 1 and check "
                                f"prompt set {preset.prompt_set!r}")
     progress = progress or (lambda phase, done, total: None)
-    if model is None:
-        model = adapter.load(dtype or "fp32", str(device))
-    model_device = next(model.parameters()).device
-    model_dtype = compute_dtype(model)
-    encode = adapter.text_encoder(text_encoder)
-    methods = (method,) + tuple(m for m in ALL_METHODS if m != method)
-    okw = observer_kwargs(config, qfmt)
-    settings, sampling_note = calibration_sampling(adapter, preset, config)
+    models = {k: models.get(k) if models.get(k) is not None else a.load(dtype or "fp32", str(device))
+              for k, a in sides.items()}
+    first = models[next(iter(sides))]
+    ctx = dict(method=method, methods=(method,) + tuple(m for m in ALL_METHODS if m != method), preset=preset,
+               model_dtype=compute_dtype(first), device=next(first.parameters()).device, qfmt=qfmt,
+               encode=lead.text_encoder(text_encoder), prompts=prompts, cfg=cfg, shard=shard, pair=pair)
+    settings, sampling_note = calibration_sampling(lead, preset, config)
     if cfg not in ("split", "batched"):
         raise ConfigError(f"cfg={cfg!r}: use 'split' or 'batched'")
     plan = [(si, shape, chunk) for si, shape in enumerate(preset.shapes) for chunk in _chunks(prompts, shape.batch)]
@@ -401,46 +465,84 @@ def calibrate(adapter, config: CalibConfig, out_dir, *, model=None, preset: Cali
         report = False  # the merged calibration reports: calibrate(from_shards=...)
     calls = 1 if cfg == "batched" or not settings.uses_cfg else len(settings.branches)
     total = 0 if from_shards else len(todo) * settings.num_steps * calls
-    timesteps: list[float] = []
-    gptq_sites, rounding_note = _gptq_sites(model, config, qfmt, quant_config)
-    hessians = HessianHooks(model, gptq_sites, max_bytes=int(config.gptq_max_hessian_gb * 2 ** 30)) \
-        if gptq_sites and not from_shards else None
+    timesteps: dict[Any, dict[int, float]] = {k: {} for k in sides}
+    forwards: dict[Any, int] = {k: 0 for k in sides}
+    from trt_sora.calibrate.gptq import HESSIANS_FILE, HessianHooks, load_hessians
+
+    gptq = {k: _gptq_sites(models[k], config, qfmt, quant_config) for k in sides}  # {side: (sites, note)}
+    hessians = {k: HessianHooks(models[k], s, max_bytes=int(config.gptq_max_hessian_gb * 2 ** 30))
+                for k, (s, _) in gptq.items() if s and not from_shards}
     if from_shards:
-        stats = _merged(from_shards, adapter, preset, settings, method)
-        timesteps = list(stats.metadata.timesteps)
+        stats = {None: _merged(from_shards, lead, preset, settings, method)}
+        timesteps = {None: dict(enumerate(stats[None].metadata.timesteps))}
     else:
         log.info("calibrating %s: %d of %d trajectories x %d steps x %d branches (%s, cfg %s, methods %s; "
-                 "sampling: %s)", adapter.name, len(todo), len(plan), settings.num_steps, len(settings.branches),
-                 preset.name, cfg, ", ".join(methods), sampling_note)
-        sites = _collect(adapter, model, preset, settings, plan, todo, encode=encode, methods=methods, okw=okw,
-                         cfg=cfg, model_dtype=model_dtype, timesteps=timesteps, progress=progress, total=total,
-                         hessians=hessians)
-        meta = StatsMetadata(
-            method=method, num_samples=sum(plan[k][1].batch for k in todo),
-            num_steps=settings.num_steps, timesteps=timesteps, branches=list(settings.branches),
-            shapes=[s.as_dict() for s in preset.shapes], model=adapter.spec.ref,
-            model_hash=adapter.spec.model_hash(), preset=preset.name, prompt_set=preset.prompt_set, seed=preset.seed,
-            guidance_scale=settings.guidance_scale, shift=settings.shift,
-            extra={"sampling": sampling_note, "model_sampling": adapter.sampling.to_dict(),
-                   "prompt_ids": [p.id for p in prompts], "negative_prompt": _negative_label(adapter, preset),
-                   "model_dtype": str(model_dtype).replace("torch.", ""), "device": str(model_device),
-                   "quant_format": qfmt.value, "cfg": cfg,
-                   "collect_seconds": round(time.perf_counter() - t_start, 3)})
-        if shard is not None:
-            meta.extra.update({"shard": list(shard), "shard_trajectories": [todo.start, todo.stop]})
-        stats = _reduce(model, sites, meta)
+                 "sampling: %s)", lead.name, len(todo), len(plan), settings.num_steps, len(settings.branches),
+                 preset.name, cfg, ", ".join(ctx["methods"]), sampling_note)
+        sites = _collect(sides, models, lead, preset, settings, plan, todo, encode=ctx["encode"],
+                         methods=ctx["methods"], okw=observer_kwargs(config, qfmt), cfg=cfg,
+                         model_dtype=ctx["model_dtype"], timesteps=timesteps, forwards=forwards, progress=progress,
+                         total=total, hessians=hessians)
+        stats = {k: _reduce(models[k], sites[k], _metadata(a, settings, sampling_note, plan, todo, timesteps[k],
+                                                           t_start=t_start, **ctx))
+                 for k, a in sides.items()}
     t_collect = time.perf_counter() - t_start
+    rounded = {}
+    for k in sides:
+        sites_k = gptq[k][0]
+        if not sites_k or shard is not None:  # a shard's Hessians are saved for the merge, which rounds
+            rounded[k] = None
+            continue
+        if from_shards:  # the shards' Hessians, summed in shard order
+            h, tokens = load_hessians([Path(f) / HESSIANS_FILE for f in from_shards], sites_k)
+        else:
+            h, tokens = hessians[k].hessians, hessians[k].tokens
+        rounded[k] = _round_weights(dict(models[k].named_modules()), stats[k], h, tokens, sites_k, qfmt.value, config)
+    return {k: _write(a, models[k], stats[k], out_dirs[k], rounded=rounded[k], rounding=gptq[k],
+                      hessians=hessians.get(k), config=config, settings=settings,
+                      sampling_note=sampling_note, progress=progress, report=report, quant_config=quant_config,
+                      report_options=report_options, text_encoder=text_encoder, t_start=t_start,
+                      t_collect=t_collect, forwards=forwards[k], from_shards=from_shards,
+                      steps=sorted(timesteps[k]), timesteps=[timesteps[k][i] for i in sorted(timesteps[k])], **ctx)
+            for k, a in sides.items()}
 
-    if gptq_sites and from_shards:  # the shards' Hessians, summed in shard order
-        h, tokens = load_hessians([Path(f) / HESSIANS_FILE for f in from_shards], gptq_sites)
-    elif hessians is not None:
-        h, tokens = hessians.hessians, hessians.tokens
-    rounded = _round_weights(dict(model.named_modules()), stats, h, tokens, gptq_sites, qfmt.value, config) \
-        if gptq_sites and shard is None else None
+
+def _metadata(adapter, settings, sampling_note, plan, todo, served: Mapping[int, float], *, method, preset, prompts,
+              model_dtype, device, qfmt, cfg, shard, pair, t_start, **_):
+    """The ``StatsMetadata`` of one model's statistics (a pair's expert: the steps it served)."""
+    from trt_sora.calibrate.stats import StatsMetadata
+
+    steps = sorted(served)
+    meta = StatsMetadata(
+        method=method, num_samples=sum(plan[k][1].batch for k in todo),
+        num_steps=settings.num_steps, timesteps=[served[i] for i in steps], branches=list(settings.branches),
+        shapes=[s.as_dict() for s in preset.shapes], model=adapter.spec.ref,
+        model_hash=adapter.spec.model_hash(), preset=preset.name, prompt_set=preset.prompt_set, seed=preset.seed,
+        guidance_scale=settings.guidance_scale, shift=settings.shift,
+        extra={"sampling": sampling_note, "model_sampling": adapter.sampling.to_dict(),
+               "prompt_ids": [p.id for p in prompts], "negative_prompt": _negative_label(adapter, preset),
+               "model_dtype": str(model_dtype).replace("torch.", ""), "device": str(device),
+               "quant_format": qfmt.value, "cfg": cfg,
+               "collect_seconds": round(time.perf_counter() - t_start, 3)})
+    if shard is not None:
+        meta.extra.update({"shard": list(shard), "shard_trajectories": [todo.start, todo.stop]})
+    if pair is not None:
+        meta.extra.update(expert=adapter.spec.expert, steps_served=steps)
+    return meta
+
+
+def _write(adapter, model, stats, out_dir, *, rounded, rounding, hessians, config, settings, sampling_note, progress,
+           report, quant_config, report_options, text_encoder, t_start, t_collect, forwards, from_shards, steps,
+           timesteps, method, methods, preset, model_dtype, qfmt, encode, cfg, shard, pair, **_) -> CalibResult:
+    """Write one calibration folder (stats, GPTQ-rounded weights when ``rounded``, a shard's Hessians,
+    report, manifest) atomically. ``rounding``: ``(GPTQ sites, note)`` of :func:`_gptq_sites`."""
+    from trt_sora.calibrate.gptq import HESSIANS_FILE, WEIGHTS_FILE, save_hessians, save_rounded_weights
+    from trt_sora.config.base import to_dict
+    from trt_sora.manifest import file_entry, staged_dir, write_manifest
 
     evaluation = None
     with staged_dir(out_dir) as tmp:
-        stats_path = stats.save(tmp / "stats.safetensors")
+        stats.save(tmp / "stats.safetensors")
         if hessians is not None and shard is not None:  # the merge rounds: it needs this shard's Hessians
             save_hessians(tmp / HESSIANS_FILE, hessians.hessians, hessians.tokens)
         if rounded is not None:
@@ -448,7 +550,6 @@ def calibrate(adapter, config: CalibConfig, out_dir, *, model=None, preset: Cali
                                  qfmt.value, {"method": "gptq", "damp": config.gptq_damp, "sites": len(rounded)})
         report_path = None
         if report:
-            from trt_sora.calibrate import evaluate as ev
             from trt_sora.calibrate.report import write_report
 
             opts = report_options or ReportOptions(eval_prompts=config.eval_prompts, eval_steps=config.eval_steps,
@@ -456,16 +557,20 @@ def calibrate(adapter, config: CalibConfig, out_dir, *, model=None, preset: Cali
             qcfg = quant_config or QuantConfig(format=qfmt)
             if qcfg.format is QuantFormat.NONE:  # an unquantized recipe: still show what FP8 would cost
                 qcfg = dataclasses.replace(qcfg, format=QuantFormat.FP8_E4M3)
-            evaluation = ev.evaluate(adapter, model, stats, preset, qcfg, opts, encode=encode, settings=settings,
-                                     model_dtype=model_dtype, progress=progress,
-                                     weights=(rounded, qfmt.value) if rounded else None)
-            if opts.peer == "modelopt":
-                from trt_sora.calibrate.peer import modelopt_peer
+            if pair is None:
+                from trt_sora.calibrate import evaluate as ev
 
-                evaluation["peer"] = modelopt_peer(adapter, model, stats, preset, qcfg, encode=encode, settings=settings,
-                                                   model_dtype=model_dtype, num_prompts=opts.peer_prompts,
-                                                   num_steps=opts.peer_steps, progress=progress,
-                                                   weights=rounded if qfmt is QuantFormat.FP8_E4M3 else None)
+                evaluation = ev.evaluate(adapter, model, stats, preset, qcfg, opts, encode=encode, settings=settings,
+                                         model_dtype=model_dtype, progress=progress,
+                                         weights=(rounded, qfmt.value) if rounded else None)
+                if opts.peer == "modelopt":
+                    from trt_sora.calibrate.peer import modelopt_peer
+
+                    evaluation["peer"] = modelopt_peer(adapter, model, stats, preset, qcfg, encode=encode,
+                                                       settings=settings, model_dtype=model_dtype,
+                                                       num_prompts=opts.peer_prompts, num_steps=opts.peer_steps,
+                                                       progress=progress,
+                                                       weights=rounded if qfmt is QuantFormat.FP8_E4M3 else None)
             report_path = write_report(tmp, stats, evaluation, preset=preset, options=opts,
                                        quant_format=qcfg.format.value)
         seconds = time.perf_counter() - t_start
@@ -473,15 +578,25 @@ def calibrate(adapter, config: CalibConfig, out_dir, *, model=None, preset: Cali
                    "shard": list(shard) if shard else None, "from_shards": len(from_shards) if from_shards else None,
                    "sampling": {**settings.to_dict(), "note": sampling_note},
                    "collect_seconds": round(t_collect, 3), "seconds": round(seconds, 3),
-                   "num_forwards": total, "timesteps": timesteps}
+                   "num_forwards": forwards, "timesteps": timesteps}
+        inputs = {"model": adapter.describe(), "preset": preset.to_dict(),
+                  "text_encoder": text_encoder or adapter.spec.text_encoder or "default"}
+        if from_shards:
+            inputs["shards"] = [file_entry(Path(f) / "stats.safetensors") for f in from_shards]
+        if pair is not None:
+            results["expert"] = {"name": adapter.spec.expert, "steps_served": steps,
+                                 "boundary_ratio": settings.boundary_ratio,
+                                 "trajectories": "shared with the other expert: one pass, switched at the boundary",
+                                 "evaluation": "not run for a pair; the parity check judges each expert"}
+            inputs["experts"] = {e: pair.expert(e).spec.model_hash() for e in pair.experts}
         if evaluation is not None:
             results["comparison"] = evaluation.get("comparison")
             results["suggested_exclude"] = evaluation.get("skip", {}).get("patterns", [])
             if evaluation.get("peer"):
                 results["peer"] = evaluation["peer"]
         outputs = {"stats": "stats.safetensors"}
-        results["weight_rounding"] = {"method": "gptq" if gptq_sites else "nearest", "format": qfmt.value,
-                                      "sites": len(rounded or ()), "note": rounding_note}
+        results["weight_rounding"] = {"method": "gptq" if rounding[0] else "nearest", "format": qfmt.value,
+                                      "sites": len(rounded or ()), "note": rounding[1]}
         if rounded is not None:
             outputs["weights"] = WEIGHTS_FILE
         if hessians is not None and shard is not None:
@@ -489,11 +604,7 @@ def calibrate(adapter, config: CalibConfig, out_dir, *, model=None, preset: Cali
         if report_path is not None:
             outputs["report"] = "report.md"
         manifest = write_manifest(
-            tmp, stage="calibrate",
-            inputs={"model": adapter.describe(), "preset": preset.to_dict(),
-                    "text_encoder": text_encoder or adapter.spec.text_encoder or "default",
-                    **({"shards": [file_entry(Path(f) / "stats.safetensors") for f in from_shards]}
-                       if from_shards else {})},
+            tmp, stage="calibrate", inputs=inputs,
             config={"calibration": to_dict(config), "quant_format": qfmt.value,
                     "quantization": to_dict(quant_config) if quant_config is not None else None},
             results=results, outputs=outputs)

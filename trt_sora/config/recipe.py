@@ -105,9 +105,10 @@ class ExportConfig:
         merged = {**_default_dynamic(), **dict(self.dynamic)}
         object.__setattr__(self, "dynamic", merged)
         for i, p in enumerate(self.verify_points):
-            bad = set(p) ^ set(DIM_NAMES)
-            if bad:
-                raise ConfigError(f"export.verify_points[{i}]: needs exactly the dims {DIM_NAMES}")
+            missing = set(DIM_NAMES) - set(p)
+            if missing:  # a model family's own dims may be given too (the exporter checks them)
+                raise ConfigError(f"export.verify_points[{i}]: needs the dims {DIM_NAMES} (missing "
+                                  f"{sorted(missing)})")
         _in_range("export.min_cosine", self.min_cosine, 0.0, 1.0, lo_open=True, meaning=" (a cosine is at most 1)")
         _in_range("export.max_abs", self.max_abs, 0.0, math.inf, hi_open=True)
 

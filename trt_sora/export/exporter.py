@@ -39,7 +39,13 @@ class ExportResult:
 
 def _patch_of(adapter) -> dict[str, int]:
     pt, ph, pw = adapter.patch_size
-    return {"batch": 1, "latent_frames": pt, "latent_height": ph, "latent_width": pw, "text_len": 1}
+    return {**{d: 1 for d in adapter.dim_names}, "latent_frames": pt, "latent_height": ph, "latent_width": pw}
+
+
+def export_ranges(adapter, config: ExportConfig) -> dict[str, DimRange]:
+    """The exported range of every dim of ``adapter``: the recipe's ``export.dynamic`` plus the
+    family's own dims (:attr:`~trt_sora.models.base.ModelAdapter.family_dims`) at their defaults."""
+    return {**{k: DimRange(*v) for k, v in adapter.family_dims.items()}, **dict(config.dynamic)}
 
 
 def _fit(v: int, r: DimRange, step: int) -> int:
@@ -55,7 +61,7 @@ def export_point(adapter, ranges: Mapping[str, DimRange]) -> dict[str, int]:
     """Trace point: every dim >= 2 (torch.export specialises 0/1) and divisible by the patch."""
     steps = _patch_of(adapter)
     point = {}
-    for dim in DIM_NAMES:
+    for dim in adapter.dim_names:
         r, s = ranges[dim], steps[dim]
         want = max(2 * s, 2, r.min)
         if want > r.max:
@@ -70,9 +76,11 @@ def default_verify_points(adapter, ranges: Mapping[str, DimRange]) -> list[dict[
     steps = _patch_of(adapter)
     a = {"batch": 1, "latent_frames": 3, "latent_height": 4, "latent_width": 6, "text_len": 7}
     b = {"batch": 2, "latent_frames": 2, "latent_height": 6, "latent_width": 4, "text_len": 12}
+    for k, extra in enumerate(adapter.family_dims):  # a family's own dims differ between the points too
+        a[extra], b[extra] = 5 + k, 9 + k
     out = []
     for p in (a, b):
-        out.append({d: _fit(p[d], ranges[d], steps[d]) for d in DIM_NAMES})
+        out.append({d: _fit(p[d], ranges[d], steps[d]) for d in adapter.dim_names})
     return out
 
 
@@ -81,7 +89,7 @@ def _dynamic_shapes(adapter, ranges: Mapping[str, DimRange]) -> dict[str, dict[i
 
     steps = _patch_of(adapter)
     dims: dict[str, Any] = {}
-    for dim in DIM_NAMES:
+    for dim in adapter.dim_names:
         r, s = ranges[dim], steps[dim]
         if s == 1:
             dims[dim] = torch.export.Dim(dim, min=max(1, r.min), max=r.max)
@@ -121,6 +129,19 @@ def _rename_dims(onnx_path: Path, adapter) -> None:
 WHOLE_GRAPH_VERIFY_BYTES = 1 << 30
 
 
+def dead_linears(onnx_path, model) -> list[str]:
+    """The ``nn.Linear`` modules of ``model`` with no node in the exported graph: dead code the exporter
+    dropped because their output is never used (the quantize stage skips their statistics)."""
+    import onnx
+    import torch
+
+    from trt_sora.onnx_tools import module_path, node_scopes
+
+    graph = onnx.load(str(onnx_path), load_external_data=False)
+    seen = {module_path(sc) for sc in node_scopes(graph).values()}
+    return [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n not in seen]
+
+
 def export_onnx(model_ref, config: ExportConfig, out_dir: str | Path, *, model=None,
                 segmented: bool | None = None) -> ExportResult:
     """Export ``model_ref`` (name, checkpoint folder or adapter) to ``out_dir/model.onnx``.
@@ -157,11 +178,11 @@ def export_onnx(model_ref, config: ExportConfig, out_dir: str | Path, *, model=N
         source = adapter.weight_source()
         check_covers(model, source)
     t_load = time.perf_counter() - t0
-    ranges = config.dynamic
+    ranges = export_ranges(adapter, config)
     point = export_point(adapter, ranges)
-    points = [dict(p) for p in config.verify_points] or default_verify_points(adapter, ranges)
+    points = [adapter.with_family_dims(p) for p in config.verify_points] or default_verify_points(adapter, ranges)
     for p in points:
-        for d in DIM_NAMES:
+        for d in adapter.dim_names:
             if not ranges[d].contains(p[d]):
                 raise ExportError(f"verify point {p} has {d}={p[d]} outside the exported range "
                                   f"{ranges[d].min}..{ranges[d].max}")
@@ -222,6 +243,10 @@ def export_onnx(model_ref, config: ExportConfig, out_dir: str | Path, *, model=N
                     f"ONNX Runtime disagrees with PyTorch at {b['point']}: cosine {b['cosine']:.7f} "
                     f"(need >= {config.min_cosine}), max-abs {b['max_abs']:.3g} (need <= {b['max_abs_limit']:.3g}); "
                     "the graph probably baked a shape or an op exported wrongly")
+        dead = dead_linears(onnx_path, model)
+        if dead:
+            log.info("export of %s: %d linear(s) have no node in the graph (their output is unused): %s",
+                     adapter.name, len(dead), ", ".join(dead[:6]) + (" ..." if len(dead) > 6 else ""))
         outputs = {"onnx": ONNX_NAME}
         if (tmp / (ONNX_NAME + ".data")).exists():
             outputs["external_data"] = ONNX_NAME + ".data"
@@ -230,9 +255,11 @@ def export_onnx(model_ref, config: ExportConfig, out_dir: str | Path, *, model=N
             "model": adapter.describe(),
             "export_point": point,
             "dynamic": {k: v.to_yaml() for k, v in ranges.items()},
+            "patch_size": list(adapter.patch_size),
             "input_names": list(adapter.input_names),
             "output_names": list(adapter.output_names),
             "dim_names": {k: {str(a): d for a, d in v.items()} for k, v in adapter.input_dims().items()},
+            "dead_linears": dead,
             "external_data": external,
             "param_bytes": pb,
             "weights": source.describe() if weightless else "in memory",

@@ -1,6 +1,14 @@
-"""Model registry: a name (``wan-tiny``) or a local diffusers checkpoint folder -> adapter."""
+"""Model registry: a name (``wan-tiny``) or a local diffusers checkpoint folder -> adapter.
+
+A family is one module under ``trt_sora/models/`` listed in :data:`FAMILIES`; it exposes
+``ADAPTER`` (its :class:`ModelAdapter`), ``CLASS_NAME`` (the diffusers transformer class its
+checkpoints name), ``named_specs()`` (its registered names), ``spec_from_folder(ref, folder)``
+(a checkpoint folder of the family, or None) and ``spec_from_record(entry)`` (a manifest's model
+entry when the checkpoint is not on this machine). Adding a family is its file and one line here.
+"""
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 
 from trt_sora.config.base import did_you_mean
@@ -10,39 +18,23 @@ from trt_sora.models.base import ModelAdapter, ModelSpec
 #: The embedded default model of ``make engine``: a small Wan trained here (weights ship in the repo).
 DEFAULT_MODEL = "wan-shapes"
 
+#: ``family -> module``: every model family trt_sora knows.
+FAMILIES = {
+    "wan": "trt_sora.models.wan",
+}
+
+
+def _family(name: str):
+    if name not in FAMILIES:
+        raise ModelError(f"model family {name!r} has no adapter yet; known families: {', '.join(FAMILIES)}")
+    return importlib.import_module(FAMILIES[name])
+
 
 def _named() -> dict[str, ModelSpec]:
-    from trt_sora.models import wan
-
-    specs = {
-        name: ModelSpec(ref=name, family="wan", source="random-init", config=cfg, seed=0,
-                        text_encoder="hash", defaults=wan.DEFAULTS[name])
-        for name, cfg in wan.CONFIGS.items()
-    }
-    specs["wan-shapes"] = _wan_shapes_spec()
+    specs: dict[str, ModelSpec] = {}
+    for fam in FAMILIES:
+        specs.update(_family(fam).named_specs())
     return specs
-
-
-def _wan_shapes_spec() -> ModelSpec:
-    """The trained pixel-space reference model (``trt_sora/models/moving_shapes``, MODEL_CARD.md)."""
-    import json
-
-    from trt_sora.models import moving_shapes as ms
-
-    config = json.loads((ms.WEIGHTS_DIR / "config.json").read_text())
-    bucket = {"latent_frames": ms.LATENT_FRAMES, "latent_height": ms.LATENT_HEIGHT,
-              "latent_width": ms.LATENT_WIDTH, "text_len": ms.TEXT_LEN}
-    return ModelSpec(
-        ref="wan-shapes", family="wan", source="checkpoint", path=str(ms.WEIGHTS_DIR),
-        config={k: v for k, v in config.items() if not k.startswith("_")}, text_encoder="minilm",
-        defaults={
-            **ms.SAMPLING, "negative_prompt": ms.NEGATIVE_PROMPT, "calib_preset": "moving-shapes", "fps": ms.FPS,
-            "caption_probe": "trt_sora.models.moving_shapes.probe:verdict",
-            "heldout_prompts": "moving_shapes_v1",
-            # trained at one resolution only: one clip with CFG (batch 1-2) and two clips (3-4)
-            "buckets": [{"name": "shapes-1clip", "batch": [1, 2, 2], **bucket},
-                        {"name": "shapes-2clips", "batch": [3, 4, 4], **bucket}],
-        })
 
 
 def list_models() -> list[str]:
@@ -62,15 +54,13 @@ def resolve(ref: str) -> ModelSpec:
         if not path.is_dir():
             raise ModelError(f"{ref} is a file; pass a diffusers checkpoint folder (with config.json or "
                              "transformer/config.json) or one of: " + ", ".join(sorted(named)))
-        from trt_sora.models import wan
-
-        spec = wan.spec_from_folder(ref, path)
-        if spec is None:
-            raise ModelError(
-                f"{ref} is not a diffusers checkpoint of a supported model: expected config.json with "
-                f"_class_name {wan.CLASS_NAME!r} in it or in its transformer/ subfolder"
-            )
-        return spec
+        for fam in FAMILIES:
+            spec = _family(fam).spec_from_folder(ref, path)
+            if spec is not None:
+                return spec
+        classes = [_family(f).CLASS_NAME for f in FAMILIES]
+        raise ModelError(f"{ref} is not a diffusers checkpoint of a supported model: expected config.json with "
+                         f"_class_name in {classes} in it or in its transformer/ subfolder")
     raise ModelError(f"unknown model {ref!r}{did_you_mean(ref, named)}: not a registered name "
                      f"({', '.join(sorted(named))}) and no such folder")
 
@@ -78,11 +68,7 @@ def resolve(ref: str) -> ModelSpec:
 def get_adapter(ref: str | ModelSpec) -> ModelAdapter:
     """The adapter for a model name, checkpoint folder or spec."""
     spec = ref if isinstance(ref, ModelSpec) else resolve(ref)
-    if spec.family == "wan":
-        from trt_sora.models.wan import WanAdapter
-
-        return WanAdapter(spec)
-    raise ModelError(f"model family {spec.family!r} has no adapter yet")
+    return _family(spec.family).ADAPTER(spec)
 
 
 def adapter_for_manifest(entry: dict) -> ModelAdapter:
@@ -98,14 +84,14 @@ def _adapter_for_entry(entry: dict) -> ModelAdapter:
     ref = entry.get("ref")
     if ref in _named():
         return get_adapter(ref)
+    if entry.get("expert") and entry.get("source") == "checkpoint" and entry.get("path"):
+        # one expert of a pair (``<pipeline>/transformer`` or ``transformer_2``): the pair is the pipeline root
+        entry = {**entry, "path": str(Path(entry["path"]).parent)}
     if entry.get("source") == "checkpoint" and entry.get("path"):
-        if not Path(entry["path"]).exists() and entry.get("config") and entry.get("family"):
+        if not Path(entry["path"]).exists() and entry.get("config") and entry.get("family") in FAMILIES:
             # the checkpoint is not on this machine (a server holding only the artifact): the recorded
             # config still answers every family fact; loading weights raises ModelError naming the path
-            from trt_sora.models import wan
-
-            if entry["family"] == "wan":
-                return get_adapter(wan.spec_from_record(entry))
+            return get_adapter(_family(entry["family"]).spec_from_record(entry))
         return get_adapter(entry["path"])
     if entry.get("source") == "random-init" and entry.get("config") and entry.get("family") and ref not in _named():
         # an unregistered architecture built from a config (tests, sweeps): the config answers the facts
@@ -128,5 +114,5 @@ def _with_record(adapter: ModelAdapter, entry: dict) -> ModelAdapter:
     return type(adapter)(dataclasses.replace(adapter.spec, **changes)) if changes else adapter
 
 
-__all__ = ["DEFAULT_MODEL", "ModelAdapter", "ModelSpec", "adapter_for_manifest", "get_adapter", "list_models",
-           "resolve"]
+__all__ = ["DEFAULT_MODEL", "FAMILIES", "ModelAdapter", "ModelSpec", "adapter_for_manifest", "get_adapter",
+           "list_models", "resolve"]

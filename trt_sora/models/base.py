@@ -2,8 +2,10 @@
 
 Model facts (input names and ranks, patch size, text encoder, scheduler and the
 sampling settings users run, export rewrites, layer kinds, fusable projection
-groups, the latent decoder) live in one file per family (``wan.py``); stages only
-talk to a :class:`ModelAdapter`.
+groups, the latent decoder, how prompts and images become conditioning inputs,
+family-specific shape dims, the experts of a boundary-switched pair) live in one
+file per family (``wan.py``); stages only talk to a
+:class:`ModelAdapter`.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
-from trt_sora.sampling import SamplingSettings
+from trt_sora.sampling import Conditioner, SamplingSettings
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -50,6 +52,7 @@ class ModelSpec:
     seed: int = 0                 # random-init seed
     text_encoder: str | None = None  # "hash" | path to a text encoder | "minilm"
     defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # scheduler etc.
+    expert: str | None = None     # "high" / "low": one expert of a boundary-switched pair
 
     @property
     def name(self) -> str:
@@ -80,12 +83,30 @@ class ModelSpec:
         return h.hexdigest()[:16]
 
 
-class ModelAdapter(abc.ABC):
-    """One model family. Input names/shapes, loading, example inputs, scheduler, text encoder."""
+class ModelAdapter(Conditioner, abc.ABC):
+    """One model family. Input names/shapes, loading, example inputs, scheduler, text encoder;
+    as a :class:`~trt_sora.sampling.Conditioner` it builds the model's inputs from latents and
+    conditioning inside the one sampler."""
 
     family: str = ""
     input_names: tuple[str, ...] = ("hidden_states", "timestep", "encoder_hidden_states")
     output_names: tuple[str, ...] = ("sample",)
+
+    #: Shape dims of this family beyond the shared ones (:data:`trt_sora.config.shapes.DIM_NAMES`),
+    #: ``{name: (min, opt, max)}``: the default range of each where a recipe's bucket or export range
+    #: does not name it (HunyuanVideo 1.5: ``text_len_2``, its second text encoder's tokens).
+    family_dims: Mapping[str, tuple[int, int, int]] = {}
+
+    #: Inputs that are 0/1 masks (a server's warm-up feeds them ones).
+    mask_inputs: tuple[str, ...] = ()
+
+    #: The family's own default Q/DQ exclusions, ``{module pattern: reason}`` (beyond the shared ones of
+    #: :data:`trt_sora.site_policy.DEFAULT_EXCLUDES`; quantize, the calibration report and fake-quant apply them).
+    quant_excludes: Mapping[str, str] = {}
+
+    #: The module holding the repeated transformer blocks (``blocks.N`` for Wan): the parity check's
+    #: per-block probes and the report's block groups.
+    block_container: str = "blocks"
 
     def __init__(self, spec: ModelSpec):
         self.spec = spec
@@ -106,6 +127,35 @@ class ModelAdapter(abc.ABC):
     @property
     def name(self) -> str:
         return self.spec.name
+
+    @property
+    def out_channels(self) -> int:
+        """Channels of the predicted velocity (= the latents'); :attr:`in_channels` can be more
+        (image-to-video concatenates the image latents)."""
+        return self.latent_channels
+
+    @property
+    def in_channels(self) -> int:
+        """Channels of the ``hidden_states`` input (latents plus any concatenated conditioning)."""
+        return self.latent_channels
+
+    @property
+    def dim_names(self) -> tuple[str, ...]:
+        """Every named dim of this family's inputs: the shared ones, then :attr:`family_dims`."""
+        from trt_sora.config.shapes import DIM_NAMES
+
+        return DIM_NAMES + tuple(self.family_dims)
+
+    @property
+    def experts(self) -> tuple[str, ...]:
+        """``("high", "low")`` for a boundary-switched pair of transformers (Wan 2.2 A14B), else ``()``."""
+        return ()
+
+    def expert(self, name: str) -> "ModelAdapter":
+        """The adapter of one expert (its own weights, same family facts)."""
+        from trt_sora.errors import ModelError
+
+        raise ModelError(f"model {self.name} is one transformer, it has no expert {name!r}")
 
     def num_params(self) -> int:
         """Parameter count from the config, without allocating weights."""
@@ -157,6 +207,11 @@ class ModelAdapter(abc.ABC):
                     point[dim] = int(inputs[name].shape[axis])
         return point
 
+    def with_family_dims(self, point: Mapping[str, int], which: str = "opt") -> dict[str, int]:
+        """``point`` with every :attr:`family_dims` it lacks set to the default range's ``which``."""
+        idx = {"min": 0, "opt": 1, "max": 2}[which]
+        return {**{k: int(v[idx]) for k, v in self.family_dims.items()}, **dict(point)}
+
     @abc.abstractmethod
     def export_module(self, model):
         """A module whose ``forward(*inputs in input_names order)`` returns the output tensor."""
@@ -166,13 +221,19 @@ class ModelAdapter(abc.ABC):
 
     def input_ranks(self) -> dict[str, int]:
         """``{input_name: rank}`` of the transformer's inputs (their last named or fixed axis + 1)."""
-        dims, fixed = self.input_dims(), self.fixed_dims()
-        return {n: 1 + max([*dims.get(n, {}), *([fixed[n][0]] if n in fixed else [])]) for n in self.input_names}
+        dims, fixed = self.input_dims(), self.fixed_axes()
+        return {n: 1 + max([*dims.get(n, {}), *fixed.get(n, {})]) for n in self.input_names}
 
     @abc.abstractmethod
     def fixed_dims(self) -> dict[str, tuple[int, int]]:
-        """``{input_name: (axis, size)}``: the one non-dynamic feature dim an input must have
-        (latent channels, text-embedding width)."""
+        """``{input_name: (axis, size)}``: the non-dynamic feature dim an input must have (latent
+        channels, text-embedding width); inputs with more than one fixed axis list the others in
+        :meth:`fixed_axes`."""
+
+    def fixed_axes(self) -> dict[str, dict[int, int]]:
+        """``{input_name: {axis: size}}``: every non-dynamic axis of every input (default: the one
+        of :meth:`fixed_dims`; an image embedding ``[B, 257, 1280]`` has two)."""
+        return {n: {axis: size} for n, (axis, size) in self.fixed_dims().items()}
 
     # -- layers ------------------------------------------------------------------------
     #: Linear paths inside a block -> the layer kind they belong to (``attn1.to_q`` -> ``attn1.qkv``);
@@ -195,8 +256,39 @@ class ModelAdapter(abc.ABC):
 
             raise ModelError(f"model {self.name} declares no sampling {', '.join(missing)}; add them to its "
                              f"defaults in trt_sora/models/{self.family}.py")
+        two = {k: float(d[k]) for k in ("boundary_ratio", "guidance_scale_2") if d.get(k) is not None}
         return SamplingSettings(num_steps=int(d["num_steps"]), guidance_scale=float(d["guidance_scale"]),
-                                shift=float(d["shift"]))
+                                shift=float(d["shift"]), **two)
+
+    # -- conditioning ------------------------------------------------------------------------
+    def text_conditioning(self, encode: Callable[[list[str], int], Any], prompts: list[str],
+                          point: Mapping[str, int]) -> dict[str, Any]:
+        """The per-branch inputs of ``prompts`` at ``point`` (its ``text_len``): ``{name: [B, ...]}`` fp32
+        (default: ``{"encoder_hidden_states": encode(prompts, text_len)}``)."""
+        import torch
+
+        from trt_sora.errors import ModelError
+
+        text_len = int(point["text_len"])
+        emb = encode(list(prompts), text_len)
+        if not isinstance(emb, torch.Tensor) or emb.dim() != 3 or tuple(emb.shape[:2]) != (len(prompts), text_len):
+            raise ModelError(f"the text encoder of {self.name} returned {getattr(emb, 'shape', type(emb))} for "
+                             f"{len(prompts)} prompts at text_len {text_len}; expected [B, text_len, D]")
+        return {"encoder_hidden_states": emb.float()}
+
+    def negative_conditioning(self, encode: Callable[[list[str], int], Any], batch: int,
+                              point: Mapping[str, int], prompt: str | None = None) -> dict[str, Any]:
+        """The unconditional branch's per-branch inputs: ``prompt`` encoded when given, else the
+        model's own (:meth:`negative_embedding`)."""
+        if prompt is not None:
+            return self.text_conditioning(encode, [prompt] * batch, point)
+        return {"encoder_hidden_states": self.negative_embedding(encode, batch, int(point["text_len"]))}
+
+    def image_conditioning(self, point: Mapping[str, int], *, seed: int = 0, images=None) -> dict[str, Any]:
+        """Inputs both CFG branches share (image-to-video: the image's latents and embedding) at
+        ``point`` (batch = its ``batch``); ``{}`` for text-to-video models. ``images``: None draws a
+        seeded stand-in (random-weight models; calibration of a real checkpoint passes its images)."""
+        return {}
 
     def negative_embedding(self, encode: Callable[[list[str], int], Any], batch: int, text_len: int):
         """The unconditional branch's conditioning users sample with, ``[batch, text_len, text_dim]``
@@ -234,19 +326,28 @@ class ModelAdapter(abc.ABC):
     def buckets_for(self, recipe) -> tuple[tuple, str]:
         """``(buckets, source)``: the recipe's shape buckets, or the model's own when it declares
         them (toy models trained or sized for one small resolution cannot run at 480p). Each
-        bucket is checked against the model's patch size."""
-        from trt_sora.config.shapes import ShapeProfile
+        bucket is checked against the model's patch size and given the family's own dims
+        (:attr:`family_dims`) at their default range where it does not name them."""
+        from trt_sora.config.shapes import DimRange, ShapeProfile
 
         own = self.spec.defaults.get("buckets")
         if own:
-            buckets = tuple(ShapeProfile.from_yaml(b, where=f"model {self.name} buckets[{i}]")
+            buckets = tuple(ShapeProfile.from_yaml(b, where=f"model {self.name} buckets[{i}]",
+                                                   extra_dims=tuple(self.family_dims))
                             for i, b in enumerate(own))
             source = f"model {self.name} (replaces the recipe's {[b.name for b in recipe.buckets]})"
         else:
             buckets, source = tuple(recipe.buckets), f"recipe {recipe.name}"
+        defaults = {k: DimRange(*v) for k, v in self.family_dims.items()}
+        buckets = tuple(b.with_extra(defaults) for b in buckets)
         for b in buckets:
             b.validate(self.patch_size)
         return buckets, source
+
+    def torch_fp8_limitation(self) -> str | None:
+        """Why the torch-fp8 backend's fused blocks cannot run this model, or None when they can
+        (they implement Wan's text-to-video block; families say what they lack)."""
+        return f"model family {self.family!r} has no torch-fp8 fused blocks (they are Wan text-to-video's)"
 
     @property
     def num_heads(self) -> int:
@@ -333,4 +434,6 @@ class ModelAdapter(abc.ABC):
         }
         if all(k in self.spec.defaults for k in ("num_steps", "guidance_scale", "shift")):
             out["sampling"] = self.sampling.to_dict()
+        if self.spec.expert:
+            out["expert"] = self.spec.expert
         return out

@@ -1,9 +1,14 @@
-"""Wan 2.x text-to-video (diffusers ``WanTransformer3DModel``; Wan 2.2 and SkyReels-V2 share it).
+"""Wan 2.x (diffusers ``WanTransformer3DModel``; SkyReels-V2 shares it): text-to-video (2.1), image-to-video
+(2.1 I2V: CLIP image tokens through added K/V projections, image latents concatenated on the channel
+axis), Wan 2.2 TI2V-5B (48-channel latents, a timestep per latent frame -> per-token timestep
+embedding) and Wan 2.2 A14B (two transformers, high-noise and low-noise experts switched at a
+timestep boundary).
 
 Model facts live here and nowhere else: named configs, checkpoint loading,
 input names and dims, the export-friendly attention processor, the scheduler
 (flow matching with shift) and the sampling settings users run, the text
-encoder, layer kinds, fusable projections and the latent decoder (Wan VAE).
+encoder, the image conditioning, layer kinds, fusable projections and the
+latent decoder (Wan VAE; Wan 2.2's 48-channel VAE for TI2V).
 """
 from __future__ import annotations
 
@@ -22,15 +27,36 @@ _COMMON = dict(
     rope_max_seq_len=1024, pos_embed_seq_len=None,
 )
 
-#: Named architectures. Real sizes come from the Wan 2.1 release configs.
+_TINY = {**_COMMON, "num_attention_heads": 2, "attention_head_dim": 32, "text_dim": 64, "freq_dim": 32,
+         "ffn_dim": 128, "num_layers": 2}
+_14B = {**_COMMON, "num_attention_heads": 40, "attention_head_dim": 128, "text_dim": 4096, "ffn_dim": 13824,
+        "num_layers": 40}
+
+#: Named architectures. Real sizes come from the Wan 2.1 / 2.2 release configs (the diffusers repos'
+#: ``transformer/config.json``); the tiny ones keep every structural feature at test size.
 CONFIGS: dict[str, dict[str, Any]] = {
-    "wan-tiny": {**_COMMON, "num_attention_heads": 2, "attention_head_dim": 32, "text_dim": 64,
-                 "freq_dim": 32, "ffn_dim": 128, "num_layers": 2},
+    "wan-tiny": _TINY,
     "wan2.1-t2v-1.3b": {**_COMMON, "num_attention_heads": 12, "attention_head_dim": 128, "text_dim": 4096,
                         "ffn_dim": 8960, "num_layers": 30},
-    "wan2.1-t2v-14b": {**_COMMON, "num_attention_heads": 40, "attention_head_dim": 128, "text_dim": 4096,
-                       "ffn_dim": 13824, "num_layers": 40},
+    "wan2.1-t2v-14b": _14B,
+    # image-to-video: 16 noise + 4 mask + 16 image-latent channels in, CLIP ViT-H tokens [257, 1280]
+    # through added K/V projections in every cross-attention
+    "wan-i2v-tiny": {**_TINY, "in_channels": 36, "image_dim": 24, "added_kv_proj_dim": 64},
+    "wan2.1-i2v-14b": {**_14B, "in_channels": 36, "image_dim": 1280, "added_kv_proj_dim": 5120},
+    # Wan 2.2 TI2V-5B: 48-channel latents of the Wan 2.2 VAE (16x spatial), timestep per token
+    "wan-ti2v-tiny": {**_TINY, "in_channels": 48, "out_channels": 48},
+    "wan2.2-ti2v-5b": {**_COMMON, "in_channels": 48, "out_channels": 48, "num_attention_heads": 24,
+                       "attention_head_dim": 128, "text_dim": 4096, "ffn_dim": 14336, "num_layers": 30},
+    # Wan 2.2 A14B: two Wan 2.1-14B-shaped transformers (high-noise expert, low-noise expert)
+    "wan-a14b-tiny": _TINY,
+    "wan2.2-t2v-a14b": _14B,
 }
+
+#: Tokens of the CLIP image embedding of Wan 2.1 I2V (ViT-H/14 at 224 px: 16 x 16 patches + class).
+IMAGE_LEN = 257
+
+#: Channels of the mask Wan 2.1 I2V puts before the image latents (one per pixel frame of a latent frame).
+I2V_MASK_CHANNELS = 4
 
 #: Linear paths inside a transformer block -> layer kind (diffusers' Wan naming).
 LAYER_KINDS: dict[str, str] = {
@@ -38,11 +64,18 @@ LAYER_KINDS: dict[str, str] = {
     "attn1.to_out.0": "attn1.out",
     "attn2.to_q": "attn2.q", "attn2.to_k": "attn2.kv", "attn2.to_v": "attn2.kv",
     "attn2.to_out.0": "attn2.out",
+    "attn2.add_k_proj": "attn2.image_kv", "attn2.add_v_proj": "attn2.image_kv",
     "ffn.net.0.proj": "ffn.up", "ffn.net.2": "ffn.down",
 }
 
 #: Self-attention Q/K/V read the block's hidden states, cross-attention K/V the text: one GEMM each.
-FUSABLE_PROJECTIONS = ((("to_q", "to_k", "to_v"), "to_qkv"), (("to_k", "to_v"), "to_kv"))
+#: Image-to-video cross-attention K/V over the image tokens (added projections): one GEMM too.
+FUSABLE_PROJECTIONS = ((("to_q", "to_k", "to_v"), "to_qkv"), (("to_k", "to_v"), "to_kv"),
+                       (("add_k_proj", "add_v_proj"), "to_added_kv"))
+
+#: One small bucket for the tiny variants (one TensorRT profile keeps their CI builds short).
+_TINY_BUCKET = [{"name": "tiny", "batch": [1, 2, 2], "latent_frames": [2, 3, 4], "latent_height": [4, 4, 8],
+                 "latent_width": [4, 6, 8], "text_len": [4, 16, 16]}]
 
 #: Sampling defaults per named config (Wan 2.1's release: 50 steps, CFG 5, shift 3.0 at 480p, 5.0 at 720p).
 DEFAULTS: dict[str, dict[str, Any]] = {
@@ -56,33 +89,62 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     ]},
     "wan2.1-t2v-1.3b": {"shift": 3.0, "guidance_scale": 5.0, "num_steps": 50},
     "wan2.1-t2v-14b": {"shift": 5.0, "guidance_scale": 5.0, "num_steps": 50},
+    # Wan 2.1 I2V (generate.py): 40 steps, CFG 5, shift 3.0 at 480p (5.0 at 720p)
+    "wan-i2v-tiny": {"shift": 3.0, "guidance_scale": 5.0, "num_steps": 4, "calib_preset": "tiny", "image_len": 5,
+                     "buckets": _TINY_BUCKET},
+    "wan2.1-i2v-14b": {"shift": 3.0, "guidance_scale": 5.0, "num_steps": 40, "image_len": IMAGE_LEN},
+    # Wan 2.2 TI2V-5B (wan_ti2v_5B.py): 50 steps, CFG 5, shift 5, 121 frames at 24 fps, 704x1280
+    "wan-ti2v-tiny": {"shift": 5.0, "guidance_scale": 5.0, "num_steps": 4, "calib_preset": "tiny",
+                      "expand_timesteps": True, "vae": "wan2.2", "fps": 24, "buckets": _TINY_BUCKET},
+    "wan2.2-ti2v-5b": {"shift": 5.0, "guidance_scale": 5.0, "num_steps": 50, "expand_timesteps": True,
+                       "vae": "wan2.2", "fps": 24},
+    # Wan 2.2 T2V A14B (wan_t2v_A14B.py): 40 steps, shift 12, boundary 0.875, CFG 4.0 high-noise / 3.0 low-noise
+    "wan-a14b-tiny": {"shift": 12.0, "guidance_scale": 4.0, "guidance_scale_2": 3.0, "boundary_ratio": 0.875,
+                      "num_steps": 6, "calib_preset": "tiny", "expert_seeds": {"high": 0, "low": 1},
+                      "buckets": _TINY_BUCKET},
+    "wan2.2-t2v-a14b": {"shift": 12.0, "guidance_scale": 4.0, "guidance_scale_2": 3.0, "boundary_ratio": 0.875,
+                        "num_steps": 40, "expert_seeds": {"high": 0, "low": 1}},
 }
+
+#: Experts in sampling order (high-noise first).
+EXPERTS_ORDER = ("high", "low")
+
+#: The experts of Wan 2.2 A14B and the diffusers pipeline folder holding each (``boundary_ratio``: the
+#: pipeline's ``model_index.json``): the high-noise expert serves ``t >= boundary_ratio * 1000``.
+EXPERT_FOLDERS = {"high": "transformer", "low": "transformer_2"}
 
 #: Sampling defaults of a diffusers Wan checkpoint folder (Wan 2.1 480p: 50 steps, CFG 5, shift 3).
 CHECKPOINT_DEFAULTS: dict[str, Any] = {"shift": 3.0, "guidance_scale": 5.0, "num_steps": 50}
 
 
 class WanExportAttnProcessor:
-    """``WanAttnProcessor`` for text-to-video, rewritten for ONNX/TensorRT.
+    """``WanAttnProcessor`` rewritten for ONNX/TensorRT (text-to-video and image-to-video).
 
     Same math as diffusers' processor. Differences: RoPE is computed with
     ``stack`` + ``flatten`` instead of strided in-place writes (no ScatterND in
     the graph), attention is a plain ``scaled_dot_product_attention`` on
-    ``[B, H, S, D]`` (TensorRT fuses MatMul-Softmax-MatMul into one kernel), and
-    an optional ``observer(site, tensor)`` sees Q, K, V after norm + RoPE so
-    calibration can measure the attention inputs.
+    ``[B, H, S, D]`` (TensorRT fuses MatMul-Softmax-MatMul into one kernel), the
+    image tokens of an image-to-video cross-attention are the context's first
+    ``image_len`` tokens (diffusers assumes 512 text tokens, which bakes the text
+    length into the graph), and an optional ``observer(site, tensor)`` sees Q, K,
+    V after norm + RoPE so calibration can measure the attention inputs.
     """
 
-    def __init__(self, observer: Callable[[str, Any], None] | None = None):
+    def __init__(self, observer: Callable[[str, Any], None] | None = None, image_len: int = 0):
         self.observer = observer
         self.seq = None  # a trt_sora.parallel.SeqShard under Ulysses (self-attention only)
+        self.image_len = int(image_len)  # image-to-video: leading image tokens of the cross-attention context
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
         import torch.nn.functional as F
 
+        image = None
         if attn.add_k_proj is not None:
-            raise ModelError("image-to-video Wan (added_kv_proj_dim) is not supported by the export processor yet; "
-                             "use a text-to-video checkpoint")
+            if encoder_hidden_states is None or self.image_len <= 0:
+                raise ModelError("an image-to-video Wan cross-attention needs the image tokens: load the model "
+                                 "through trt_sora's WanAdapter (it sets the processor's image_len)")
+            image = encoder_hidden_states[:, :self.image_len]
+            encoder_hidden_states = encoder_hidden_states[:, self.image_len:]
         context = hidden_states if encoder_hidden_states is None else encoder_hidden_states
         if getattr(attn, "fused_projections", False):
             if encoder_hidden_states is None:
@@ -106,9 +168,16 @@ class WanExportAttnProcessor:
             d = q.shape[-1]
             heads //= seq.size
             q, k, v = (seq.tokens_to_heads(t.flatten(2)).unflatten(2, (heads, d)) for t in (q, k, v))
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                             attn_mask=attention_mask, dropout_p=0.0, is_causal=False)
+        qt = q.transpose(1, 2)
+        out = F.scaled_dot_product_attention(qt, k.transpose(1, 2), v.transpose(1, 2), attn_mask=attention_mask,
+                                             dropout_p=0.0, is_causal=False)
         out = out.transpose(1, 2).flatten(2, 3).type_as(q)
+        if image is not None:  # image-to-video: the same queries over the image tokens, summed
+            k_i = attn.norm_added_k(attn.add_k_proj(image)).unflatten(2, (attn.heads, -1))
+            v_i = attn.add_v_proj(image).unflatten(2, (attn.heads, -1))
+            out_i = F.scaled_dot_product_attention(qt, k_i.transpose(1, 2), v_i.transpose(1, 2), dropout_p=0.0,
+                                                   is_causal=False)
+            out = out + out_i.transpose(1, 2).flatten(2, 3).type_as(q)
         if seq is not None:
             out = seq.heads_to_tokens(out)
         return attn.to_out[1](attn.to_out[0](out))
@@ -123,19 +192,31 @@ def _rope(x, cos, sin):
     return torch.stack([x1 * c - x2 * s, x1 * s + x2 * c], dim=-1).flatten(-2).type_as(x)
 
 
-def _make_wrapper(model):
+def _make_wrapper(model, *, image: bool = False, frame_timesteps: bool = False):
+    """The export module: ``forward(hidden_states, timestep, encoder_hidden_states[,
+    encoder_hidden_states_image]) -> sample``; timestep stays fp32. ``frame_timesteps`` (Wan 2.2
+    TI2V): ``timestep`` is ``[B, latent_frames]``, expanded here to the per-token ``[B, S]`` the
+    transformer embeds (every token of a latent frame shares its frame's timestep)."""
     import torch
 
     class WanForExport(torch.nn.Module):
-        """``forward(hidden_states, timestep, encoder_hidden_states) -> sample``; timestep stays fp32."""
-
         def __init__(self, inner):
             super().__init__()
             self.inner = inner
+            self.tokens_hw = tuple(int(p) for p in model.config.patch_size[1:])
 
-        def forward(self, hidden_states, timestep, encoder_hidden_states):
-            return self.inner(hidden_states=hidden_states, timestep=timestep,
-                              encoder_hidden_states=encoder_hidden_states, return_dict=False)[0]
+        def _timestep(self, hidden_states, timestep):
+            if not frame_timesteps:
+                return timestep
+            ph, pw = self.tokens_hw
+            per = (hidden_states.shape[3] // ph) * (hidden_states.shape[4] // pw)
+            return timestep.unsqueeze(-1).expand(-1, -1, per).flatten(1)
+
+        def forward(self, hidden_states, timestep, encoder_hidden_states, encoder_hidden_states_image=None):
+            return self.inner(hidden_states=hidden_states, timestep=self._timestep(hidden_states, timestep),
+                              encoder_hidden_states=encoder_hidden_states,
+                              encoder_hidden_states_image=encoder_hidden_states_image if image else None,
+                              return_dict=False)[0]
 
     return WanForExport(model)
 
@@ -145,12 +226,24 @@ class WanAdapter(ModelAdapter):
     layer_kinds = LAYER_KINDS
     fusable_projections = FUSABLE_PROJECTIONS
 
+    def __init__(self, spec: ModelSpec):
+        super().__init__(spec)
+        if self.is_i2v:  # the CLIP image tokens are a fourth input
+            self.input_names = (*ModelAdapter.input_names, "encoder_hidden_states_image")
+
+    # -- facts -------------------------------------------------------------------------------
     @property
     def patch_size(self) -> tuple[int, int, int]:
         return tuple(self.spec.config["patch_size"])  # type: ignore[return-value]
 
     @property
     def latent_channels(self) -> int:
+        """Channels of the latents (= the predicted velocity): ``out_channels``."""
+        return int(self.spec.config.get("out_channels") or self.spec.config["in_channels"])
+
+    @property
+    def in_channels(self) -> int:
+        """``hidden_states`` channels: the latents, plus mask + image latents for image-to-video."""
         return int(self.spec.config["in_channels"])
 
     @property
@@ -161,15 +254,74 @@ class WanAdapter(ModelAdapter):
     def head_dim(self) -> int:
         return int(self.spec.config["attention_head_dim"])
 
+    @property
+    def is_i2v(self) -> bool:
+        """Wan 2.1 image-to-video: CLIP image tokens (``image_dim``) and concatenated image latents."""
+        return self.spec.config.get("image_dim") is not None
+
+    @property
+    def image_len(self) -> int:
+        """CLIP image tokens per clip (257 for Wan 2.1 I2V)."""
+        return int(self.spec.defaults.get("image_len", IMAGE_LEN)) if self.is_i2v else 0
+
+    @property
+    def frame_timesteps(self) -> bool:
+        """Wan 2.2 TI2V: a timestep per latent frame (``timestep`` ``[B, latent_frames]``; the first
+        frame of image-to-video gets 0), embedded per token."""
+        return bool(self.spec.defaults.get("expand_timesteps"))
+
+    def describe(self) -> dict:
+        """The identity for manifests, plus the pipeline facts a checkpoint's ``model_index.json`` gave
+        (so a run folder on a machine without the checkpoint still knows the pair / TI2V layout)."""
+        out = super().describe()
+        pipe = {k: self.spec.defaults[k] for k in ("boundary_ratio", "expand_timesteps") if self.spec.defaults.get(k)}
+        if pipe:
+            out["pipeline"] = pipe
+        return out
+
+    def torch_fp8_limitation(self) -> str | None:
+        """Why the torch-fp8 fused blocks cannot run this model (None: they can)."""
+        if self.is_i2v:
+            return "image-to-video Wan blocks (added K/V projections) have no torch-fp8 fused block yet"
+        if self.frame_timesteps:
+            return "Wan 2.2 TI2V's per-token timestep embedding has no torch-fp8 fused block yet"
+        return None
+
+    # -- experts (Wan 2.2 A14B) --------------------------------------------------------------------
+    @property
+    def experts(self) -> tuple[str, ...]:
+        return tuple(EXPERT_FOLDERS) if self.spec.defaults.get("boundary_ratio") is not None else ()
+
+    def expert(self, name: str) -> "WanAdapter":
+        """One expert's adapter: the high-noise (``transformer/``) or low-noise (``transformer_2/``)
+        transformer, with the pair's sampling settings and its own weights (seed or folder)."""
+        if name not in self.experts:
+            raise ModelError(f"model {self.name} has no expert {name!r}; its experts are {list(self.experts)}")
+        import dataclasses
+
+        spec = self.spec
+        if spec.source == "checkpoint":
+            folder = Path(spec.path).parent / EXPERT_FOLDERS[name]
+            return WanAdapter(dataclasses.replace(spec, path=str(folder), expert=name))
+        seed = int((spec.defaults.get("expert_seeds") or {}).get(name, EXPERTS_ORDER.index(name)))
+        return WanAdapter(dataclasses.replace(spec, seed=seed, expert=name))
+
+    # -- loading -----------------------------------------------------------------------------------
     def _construct(self):
         diffusers = require("diffusers", extra="export")
         cfg = {k: v for k, v in self.spec.config.items() if not k.startswith("_")}
         return diffusers.WanTransformer3DModel(**cfg)
 
+    def _one(self):
+        if self.experts and not self.spec.expert:
+            raise ModelError(f"model {self.name} is a pair of experts {list(self.experts)}; load one "
+                             "(adapter.expert('high') / adapter.expert('low'))")
+
     def load(self, dtype: str = "fp32", device: str = "cpu"):
         """Load in ``dtype`` on ``device``. Random-init configs are built on the meta device first and
         given their per-parameter random weights (:mod:`trt_sora.weights.random_init`) straight in the
         target dtype, so a 14B model never needs fp32 host memory."""
+        self._one()
         tdtype = torch_dtype(dtype)
         if self.spec.source == "checkpoint":
             diffusers = require("diffusers", extra="export")
@@ -183,7 +335,8 @@ class WanAdapter(ModelAdapter):
                 raise ModelError(f"cannot load a Wan transformer from {self.spec.path}: {exc}") from None
             model = model.to(device)
             # one processor per attention module, so each one's observer hook knows its own site
-            model.set_attn_processor({name: WanExportAttnProcessor() for name in model.attn_processors})
+            model.set_attn_processor({name: WanExportAttnProcessor(image_len=self.image_len)
+                                  for name in model.attn_processors})
             return model.eval().requires_grad_(False)
         from trt_sora.weights.sources import materialize
 
@@ -193,6 +346,7 @@ class WanAdapter(ModelAdapter):
     def load_empty(self, dtype: str = "fp32"):
         """The module :meth:`load` returns (same classes, dtypes, processors), with every parameter on the
         meta device and buffers (RoPE tables) real: for tracing without weights and streamed loading."""
+        self._one()
         require("accelerate", extra="export")
         from accelerate import init_empty_weights
 
@@ -204,7 +358,8 @@ class WanAdapter(ModelAdapter):
             if frame_embed.stored_weight_shape(self.spec.path) is not None:
                 frame_embed.attach(model)
         _cast_keep_fp32(model, torch_dtype(dtype))
-        model.set_attn_processor({name: WanExportAttnProcessor() for name in model.attn_processors})
+        model.set_attn_processor({name: WanExportAttnProcessor(image_len=self.image_len)
+                                  for name in model.attn_processors})
         return model.eval().requires_grad_(False)
 
     def weight_source(self):
@@ -216,34 +371,111 @@ class WanAdapter(ModelAdapter):
         return RandomInitSource(self.load_empty("fp32"), self.spec.seed, _random_rule)
 
     def input_dims(self) -> dict[str, dict[int, str]]:
-        return {
-            "hidden_states": {0: "batch", 2: "latent_frames", 3: "latent_height", 4: "latent_width"},
-            "timestep": {0: "batch"},
+        spatial = {0: "batch", 2: "latent_frames", 3: "latent_height", 4: "latent_width"}
+        dims = {
+            "hidden_states": dict(spatial),
+            "timestep": {0: "batch", 1: "latent_frames"} if self.frame_timesteps else {0: "batch"},
             "encoder_hidden_states": {0: "batch", 1: "text_len"},
-            "sample": {0: "batch", 2: "latent_frames", 3: "latent_height", 4: "latent_width"},
+            "sample": dict(spatial),
         }
+        if self.is_i2v:
+            dims["encoder_hidden_states_image"] = {0: "batch"}
+        return dims
 
     def fixed_dims(self) -> dict[str, tuple[int, int]]:
-        return {"hidden_states": (1, self.latent_channels), "encoder_hidden_states": (2, self.text_dim)}
+        out = {"hidden_states": (1, self.in_channels), "encoder_hidden_states": (2, self.text_dim)}
+        if self.is_i2v:
+            out["encoder_hidden_states_image"] = (2, int(self.spec.config["image_dim"]))
+        return out
+
+    def fixed_axes(self) -> dict[str, dict[int, int]]:
+        out = super().fixed_axes()
+        if self.is_i2v:
+            out["encoder_hidden_states_image"] = {1: self.image_len, 2: int(self.spec.config["image_dim"])}
+        return out
 
     def example_inputs(self, point: Mapping[str, int], *, dtype: str = "fp32", device: str = "cpu",
                        seed: int = 0):
-        """``hidden_states`` [B, C, F, H, W] (dtype), ``timestep`` [B] fp32 in [0, 1000),
-        ``encoder_hidden_states`` [B, L, text_dim] (dtype)."""
+        """``hidden_states`` [B, in_channels, F, H, W] (dtype), ``timestep`` [B] fp32 in [0, 1000)
+        (TI2V: [B, F], a different timestep per frame), ``encoder_hidden_states`` [B, L, text_dim]
+        (dtype); image-to-video also ``encoder_hidden_states_image`` [B, image_len, image_dim]."""
         import torch
 
         g = torch.Generator().manual_seed(seed)
         b, f, h, w, l = (int(point[k]) for k in ("batch", "latent_frames", "latent_height", "latent_width",
                                                   "text_len"))
         td = torch_dtype(dtype)
-        return {
-            "hidden_states": torch.randn(b, self.latent_channels, f, h, w, generator=g).to(device, td),
-            "timestep": (torch.rand(b, generator=g) * 999.0).to(device, torch.float32),
+        t_shape = (b, f) if self.frame_timesteps else (b,)
+        out = {
+            "hidden_states": torch.randn(b, self.in_channels, f, h, w, generator=g).to(device, td),
+            "timestep": (torch.rand(t_shape, generator=g) * 999.0).to(device, torch.float32),
             "encoder_hidden_states": torch.randn(b, l, self.text_dim, generator=g).to(device, td),
         }
+        if self.is_i2v:
+            out["encoder_hidden_states_image"] = torch.randn(b, self.image_len, int(self.spec.config["image_dim"]),
+                                                             generator=g).to(device, td)
+        return out
 
     def export_module(self, model):
-        return _make_wrapper(model)
+        return _make_wrapper(model, image=self.is_i2v, frame_timesteps=self.frame_timesteps)
+
+    # -- conditioning (the one sampler's Conditioner) ------------------------------------------------
+    def model_inputs(self, latents, timestep, conditioning):
+        """Wan's inputs. Image-to-video: ``hidden_states`` = latents + ``latent_condition`` (mask
+        and image latents, 20 channels) on the channel axis, as ``WanImageToVideoPipeline``.
+        TI2V: a timestep per latent frame; with a ``first_frame`` (image-to-video), that frame's
+        latents are the image's and its timestep is 0 (``expand_timesteps`` in diffusers)."""
+        import torch
+
+        cond = dict(conditioning)
+        hidden = latents
+        if self.is_i2v:
+            if "latent_condition" not in cond:
+                raise ModelError(f"{self.name} is image-to-video: its conditioning needs 'latent_condition' "
+                                 "(adapter.image_conditioning)")
+            hidden = torch.cat([latents, cond.pop("latent_condition").to(latents.dtype)], dim=1)
+        if self.frame_timesteps:
+            t = timestep.reshape(-1, 1).expand(-1, latents.shape[2]).clone()
+            first = cond.pop("first_frame", None)
+            if first is not None:
+                hidden = torch.cat([first.to(latents.dtype), latents[:, :, 1:]], dim=2)
+                t[:, 0] = 0.0
+            timestep = t
+        return {"hidden_states": hidden, "timestep": timestep, **cond}
+
+    def final_latents(self, latents, conditioning):
+        """TI2V image-to-video: the given first frame replaces the denoised one (as diffusers does)."""
+        first = conditioning.get("first_frame") if self.frame_timesteps else None
+        if first is None:
+            return latents
+        import torch
+
+        return torch.cat([first.to(latents.dtype).to(latents.device), latents[:, :, 1:]], dim=2)
+
+    def image_conditioning(self, point: Mapping[str, int], *, seed: int = 0, images=None):
+        """Image-to-video conditioning both CFG branches share, batch ``point["batch"]``:
+        ``encoder_hidden_states_image`` [B, image_len, image_dim] (CLIP tokens) and
+        ``latent_condition`` [B, 4 + C, F, H, W] (the first-frame mask, then the image latents:
+        the first latent frame the image's, the rest zeros). Without ``images``: a seeded stand-in
+        (unit-normal tokens and first-frame latents) - what a random-weight model can be calibrated
+        with; real checkpoints need their CLIP image encoder and VAE. TI2V and text-to-video: ``{}``
+        (TI2V's image mode takes a ``first_frame`` latent, see :meth:`model_inputs`)."""
+        if not self.is_i2v:
+            return {}
+        if images is not None:
+            raise ModelError(f"{self.name}: encoding real images (CLIP image encoder + VAE) is not implemented "
+                             "yet; calibrate with the seeded stand-in (images=None)")
+        import torch
+
+        g = torch.Generator().manual_seed(int(seed) + 7_919)
+        b, f, h, w = (int(point[k]) for k in ("batch", "latent_frames", "latent_height", "latent_width"))
+        tokens = torch.randn(b, self.image_len, int(self.spec.config["image_dim"]), generator=g)
+        c_img = self.in_channels - self.latent_channels - I2V_MASK_CHANNELS
+        mask = torch.zeros(b, I2V_MASK_CHANNELS, f, h, w)
+        mask[:, :, 0] = 1.0
+        lat = torch.zeros(b, c_img, f, h, w)
+        lat[:, :, 0] = torch.randn(b, c_img, h, w, generator=g)
+        return {"encoder_hidden_states_image": tokens, "latent_condition": torch.cat([mask, lat], dim=1)}
 
     def enable_sequence_parallel(self, model, seq) -> None:
         """Ulysses over a loaded Wan transformer (diffusers blocks or the torch-fp8 fused blocks):
@@ -270,8 +502,11 @@ class WanAdapter(ModelAdapter):
 
     @property
     def vae_scale(self) -> tuple[int, int]:
-        """Wan's VAE: 4x in time (``num_frames = 4k + 1``), 8x in space; pixel-space models: 1x."""
-        return (1, 1) if self.latent_channels == 3 else (4, 8)
+        """Wan's VAE: 4x in time (``num_frames = 4k + 1``), 8x in space (Wan 2.2's VAE of TI2V: 16x);
+        pixel-space models: 1x."""
+        if self.latent_channels == 3:
+            return (1, 1)
+        return (4, 16) if self.spec.defaults.get("vae") == "wan2.2" else (4, 8)
 
     def scheduler(self, shift: float | None = None):
         return make_scheduler(self.sampling.shift if shift is None else shift)
@@ -292,11 +527,8 @@ class WanAdapter(ModelAdapter):
                 if (cand / "config.json").is_file():
                     vae = diffusers.AutoencoderKLWan.from_pretrained(str(cand), torch_dtype=torch.float32)
                     return vae.eval().requires_grad_(False), f"AutoencoderKLWan from {cand}"
-        with torch.random.fork_rng():
-            torch.manual_seed(0)
-            vae = diffusers.AutoencoderKLWan(base_dim=8, z_dim=self.latent_channels, dim_mult=[1, 1, 1, 1],
-                                             num_res_blocks=1, temperal_downsample=[False, True, True])
-        return vae.eval().requires_grad_(False), "random tiny AutoencoderKLWan (seed 0; no VAE weights with this model)"
+        vae, desc = _random_vae(self.latent_channels, self.spec.defaults.get("vae") == "wan2.2")
+        return vae.eval().requires_grad_(False), desc
 
     def decoder(self):
         """Latents -> frames through :meth:`vae` (un-normalised with its ``latents_mean`` /
@@ -403,6 +635,23 @@ def diffusers_pipeline(transformer, *, encode, vae, scheduler, defaults: Mapping
                                transformer=transformer)
 
 
+def _random_vae(z_dim: int, wan22: bool):
+    """A small seeded ``AutoencoderKLWan`` (no VAE weights with the model): Wan 2.1's layout, or Wan
+    2.2's (residual blocks, 2x2 pixel patches, 16x spatial) for TI2V's 48-channel latents."""
+    import torch
+
+    diffusers = require("diffusers", extra="export")
+    kw = dict(base_dim=8, z_dim=z_dim, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True])
+    if z_dim != 16:  # diffusers' defaults hold Wan 2.1's 16 per-channel statistics
+        kw.update(latents_mean=[0.0] * z_dim, latents_std=[1.0] * z_dim)
+    if wan22:
+        kw.update(is_residual=True, in_channels=12, out_channels=12, patch_size=2, scale_factor_spatial=16)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        vae = diffusers.AutoencoderKLWan(**kw)
+    return vae, f"random tiny AutoencoderKLWan{' (Wan 2.2 layout)' if wan22 else ''} (seed 0; no VAE weights with this model)"
+
+
 def make_scheduler(shift: float):
     """Wan's sampler: diffusers ``FlowMatchEulerDiscreteScheduler`` (1000 train timesteps, sigma shift)."""
     diffusers = require("diffusers", extra="export")
@@ -437,8 +686,26 @@ def _random_rule(name: str, shape: tuple, g):
     return None
 
 
+def checkpoint_defaults(config: Mapping[str, Any], pipeline: Mapping[str, Any]) -> dict[str, Any]:
+    """Sampling defaults of a diffusers Wan checkpoint from its transformer config and the pipeline's
+    ``model_index.json`` (``boundary_ratio``, ``expand_timesteps``): the release settings of Wan 2.1
+    T2V / I2V, Wan 2.2 TI2V-5B, T2V-A14B and I2V-A14B (see :data:`DEFAULTS`)."""
+    d = dict(CHECKPOINT_DEFAULTS)
+    i2v = int(config.get("in_channels", 16)) > int(config.get("out_channels") or config.get("in_channels", 16))
+    if pipeline.get("boundary_ratio") is not None:  # Wan 2.2 A14B: a pair of experts
+        d.update(boundary_ratio=float(pipeline["boundary_ratio"]), num_steps=40)
+        d.update({"shift": 5.0, "guidance_scale": 3.5, "guidance_scale_2": 3.5} if i2v else
+                 {"shift": 12.0, "guidance_scale": 4.0, "guidance_scale_2": 3.0})
+    elif pipeline.get("expand_timesteps"):  # Wan 2.2 TI2V-5B
+        d.update(expand_timesteps=True, vae="wan2.2", shift=5.0, guidance_scale=5.0, num_steps=50, fps=24)
+    elif config.get("image_dim") is not None:  # Wan 2.1 I2V
+        d.update(num_steps=40, image_len=int(config.get("pos_embed_seq_len") or IMAGE_LEN))
+    return d
+
+
 def spec_from_folder(ref: str, folder: Path) -> ModelSpec | None:
-    """A ModelSpec for a diffusers checkpoint folder (pipeline root or ``transformer/``), or None."""
+    """A ModelSpec for a diffusers checkpoint folder (pipeline root or ``transformer/``), or None. A
+    pipeline root with ``transformer_2/`` and a ``boundary_ratio`` (Wan 2.2 A14B) is a pair of experts."""
     for cand in (folder / "transformer", folder):
         cfg = cand / "config.json"
         if cfg.is_file():
@@ -452,11 +719,24 @@ def spec_from_folder(ref: str, folder: Path) -> ModelSpec | None:
                 raise ModelError(f"{cand} has a config.json but no weight files (*.safetensors); "
                                  "the checkpoint is incomplete")
             pipe_root = folder if cand != folder else None
+            pipeline = _model_index(pipe_root)
+            if pipeline.get("boundary_ratio") is not None and not (pipe_root / "transformer_2" / "config.json").is_file():
+                raise ModelError(f"{pipe_root} sets boundary_ratio {pipeline['boundary_ratio']} (two experts) but has no "
+                                 "transformer_2/; the checkpoint is incomplete")
             te = str(pipe_root) if pipe_root and (pipe_root / "text_encoder").is_dir() else None
             return ModelSpec(ref=ref, family="wan", source="checkpoint", path=str(cand),
                              config={k: v for k, v in config.items() if not k.startswith("_")},
-                             text_encoder=te, defaults=dict(CHECKPOINT_DEFAULTS))
+                             text_encoder=te, defaults=checkpoint_defaults(config, pipeline))
     return None
+
+
+def _model_index(root: Path | None) -> dict[str, Any]:
+    if root is None or not (root / "model_index.json").is_file():
+        return {}
+    try:
+        return json.loads((root / "model_index.json").read_text())
+    except json.JSONDecodeError as exc:
+        raise ModelError(f"{root / 'model_index.json'} is not valid JSON ({exc}); re-save the checkpoint") from None
 
 
 def spec_from_record(entry: Mapping[str, Any]) -> ModelSpec:
@@ -464,4 +744,36 @@ def spec_from_record(entry: Mapping[str, Any]) -> ModelSpec:
     not on this machine: every fact comes from the recorded config; ``load`` fails naming the path."""
     return ModelSpec(ref=entry.get("ref") or entry["path"], family="wan", source="checkpoint",
                      config=dict(entry["config"]), path=entry["path"], text_encoder=entry.get("text_encoder"),
-                     defaults={**CHECKPOINT_DEFAULTS, **(entry.get("sampling") or {})})
+                     defaults={**checkpoint_defaults(entry["config"], entry.get("pipeline") or {}),
+                               **(entry.get("sampling") or {})})
+
+
+def named_specs() -> dict[str, ModelSpec]:
+    """The registry entries of this family: the named configs (random init) and wan-shapes."""
+    specs = {name: ModelSpec(ref=name, family="wan", source="random-init", config=cfg, seed=0, text_encoder="hash",
+                             defaults=DEFAULTS[name]) for name, cfg in CONFIGS.items()}
+    specs["wan-shapes"] = _wan_shapes_spec()
+    return specs
+
+
+def _wan_shapes_spec() -> ModelSpec:
+    """The trained pixel-space reference model (``trt_sora/models/moving_shapes``, MODEL_CARD.md)."""
+    from trt_sora.models import moving_shapes as ms
+
+    config = json.loads((ms.WEIGHTS_DIR / "config.json").read_text())
+    bucket = {"latent_frames": ms.LATENT_FRAMES, "latent_height": ms.LATENT_HEIGHT,
+              "latent_width": ms.LATENT_WIDTH, "text_len": ms.TEXT_LEN}
+    return ModelSpec(
+        ref="wan-shapes", family="wan", source="checkpoint", path=str(ms.WEIGHTS_DIR),
+        config={k: v for k, v in config.items() if not k.startswith("_")}, text_encoder="minilm",
+        defaults={
+            **ms.SAMPLING, "negative_prompt": ms.NEGATIVE_PROMPT, "calib_preset": "moving-shapes", "fps": ms.FPS,
+            "caption_probe": "trt_sora.models.moving_shapes.probe:verdict",
+            "heldout_prompts": "moving_shapes_v1",
+            # trained at one resolution only: one clip with CFG (batch 1-2) and two clips (3-4)
+            "buckets": [{"name": "shapes-1clip", "batch": [1, 2, 2], **bucket},
+                        {"name": "shapes-2clips", "batch": [3, 4, 4], **bucket}],
+        })
+
+
+ADAPTER = WanAdapter

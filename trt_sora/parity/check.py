@@ -24,7 +24,9 @@ When a single-call gate fails, the report names the first layer where the error 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
+import re
 import math
 import time
 from pathlib import Path
@@ -95,18 +97,23 @@ def _adapter_for(run: Path, model):
     if isinstance(model, ModelAdapter):
         return model
     if model is None:
+        if (run / "experts" / "manifest.json").is_file():  # a pair: its experts share one registry entry
+            pair = read_manifest(run / "experts", stage="experts")["results"]
+            return adapter_for_manifest(next(iter(pair["experts"].values()))["model"])
+        find_artifacts(run)  # names the missing export first
         return adapter_for_manifest(read_manifest(run / "export", stage="export")["results"]["model"])
     return get_adapter(model)
 
 
 # -- localisation -------------------------------------------------------------------------------------
-def probe_names(model) -> list[str]:
-    """Module paths to compare inside the transformer: every ``nn.Linear`` and every block."""
+def probe_names(model, container: str = "blocks") -> list[str]:
+    """Module paths to compare inside the transformer: every ``nn.Linear`` and every block
+    (``<container>.N``: the family's ``block_container``)."""
     import torch
 
     out = []
     for name, mod in model.named_modules():
-        if isinstance(mod, torch.nn.Linear) or (name.startswith("blocks.") and name.count(".") == 1):
+        if isinstance(mod, torch.nn.Linear) or (name.startswith(f"{container}.") and name.count(".") == 1):
             out.append(name)
     return out
 
@@ -135,8 +142,9 @@ def localize(ref_runner, cand_runner, feeds, probes: Sequence[str], *, jump_fact
     if first is None and layers:
         first = max(layers, key=lambda x: x["ratio"])["name"]
     block = None
-    if first and first.startswith("blocks."):
-        block = ".".join(first.split(".")[:2])
+    m = re.match(r"^([A-Za-z_]\w*\.\d+)(\.|$)", first or "")
+    if m:  # blocks.N (Wan), transformer_blocks.N (HunyuanVideo)
+        block = m.group(1)
     return {"first_jump": first, "block": block, "layers": layers, "reference": ref_runner.name,
             "candidate": cand_runner.name, "compared": len(layers)}
 
@@ -217,14 +225,14 @@ def _loop_point(buckets) -> tuple[dict, bool]:
     return {**point, "batch": b}, 2 * b <= buckets[0].batch.max
 
 
-def _trajectory_level(traj, gate, measured, settings, note, ref, cand, lp) -> dict:
+def _trajectory_level(traj, gate, measured, settings, note, ref_name: str, cand_name: str, lp) -> dict:
     from trt_sora.parity.trajectory import judge
 
     checks, rows = judge(traj, gate, measured)
     return {"level": "trajectory",
             "what": f"every transformer call of the deployed loop ({settings.num_steps} steps, CFG "
                     f"{settings.guidance_scale:g}; {note}): the candidate on the reference trajectory's inputs",
-            "reference": ref.name, "candidate": cand.name, "point": lp, "sampling": {**settings.to_dict(), "note": note},
+            "reference": ref_name, "candidate": cand_name, "point": lp, "sampling": {**settings.to_dict(), "note": note},
             "metrics": {"cosine": min(c["cosine"] for c in traj.calls), "psnr_db": min(c["psnr_db"] for c in traj.calls),
                         "worst_step": min(traj.calls, key=lambda c: c["cosine"])["step"],
                         "psnr_peak_def": "reference output max - min (per call); contribution: final latents "
@@ -262,12 +270,115 @@ def _without_8bit_attention(cand):
         cand.attention = pol
 
 
+@dataclasses.dataclass
+class _Side:
+    """One transformer under check: the single model, or one expert of a pair (``root`` = its folder)."""
+
+    expert: str | None
+    root: Path
+    adapter: Any
+    arts: dict
+    ref: Any = None
+    export_ort: Any = None
+    cand: Any = None
+    cand_onnx: Any = None
+    fq: Any = None
+    fq_floor: Any = None
+    probes: list = dataclasses.field(default_factory=list)
+
+    def level(self, name: str) -> str:
+        """``qdq`` for one model, ``qdq[high]`` for an expert."""
+        return f"{name}[{self.expert}]" if self.expert else name
+
+    def rel(self, path: str) -> str:
+        return f"{self.expert}/{path}" if self.expert else path
+
+    def runners(self) -> list:
+        return [r for r in (self.ref, self.export_ort, self.cand, self.fq, self.fq_floor) if r is not None]
+
+
+def _open_side(side: _Side, backend: str, recipe, device) -> _Side:
+    """The side's reference (PyTorch fp32), export ORT, candidate and fake-quant runners."""
+    from trt_sora.runners import OrtRunner, TorchFakeQuantRunner, TorchRunner
+
+    arts, adapter, pc = side.arts, side.adapter, recipe.parity
+    ref_model = adapter.load("fp32", "cpu")
+    side.ref = TorchRunner(adapter, model=ref_model, name=side.level("torch-fp32")).activate()
+    side.export_ort = OrtRunner(arts["export"], name=f"ort:{side.rel('export/model.onnx')}").activate()
+    side.probes = probe_names(ref_model, adapter.block_container)
+    if backend == "trt":
+        if arts["engine"] is None:
+            raise ArtifactError(f"{side.root}/engine has no .plan; run `trt-sora build` or use backend='ort'")
+        from trt_sora.manifest import read_manifest
+        from trt_sora.runners import TrtRunner
+
+        flavor = read_manifest(side.root / "engine", stage="build").get("results", {}).get("backend")
+        side.cand = TrtRunner(arts["engine"], flavor=flavor, name=f"trt:{arts['engine'].name}").activate()
+    elif backend == "torch-fp8":
+        side.cand = _torch_fp8_candidate(adapter, arts, recipe, device)
+    elif arts["qdq"] is not None:
+        side.cand = OrtRunner(arts["qdq"], probe_source=arts["export"],
+                              name=f"ort:{side.rel('quant/model.qdq.onnx')}").activate()
+        side.cand_onnx = arts["qdq"]
+    else:
+        side.cand, side.cand_onnx = side.export_ort, arts["export"]
+    if arts["qdq"] is not None:
+        side.fq = TorchFakeQuantRunner(adapter, arts["qdq_map"], arts["stats"], model=ref_model,
+                                       name=side.level("torch-fakequant")).activate()
+        graph_dtype = "bf16" if backend == "torch-fp8" else side.fq.qdq_meta.get("graph_dtype", "fp32")
+        if pc.qdq.max_floor_ratio and graph_dtype in ("fp16", "bf16"):
+            # the same simulation with every quantized input rounded to the graph's dtype first: how far
+            # rounding alone moves a correct result (within ~10 % of a full fp16 simulation on
+            # wan-shapes, at fp32 speed: ~1.8x faster than fp16 kernels on a 2-core CPU)
+            side.fq_floor = TorchFakeQuantRunner(adapter, arts["qdq_map"], arts["stats"], model=ref_model,
+                                                 round_inputs=graph_dtype,
+                                                 name=side.level(f"torch-fakequant-{graph_dtype}-inputs")).activate()
+    return side
+
+
+def _sides(run: Path, adapter, recipe) -> dict:
+    """``{expert or None: _Side}`` with verified artifacts: the run itself, or each expert's folder of a
+    pair (after the ``experts/`` folder that ties them is verified too)."""
+    from trt_sora.manifest import MANIFEST, verify_folder
+
+    if not adapter.experts:
+        arts = find_artifacts(run)
+        verify_run(run, arts, recipe)
+        return {None: _Side(None, run, adapter, arts)}
+    if not (run / "experts" / MANIFEST).is_file():
+        raise ArtifactError(f"{run} is a run of the pair {adapter.name} but has no experts/{MANIFEST}; re-run "
+                            "`trt-sora engine` (its export stage writes it)")
+    verify_folder(run / "experts", stage="experts", fix="re-run `trt-sora engine`")
+    out = {}
+    for e in adapter.experts:
+        arts = find_artifacts(run / e)
+        verify_run(run / e, arts, recipe)
+        out[e] = _Side(e, run / e, adapter.expert(e), arts)
+    return out
+
+
+def _expert_steps(adapter, settings) -> dict:
+    """``{expert or None: [steps it serves]}`` of the sampling loop."""
+    sched = adapter.scheduler(settings.shift)
+    sched.set_timesteps(settings.num_steps)
+    out: dict = {}
+    for i, t in enumerate(sched.timesteps):
+        out.setdefault(settings.expert_at(float(t)), []).append(i)
+    return out
+
+
 def check_artifacts(run_dir: str | Path, recipe, *, model=None, backend: str = "ort", write: bool = True,
                     seed: int = 0, localize_always: bool = False, device: str | None = None) -> dict[str, Any]:
     """Run the parity matrix on ``run_dir`` (``build/<model>/<recipe>/``) and write ``parity/``.
 
+    A pair of experts (Wan 2.2 A14B; ``high/`` and ``low/`` expert folders) is checked as one run:
+    the single-call levels per expert (``export[high]``, ``qdq[low]``, ... on the inputs of the steps
+    that expert serves), the trajectory, loop and frames levels on the switched loop (each call on
+    the expert serving its step), one report whose candidate lists both experts' files.
+
     Args:
-        run_dir: run folder holding ``export/`` and optionally ``calib/``, ``quant/``, ``engine/``.
+        run_dir: run folder holding ``export/`` and optionally ``calib/``, ``quant/``, ``engine/``
+            (or a pair's ``experts/``, ``high/``, ``low/``).
         recipe: a :class:`Recipe` or its name/path; gates from ``recipe.parity``.
         model: override the model (name, folder, adapter); default: the export manifest's.
         backend: candidate backend, ``"ort"`` (ONNX Runtime on the Q/DQ ONNX, else the plain export),
@@ -289,8 +400,8 @@ def check_artifacts(run_dir: str | Path, recipe, *, model=None, backend: str = "
     pc = recipe.parity
     if write:  # a check that starts voids the old verdict: a crash or a refusal must not leave "passed" behind
         invalidate(run / "parity")
-    arts = find_artifacts(run)
-    verify_run(run, arts, recipe)
+    adapter = _adapter_for(run, model)
+    sides = _sides(run, adapter, recipe)
 
     from trt_sora.parity.loop import loop_inputs, parity_sampling
     from trt_sora.parity.trajectory import judge
@@ -298,77 +409,34 @@ def check_artifacts(run_dir: str | Path, recipe, *, model=None, backend: str = "
     from trt_sora.runners import OrtRunner, TorchFakeQuantRunner, TorchRunner
     from trt_sora.sampling import runner_call, sample
 
-    adapter = _adapter_for(run, model)
     buckets = effective_buckets(recipe, adapter)
-    ref_model = adapter.load("fp32", "cpu")
-    ref = TorchRunner(adapter, model=ref_model, name="torch-fp32").activate()
-    export_ort = OrtRunner(arts["export"], name="ort:export/model.onnx").activate()
-    probe_src = arts["export"]
+    for side in sides.values():
+        _open_side(side, backend, recipe, device)
     comparisons: list[dict] = []
     localization: dict[str, Any] = {}
-    probes = probe_names(ref_model)
 
-    if backend == "trt":
-        if arts["engine"] is None:
-            raise ArtifactError(f"{run}/engine has no .plan; run `trt-sora build` or use backend='ort'")
-        from trt_sora.manifest import read_manifest
-        from trt_sora.runners import TrtRunner
-
-        flavor = read_manifest(run / "engine", stage="build").get("results", {}).get("backend")
-        cand = TrtRunner(arts["engine"], flavor=flavor, name=f"trt:{arts['engine'].name}").activate()
-        cand_onnx = None
-    elif backend == "torch-fp8":
-        cand, cand_onnx = _torch_fp8_candidate(adapter, arts, recipe, device), None
-    elif arts["qdq"] is not None:
-        cand = OrtRunner(arts["qdq"], probe_source=probe_src, name="ort:quant/model.qdq.onnx").activate()
-        cand_onnx = arts["qdq"]
-    else:
-        cand, cand_onnx = export_ort, arts["export"]
-    fq = fq_floor = None
-    if arts["qdq"] is not None:
-        fq = TorchFakeQuantRunner(adapter, arts["qdq_map"], arts["stats"], model=ref_model,
-                                  name="torch-fakequant").activate()
-        graph_dtype = "bf16" if backend == "torch-fp8" else fq.qdq_meta.get("graph_dtype", "fp32")
-        if pc.qdq.max_floor_ratio and graph_dtype in ("fp16", "bf16"):
-            # the same simulation with every quantized input rounded to the graph's dtype first: how far
-            # rounding alone moves a correct result (within ~10 % of a full fp16 simulation on
-            # wan-shapes, at fp32 speed: ~1.8x faster than fp16 kernels on a 2-core CPU)
-            fq_floor = TorchFakeQuantRunner(adapter, arts["qdq_map"], arts["stats"], model=ref_model,
-                                            round_inputs=graph_dtype,
-                                            name=f"torch-fakequant-{graph_dtype}-inputs").activate()
+    def calls(attr):  # the transformer call of each side: one call, or {expert: call}
+        if None in sides:
+            return runner_call(getattr(sides[None], attr))
+        return {e: runner_call(getattr(s, attr)) for e, s in sides.items()}
 
     # the deployed trajectory once: the reference loop with the candidate on every call's inputs
     settings, sampling_note = parity_sampling(adapter, pc)
     lp, batched = _loop_point(buckets)
     cfg = "batched" if batched else "split"
     noise, cond, uncond = loop_inputs(adapter, lp, seed=seed)
-    traj = reference_with_candidate(runner_call(ref), runner_call(cand), noise, cond, uncond,
+    served = _expert_steps(adapter, settings)
+    keep = sorted({s for steps in served.values()
+                   for s in (steps[i] for i in _sample_steps(pc.num_samples, len(steps)))})
+    ref_calls, cand_calls = calls("ref"), calls("cand")
+    traj = reference_with_candidate(ref_calls, cand_calls, noise, cond, uncond,
                                     scheduler=adapter.scheduler(settings.shift), settings=settings, cfg=cfg,
-                                    keep_inputs=_sample_steps(pc.num_samples, settings.num_steps))
-    samples = _samples(adapter, traj, lp, buckets, seed)
+                                    keep_inputs=keep, conditioner=adapter)
 
-    def run_level(level, r, c, gate, what, floor_ref=None):
-        res = _single_call(r, c, samples, gate, level, what, floor_ref=floor_ref)
-        comparisons.append(res)
-        if (not res["passed"] or localize_always) and hasattr(c, "infer_probes"):
-            pair = (r, c)
-            if level == "quality" and fq is not None:  # a Q/DQ bug shows against fake-quant; else the quant error
-                qdq = next((x for x in comparisons if x["level"] == "qdq"), None)
-                pair = (fq, c) if qdq is not None and not qdq["passed"] else (r, fq)
-            worst = min(range(len(res["per_sample"])), key=lambda i: res["per_sample"][i]["cosine"])
-            localization[level] = localize(pair[0], pair[1], samples[worst][1], probes, jump_factor=pc.jump_factor)
-        return res
-
-    run_level("export", ref, export_ort, pc.export, "export fidelity: PyTorch vs ONNX Runtime on the exported ONNX")
-    if fq is not None:
-        with _without_8bit_attention(cand):
-            run_level("qdq", fq, cand, pc.qdq, "Q/DQ correctness: PyTorch fake-quant (same stats) vs the Q/DQ "
-                      "candidate" + (" (its GEMMs: 8-bit attention off at this level)" if backend == "torch-fp8" else ""),
-                      floor_ref=fq_floor)
-        if fq_floor is not None:  # only the qdq level needs it: free its model copy now
-            fq_floor.deactivate()
-            fq_floor = None
-    run_level("quality", ref, cand, pc.quality, "quality: PyTorch fp32 vs the deployable candidate")
+    for e, side in sides.items():
+        mine = {st: f for st, f in traj.inputs.items() if st in served[e]}
+        samples = _samples(side.adapter, dataclasses.replace(traj, inputs=mine), lp, buckets, seed)
+        _single_call_levels(side, samples, pc, comparisons, localization, localize_always, backend)
 
     # -- the trajectory: every call; the free-running loop; decoded frames --------------------------------
     measured = {}
@@ -376,23 +444,31 @@ def check_artifacts(run_dir: str | Path, recipe, *, model=None, backend: str = "
         for row in judge(traj, pc.trajectory, {})[1]:
             if not row["calls_pass"]:  # what this step alone does to the clip, measured
                 measured[row["step"]] = measured_contribution(
-                    traj, runner_call(ref), runner_call(cand), row["step"], noise, cond, uncond,
-                    scheduler=adapter.scheduler(settings.shift), settings=settings, cfg=cfg)
-    comparisons.append(_trajectory_level(traj, pc.trajectory, measured, settings, sampling_note, ref, cand, lp))
-    res_c = sample(runner_call(cand), noise, cond, uncond, scheduler=adapter.scheduler(settings.shift),
-                   settings=settings, cfg=cfg, keep=("latents",))
+                    traj, ref_calls, cand_calls, row["step"], noise, cond, uncond,
+                    scheduler=adapter.scheduler(settings.shift), settings=settings, cfg=cfg, conditioner=adapter)
+    lead = next(iter(sides.values()))
+    ref_name = "+".join(s.ref.name for s in sides.values())
+    cand_name = "+".join(s.cand.name for s in sides.values())
+    comparisons.append(_trajectory_level(traj, pc.trajectory, measured, settings, sampling_note,
+                                         ref_name, cand_name, lp))
+    res_c = sample(cand_calls, noise, cond, uncond, scheduler=adapter.scheduler(settings.shift),
+                   settings=settings, cfg=cfg, keep=("latents",), conditioner=adapter)
     lat_ref, lat_c = traj.reference.latents, res_c.latents
     per_step = [{"step": a.step, **{k: v for k, v in compare(a.latents, c.latents).items()
                                     if k in ("cosine", "rel_l2", "psnr_db")}}
                 for a, c in zip(traj.reference.steps, res_c.steps)]
     final = compare(lat_ref, lat_c)
     checks = gate_check(final, pc.loop)
+    switch = (f"; switched at t >= {settings.boundary_timestep:g} -> high-noise expert (steps {served.get('high')}), "
+              f"else low-noise (steps {served.get('low')})") if settings.experts else ""
     comparisons.append({"level": "loop", "what": f"sampling loop: {settings.num_steps} steps, CFG "
                         f"{settings.guidance_scale:g} ({'one batch-2 call' if batched else 'two calls'} per step; "
-                        f"{sampling_note}), final latents of the candidate's own trajectory",
-                        "reference": ref.name, "candidate": cand.name, "point": lp, "metrics": final,
+                        f"{sampling_note}{switch}), final latents of the candidate's own trajectory",
+                        "reference": ref_name, "candidate": cand_name, "point": lp, "metrics": final,
                         "sampling": {**settings.to_dict(), "note": sampling_note},
                         "per_step": per_step, "checks": checks, "passed": all(c["passed"] for c in checks)})
+    if settings.experts:
+        comparisons[-1]["experts"] = {e: {"steps": served.get(e, [])} for e in settings.experts}
     decode, ddesc = adapter.decoder()
     fr = frame_metrics(decode(lat_ref), decode(lat_c))
     fm = {**fr, "psnr_db": fr["worst_psnr_db"], "worst_frame_ssim": fr["worst_ssim"]}
@@ -400,34 +476,47 @@ def check_artifacts(run_dir: str | Path, recipe, *, model=None, backend: str = "
     for c in checks:
         c["metric"] = {"psnr_db": "worst_frame_psnr_db"}.get(c["metric"], c["metric"])
     comparisons.append({"level": "frames", "what": f"decoded frames ({ddesc}); gate on the worst frame",
-                        "reference": ref.name, "candidate": cand.name, "metrics": fr, "checks": checks,
+                        "reference": ref_name, "candidate": cand_name, "metrics": fr, "checks": checks,
                         "passed": all(c["passed"] for c in checks)})
     if not all(c["passed"] for c in comparisons[-3:]):
-        if "quality" not in localization and hasattr(cand, "infer_probes"):
-            worst = min(traj.calls, key=lambda c: c["cosine"])["step"]  # localise at the worst call's inputs
-            feeds = traj.inputs[min(traj.inputs, key=lambda st: abs(st - worst))]
-            localization["loop"] = localize(fq or ref, cand, feeds, probes, jump_factor=pc.jump_factor)
+        worst_call = min(traj.calls, key=lambda c: c["cosine"])
+        side = sides.get(worst_call.get("expert"), lead)
+        if not any(k.startswith("quality") for k in localization) and hasattr(side.cand, "infer_probes"):
+            near = [st for st in traj.inputs if st in served.get(side.expert, traj.inputs)] or list(traj.inputs)
+            feeds = traj.inputs[min(near, key=lambda st: abs(st - worst_call["step"]))]  # the worst call's inputs
+            localization["loop"] = localize(side.fq or side.ref, side.cand, feeds, side.probes,
+                                            jump_factor=pc.jump_factor)
 
-    executed = _executed_on(backend, cand)
-    for r in {id(x): x for x in (ref, export_ort, cand, fq) if x is not None}.values():
-        r.deactivate()
+    executed = _executed_on(backend, lead.cand)
+    for side in sides.values():
+        for r in {id(x): x for x in side.runners()}.values():
+            r.deactivate()
     passed = all(c["passed"] for c in comparisons)
-    inputs = {k: file_entry(v, run) for k, v in arts.items() if v is not None}
+    inputs = {side.rel(k): file_entry(v, run) for side in sides.values() for k, v in side.arts.items()
+              if v is not None}
+    candidate = _merge_candidates({e: _candidate_entry(backend, s.cand.name, s.cand_onnx, s.arts,
+                                                       {k: file_entry(v, run) for k, v in s.arts.items()
+                                                        if v is not None}, executed)
+                                   for e, s in sides.items()}, settings)
     report = {
         "passed": passed,
         "recipe": recipe.name,
         "model": adapter.describe()["ref"],
         "model_hash": adapter.spec.model_hash(),
         "backend": backend,
-        "candidate": _candidate_entry(backend, cand.name, cand_onnx, arts, inputs, executed),
+        "candidate": candidate,
         "artifacts": inputs,
         "buckets": [bk.to_yaml() for bk in buckets],
-        "engine": _engine_status(arts["engine"], backend, run),
+        "engine": _engine_status(lead.arts["engine"], backend, run),
         "comparisons": comparisons,
         "localization": localization,
         "failed": [c["level"] for c in comparisons if not c["passed"]],
         "seconds": round(time.perf_counter() - t0, 2),
     }
+    if settings.experts:
+        report["experts"] = {e: {"model_hash": s.adapter.spec.model_hash(), "steps": served.get(e, []),
+                                 "engine": _engine_status(s.arts["engine"], backend, run)} for e, s in sides.items()}
+        report["boundary_ratio"] = settings.boundary_ratio
     if write:
         from trt_sora.config import recipe_to_dict
 
@@ -447,6 +536,52 @@ def check_artifacts(run_dir: str | Path, recipe, *, model=None, backend: str = "
     log.info("parity %s: %s", "passed" if passed else "FAILED", ", ".join(
         f"{c['level']}={'ok' if c['passed'] else 'fail'}" for c in comparisons))
     return report
+
+
+def _single_call_levels(side: _Side, samples, pc, comparisons: list, localization: dict, localize_always: bool,
+                        backend: str) -> None:
+    """The export, qdq and quality levels of one side, with localisation where one fails."""
+    ref, cand, fq = side.ref, side.cand, side.fq
+
+    def run_level(level, r, c, gate, what, floor_ref=None):
+        res = _single_call(r, c, samples, gate, side.level(level), what, floor_ref=floor_ref)
+        if side.expert:
+            res["expert"] = side.expert
+        comparisons.append(res)
+        if (not res["passed"] or localize_always) and hasattr(c, "infer_probes"):
+            pair = (r, c)
+            if level == "quality" and fq is not None:  # a Q/DQ bug shows against fake-quant; else the quant error
+                qdq = next((x for x in comparisons if x["level"] == side.level("qdq")), None)
+                pair = (fq, c) if qdq is not None and not qdq["passed"] else (r, fq)
+            worst = min(range(len(res["per_sample"])), key=lambda i: res["per_sample"][i]["cosine"])
+            localization[side.level(level)] = localize(pair[0], pair[1], samples[worst][1], side.probes,
+                                                       jump_factor=pc.jump_factor)
+        return res
+
+    run_level("export", ref, side.export_ort, pc.export,
+              "export fidelity: PyTorch vs ONNX Runtime on the exported ONNX")
+    if fq is not None:
+        with _without_8bit_attention(cand):
+            run_level("qdq", fq, cand, pc.qdq, "Q/DQ correctness: PyTorch fake-quant (same stats) vs the Q/DQ "
+                      "candidate" + (" (its GEMMs: 8-bit attention off at this level)" if backend == "torch-fp8" else ""),
+                      floor_ref=side.fq_floor)
+        if side.fq_floor is not None:  # only the qdq level needs it: free its model copy now
+            side.fq_floor.deactivate()
+            side.fq_floor = None
+    run_level("quality", ref, cand, pc.quality, "quality: PyTorch fp32 vs the deployable candidate")
+
+
+def _merge_candidates(entries: dict, settings) -> dict[str, Any]:
+    """One candidate entry for the report: the single model's, or a pair's (every file of both experts;
+    ``experts`` names each one's main file and the timesteps it serves)."""
+    if None in entries:
+        return entries[None]
+    first = next(iter(entries.values()))
+    files = {k: v for e in entries.values() for k, v in e["files"].items()}
+    return {**first, "runner": "+".join(e["runner"] for e in entries.values()), "files": files,
+            "experts": {e: {"path": c["path"], "sha256": c["sha256"], "runner": c["runner"]}
+                        for e, c in entries.items()},
+            "boundary_ratio": settings.boundary_ratio}
 
 
 def _executed_on(backend: str, cand) -> dict[str, Any]:

@@ -32,16 +32,19 @@ def parity_sampling(adapter, parity_config) -> tuple[Any, str]:
 
 
 def loop_inputs(adapter, point: Mapping[str, int], *, seed: int = 0, prompts=HELD_OUT_PROMPTS):
-    """Noise ``[B, C, F, H, W]`` and (cond, uncond) embeddings ``[B, L, D]`` for ``point`` (batch = B
-    prompts per branch, so the CFG batch is 2B); the model's own held-out prompts when it has them,
-    its own unconditional conditioning (``adapter.negative_embedding``)."""
+    """Noise ``[B, C, F, H, W]`` and the (cond, uncond) conditioning mappings for ``point`` (batch = B
+    prompts per branch, so the CFG batch is 2B): the model's own held-out prompts when it has them,
+    its own unconditional conditioning, and what both branches share (an image-to-video model's
+    seeded image conditioning)."""
     from trt_sora.sampling import gaussian_noise
 
     b = int(point["batch"])
+    point = adapter.with_family_dims(point)
     prompts = adapter.heldout_prompts() or prompts
     enc = adapter.text_encoder()
-    cond = enc([prompts[i % len(prompts)] for i in range(b)], int(point["text_len"])).float()
-    uncond = adapter.negative_embedding(enc, b, int(point["text_len"]))
+    shared = adapter.image_conditioning(point, seed=seed)
+    cond = {**adapter.text_conditioning(enc, [prompts[i % len(prompts)] for i in range(b)], point), **shared}
+    uncond = {**adapter.negative_conditioning(enc, b, point), **shared}
     noise = gaussian_noise((b, adapter.latent_channels, int(point["latent_frames"]), int(point["latent_height"]),
                             int(point["latent_width"])), seed)
     return noise, cond, uncond

@@ -74,6 +74,15 @@ def _export_manifest(onnx_path: Path) -> dict | None:
         return None
 
 
+def _family_excludes(exp_model: dict) -> dict:
+    """The model family's own default exclusions (its adapter's ``quant_excludes``), from the export manifest."""
+    if not exp_model.get("ref"):
+        return {}
+    from trt_sora.models import adapter_for_manifest
+
+    return dict(adapter_for_manifest(exp_model).quant_excludes)
+
+
 def _fusable_projections(exp_model: dict) -> tuple:
     """The model family's fusable projection groups (its adapter's answer), from the export manifest."""
     if not exp_model.get("ref"):
@@ -195,11 +204,12 @@ def quantize_onnx(onnx_path: str | os.PathLike, stats, config: QuantConfig, out_
     if not linears:
         raise QuantizeError(f"{onnx_path} has no matchable linear (MatMul/Gemm with a constant weight and a recorded "
                             "module scope); export it with trt_sora's dynamo exporter (trt-sora export)")
-    attentions = find_attentions(graph, scopes)
+    attentions = find_attentions(graph, scopes, strict=bool(config.fp8_attention))
     if weights is not None:
         _use_rounded_weights(linears, weights)
 
-    decisions = {s: site_policy(s, config) for s in linears}
+    family_excludes = _family_excludes(exp_model)
+    decisions = {s: site_policy(s, config, family_excludes) for s in linears}
     if fmt is QuantFormat.NONE:
         decisions = {s: (False, "quantization.format is none") for s in linears}
     entries: list[dict[str, Any]] = []
@@ -208,6 +218,9 @@ def quantize_onnx(onnx_path: str | os.PathLike, stats, config: QuantConfig, out_
     att_amax: dict[str, float] = {}
 
     if calib is not None:
+        # linears of the model the exporter dropped (their output is never used, e.g. the last dual-stream
+        # block's text branch): their statistics have nothing to quantize
+        dead = set((exp or {}).get("results", {}).get("dead_linears") or ())
         for site, a in calib.amax.items():
             if site in linears:
                 if decisions[site][0]:
@@ -224,7 +237,7 @@ def quantize_onnx(onnx_path: str | os.PathLike, stats, config: QuantConfig, out_
                     w_amax_stats[base] = arr
                 continue
             m = _ATTN_SITE.match(site)
-            if m and m["module"] in attentions:
+            if m and (m["module"] in attentions or not config.fp8_attention):  # unused without fp8_attention
                 if config.fp8_attention:
                     att_amax[site] = _amax_scalar(site, a)
                 else:
@@ -235,6 +248,12 @@ def quantize_onnx(onnx_path: str | os.PathLike, stats, config: QuantConfig, out_
                 entries.append({"site": site, "kind": "unmatched", "excluded": True,
                                 "reason": "recipe exclude; no linear with this module scope in the graph"})
                 continue
+            if site in dead:
+                entries.append({"site": site, "kind": "unmatched", "excluded": True,
+                                "reason": "not in the exported graph (dead code: its output is never used)"})
+                continue
+            if site.endswith(".weight") and site[:-len(".weight")] in dead:
+                continue  # the weight amax of a layer the exporter dropped
             near = sorted(linears, key=lambda s: -_common_prefix(s, site))[:1]
             raise QuantizeError(f"stats site {site!r} matches no linear or attention in {onnx_path.name} "
                                 f"(nearest: {near[0] if near else '-'}); the stats belong to another export - "

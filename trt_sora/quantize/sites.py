@@ -114,8 +114,11 @@ class Attention:
     k_mul: float = 1.0
 
 
-def find_attentions(graph, scopes: dict[str, list[str]], *, prefix: str = WRAPPER_PREFIX) -> dict[str, Attention]:
-    """``{attention module path: Attention}`` from Softmax nodes between two MatMuls."""
+def find_attentions(graph, scopes: dict[str, list[str]], *, prefix: str = WRAPPER_PREFIX,
+                    strict: bool = True) -> dict[str, Attention]:
+    """``{attention module path: Attention}`` from Softmax nodes between two MatMuls. A module with
+    several softmaxes (an image-to-video cross-attention: text and image attention) is an error
+    when ``strict`` (``fp8_attention`` needs one place for its scales), else listed with its first."""
     out: dict[str, Attention] = {}
     for node in graph.nodes:
         if node.op != "Softmax":
@@ -140,7 +143,9 @@ def find_attentions(graph, scopes: dict[str, list[str]], *, prefix: str = WRAPPE
                 if len(c) == 1 and int(np.prod(c[0].shape)) == 1:
                     setattr(att, attr, float(abs(tensors.values(c[0]).reshape(()))))
         if mod in out:
-            raise QuantizeError(f"attention module {mod!r} has several softmax nodes; fp8_attention cannot "
-                                "place its scales; turn quantization.fp8_attention off")
+            if strict:
+                raise QuantizeError(f"attention module {mod!r} has several softmax nodes; fp8_attention cannot "
+                                    "place its scales; turn quantization.fp8_attention off")
+            continue
         out[mod] = att
     return out

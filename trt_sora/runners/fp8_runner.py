@@ -153,6 +153,12 @@ class TorchFp8Runner(Runner):
 
         from trt_sora.models import wan_fp8
 
+        why = self.adapter.torch_fp8_limitation()
+        if why:
+            from trt_sora.errors import ConfigError
+
+            raise ConfigError(f"backend torch-fp8 cannot run {self.adapter.name}: {why}; serve it with backend "
+                              "'trt' (TensorRT) or 'ort'")
         check_device(self.device)
         self.plan = dict(self._given_plan) if self._given_plan is not None else fp8_plan(self.qdq_map, self.stats)
         model = self._given_model

@@ -221,8 +221,9 @@ class ServingRunner:
     """
 
     def __init__(self, runners: list, *, backend: str, buckets, model_config: Mapping[str, Any], run_dir: Path,
-                 input_ranks: Mapping[str, int], channels: Mapping[str, tuple[int, int]],
-                 patch: tuple[int, int, int] = (1, 1, 1), check_finite: bool = True):
+                 input_ranks: Mapping[str, int], channels: Mapping[str, Any],
+                 patch: tuple[int, int, int] = (1, 1, 1), check_finite: bool = True,
+                 input_dims: Mapping[str, Mapping[int, str]] | None = None, mask_inputs: tuple[str, ...] = ()):
         self._pool: queue.Queue = queue.Queue()
         for r in runners:
             self._pool.put(r)
@@ -232,7 +233,12 @@ class ServingRunner:
         self.model_config = dict(model_config)
         self.run_dir = run_dir
         self._ranks = dict(input_ranks)
-        self._channels = dict(channels)
+        # {input: {axis: size}} (an older (axis, size) pair is one fixed axis)
+        self._fixed = {n: (dict([v]) if isinstance(v, tuple) else {int(a): int(z) for a, z in v.items()})
+                       for n, v in channels.items()}
+        self._dims = {n: {int(a): d for a, d in axes.items()} for n, axes in (input_dims or _WAN_DIMS).items()
+                      if n in self._ranks}
+        self._masks = tuple(mask_inputs)
         self.patch = tuple(patch)
         self.check_finite = check_finite
         self.verified = True
@@ -243,7 +249,8 @@ class ServingRunner:
 
     # -- validation -------------------------------------------------------------------------------
     def point_of(self, feeds: Mapping[str, Any]) -> dict[str, int]:
-        """Validate names/dtypes/ranks; return the latent-space point ``{batch, latent_frames, ...}``."""
+        """Validate names/dtypes/ranks/fixed sizes; return the latent-space point ``{batch,
+        latent_frames, ...}`` (every named dim of the model's inputs, which must agree)."""
         from trt_sora.config.base import did_you_mean
 
         if not isinstance(feeds, Mapping):
@@ -255,6 +262,8 @@ class ServingRunner:
                              f"{list(self.input_names)}")
         if missing:
             raise InputError(f"missing input(s) {missing}; pass {list(self.input_names)}")
+        point: dict[str, int] = {}
+        seen: dict[str, str] = {}
         for n in self.input_names:
             v = feeds[n]
             if not hasattr(v, "shape") or not hasattr(v, "dtype"):
@@ -265,16 +274,17 @@ class ServingRunner:
                 raise InputError(f"{n} has dtype {dt}; pass a floating-point tensor (float32/float16/bfloat16)")
             if len(shape) != self._ranks[n]:
                 raise InputError(f"{n} has rank {len(shape)} (shape {shape}); expected rank {self._ranks[n]}")
-            if n in self._channels:
-                axis, want = self._channels[n]
+            for axis, want in self._fixed.get(n, {}).items():
                 if shape[axis] != want:
                     raise InputError(f"{n} has {shape[axis]} at axis {axis} (shape {shape}); this model needs {want}")
-        hs, eh = tuple(feeds["hidden_states"].shape), tuple(feeds["encoder_hidden_states"].shape)
-        if tuple(feeds["timestep"].shape)[0] != hs[0] or eh[0] != hs[0]:
-            raise InputError(f"batch sizes differ: hidden_states {hs[0]}, timestep {tuple(feeds['timestep'].shape)[0]}, "
-                             f"encoder_hidden_states {eh[0]}; pass one batch size")
-        return {"batch": hs[0], "latent_frames": hs[2], "latent_height": hs[3], "latent_width": hs[4],
-                "text_len": eh[1]}
+            for axis, dim in self._dims.get(n, {}).items():
+                if dim in point and point[dim] != shape[axis]:
+                    what = "batch sizes differ" if dim == "batch" else f"{dim} differs"
+                    raise InputError(f"{what}: {seen[dim]} has {point[dim]}, {n} has {shape[axis]} (axis {axis}); "
+                                     f"pass one {dim}")
+                point.setdefault(dim, int(shape[axis]))
+                seen.setdefault(dim, n)
+        return point
 
     def bucket_for(self, feeds_or_point: Mapping[str, Any]) -> ShapeProfile:
         """The bucket holding these inputs (or point); ShapeError listing the buckets otherwise."""
@@ -322,22 +332,30 @@ class ServingRunner:
 
     def warm_up(self) -> dict[str, float]:
         """One call per bucket at its opt point on every pooled runner; seconds per bucket."""
-        import numpy as np
-
         for b in self.buckets:
-            p = b.point("opt")
-            g = np.random.default_rng(0)
-            c = self._channels["hidden_states"][1]
-            d = self._channels["encoder_hidden_states"][1]
-            feeds = {"hidden_states": g.standard_normal((p["batch"], c, p["latent_frames"], p["latent_height"],
-                                                         p["latent_width"]), dtype=np.float32),
-                     "timestep": np.full((p["batch"],), 500.0, np.float32),
-                     "encoder_hidden_states": g.standard_normal((p["batch"], p["text_len"], d), dtype=np.float32)}
+            feeds = self.example_feeds(b.point("opt"))
             t0 = time.perf_counter()
             for r in self._runners:
                 r.infer(feeds)
             self.warmup_seconds[b.name] = time.perf_counter() - t0
         return dict(self.warmup_seconds)
+
+    def example_feeds(self, point: Mapping[str, int], seed: int = 0) -> dict[str, Any]:
+        """Random fp32 inputs at ``point`` (numpy): normal values, masks all ones, timestep 500."""
+        import numpy as np
+
+        g = np.random.default_rng(seed)
+        feeds = {}
+        for n in self.input_names:
+            axes = {**{a: int(point[d]) for a, d in self._dims.get(n, {}).items()}, **self._fixed.get(n, {})}
+            shape = tuple(axes[a] for a in range(self._ranks[n]))
+            if n == "timestep":
+                feeds[n] = np.full(shape, 500.0, np.float32)
+            elif n in self._masks:
+                feeds[n] = np.ones(shape, np.float32)
+            else:
+                feeds[n] = g.standard_normal(shape, dtype=np.float32)
+        return feeds
 
     def close(self) -> None:
         for r in self._runners:
@@ -364,6 +382,11 @@ class ServingRunner:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+#: Wan's input dims: a ServingRunner built without ``input_dims`` (older callers) serves a Wan layout.
+_WAN_DIMS = {"hidden_states": {0: "batch", 2: "latent_frames", 3: "latent_height", 4: "latent_width"},
+             "timestep": {0: "batch"}, "encoder_hidden_states": {0: "batch", 1: "text_len"}}
 
 
 def _non_finite(x) -> int:
@@ -432,12 +455,13 @@ def load(artifact_dir, backend: str = "auto", *, force: bool = False, concurrenc
         from trt_sora.errors import ConfigError
 
         raise ConfigError(f"unknown backend {backend!r}{did_you_mean(backend, BACKENDS)}; use one of {BACKENDS}")
-    exp = read_manifest(run / "export", stage="export")
+    pair = _read_pair(run)  # a pair of experts (Wan 2.2 A14B): high/ and low/ expert folders
+    exp = read_manifest((run / next(iter(pair["experts"])) if pair else run) / "export", stage="export")
     rep = read_report(run)
     if backend == "auto":
         backend = _auto_backend(run, rep, device)
     res = exp["results"]
-    model_hash = (res.get("model") or {}).get("model_hash")
+    model_hash = pair["model_hash"] if pair else (res.get("model") or {}).get("model_hash")
     why = mismatch(rep, backend, _gpu_sm(device if backend != "trt" else (device or "cuda")), model_hash)
     verified = why is None
     if why is not None:
@@ -461,15 +485,22 @@ def load(artifact_dir, backend: str = "auto", *, force: bool = False, concurrenc
 
     cfg = dict(res["model"].get("config") or {})
     family = adapter_for_manifest(res["model"])  # input ranks, fixed feature dims and patch are family facts
-    ranks, channels = family.input_ranks(), family.fixed_dims()
-    runners = _make_runners(run, backend, files, rep, family, concurrency=concurrency, device=device, dtype=dtype,
-                            compile=compile, threads=threads)
+    ranks, channels = family.input_ranks(), family.fixed_axes()
+    kw = dict(concurrency=concurrency, device=device, dtype=dtype, compile=compile, threads=threads)
+    if pair:
+        from trt_sora.runtime.experts import ExpertsRunner
+
+        per = {e: _make_runners(run / e, backend, {r: p for r, p in files.items() if r.startswith(f"{e}/")}, rep,
+                                family.expert(e), **kw)[0] for e in pair["experts"]}
+        runners = [ExpertsRunner(per, pair["boundary_timestep"])]
+    else:
+        runners = _make_runners(run, backend, files, rep, family, **kw)
     if parallel is not None:
         runners = _parallel(runners, backend, parallel, concurrency)
     pooled = runners * concurrency if len(runners) == 1 else runners
     sr = ServingRunner(pooled, backend=backend, buckets=buckets, model_config=cfg, run_dir=run,
                        input_ranks=ranks, channels=channels, patch=tuple(family.patch_size),
-                       check_finite=check_finite)
+                       check_finite=check_finite, input_dims=family.input_dims(), mask_inputs=family.mask_inputs)
     sr._runners = runners  # warm-up/close once per distinct runner
     sr.verified = verified
     sr.load_seconds = time.perf_counter() - t0
@@ -478,6 +509,19 @@ def load(artifact_dir, backend: str = "auto", *, force: bool = False, concurrenc
     log.info("runtime: %s backend, %d bucket(s), loaded in %.2f s%s", backend, len(buckets), sr.load_seconds,
              "" if verified else " (UNVERIFIED, force=True)")
     return sr
+
+
+def _read_pair(run: Path) -> dict | None:
+    """``experts/experts.json`` of a pair of experts (re-hashed against its manifest), or None."""
+    from trt_sora.manifest import read_json, verify_folder
+
+    if not (run / "experts" / "manifest.json").is_file():
+        return None
+    verify_folder(run / "experts", stage="experts", fix=f"re-run `trt-sora engine` for {run}")
+    pair = read_json(run / "experts" / "experts.json", what="experts file", fix="re-run `trt-sora engine`")
+    if not isinstance(pair, dict) or not isinstance(pair.get("experts"), dict) or pair.get("boundary_timestep") is None:
+        raise ArtifactError(f"{run}/experts/experts.json does not describe a pair of experts; re-run `trt-sora engine`")
+    return pair
 
 
 def _parallel(runners: list, backend: str, parallel, concurrency: int) -> list:
