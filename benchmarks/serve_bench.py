@@ -64,6 +64,8 @@ def run_mode(args, mode: str) -> dict:
     cmd += ["--max-wait-ms", str(args.max_wait_ms)] if mode == "batched" else ["--max-batch", "1", "--max-wait-ms", "0"]
     if args.threads:
         cmd += ["--threads", str(args.threads)]
+    if args.force:  # speed of an artifact whose parity gate failed (never for serving it)
+        cmd += ["--force"]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
@@ -122,7 +124,8 @@ def run_mode(args, mode: str) -> dict:
             "p50_s": round(float(np.percentile(lat, 50)), 3), "p95_s": round(float(np.percentile(lat, 95)), 3),
             "max_s": round(float(lat.max()), 3), "throughput_clips_per_s": round(len(lat) / wall, 4),
             "wall_s": round(wall, 2), "formed_batches": {str(k): v for k, v in sorted(formed.items()) if v},
-            "transformer_calls": calls, "batch_cap_default_request": info["memory"].get("cap"), "ready_s": round(ready_s, 1),
+            "transformer_calls": calls, "batch_cap_default_request": info["memory"].get("cap"),
+            "ready_s": round(ready_s, 1), "forced": args.force,
             "sampling": {**info["sampling"], **({"num_steps": args.steps} if args.steps else {}),
                          **({"guidance_scale": args.guidance} if args.guidance is not None else {})}}
 
@@ -138,6 +141,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-wait-ms", type=float, default=200.0)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--modes", default="batched,unbatched")
+    p.add_argument("--force", action="store_true", help="serve even when the parity report failed (to measure speed)")
     p.add_argument("--prompts", nargs="*", default=["a red circle moves up over a plain black background",
                                                      "a blue square moves down over a plain black background"])
     p.add_argument("--out", default=None, help="write the results as JSON here")
