@@ -186,7 +186,7 @@ def modelopt_peer(adapter, model, stats, preset, quant_config, *, encode: Callab
     progress("peer", 0, total)
     ref = sample(model)
     peak = float(ref.max() - ref.min())
-    ours_sites = [s for s in quantized_sites(model, quant_config) if s in stats.amax]
+    ours_sites = [s for s in quantized_sites(model, quant_config, adapter.quant_excludes) if s in stats.amax]
     act = {s: stats.amax[s] for s in ours_sites}
     w_pc = {s: stats.amax[f"{s}.weight"] for s in ours_sites if f"{s}.weight" in stats.amax}
     w_pt = {s: a.max().expand_as(a) for s, a in w_pc.items()}

@@ -221,16 +221,17 @@ def _negative_label(adapter, preset: CalibPreset) -> str:
     return "(zero embedding: the model's unconditional)" if neg is None else neg
 
 
-def _gptq_sites(model, config: CalibConfig, qfmt: QuantFormat, quant_config: QuantConfig | None
-                ) -> tuple[list[str], str]:
-    """``(sites, note)``: the linears GPTQ rounds - the ones the quantize stage quantizes - or none
-    (nearest rounding, an unquantized recipe, or ``auto`` where GPTQ cannot run); ``note`` says why."""
+def _gptq_sites(model, config: CalibConfig, qfmt: QuantFormat, quant_config: QuantConfig | None,
+                family_excludes: Mapping[str, str] | None = None) -> tuple[list[str], str]:
+    """``(sites, note)``: the linears GPTQ rounds - the ones the quantize stage quantizes (the recipe's
+    and the family's exclusions applied) - or none (nearest rounding, an unquantized recipe, or
+    ``auto`` where GPTQ cannot run); ``note`` says why."""
     from trt_sora.calibrate.fakequant_model import quantized_sites
     from trt_sora.calibrate.gptq import hessian_bytes
 
     if config.weight_rounding == "nearest" or qfmt is QuantFormat.NONE:
         return [], "nearest"
-    sites = quantized_sites(model, quant_config or QuantConfig(format=qfmt))
+    sites = quantized_sites(model, quant_config or QuantConfig(format=qfmt), family_excludes)
     need, limit = hessian_bytes(model, sites), config.gptq_max_hessian_gb * 2 ** 30
     why = (f"its input Hessians need {need / 2**30:.1f} GiB (calibration.gptq_max_hessian_gb: "
            f"{config.gptq_max_hessian_gb:g})" if need > limit else None)
@@ -469,7 +470,8 @@ def _calibrate(sides: Mapping[Any, Any], config: CalibConfig, out_dirs: Mapping[
     forwards: dict[Any, int] = {k: 0 for k in sides}
     from trt_sora.calibrate.gptq import HESSIANS_FILE, HessianHooks, load_hessians
 
-    gptq = {k: _gptq_sites(models[k], config, qfmt, quant_config) for k in sides}  # {side: (sites, note)}
+    gptq = {k: _gptq_sites(models[k], config, qfmt, quant_config, a.quant_excludes)  # {side: (sites, note)}
+            for k, a in sides.items()}
     hessians = {k: HessianHooks(models[k], s, max_bytes=int(config.gptq_max_hessian_gb * 2 ** 30))
                 for k, (s, _) in gptq.items() if s and not from_shards}
     if from_shards:

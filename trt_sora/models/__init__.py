@@ -21,6 +21,7 @@ DEFAULT_MODEL = "wan-shapes"
 #: ``family -> module``: every model family trt_sora knows.
 FAMILIES = {
     "wan": "trt_sora.models.wan",
+    "hunyuan": "trt_sora.models.hunyuan",
 }
 
 

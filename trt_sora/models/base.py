@@ -4,7 +4,7 @@ Model facts (input names and ranks, patch size, text encoder, scheduler and the
 sampling settings users run, export rewrites, layer kinds, fusable projection
 groups, the latent decoder, how prompts and images become conditioning inputs,
 family-specific shape dims, the experts of a boundary-switched pair) live in one
-file per family (``wan.py``); stages only talk to a
+file per family (``wan.py``, ``hunyuan.py``); stages only talk to a
 :class:`ModelAdapter`.
 """
 from __future__ import annotations

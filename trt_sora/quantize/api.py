@@ -93,15 +93,23 @@ def _fusable_projections(exp_model: dict) -> tuple:
     return tuple(adapter_for_manifest(exp_model).fusable_projections)
 
 
-def _use_rounded_weights(linears: dict, path) -> None:
+def _dead_linears(exp: dict | None) -> frozenset:
+    """The linears the exporter dropped as dead code (the export manifest's ``dead_linears``)."""
+    return frozenset((exp or {}).get("results", {}).get("dead_linears") or ())
+
+
+def _use_rounded_weights(linears: dict, path, dead=frozenset()) -> None:
     """Replace each listed site's weight constant by its rounded value (deferred, in the constant's own
-    dtype and layout: ``[in, out]`` for MatMul, ``[out, in]`` for Gemm transB)."""
+    dtype and layout: ``[in, out]`` for MatMul, ``[out, in]`` for Gemm transB). ``dead``: linears the
+    exporter dropped (unused output): their rounded weights have no constant to replace."""
     from trt_sora.calibrate.gptq import load_rounded_weights
     from trt_sora.quantize import tensors
 
     D = tensors.deferred_class()
     for site, w in load_rounded_weights(path).items():
         lin = linears.get(site)
+        if lin is None and site in dead:
+            continue
         if lin is None:
             raise QuantizeError(f"rounded weight for {site!r} in {path} matches no linear of the graph; the weights "
                                 "file belongs to another model - recalibrate this one")
@@ -206,7 +214,7 @@ def quantize_onnx(onnx_path: str | os.PathLike, stats, config: QuantConfig, out_
                             "module scope); export it with trt_sora's dynamo exporter (trt-sora export)")
     attentions = find_attentions(graph, scopes, strict=bool(config.fp8_attention))
     if weights is not None:
-        _use_rounded_weights(linears, weights)
+        _use_rounded_weights(linears, weights, _dead_linears(exp))
 
     family_excludes = _family_excludes(exp_model)
     decisions = {s: site_policy(s, config, family_excludes) for s in linears}
@@ -220,7 +228,7 @@ def quantize_onnx(onnx_path: str | os.PathLike, stats, config: QuantConfig, out_
     if calib is not None:
         # linears of the model the exporter dropped (their output is never used, e.g. the last dual-stream
         # block's text branch): their statistics have nothing to quantize
-        dead = set((exp or {}).get("results", {}).get("dead_linears") or ())
+        dead = _dead_linears(exp)
         for site, a in calib.amax.items():
             if site in linears:
                 if decisions[site][0]:
