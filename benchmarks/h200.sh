@@ -10,6 +10,8 @@
 # build/lev/prompts.safetensors + prompts.text.safetensors from `python benchmarks/quality_levers.py --encode
 # --out build/lev/prompts.safetensors` on CPU, carried),
 # check (trt-sora check --backend torch-fp8 on the wan-shapes run folder),
+# serve (after check: the serve GPU test, then serve_bench with and without dynamic batching on torch-fp8;
+# needs the serve extra's wheels: fastapi, uvicorn, prometheus-client, imageio-ffmpeg),
 # m13 / m14 (one transformer call, 480p x 81, batch 1: eager, compile, the torch-fp8 ladder),
 # calib13 / calib14 (calibration observer overhead),
 # m14b2 (14B batch 2), m14_720 (14B 720p batch 1), prof14 (profiler of the 14B fp8 call),
@@ -59,6 +61,9 @@ for p in "$@"; do
               --variants \"$LEVERS\" --out $OUT/levers.json" ;;
     ktests) part ktests 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels ;;
     check) part check 200 python3 -m trt_sora check --run "$RUN" --recipe rtx4090-fp8 --backend torch-fp8 --device cuda ;;
+    serve) part serve 540 bash -c "python3 -m pytest -q -m gpu -p no:cacheprovider tests/serve; \
+             python3 benchmarks/serve_bench.py --run $RUN --backend torch-fp8 --requests 32 --concurrency 8 \
+             --out $OUT/serve.json" ;;
     m13) part m13 300 python3 benchmarks/fp8_bench.py --parts models --models wan2.1-t2v-1.3b --batches 1 \
            --out "$OUT/m13.json" ;;
     m14) part m14 540 python3 benchmarks/fp8_bench.py --parts models --models wan2.1-t2v-14b --batches 1 \
