@@ -182,11 +182,20 @@ class ModelAdapter(Conditioner, abc.ABC):
                          "export it with its weights in memory (export_onnx(..., model=adapter.load()))")
 
     def weight_source(self):
-        """A :class:`trt_sora.weights.sources.WeightSource` of the model's parameters (state-dict names)."""
-        from trt_sora.errors import ModelError
+        """A :class:`trt_sora.weights.sources.WeightSource` of the model's parameters (state-dict names),
+        one tensor at a time: the checkpoint's safetensors, or the random init of the config
+        (:meth:`load_empty` + :meth:`random_init_rule`)."""
+        from trt_sora.weights.sources import CheckpointSource, RandomInitSource
 
-        raise ModelError(f"model family {self.family!r} has no weight source yet (streaming export); "
-                         "export it with its weights in memory (export_onnx(..., model=adapter.load()))")
+        if self.spec.source == "checkpoint":
+            return CheckpointSource(self.spec.path)
+        return RandomInitSource(self.load_empty("fp32"), self.spec.seed, self.random_init_rule)
+
+    @staticmethod
+    def random_init_rule(name: str, shape: tuple, g):
+        """The family's random init of a parameter its module's ``reset_parameters`` does not cover
+        (a tensor), or None for the module's own distribution (:mod:`trt_sora.weights.random_init`)."""
+        return None
 
     # -- inputs ------------------------------------------------------------------------
     @abc.abstractmethod

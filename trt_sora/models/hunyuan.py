@@ -343,13 +343,9 @@ class HunyuanVideo15Adapter(ModelAdapter):
         _set_processors(model)
         return model.eval().requires_grad_(False)
 
-    def weight_source(self):
-        """The weights one tensor at a time: the checkpoint's safetensors, or the random init of the config."""
-        from trt_sora.weights.sources import CheckpointSource, RandomInitSource
-
-        if self.spec.source == "checkpoint":
-            return CheckpointSource(self.spec.path)
-        return RandomInitSource(self.load_empty("fp32"), self.spec.seed, _random_rule)
+    @staticmethod
+    def random_init_rule(name: str, shape: tuple, g):
+        return _random_rule(name, shape, g)
 
     # -- inputs ------------------------------------------------------------------------------
     def input_dims(self) -> dict[str, dict[int, str]]:
