@@ -100,3 +100,41 @@ def test_missing_export_is_a_typed_error(tmp_path):
 
     with pytest.raises(ArtifactError, match="trt-sora export"):
         check_artifacts(tmp_path, RECIPE)
+
+
+class _Const:
+    """A runner stub: ``infer`` returns the sample's reference output, plus a per-sample error."""
+
+    def __init__(self, name, noise):
+        self.name, self.noise = name, noise
+
+    def infer(self, feeds):
+        import numpy as np
+
+        x = feeds["x"]
+        return {"y": x + self.noise.get(int(feeds["i"][0]), 0.0) * np.cos(np.arange(x.size)).reshape(x.shape)}
+
+
+@pytest.mark.parametrize("contribution_db, passes", [(50.0, True), (40.0, False)])
+def test_quality_level_exempts_a_trajectory_call_only_on_its_measured_contribution(contribution_db, passes):
+    """One rule on two levels: a quality sample that is a call of the deployed trajectory and misses the gate
+    passes only when its step's measured contribution clears the trajectory level's limit; a missed sample
+    that is not a trajectory call (no measurement) always fails the level."""
+    import numpy as np
+
+    from trt_sora.config.recipe import ParityGate
+    from trt_sora.parity.check import _single_call
+
+    rng = np.random.default_rng(0)
+    samples = [({"batch": 1}, {"x": rng.standard_normal((4, 64)).astype(np.float32), "i": np.array([i])})
+               for i in range(3)]
+    gate = ParityGate(min_cosine=0.99, min_psnr_db=30.0)
+    cand = _Const("cand", {2: 0.5})  # sample 2 (the last step) misses the gate
+    res = _single_call(_Const("ref", {}), cand, samples, gate, "quality", "q", exempt={2: (19, contribution_db, 45.0)})
+    assert res["passed"] is passes
+    assert res["per_sample"][2]["exempt"] is passes and res["per_sample"][2]["step"] == 19
+    assert any("trajectory step 19" in c["metric"] and c["value"] == contribution_db for c in res["checks"])
+    assert res["metrics"]["cosine"] < 0.99 or passes  # an exempt sample leaves the judged worst
+    assert not _single_call(_Const("ref", {}), cand, samples, gate, "quality", "q", exempt={})["passed"]
+    assert not _single_call(_Const("ref", {}), _Const("cand", {1: 0.5, 2: 0.5}), samples, gate, "quality", "q",
+                            exempt={2: (19, 50.0, 45.0)})["passed"]  # sample 1 has no measurement

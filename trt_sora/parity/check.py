@@ -163,10 +163,14 @@ def _worst(per_sample: list[dict]) -> dict:
     return out
 
 
-def _single_call(ref, cand, samples, gate, level: str, what: str, floor_ref=None) -> dict:
+def _single_call(ref, cand, samples, gate, level: str, what: str, floor_ref=None, exempt=None) -> dict:
     """One level over the samples. With ``floor_ref`` (a second correct reference, e.g. fake-quant in
     the graph's dtype) and ``gate.max_floor_ratio``, the cosine gate is judged per sample against
-    ``max(1 - min_cosine, max_floor_ratio * (1 - cosine(ref, floor_ref)))``."""
+    ``max(1 - min_cosine, max_floor_ratio * (1 - cosine(ref, floor_ref)))``.
+
+    ``exempt``: ``{sample index: (step, measured contribution dB, limit)}`` for samples that are
+    calls of the deployed trajectory; such a sample that misses the gate passes only on its step's
+    measured contribution to the final latents, the trajectory level's rule, reported as a check."""
     import dataclasses
 
     use_floor = floor_ref is not None and getattr(gate, "max_floor_ratio", None) and gate.min_cosine is not None
@@ -182,10 +186,18 @@ def _single_call(ref, cand, samples, gate, level: str, what: str, floor_ref=None
             m.update({"floor_1_minus_cosine": floor, "allowed_1_minus_cosine": allowed,
                       "distance_over_allowed": (1.0 - m["cosine"]) / allowed})
         per.append(m)
-    worst = _worst(per)
+    exempt_checks = []
+    for i, (step, db, limit) in (exempt or {}).items():
+        if not all(c["passed"] for c in gate_check(per[i], gate)):
+            per[i].update({"exempt": db >= limit, "step": step, "measured_contribution_db": db})
+            exempt_checks.append({"metric": f"sample {i} (trajectory step {step}) misses the gate: its step's measured "
+                                            "contribution to the final latents, dB", "value": db, "threshold": limit,
+                                  "op": ">=", "passed": bool(db >= limit)})
+    judged = [m for m in per if not m.get("exempt")] or per
+    worst = _worst(judged)
     if use_floor:
         checks = gate_check(worst, dataclasses.replace(gate, min_cosine=None))
-        ratio = max(m["distance_over_allowed"] for m in per)
+        ratio = max(m["distance_over_allowed"] for m in judged)
         worst["distance_over_allowed"] = ratio
         checks.insert(0, {
             "metric": f"(1 - cosine) / max(1 - {gate.min_cosine:g}, {gate.max_floor_ratio:g} x rounding floor)",
@@ -193,6 +205,7 @@ def _single_call(ref, cand, samples, gate, level: str, what: str, floor_ref=None
             "passed": bool(ratio <= 1.0 and not math.isnan(ratio))})
     else:
         checks = gate_check(worst, gate)
+    checks += exempt_checks
     out = {"level": level, "what": what, "reference": ref.name, "candidate": cand.name,
            "metrics": worst, "per_sample": per, "checks": checks, "passed": all(c["passed"] for c in checks)}
     if use_floor:
@@ -433,19 +446,24 @@ def check_artifacts(run_dir: str | Path, recipe, *, model=None, backend: str = "
                                     scheduler=adapter.scheduler(settings.shift), settings=settings, cfg=cfg,
                                     keep_inputs=keep, conditioner=adapter)
 
-    for e, side in sides.items():
-        mine = {st: f for st, f in traj.inputs.items() if st in served[e]}
-        samples = _samples(side.adapter, dataclasses.replace(traj, inputs=mine), lp, buckets, seed)
-        _single_call_levels(side, samples, pc, comparisons, localization, localize_always, backend)
-
-    # -- the trajectory: every call; the free-running loop; decoded frames --------------------------------
+    # what a step alone does to the clip, measured, for every step whose calls miss the per-call gate
     measured = {}
-    if pc.trajectory.min_contribution_db is not None:
+    limit = pc.trajectory.min_contribution_db
+    if limit is not None:
         for row in judge(traj, pc.trajectory, {})[1]:
-            if not row["calls_pass"]:  # what this step alone does to the clip, measured
+            if not row["calls_pass"]:
                 measured[row["step"]] = measured_contribution(
                     traj, ref_calls, cand_calls, row["step"], noise, cond, uncond,
                     scheduler=adapter.scheduler(settings.shift), settings=settings, cfg=cfg, conditioner=adapter)
+
+    for e, side in sides.items():
+        mine = {st: f for st, f in traj.inputs.items() if st in served[e]}
+        samples = _samples(side.adapter, dataclasses.replace(traj, inputs=mine), lp, buckets, seed)
+        # the quality level judges trajectory calls by the trajectory level's rule (one rule, two levels)
+        exempt = {i: (st, measured[st], limit) for i, st in enumerate(sorted(mine)) if st in measured}
+        _single_call_levels(side, samples, pc, comparisons, localization, localize_always, backend, exempt)
+
+    # -- the trajectory: every call; the free-running loop; decoded frames --------------------------------
     lead = next(iter(sides.values()))
     ref_name = "+".join(s.ref.name for s in sides.values())
     cand_name = "+".join(s.cand.name for s in sides.values())
@@ -539,12 +557,14 @@ def check_artifacts(run_dir: str | Path, recipe, *, model=None, backend: str = "
 
 
 def _single_call_levels(side: _Side, samples, pc, comparisons: list, localization: dict, localize_always: bool,
-                        backend: str) -> None:
-    """The export, qdq and quality levels of one side, with localisation where one fails."""
+                        backend: str, exempt=None) -> None:
+    """The export, qdq and quality levels of one side, with localisation where one fails. ``exempt``
+    (see :func:`_single_call`) applies to the quality level: the quantization error judged where the
+    trajectory level judges it."""
     ref, cand, fq = side.ref, side.cand, side.fq
 
-    def run_level(level, r, c, gate, what, floor_ref=None):
-        res = _single_call(r, c, samples, gate, side.level(level), what, floor_ref=floor_ref)
+    def run_level(level, r, c, gate, what, floor_ref=None, exempt=None):
+        res = _single_call(r, c, samples, gate, side.level(level), what, floor_ref=floor_ref, exempt=exempt)
         if side.expert:
             res["expert"] = side.expert
         comparisons.append(res)
@@ -568,7 +588,7 @@ def _single_call_levels(side: _Side, samples, pc, comparisons: list, localizatio
         if side.fq_floor is not None:  # only the qdq level needs it: free its model copy now
             side.fq_floor.deactivate()
             side.fq_floor = None
-    run_level("quality", ref, cand, pc.quality, "quality: PyTorch fp32 vs the deployable candidate")
+    run_level("quality", ref, cand, pc.quality, "quality: PyTorch fp32 vs the deployable candidate", exempt=exempt)
 
 
 def _merge_candidates(entries: dict, settings) -> dict[str, Any]:
