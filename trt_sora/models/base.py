@@ -83,6 +83,28 @@ class ModelSpec:
         return h.hexdigest()[:16]
 
 
+def transformer_folder(folder: Path, class_name: str) -> tuple[Path, dict[str, Any]] | None:
+    """``(folder holding the transformer, its config.json)`` for a diffusers checkpoint folder
+    (pipeline root or ``transformer/``) whose transformer is ``class_name``; None for another class.
+    A corrupt config or a config without weight files is a typed error."""
+    from trt_sora.errors import ModelError
+
+    for cand in (folder / "transformer", folder):
+        cfg = cand / "config.json"
+        if cfg.is_file():
+            try:
+                config = json.loads(cfg.read_text())
+            except json.JSONDecodeError as exc:
+                raise ModelError(f"{cfg} is not valid JSON ({exc}); re-save the checkpoint") from None
+            if config.get("_class_name") != class_name:
+                return None
+            if not any(cand.glob("*.safetensors")) and not any(cand.glob("*.bin")):
+                raise ModelError(f"{cand} has a config.json but no weight files (*.safetensors); "
+                                 "the checkpoint is incomplete")
+            return cand, config
+    return None
+
+
 class ModelAdapter(Conditioner, abc.ABC):
     """One model family. Input names/shapes, loading, example inputs, scheduler, text encoder;
     as a :class:`~trt_sora.sampling.Conditioner` it builds the model's inputs from latents and

@@ -30,13 +30,12 @@ pipeline). Masks are float (1 = token, 0 = padding), as the diffusers pipeline p
 """
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from trt_sora.errors import ModelError, require
-from trt_sora.models.base import ModelAdapter, ModelSpec, torch_dtype
+from trt_sora.models.base import ModelAdapter, ModelSpec, torch_dtype, transformer_folder
 
 CLASS_NAME = "HunyuanVideo15Transformer3DModel"
 
@@ -530,23 +529,14 @@ def make_scheduler(shift: float):
 
 def spec_from_folder(ref: str, folder: Path) -> ModelSpec | None:
     """A ModelSpec for a HunyuanVideo 1.5 diffusers folder (pipeline root or ``transformer/``), or None."""
-    for cand in (folder / "transformer", folder):
-        cfg = cand / "config.json"
-        if cfg.is_file():
-            try:
-                config = json.loads(cfg.read_text())
-            except json.JSONDecodeError as exc:
-                raise ModelError(f"{cfg} is not valid JSON ({exc}); re-save the checkpoint") from None
-            if config.get("_class_name") != CLASS_NAME:
-                return None
-            if not any(cand.glob("*.safetensors")) and not any(cand.glob("*.bin")):
-                raise ModelError(f"{cand} has a config.json but no weight files (*.safetensors); "
-                                 "the checkpoint is incomplete")
-            shift = 9.0 if int(config.get("target_size", 640)) >= 960 else 5.0
-            return ModelSpec(ref=ref, family="hunyuan", source="checkpoint", path=str(cand),
-                             config={k: v for k, v in config.items() if not k.startswith("_")},
-                             text_encoder="hash", defaults={**CHECKPOINT_DEFAULTS, "shift": shift})
-    return None
+    found = transformer_folder(folder, CLASS_NAME)
+    if found is None:
+        return None
+    cand, config = found
+    shift = 9.0 if int(config.get("target_size", 640)) >= 960 else 5.0
+    return ModelSpec(ref=ref, family="hunyuan", source="checkpoint", path=str(cand),
+                     config={k: v for k, v in config.items() if not k.startswith("_")},
+                     text_encoder="hash", defaults={**CHECKPOINT_DEFAULTS, "shift": shift})
 
 
 def spec_from_record(entry: Mapping[str, Any]) -> ModelSpec:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from trt_sora.errors import ModelError, require
-from trt_sora.models.base import ModelAdapter, ModelSpec, torch_dtype
+from trt_sora.models.base import ModelAdapter, ModelSpec, torch_dtype, transformer_folder
 
 CLASS_NAME = "WanTransformer3DModel"
 
@@ -702,28 +702,19 @@ def checkpoint_defaults(config: Mapping[str, Any], pipeline: Mapping[str, Any]) 
 def spec_from_folder(ref: str, folder: Path) -> ModelSpec | None:
     """A ModelSpec for a diffusers checkpoint folder (pipeline root or ``transformer/``), or None. A
     pipeline root with ``transformer_2/`` and a ``boundary_ratio`` (Wan 2.2 A14B) is a pair of experts."""
-    for cand in (folder / "transformer", folder):
-        cfg = cand / "config.json"
-        if cfg.is_file():
-            try:
-                config = json.loads(cfg.read_text())
-            except json.JSONDecodeError as exc:
-                raise ModelError(f"{cfg} is not valid JSON ({exc}); re-save the checkpoint") from None
-            if config.get("_class_name") != CLASS_NAME:
-                return None
-            if not any(cand.glob("*.safetensors")) and not any(cand.glob("*.bin")):
-                raise ModelError(f"{cand} has a config.json but no weight files (*.safetensors); "
-                                 "the checkpoint is incomplete")
-            pipe_root = folder if cand != folder else None
-            pipeline = _model_index(pipe_root)
-            if pipeline.get("boundary_ratio") is not None and not (pipe_root / "transformer_2" / "config.json").is_file():
-                raise ModelError(f"{pipe_root} sets boundary_ratio {pipeline['boundary_ratio']} (two experts) but has no "
-                                 "transformer_2/; the checkpoint is incomplete")
-            te = str(pipe_root) if pipe_root and (pipe_root / "text_encoder").is_dir() else None
-            return ModelSpec(ref=ref, family="wan", source="checkpoint", path=str(cand),
-                             config={k: v for k, v in config.items() if not k.startswith("_")},
-                             text_encoder=te, defaults=checkpoint_defaults(config, pipeline))
-    return None
+    found = transformer_folder(folder, CLASS_NAME)
+    if found is None:
+        return None
+    cand, config = found
+    pipe_root = folder if cand != folder else None
+    pipeline = _model_index(pipe_root)
+    if pipeline.get("boundary_ratio") is not None and not (pipe_root / "transformer_2" / "config.json").is_file():
+        raise ModelError(f"{pipe_root} sets boundary_ratio {pipeline['boundary_ratio']} (two experts) but has no "
+                         "transformer_2/; the checkpoint is incomplete")
+    te = str(pipe_root) if pipe_root and (pipe_root / "text_encoder").is_dir() else None
+    return ModelSpec(ref=ref, family="wan", source="checkpoint", path=str(cand),
+                     config={k: v for k, v in config.items() if not k.startswith("_")},
+                     text_encoder=te, defaults=checkpoint_defaults(config, pipeline))
 
 
 def _model_index(root: Path | None) -> dict[str, Any]:
