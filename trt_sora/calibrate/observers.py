@@ -84,19 +84,7 @@ def batch_minmax(x: Tensor, name: str, axis: int | None = None) -> tuple[Tensor,
     Raises:
         CalibrationError: ``x`` has NaN/inf (names the site) or is not floating point.
     """
-    if not torch.is_floating_point(x):
-        raise CalibrationError(f"site {name!r} got a {x.dtype} tensor; only floating-point activations can be "
-                               "calibrated: exclude this site from calibration")
-    if axis is None:
-        mn, mx = torch.aminmax(x)
-    else:
-        ax = axis % x.dim()
-        dims = tuple(d for d in range(x.dim()) if d != ax)
-        if dims:
-            mn, mx = torch.amin(x, dim=dims), torch.amax(x, dim=dims)
-        else:
-            mn, mx = x, x
-    mn, mx = mn.float(), mx.float()
+    mn, mx = _minmax(x, name, axis)
     # min/max propagate NaN and show +-inf, so this one check covers every element.
     if not bool(torch.isfinite(mn).all() & torch.isfinite(mx).all()):
         bad = "NaN" if bool(torch.isnan(mn).any() | torch.isnan(mx).any()) else "inf"
