@@ -4,17 +4,7 @@ import shutil
 
 import pytest
 
-import importlib.util
-import sys
-from pathlib import Path
-
-_h = sys.modules.get("_trt_sora_parity_fixtures")
-if _h is None:
-    _s = importlib.util.spec_from_file_location("_trt_sora_parity_fixtures", Path(__file__).with_name("conftest.py"))
-    _h = importlib.util.module_from_spec(_s)
-    _s.loader.exec_module(_h)
-    sys.modules["_trt_sora_parity_fixtures"] = _h
-RECIPE, corrupt_scale = _h.RECIPE, _h.corrupt_scale
+from run_folders import RECIPE, corrupt_scale
 
 
 def _by_level(rep):

@@ -10,8 +10,7 @@ import pytest
 
 from trt_sora.errors import ArtifactError, ShapeError
 
-_fx = sys.modules["_trt_sora_parity_fixtures"]  # loaded by tests/runtime/conftest.py
-RECIPE, corrupt_scale = _fx.RECIPE, _fx.corrupt_scale
+from run_folders import RECIPE, corrupt_scale
 
 
 def test_import_is_light():

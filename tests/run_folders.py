@@ -1,4 +1,5 @@
-"""Session-scoped wan-tiny run folder: export (~25-80 s) -> stats -> Q/DQ, shared by tests/parity and tests/runtime."""
+"""Session-scoped wan-tiny run folders (export (~25-80 s) -> stats -> Q/DQ, and a checked copy) and helpers
+that damage them; the fixtures are registered once, in tests/conftest.py, for every test folder."""
 from __future__ import annotations
 
 import shutil
@@ -38,8 +39,8 @@ def make_stats(adapter, model, path: Path) -> None:
 
 
 def _shared(tmp_path_factory, name: str, build) -> Path:
-    """Build ``name`` once per session under the base temp folder (tests/parity and tests/runtime
-    both register these fixtures; the marker file makes the second one reuse the first's work)."""
+    """Build ``name`` under the base temp folder; the marker file says the build finished (a folder
+    without it is a crashed build and is rebuilt)."""
     root = tmp_path_factory.getbasetemp() / "shared" / name
     done = root.parent / f"{name}.done"
     if not done.exists():
