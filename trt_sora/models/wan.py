@@ -333,6 +333,7 @@ class WanAdapter(ModelAdapter):
                 model = frame_embed.load(self.spec.path, tdtype)
             except (OSError, ValueError, RuntimeError) as exc:
                 raise ModelError(f"cannot load a Wan transformer from {self.spec.path}: {exc}") from None
+            _exact_rope_tables(model)
             model = model.to(device)
             # one processor per attention module, so each one's observer hook knows its own site
             model.set_attn_processor({name: WanExportAttnProcessor(image_len=self.image_len)
@@ -352,6 +353,7 @@ class WanAdapter(ModelAdapter):
 
         with init_empty_weights(include_buffers=False):
             model = self._construct()
+        _exact_rope_tables(model)
         if self.spec.source == "checkpoint":
             from trt_sora.models import frame_embed
 
@@ -652,6 +654,32 @@ def make_scheduler(shift: float):
     """Wan's sampler: diffusers ``FlowMatchEulerDiscreteScheduler`` (1000 train timesteps, sigma shift)."""
     diffusers = require("diffusers", extra="export")
     return diffusers.FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=float(shift))
+
+
+def _exact_rope_tables(model) -> None:
+    """Recompute the RoPE tables (``rope.freqs_cos`` / ``freqs_sin``, diffusers' values: angle ``pos *
+    theta**(-2i/dim)`` in float64, pairs repeated, cast to float32) with the C library's scalar cos/sin.
+    ATen's vectorized float64 cos can differ in the last bit between processes, which flipped a
+    float32 table entry once and with it the bytes of the exported graph."""
+    import math
+
+    import numpy as np
+    import torch
+
+    rope = model.rope
+    cos, sin = [], []
+    for dim in (rope.t_dim, rope.h_dim, rope.w_dim):
+        inv = [1.0 / (10000.0 ** (i / dim)) for i in range(0, dim, 2)][: dim // 2]
+        ang = [[p * f for f in inv] for p in range(rope.max_seq_len)]
+        cos.append(np.repeat(np.array([[math.cos(a) for a in row] for row in ang]), 2, axis=1))
+        sin.append(np.repeat(np.array([[math.sin(a) for a in row] for row in ang]), 2, axis=1))
+    for name, parts in (("freqs_cos", cos), ("freqs_sin", sin)):
+        old = getattr(rope, name)
+        table = torch.from_numpy(np.concatenate(parts, axis=1).astype(np.float32))
+        if tuple(table.shape) != tuple(old.shape):
+            raise ModelError(f"Wan RoPE table {name}: computed {tuple(table.shape)}, diffusers has "
+                             f"{tuple(old.shape)}: update _exact_rope_tables for this diffusers version")
+        setattr(rope, name, table.to(old.dtype))
 
 
 def _cast_keep_fp32(model, dtype) -> None:
