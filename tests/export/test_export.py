@@ -87,3 +87,27 @@ def test_verify_point_outside_range(tmp_path, tiny_adapter, tiny_model, tiny_poi
     with pytest.raises(ExportError, match="outside the exported range"):
         export_onnx(tiny_adapter, ExportConfig(verify_points=(bad, tiny_points[1])), tmp_path / "x",
                     model=tiny_model)
+
+
+def test_fp16_export_is_judged_at_fp16_rounding(tmp_path, tiny_adapter, tiny_points):
+    """An fp16 export passes at fp16's rounding (both sides round in fp16), measured; the fp32 bar
+    (max_abs 1e-4) would fail it. The bar is the stated ULP rule, and the error really is that small."""
+    from trt_sora.config import DType
+    from trt_sora.export.exporter import ROUNDING_ULPS
+
+    cfg = ExportConfig(dtype=DType.FP16, verify_points=tiny_points[:2])
+    res = export_onnx(tiny_adapter, cfg, tmp_path / "h", model=tiny_adapter.load("fp16"))
+    for p in res.parity:
+        assert p["max_abs_limit"] == pytest.approx(ROUNDING_ULPS * 2.0 ** -10 * max(1.0, p["ref_max_abs"]))
+        assert p["max_abs"] <= p["max_abs_limit"] and p["cosine"] >= 0.99999
+    assert max(p["max_abs"] / max(1.0, p["ref_max_abs"]) for p in res.parity) > 1e-4  # fp32's bar would fail
+
+
+def test_bf16_export_with_verify_is_refused_before_any_work(tmp_path, tiny_adapter):
+    from trt_sora.config import DType
+
+    with pytest.raises(ExportError, match="--no-verify"):
+        export_onnx(tiny_adapter, ExportConfig(dtype=DType.BF16), tmp_path / "b")
+    assert not (tmp_path / "b").exists()
+    res = export_onnx(tiny_adapter, ExportConfig(dtype=DType.BF16, verify=False), tmp_path / "b")
+    assert res.onnx_path.is_file() and res.parity == []
