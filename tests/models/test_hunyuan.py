@@ -61,6 +61,21 @@ def test_export_forward_matches_diffusers(tiny, point):
     torch.testing.assert_close(a.forward(m, xp), ours, rtol=1e-5, atol=1e-5)
 
 
+def test_bf16_forward_follows_the_pipeline(tiny):
+    """In bf16 the fp32 graph input ``timestep`` is embedded in bf16, as diffusers' pipeline passes it
+    (an fp32 timestep promoted the text stream to fp32 and the attention refused mixed dtypes)."""
+    a, m = tiny
+    x = a.example_inputs(POINTS[0], seed=1, dtype="bf16")
+    assert x["timestep"].dtype == torch.float32 and x["hidden_states"].dtype == torch.bfloat16
+    ref = _stock(a).to(torch.bfloat16)
+    ours = a.forward(a.load("bf16"), x)
+    theirs = ref(**{**x, "timestep": x["timestep"].to(torch.bfloat16)}, return_dict=False)[0]
+    cos = torch.nn.functional.cosine_similarity
+    assert cos(ours.float().flatten(), theirs.float().flatten(), dim=0) > 0.9999
+    full = a.forward(m, {k: v.float() for k, v in x.items()})
+    assert cos(ours.float().flatten(), full.flatten(), dim=0) > 0.999
+
+
 def test_text_encoder_masks_follow_the_pipeline(tiny):
     a, _ = tiny
     enc = a.text_encoder()

@@ -209,6 +209,9 @@ def _make_wrapper(model):
             b, _, f, h, w = hidden_states.shape
             pt, ps = m.config.patch_size_t, m.config.patch_size
             rope = self._rope(f // pt, h // ps, w // ps)
+            # the graph input stays fp32; the model embeds it in its own dtype, as diffusers' pipeline passes
+            # it (`t.to(latents.dtype)`): an fp32 timestep would promote the bf16 text stream to fp32
+            timestep = timestep.to(hidden_states.dtype)
             temb = m.time_embed(timestep)
             x = m.x_embedder(hidden_states)
             keys = encoder_attention_mask > 0.5
