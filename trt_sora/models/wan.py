@@ -659,8 +659,9 @@ def make_scheduler(shift: float):
 def _exact_rope_tables(model) -> None:
     """Recompute the RoPE tables (``rope.freqs_cos`` / ``freqs_sin``, diffusers' values: angle ``pos *
     theta**(-2i/dim)`` in float64, pairs repeated, cast to float32) with the C library's scalar cos/sin.
-    ATen's vectorized float64 cos can differ in the last bit between processes, which flipped a
-    float32 table entry once and with it the bytes of the exported graph."""
+    One float32 entry once came out 1 ULP apart in two processes (in a full test run; not reproduced
+    alone), and with it the bytes of the exported graph; the scalar libm path leaves ATen's kernel
+    dispatch (SIMD/MKL variants) out of the tables. Equal to diffusers' tables where both are stable."""
     import math
 
     import numpy as np
