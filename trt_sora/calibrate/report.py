@@ -293,7 +293,7 @@ def _steps_note(ev: dict) -> str:
 
 
 def write_report(out_dir: str | Path, stats, evaluation: Mapping[str, Any] | None, *, preset=None, options=None,
-                 quant_format: str = "fp8_e4m3") -> Path:
+                 quant_format: str = "fp8_e4m3", weight_rounding: str | None = None) -> Path:
     """Write ``out_dir/report.md`` and ``out_dir/figures/*.png``; returns the report path.
 
     Args:
@@ -304,6 +304,7 @@ def write_report(out_dir: str | Path, stats, evaluation: Mapping[str, Any] | Non
         preset: the :class:`CalibPreset` (for the header).
         options: :class:`trt_sora.calibrate.run.ReportOptions` (``top_k``).
         quant_format: the recipe's format (named in the header).
+        weight_rounding: how the weights were rounded (GPTQ passes and why, or nearest and why).
     """
     out_dir = Path(out_dir)
     figs = out_dir / "figures"
@@ -326,7 +327,8 @@ def write_report(out_dir: str | Path, stats, evaluation: Mapping[str, Any] | Non
           f"| timesteps | {', '.join(f'{t:.1f}' for t in md.timesteps)} |",
           f"| sites | {len(rows)} activation sites ({len(quantized)} quantized by the recipe's policy), "
           f"{len(md.extra.get('weight_sites', []))} weight sites |",
-          f"| observers | {', '.join(f'{m}: {s}' for m, s in md.observers.items())} |", ""]
+          f"| observers | {', '.join(f'{m}: {s}' for m, s in md.observers.items())} |",
+          *([f"| weight rounding | {weight_rounding} |"] if weight_rounding else []), ""]
 
     if evaluation:
         ev = evaluation["eval"]

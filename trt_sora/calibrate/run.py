@@ -28,6 +28,10 @@ one 80 GB GPU (``adapter.load("bf16", "cuda")``, pass it as ``model=``); if weig
 plus activations do not fit, :func:`trt_sora.calibrate.hooks.offload_blocks` keeps
 the blocks on the host and moves one at a time.
 
+GPTQ weight rounding (``calibration.weight_rounding``) adds fp64 input Hessians, at most
+``calibration.gptq_max_hessian_gb`` at a time: when they do not all fit, the trajectories run once
+more per further group of linears, with only that group's Hessian hooks (:mod:`trt_sora.calibrate.gptq`).
+
 Deterministic for a seed: prompts, noise (drawn on the CPU, then moved) and the
 trajectory order are fixed, and the observers are order-stable.
 """
@@ -37,6 +41,8 @@ import contextlib
 import dataclasses
 import logging
 import math
+import os
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -221,37 +227,62 @@ def _negative_label(adapter, preset: CalibPreset) -> str:
     return "(zero embedding: the model's unconditional)" if neg is None else neg
 
 
-def _gptq_sites(model, config: CalibConfig, qfmt: QuantFormat, quant_config: QuantConfig | None,
-                family_excludes: Mapping[str, str] | None = None) -> tuple[list[str], str]:
-    """``(sites, note)``: the linears GPTQ rounds - the ones the quantize stage quantizes (the recipe's
-    and the family's exclusions applied) - or none (nearest rounding, an unquantized recipe, or
-    ``auto`` where GPTQ cannot run); ``note`` says why."""
+_DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def _probe(adapter, model, preset: CalibPreset):
+    """One forward of ``model`` at the smallest latent size of the preset's first shape (batch 1, one
+    patch per latent axis): what :func:`~trt_sora.calibrate.gptq.shared_inputs` watches."""
+    pt, ph, pw = adapter.patch_size
+    point = adapter.with_family_dims({**preset.shapes[0].as_dict(), "batch": 1, "latent_frames": pt,
+                                      "latent_height": ph, "latent_width": pw}, "min")
+    first = next(model.parameters())
+    dtype = _DTYPE_NAMES.get(str(compute_dtype(model)).replace("torch.", ""), "fp32")
+    return lambda: adapter.forward(model, adapter.example_inputs(point, dtype=dtype, device=str(first.device)))
+
+
+def _gptq_plan(adapter, model, preset: CalibPreset, config: CalibConfig, qfmt: QuantFormat,
+               quant_config: QuantConfig | None, max_gb: float):
+    """``(plan, note)``: the :class:`~trt_sora.calibrate.gptq.HessianPlan` of the linears GPTQ rounds - the
+    ones the quantize stage quantizes (the recipe's and the family's exclusions applied), linears
+    reading one input sharing its Hessian, split into passes that fit ``max_gb`` GiB - or ``None``
+    (nearest rounding, an unquantized recipe, or ``auto`` where one Hessian alone exceeds the budget);
+    ``note`` says which and why."""
     from trt_sora.calibrate.fakequant_model import quantized_sites
-    from trt_sora.calibrate.gptq import hessian_bytes
+    from trt_sora.calibrate.gptq import plan_hessians, shared_inputs
 
     if config.weight_rounding == "nearest" or qfmt is QuantFormat.NONE:
-        return [], "nearest"
-    sites = quantized_sites(model, quant_config or QuantConfig(format=qfmt), family_excludes)
-    need, limit = hessian_bytes(model, sites), config.gptq_max_hessian_gb * 2 ** 30
-    why = (f"its input Hessians need {need / 2**30:.1f} GiB (calibration.gptq_max_hessian_gb: "
-           f"{config.gptq_max_hessian_gb:g})" if need > limit else None)
-    if why is None:
-        return sites, "gptq"
-    if config.weight_rounding == "gptq":
-        raise ConfigError(f"calibration.weight_rounding: gptq cannot run here: {why}; raise gptq_max_hessian_gb "
-                          "or use auto / nearest")
-    log.warning("calibration.weight_rounding: auto rounds to nearest: GPTQ would need %s", why)
-    return [], f"nearest (auto: {why})"
+        return None, "nearest"
+    sites = quantized_sites(model, quant_config or QuantConfig(format=qfmt), adapter.quant_excludes)
+    if not sites:
+        return None, "nearest (no quantized linear)"
+    leader = shared_inputs(model, sites, _probe(adapter, model, preset))
+    try:
+        plan = plan_hessians(model, leader, max_gb)
+    except ConfigError as exc:
+        if config.weight_rounding == "gptq":
+            raise
+        log.warning("calibration.weight_rounding: auto rounds to nearest: %s", exc)
+        return None, f"nearest (auto: {exc})"
+    d = plan.describe()
+    gib = d["hessian_bytes"] / 2 ** 30
+    why = ("all fit at once" if plan.passes == 1 else
+           f"they need {gib:.3g} GiB, over calibration.gptq_max_hessian_gb: {max_gb:g}")
+    note = (f"gptq: {len(leader)} linears, {d['hessians']} input Hessians ({d['shared_inputs']} linears share "
+            f"another's input: {gib:.3g} instead of {d['unshared_hessian_bytes'] / 2 ** 30:.3g} GiB), {plan.passes} "
+            f"pass{'es' if plan.passes > 1 else ''} over the calibration trajectories ({why})")
+    log.info("calibration weight rounding: %s", note)
+    return plan, note
 
 
-def _round_weights(modules, stats, hessians, tokens, sites, fmt: str, config: CalibConfig) -> dict:
-    """``{site: W'}``: each site's weight GPTQ-rounded onto its ``<site>.weight`` per-row grid."""
+def _round_weights(modules, stats, hessians, tokens, sites, leader, fmt: str, config: CalibConfig) -> dict:
+    """``{site: W'}``: each site's weight GPTQ-rounded onto its ``<site>.weight`` per-row grid
+    (``hessians``/``tokens`` keyed by the Hessian leaders, ``leader``: ``{site: leader}``)."""
     from trt_sora.calibrate.gptq import gptq_round
 
-    t0 = time.perf_counter()
-    out = {s: gptq_round(modules[s].weight, hessians[s], stats.amax[f"{s}.weight"], fmt,
-                         damp=config.gptq_damp).cpu() for s in sites if tokens[s]}
-    log.info("GPTQ-rounded %d weights (%s) in %.1f s", len(out), fmt, time.perf_counter() - t0)
+    out = {s: gptq_round(modules[s].weight, hessians[leader[s]], stats.amax[f"{s}.weight"], fmt,
+                         damp=config.gptq_damp).cpu()
+           for s in sites if tokens[leader[s]] and f"{s}.weight" in stats.amax}
     return out
 
 
@@ -263,29 +294,35 @@ def _resolve_preset(adapter, config: CalibConfig, preset) -> CalibPreset:
 
 def _collect(sides, models, lead, preset: CalibPreset, settings, plan, todo: range, *, encode, methods, okw,
              cfg: str, model_dtype, timesteps: dict, forwards: dict, progress: Progress, total: int,
-             hessians: Mapping[Any, Any] | None = None) -> dict:
+             hessians: Mapping[Any, Any] | None = None, phase: str = "calibrate") -> dict | None:
     """Run the trajectories ``plan[k] for k in todo`` with the observers installed on every model
     (``sides``: ``{None: adapter}``, or ``{expert: adapter}`` for a pair switched at its boundary, each
     observing exactly the steps it serves); ``{side: {site: SiteStats}}``. ``hessians``: ``{side:
-    HessianHooks}`` (:mod:`trt_sora.calibrate.gptq`) open over the same forwards (GPTQ)."""
+    HessianHooks}`` (:mod:`trt_sora.calibrate.gptq`) open over the same forwards (GPTQ). Another
+    ``phase`` (``"gptq pass 2/3"``): a later GPTQ pass - the same trajectories (prompts, seeds, steps)
+    with only the Hessian hooks; returns None."""
     from trt_sora.calibrate.hooks import CollectionHooks
     from trt_sora.sampling import CallInfo, adapter_call, expert_calls, sample
 
     model_device = next(models[next(iter(sides))].parameters()).device
+    observe = phase == "calibrate"
     done = 0
-    progress("calibrate", 0, total)
+    progress(phase, 0, total)
     with contextlib.ExitStack() as stack:
         hooks = {k: stack.enter_context(CollectionHooks(m, methods=methods, branches=settings.branches,
-                                                        observer_kwargs=okw)) for k, m in models.items()}
+                                                        observer_kwargs=okw)) for k, m in models.items()} \
+            if observe else {}
         for h in (hessians or {}).values():
             stack.enter_context(h)
 
         def on_call(call: CallInfo):
             nonlocal done
+            done += 1
+            progress(phase, done, total)
+            if not observe:
+                return None
             timesteps[call.expert].setdefault(call.step, call.timestep)
             forwards[call.expert] += 1
-            done += 1
-            progress("calibrate", done, total)
             return hooks[call.expert].at(step=call.step, branch=call.branch)
 
         call = expert_calls(settings, lambda e: adapter_call(sides[e], models[e]))
@@ -299,6 +336,8 @@ def _collect(sides, models, lead, preset: CalibPreset, settings, plan, todo: ran
             sample(call, noise, cond, uncond, scheduler=lead.scheduler(settings.shift), settings=settings,
                    cfg=cfg if settings.uses_cfg else "split", dtype=model_dtype, hook=on_call, label=label,
                    conditioner=lead)
+        if not observe:
+            return None
         sites = {k: h.used_sites() for k, h in hooks.items()}
     for k, found in sites.items():
         if not found:
@@ -468,12 +507,12 @@ def _calibrate(sides: Mapping[Any, Any], config: CalibConfig, out_dirs: Mapping[
     total = 0 if from_shards else len(todo) * settings.num_steps * calls
     timesteps: dict[Any, dict[int, float]] = {k: {} for k in sides}
     forwards: dict[Any, int] = {k: 0 for k in sides}
-    from trt_sora.calibrate.gptq import HESSIANS_FILE, HessianHooks, load_hessians
-
-    gptq = {k: _gptq_sites(models[k], config, qfmt, quant_config, a.quant_excludes)  # {side: (sites, note)}
+    budget = config.gptq_max_hessian_gb / len(sides)  # GiB; a pair's experts split the budget
+    gptq = {k: _gptq_plan(a, models[k], preset, config, qfmt, quant_config, budget)  # {side: (plan, note)}
             for k, a in sides.items()}
-    hessians = {k: HessianHooks(models[k], s, max_bytes=int(config.gptq_max_hessian_gb * 2 ** 30))
-                for k, (s, _) in gptq.items() if s and not from_shards}
+    plans = {k: p for k, (p, _) in gptq.items() if p is not None}
+    stats: dict[Any, Any] = {}
+    t_collect = 0.0
     if from_shards:
         stats = {None: _merged(from_shards, lead, preset, settings, method)}
         timesteps = {None: dict(enumerate(stats[None].metadata.timesteps))}
@@ -481,32 +520,95 @@ def _calibrate(sides: Mapping[Any, Any], config: CalibConfig, out_dirs: Mapping[
         log.info("calibrating %s: %d of %d trajectories x %d steps x %d branches (%s, cfg %s, methods %s; "
                  "sampling: %s)", lead.name, len(todo), len(plan), settings.num_steps, len(settings.branches),
                  preset.name, cfg, ", ".join(ctx["methods"]), sampling_note)
-        sites = _collect(sides, models, lead, preset, settings, plan, todo, encode=ctx["encode"],
-                         methods=ctx["methods"], okw=observer_kwargs(config, qfmt), cfg=cfg,
-                         model_dtype=ctx["model_dtype"], timesteps=timesteps, forwards=forwards, progress=progress,
-                         total=total, hessians=hessians)
-        stats = {k: _reduce(models[k], sites[k], _metadata(a, settings, sampling_note, plan, todo, timesteps[k],
-                                                           t_start=t_start, **ctx))
-                 for k, a in sides.items()}
-    t_collect = time.perf_counter() - t_start
-    rounded = {}
-    for k in sides:
-        sites_k = gptq[k][0]
-        if not sites_k or shard is not None:  # a shard's Hessians are saved for the merge, which rounds
-            rounded[k] = None
-            continue
-        if from_shards:  # the shards' Hessians, summed in shard order
-            h, tokens = load_hessians([Path(f) / HESSIANS_FILE for f in from_shards], sites_k)
+
+    def trajectories(group: int, hessians: Mapping[Any, Any]) -> None:
+        """Pass ``group`` over this run's trajectories: the first with the observers (-> ``stats``), the
+        later GPTQ passes with only their group's Hessian hooks."""
+        nonlocal t_collect
+        kw = dict(encode=ctx["encode"], methods=ctx["methods"], okw=observer_kwargs(config, qfmt), cfg=cfg,
+                  model_dtype=ctx["model_dtype"], timesteps=timesteps, forwards=forwards, progress=progress,
+                  total=total, hessians=hessians)
+        if group:
+            n = max(pl.passes for pl in plans.values())
+            _collect(sides, models, lead, preset, settings, plan, todo, phase=f"gptq pass {group + 1}/{n}", **kw)
+            return
+        sites = _collect(sides, models, lead, preset, settings, plan, todo, **kw)
+        stats.update({k: _reduce(models[k], sites[k], _metadata(a, settings, sampling_note, plan, todo, timesteps[k],
+                                                                t_start=t_start, **ctx)) for k, a in sides.items()})
+        t_collect = time.perf_counter() - t_start
+
+    with contextlib.ExitStack() as stack:
+        shard_tmp = None
+        if shard is not None and plans:  # a shard's Hessians, pass by pass, until its folder is written
+            from trt_sora.manifest import check_out_dir
+
+            out = check_out_dir(out_dirs[None])  # (creates its parent)
+            shard_tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(
+                prefix=f".{out.name}.tmp-{os.getpid()}-hessians-", dir=out.parent)))
+        rounded, record = _gptq_passes(plans, models, trajectories, stats, config, qfmt.value,
+                                       shard_tmp=shard_tmp, from_shards=from_shards)
+        return {k: _write(a, models[k], stats[k], out_dirs[k], rounded=rounded.get(k) if shard is None else None,
+                          rounding=(gptq[k][0], gptq[k][1], record.get(k)), config=config, settings=settings,
+                          sampling_note=sampling_note, progress=progress, report=report, quant_config=quant_config,
+                          report_options=report_options, text_encoder=text_encoder, t_start=t_start,
+                          t_collect=t_collect, forwards=forwards[k], from_shards=from_shards,
+                          steps=sorted(timesteps[k]), timesteps=[timesteps[k][i] for i in sorted(timesteps[k])],
+                          **ctx)
+                for k, a in sides.items()}
+
+
+def _gptq_passes(plans: Mapping[Any, Any], models, trajectories, stats, config: CalibConfig, fmt: str, *,
+                 shard_tmp: Path | None, from_shards) -> tuple[dict, dict]:
+    """Accumulate and use every GPTQ pass's input Hessians, one group at a time (``plans``: ``{side:
+    HessianPlan}``): ``trajectories(group, hooks)`` runs the trajectories with that group's hooks (pass 0
+    also the observers; a merge reads the shards' Hessians instead), then the group's weights are rounded
+    (a shard saves its Hessians to ``shard_tmp`` for the merge) and its Hessians freed before the next.
+    Returns ``({side: {site: W'}}, {side: what the manifest records})``."""
+    from trt_sora.calibrate.gptq import HessianHooks, load_hessians
+
+    rounded: dict[Any, dict] = {k: {} for k in plans}
+    files: dict[Any, list[str]] = {k: [] for k in plans}
+    passes, peak = max((pl.passes for pl in plans.values()), default=0), 0
+    times: list[dict] = []
+    for g in range(passes if from_shards else max(passes, 1)):
+        t0 = time.perf_counter()
+        if from_shards:
+            held = {k: load_hessians(from_shards, pl.groups[g]) for k, pl in plans.items() if g < pl.passes}
         else:
-            h, tokens = hessians[k].hessians, hessians[k].tokens
-        rounded[k] = _round_weights(dict(models[k].named_modules()), stats[k], h, tokens, sites_k, qfmt.value, config)
-    return {k: _write(a, models[k], stats[k], out_dirs[k], rounded=rounded[k], rounding=gptq[k],
-                      hessians=hessians.get(k), config=config, settings=settings,
-                      sampling_note=sampling_note, progress=progress, report=report, quant_config=quant_config,
-                      report_options=report_options, text_encoder=text_encoder, t_start=t_start,
-                      t_collect=t_collect, forwards=forwards[k], from_shards=from_shards,
-                      steps=sorted(timesteps[k]), timesteps=[timesteps[k][i] for i in sorted(timesteps[k])], **ctx)
-            for k, a in sides.items()}
+            hooks = {k: HessianHooks(models[k], pl.sites_of(g), shared=pl.leader)
+                     for k, pl in plans.items() if g < pl.passes}
+            trajectories(g, hooks)
+            held = {k: (h.hessians, h.tokens) for k, h in hooks.items()}
+            del hooks
+        t1 = time.perf_counter()
+        peak = max(peak, sum(x.numel() * x.element_size() for hs, _ in held.values() for x in hs.values()))
+        for k in list(held):
+            _use_group(k, held.pop(k), plans[k], g, models[k], stats[k], config, fmt, shard_tmp, rounded, files)
+        if g < passes:
+            times.append({"trajectories_s": round(t1 - t0, 3), "round_s": round(time.perf_counter() - t1, 3)})
+            log.info("GPTQ pass %d/%d: %d linears, %.3g GiB of Hessians, %.1f s trajectories, %.1f s %s", g + 1,
+                     passes, sum(len(pl.sites_of(g)) for pl in plans.values() if g < pl.passes),
+                     sum(pl.group_bytes(g) for pl in plans.values() if g < pl.passes) / 2 ** 30, t1 - t0,
+                     time.perf_counter() - t1, "saving" if shard_tmp is not None else "rounding")
+    record = {k: {**pl.describe(), "peak_hessian_bytes": peak, "pass_seconds": times,
+                  "hessian_files": [str(shard_tmp / f) for f in files[k]] if shard_tmp is not None else []}
+              for k, pl in plans.items()}
+    return rounded, record
+
+
+def _use_group(side, held, plan, group: int, model, stats, config: CalibConfig, fmt: str, shard_tmp, rounded,
+               files) -> None:
+    """Round one pass's sites of ``side`` from its Hessians ``held = (hessians, tokens)``, or save them (shard)."""
+    from trt_sora.calibrate.gptq import hessians_file, save_hessians
+
+    hessians, tokens = held
+    if shard_tmp is not None:
+        name = hessians_file(group, plan.passes)
+        save_hessians(shard_tmp / name, hessians, tokens)
+        files[side].append(name)
+        return
+    rounded[side].update(_round_weights(dict(model.named_modules()), stats, hessians, tokens, plan.sites_of(group),
+                                        plan.leader, fmt, config))
 
 
 def _metadata(adapter, settings, sampling_note, plan, todo, served: Mapping[int, float], *, method, preset, prompts,
@@ -533,20 +635,22 @@ def _metadata(adapter, settings, sampling_note, plan, todo, served: Mapping[int,
     return meta
 
 
-def _write(adapter, model, stats, out_dir, *, rounded, rounding, hessians, config, settings, sampling_note, progress,
+def _write(adapter, model, stats, out_dir, *, rounded, rounding, config, settings, sampling_note, progress,
            report, quant_config, report_options, text_encoder, t_start, t_collect, forwards, from_shards, steps,
            timesteps, method, methods, preset, model_dtype, qfmt, encode, cfg, shard, pair, **_) -> CalibResult:
     """Write one calibration folder (stats, GPTQ-rounded weights when ``rounded``, a shard's Hessians,
-    report, manifest) atomically. ``rounding``: ``(GPTQ sites, note)`` of :func:`_gptq_sites`."""
-    from trt_sora.calibrate.gptq import HESSIANS_FILE, WEIGHTS_FILE, save_hessians, save_rounded_weights
+    report, manifest) atomically. ``rounding``: ``(HessianPlan or None, note, record)`` of
+    :func:`_gptq_plan` and :func:`_gptq_passes`."""
+    from trt_sora.calibrate.gptq import WEIGHTS_FILE, save_rounded_weights
     from trt_sora.config.base import to_dict
     from trt_sora.manifest import file_entry, staged_dir, write_manifest
 
     evaluation = None
     with staged_dir(out_dir) as tmp:
         stats.save(tmp / "stats.safetensors")
-        if hessians is not None and shard is not None:  # the merge rounds: it needs this shard's Hessians
-            save_hessians(tmp / HESSIANS_FILE, hessians.hessians, hessians.tokens)
+        hessian_files = [Path(f) for f in (rounding[2] or {}).get("hessian_files", [])]
+        for f in hessian_files:  # a shard's: the merge rounds with them
+            os.replace(f, tmp / f.name)
         if rounded is not None:
             save_rounded_weights(tmp / WEIGHTS_FILE, rounded, {s: stats.amax[f"{s}.weight"] for s in rounded},
                                  qfmt.value, {"method": "gptq", "damp": config.gptq_damp, "sites": len(rounded)})
@@ -574,7 +678,7 @@ def _write(adapter, model, stats, out_dir, *, rounded, rounding, hessians, confi
                                                        progress=progress,
                                                        weights=rounded if qfmt is QuantFormat.FP8_E4M3 else None)
             report_path = write_report(tmp, stats, evaluation, preset=preset, options=opts,
-                                       quant_format=qcfg.format.value)
+                                       quant_format=qcfg.format.value, weight_rounding=rounding[1])
         seconds = time.perf_counter() - t_start
         results = {"num_sites": len(stats.amax), "method": method, "methods": list(methods), "cfg": cfg,
                    "shard": list(shard) if shard else None, "from_shards": len(from_shards) if from_shards else None,
@@ -597,12 +701,13 @@ def _write(adapter, model, stats, out_dir, *, rounded, rounding, hessians, confi
             if evaluation.get("peer"):
                 results["peer"] = evaluation["peer"]
         outputs = {"stats": "stats.safetensors"}
+        record = {k: v for k, v in (rounding[2] or {}).items() if k != "hessian_files"}
         results["weight_rounding"] = {"method": "gptq" if rounding[0] else "nearest", "format": qfmt.value,
-                                      "sites": len(rounded or ()), "note": rounding[1]}
+                                      "sites": len(rounded or ()), "note": rounding[1], **record}
         if rounded is not None:
             outputs["weights"] = WEIGHTS_FILE
-        if hessians is not None and shard is not None:
-            outputs["hessians"] = HESSIANS_FILE
+        if hessian_files:
+            outputs["hessians"] = [f.name for f in hessian_files]
         if report_path is not None:
             outputs["report"] = "report.md"
         manifest = write_manifest(

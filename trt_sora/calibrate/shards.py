@@ -17,8 +17,9 @@ order with per-trajectory seeds). ``trt-sora calibrate --shard i/n`` runs slice
   index and refuses gaps or duplicates;
 * per-step grids: max (counts added);
 * GPTQ input Hessians (``calibration.weight_rounding``): each shard writes its fp64 sums
-  ``sum x x^T`` (``hessians.safetensors``), the merge adds them in shard order and rounds the
-  weights once - the one-pass sums to fp64 rounding, the same rounded weights in practice.
+  ``sum x x^T`` (``hessians.safetensors``, or one ``hessians.passNofM.safetensors`` per pass when
+  the budget splits them), the merge adds them in shard order one pass group at a time and rounds
+  the weights - the one-pass sums to fp64 rounding, the same rounded weights in practice.
 
 Every shard must come from the same model (hash), preset, sampling settings,
 observer settings and shard count. A shard folder is written atomically, so a

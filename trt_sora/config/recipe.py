@@ -124,9 +124,11 @@ class CalibConfig:
     num_steps: int | None = None
     # How weights are rounded onto their per-channel grid: "nearest", "gptq" (each weight column's
     # rounding error compensated on the next columns through the calibration inputs' Hessian; written
-    # to calib/weights.safetensors and used by quantize, parity and the runtime), or "auto": gptq when
-    # its input Hessians fit in gptq_max_hessian_gb and the calibration runs in one process, else
-    # nearest (the manifest and the log say which).
+    # to calib/weights.safetensors and used by quantize, parity and the runtime), or "auto": gptq
+    # whenever the largest single input Hessian fits in gptq_max_hessian_gb (GiB of fp64 Hessians held
+    # at once; when all do not fit, the trajectories rerun once per group that does), else nearest
+    # (the manifest and the log say which, how many passes ran and the smallest workable budget);
+    # "gptq" refuses where "auto" falls back.
     weight_rounding: str = "auto"
     gptq_damp: float = 0.01
     gptq_max_hessian_gb: float = 4.0
