@@ -139,7 +139,7 @@ def smallest_budget_gb(nbytes: int) -> float:
     """``nbytes`` in GiB rounded *up* to 3 significant digits (the smallest workable budget)."""
     v = nbytes / 2 ** 30
     e = math.floor(math.log10(v)) - 2
-    return math.ceil(v / 10 ** e - 1e-9) * 10 ** e
+    return float(f"{math.ceil(v / 10 ** e - 1e-9)}e{e}")
 
 
 def plan_hessians(model: torch.nn.Module, leader: Mapping[str, str], max_gb: float) -> HessianPlan:
