@@ -40,6 +40,28 @@ def test_on_the_grid_and_lower_output_error(fmt):
     assert rel(wq) < 4 * rel(nearest), (rel(wq), rel(nearest))
 
 
+def test_the_column_loop_on_one_thread_changes_no_bit(monkeypatch):
+    """gptq_round runs its column loop on one CPU thread (latency-bound small ops): the same codes as
+    with the caller's thread pool, whose size it restores."""
+    import contextlib
+
+    from trt_sora.calibrate import gptq
+
+    w, x = _layer(seed=2, out=32, inp=96)
+    h, amax = x.double().T @ x.double(), w.abs().amax(1)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        with gptq._one_cpu_thread(torch.device("cpu")):
+            assert torch.get_num_threads() == 1
+        one = gptq_round(w, h, amax, "fp8_e4m3")
+        assert torch.get_num_threads() == 2
+        monkeypatch.setattr(gptq, "_one_cpu_thread", lambda device: contextlib.nullcontext())
+        assert torch.equal(one, gptq_round(w, h, amax, "fp8_e4m3"))  # on the caller's two threads
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_hessian_hooks_and_file_round_trip(tmp_path):
     lin = torch.nn.Linear(16, 8)
     x = torch.randn(5, 7, 16)
