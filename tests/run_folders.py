@@ -1,5 +1,11 @@
-"""Session-scoped wan-tiny run folders (export (~25-80 s) -> stats -> Q/DQ, and a checked copy) and helpers
-that damage them; the fixtures are registered once, in tests/conftest.py, for every test folder."""
+"""Session-scoped run folders and helpers that damage them; the fixtures are registered once, in
+tests/conftest.py, for every test folder:
+
+* ``base_run`` / ``checked_run``: wan-tiny (export (~25-80 s) -> stats -> Q/DQ, and a checked copy);
+* ``pair_run``, ``i2v_run``, ``ti2v_run``, ``hunyuan_run``: ``make engine`` (every stage, a real
+  TensorRT-RTX FP8 build included) on the tiny Wan 2.2 A14B pair, Wan 2.1 I2V, Wan 2.2 TI2V and
+  HunyuanVideo 1.5 configs with :func:`ci_recipe`, as ``(EnginePipeline, outcomes)``. Tests read them;
+  a test that damages one works on a copy."""
 from __future__ import annotations
 
 import shutil
@@ -8,6 +14,56 @@ from pathlib import Path
 import pytest
 
 RECIPE = "rtx4090-fp8"
+
+#: Three export-parity points that differ in every dynamic dim (batch, frames, height, width, text length).
+WAN_POINTS = (
+    {"batch": 1, "latent_frames": 3, "latent_height": 4, "latent_width": 6, "text_len": 7},
+    {"batch": 2, "latent_frames": 2, "latent_height": 6, "latent_width": 4, "text_len": 12},
+    {"batch": 3, "latent_frames": 4, "latent_height": 8, "latent_width": 2, "text_len": 3},
+)
+#: The same for HunyuanVideo 1.5, whose own text_len_2 differs too.
+HUNYUAN_POINTS = tuple({**p, "text_len_2": n} for p, n in zip(WAN_POINTS, (2, 5, 8)))
+
+
+def ci_recipe(points=WAN_POINTS, **calibration):
+    """rtx4090-fp8 with export parity at ``points`` and the calibration report's evaluation sized for CI
+    (no sensitivity sweep, 2 evaluation steps; ``calibration`` overrides more)."""
+    import dataclasses
+
+    from trt_sora.config import load_recipe
+
+    r = load_recipe(RECIPE)
+    calib = dataclasses.replace(r.calibration, **{"sensitivity": "none", "eval_steps": 2, **calibration})
+    return dataclasses.replace(r, export=dataclasses.replace(r.export, verify_points=points), calibration=calib)
+
+
+def _engine(tmp_path_factory, model: str, recipe):
+    pytest.importorskip("tensorrt_rtx")
+    from trt_sora.pipeline import EnginePipeline
+
+    pipe = EnginePipeline(recipe, model, tmp_path_factory.mktemp(model))
+    return pipe, pipe.run()
+
+
+@pytest.fixture(scope="session")
+def pair_run(tmp_path_factory):
+    """wan-a14b-tiny: two experts, two engines, one parity report."""
+    return _engine(tmp_path_factory, "wan-a14b-tiny", ci_recipe())
+
+
+@pytest.fixture(scope="session")
+def i2v_run(tmp_path_factory):
+    return _engine(tmp_path_factory, "wan-i2v-tiny", ci_recipe())
+
+
+@pytest.fixture(scope="session")
+def ti2v_run(tmp_path_factory):
+    return _engine(tmp_path_factory, "wan-ti2v-tiny", ci_recipe())
+
+
+@pytest.fixture(scope="session")
+def hunyuan_run(tmp_path_factory):
+    return _engine(tmp_path_factory, "hunyuan-tiny", ci_recipe(HUNYUAN_POINTS, eval_prompts=1))
 
 
 def make_stats(adapter, model, path: Path) -> None:

@@ -60,17 +60,7 @@ def test_pair_settings_and_errors():
         SamplingSettings(num_steps=4, guidance_scale=4.0, shift=3.0, guidance_scale_2=3.0)
 
 
-# -- make engine on a tiny pair -------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def pair_run(tmp_path_factory):
-    pytest.importorskip("tensorrt_rtx")
-    from trt_sora.config import load_recipe
-    from trt_sora.pipeline import EnginePipeline
-
-    pipe = EnginePipeline(load_recipe("rtx4090-fp8"), "wan-a14b-tiny", tmp_path_factory.mktemp("pair"))
-    return pipe, pipe.run()
-
-
+# -- make engine on a tiny pair (pair_run: tests/run_folders.py) ---------------------------------------
 @pytest.mark.trt_rtx
 def test_make_engine_builds_both_experts_and_one_report(pair_run):
     pipe, outcomes = pair_run

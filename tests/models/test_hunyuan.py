@@ -13,12 +13,7 @@ import torch
 from trt_sora.errors import ModelError
 from trt_sora.models import get_adapter, list_models, resolve
 
-#: Three points that differ in every dynamic dim (the family's text_len_2 too).
-POINTS = (
-    {"batch": 1, "latent_frames": 3, "latent_height": 4, "latent_width": 6, "text_len": 7, "text_len_2": 2},
-    {"batch": 2, "latent_frames": 2, "latent_height": 6, "latent_width": 4, "text_len": 12, "text_len_2": 5},
-    {"batch": 3, "latent_frames": 4, "latent_height": 8, "latent_width": 2, "text_len": 3, "text_len_2": 8},
-)
+from run_folders import HUNYUAN_POINTS as POINTS  # three points that differ in every dim (text_len_2 too)
 
 
 @pytest.fixture(scope="module")
@@ -131,27 +126,6 @@ def test_registry_and_checkpoint_folders(tmp_path):
 
 
 # -- every stage on the tiny config -----------------------------------------------------------------
-def ci_recipe():
-    """rtx4090-fp8 with the calibration report's evaluation sized for CI and export parity at POINTS."""
-    import dataclasses
-
-    from trt_sora.config import load_recipe
-
-    r = load_recipe("rtx4090-fp8")
-    return dataclasses.replace(r, export=dataclasses.replace(r.export, verify_points=POINTS),
-                               calibration=dataclasses.replace(r.calibration, sensitivity="none", eval_steps=2,
-                                                               eval_prompts=1))
-
-
-@pytest.fixture(scope="module")
-def hunyuan_run(tmp_path_factory):
-    pytest.importorskip("tensorrt_rtx")
-    from trt_sora.pipeline import EnginePipeline
-
-    pipe = EnginePipeline(ci_recipe(), "hunyuan-tiny", tmp_path_factory.mktemp("hunyuan"))
-    return pipe, pipe.run()
-
-
 @pytest.mark.trt_rtx
 def test_every_stage_on_hunyuan_tiny(hunyuan_run):
     pipe, outcomes = hunyuan_run

@@ -11,12 +11,7 @@ import torch
 from trt_sora.errors import ModelError
 from trt_sora.models import get_adapter
 
-#: Three points that differ in every dynamic dim (batch, frames, height, width, text length).
-POINTS = (
-    {"batch": 1, "latent_frames": 3, "latent_height": 4, "latent_width": 6, "text_len": 7},
-    {"batch": 2, "latent_frames": 2, "latent_height": 6, "latent_width": 4, "text_len": 12},
-    {"batch": 3, "latent_frames": 4, "latent_height": 8, "latent_width": 2, "text_len": 3},
-)
+from run_folders import WAN_POINTS as POINTS  # three points that differ in every dynamic dim
 
 
 @pytest.mark.parametrize("name,params,linears", [
@@ -107,25 +102,10 @@ def test_i2v_inputs_concatenate_mask_and_image_latents():
 
 
 # -- every stage on the tiny configs ----------------------------------------------------------------
-def ci_recipe():
-    """rtx4090-fp8 with the calibration report's evaluation sized for CI (no sensitivity sweep) and
-    export parity at the three POINTS."""
-    import dataclasses
-
-    from trt_sora.config import load_recipe
-
-    r = load_recipe("rtx4090-fp8")
-    return dataclasses.replace(r, export=dataclasses.replace(r.export, verify_points=POINTS),
-                               calibration=dataclasses.replace(r.calibration, sensitivity="none", eval_steps=2))
-
-
 @pytest.fixture(scope="module", params=["wan-i2v-tiny", "wan-ti2v-tiny"])
-def variant_run(request, tmp_path_factory):
-    pytest.importorskip("tensorrt_rtx")
-    from trt_sora.pipeline import EnginePipeline
-
-    pipe = EnginePipeline(ci_recipe(), request.param, tmp_path_factory.mktemp(request.param))
-    return pipe, pipe.run()
+def variant_run(request):
+    """The session's run folders of the tiny variants (tests/run_folders.py)."""
+    return request.getfixturevalue({"wan-i2v-tiny": "i2v_run", "wan-ti2v-tiny": "ti2v_run"}[request.param])
 
 
 @pytest.mark.trt_rtx

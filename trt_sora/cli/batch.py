@@ -9,7 +9,9 @@ def add_parser(sub) -> None:
 
     p = sub.add_parser("batch", help="a JSONL file of jobs -> clips + manifest + summary (resumable)",
                        description="Generate one clip per line of a JSONL file (prompt, seed, steps, guidance, "
-                                   "shift, negative_prompt, num_frames, height, width, id). Rerun the same command "
+                                   "shift, negative_prompt, num_frames, height, width, image, id; image: the "
+                                   "conditioning image's path of an image-to-video model, relative to the jobs "
+                                   "file's folder). Rerun the same command "
                                    "after a crash or kill: finished clips are skipped, partial ones redone. Exit 1 "
                                    "when a job failed or a clip failed its quality gate.")
     add_runtime_args(p)

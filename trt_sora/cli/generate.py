@@ -44,6 +44,9 @@ def add_parser(sub) -> None:
     p.add_argument("-o", "--out", required=True, help="output file: .mp4, .gif, .png (contact sheet) or .npy; with "
                    "several captions, clip.mp4 becomes clip-0.mp4, clip-1.mp4, ...")
     p.add_argument("--seed", type=int, default=0, help="noise seed of the first caption (caption i: seed + i)")
+    p.add_argument("--image", action="append", default=None, metavar="PATH",
+                   help="conditioning image of an image-to-video model (Wan 2.1 I2V: required; Wan 2.2 TI2V: "
+                        "optional): one for every caption, or repeat it once per caption; resized to the clip's size")
     add_sampling_args(p)
     p.add_argument("--scale", type=int, default=1, help="pixel-repeat upscaling of the written file (e.g. 4 for 32x32)")
     p.add_argument("--sheet", default=None, help="also write a PNG contact sheet of all clips (one row each)")
@@ -97,6 +100,20 @@ def _has_cuda() -> bool:
     return torch.cuda.is_available()
 
 
+def _images(args):
+    """``--image``: None, one image for every caption, or one per caption."""
+    if not args.image:
+        return None
+    if len(args.image) == 1:
+        return args.image[0]
+    if len(args.image) != len(args.captions):
+        from trt_sora.errors import ConfigError
+
+        raise ConfigError(f"--image given {len(args.image)} times for {len(args.captions)} captions; give one image "
+                          "for all of them or one per caption")
+    return list(args.image)
+
+
 def outputs_for(out: str, n: int) -> list:
     from pathlib import Path
 
@@ -118,7 +135,8 @@ def run(args) -> int:
     runner = load_runner(args)
     clips = rt.generate(runner, args.captions, seed=args.seed, steps=args.steps, guidance=args.guidance,
                         shift=args.shift, negative_prompt=args.negative_prompt, num_frames=args.frames,
-                        height=args.height, width=args.width, cfg=args.cfg, text_encoder=args.text_encoder)
+                        height=args.height, width=args.width, cfg=args.cfg, text_encoder=args.text_encoder,
+                        image=_images(args))
     probe = generator_for(runner).adapter.caption_probe() if args.probe else None
     passed = 0
     for clip, path in zip(clips, paths):

@@ -26,44 +26,59 @@ def _json(path: Path) -> dict:
         return {}
 
 
+def _experts(run: Path) -> list[str]:
+    """The expert folders of a pair's run folder (``experts/experts.json``), else ``[]``."""
+    return list(_json(run / "experts" / "experts.json").get("experts") or [])
+
+
 def describe_run(run: Path) -> dict:
-    """What one run folder holds, from its files (loads no model)."""
+    """What one run folder holds, from its files (loads no model). A pair of experts (Wan 2.2 A14B) is
+    one run: its experts' folders are summed, the parity report is the pair's."""
     from trt_sora.cli.common import run_recipe
     from trt_sora.errors import TrtSoraError
 
-    exp = _json(run / "export" / "manifest.json")
+    experts = _experts(run)
+    parts = [run / e for e in experts] or [run]
+    exp = _json(parts[0] / "export" / "manifest.json")
     model = exp.get("results", {}).get("model", {})
     rep = _json(run / "parity" / "report.json")
-    eng = _json(run / "engine" / "manifest.json").get("results", {})
-    plans = sorted((run / "engine").glob("*.plan")) if (run / "engine").is_dir() else []
-    qdq = run / "quant" / "model.qdq.onnx"
+    eng = _json(parts[0] / "engine" / "manifest.json").get("results", {})
+    plans = sorted(p for part in parts if (part / "engine").is_dir() for p in (part / "engine").glob("*.plan"))
+    qdqs = [part / "quant" / "model.qdq.onnx" for part in parts]
+    qdq = qdqs[0]
     try:
         recipe, source = run_recipe(run)
         recipe_name, target = recipe.name, f"SM {recipe.compute_capability} ({recipe.backend.value})"
     except TrtSoraError:
         recipe_name, source, target = None, None, None
     gate = "unchecked" if not rep else ("passed" if rep.get("passed") else "FAILED " + ",".join(rep.get("failed", [])))
-    backends = ["torch"] + (["ort (Q/DQ)" if qdq.is_file() else "ort"] if (run / "export" / "model.onnx").is_file()
+    backends = ["torch"] + (["ort (Q/DQ)" if qdq.is_file() else "ort"] if (parts[0] / "export" / "model.onnx").is_file()
                             else [])
     if plans:
         backends.append(f"trt ({eng.get('backend', '?')}, SM{eng.get('sm', '?')})")
     if rep.get("backend") == "torch-fp8" and rep.get("passed"):
         backends.append("torch-fp8")
-    onnx = run / "export" / "model.onnx"
+    onnx = [part / "export" / "model.onnx" for part in parts]
     return {
-        "run": str(run), "model": model.get("ref"), "recipe": recipe_name, "recipe_source": source,
+        "run": str(run), "model": model.get("ref"), "experts": experts, "recipe": recipe_name, "recipe_source": source,
         "parity": gate, "checked_backend": rep.get("backend"), "backends": backends,
         "target": f"SM{eng['sm']} ({eng.get('backend')})" if eng.get("sm") else target,
         "sampling": model.get("sampling"), "text_encoder": model.get("text_encoder"),
         "buckets": [b.get("name") for b in rep.get("buckets", [])],
-        "bytes": {"export": _bytes(onnx, onnx.with_name(onnx.name + ".data")),
-                  "quant": _bytes(qdq, qdq.with_name(qdq.name + ".data")), "engine": _bytes(*plans)},
+        "bytes": {"export": _bytes(*onnx, *(o.with_name(o.name + ".data") for o in onnx)),
+                  "quant": _bytes(*qdqs, *(q.with_name(q.name + ".data") for q in qdqs)), "engine": _bytes(*plans)},
     }
 
 
 def find_runs(root: Path) -> list[Path]:
-    return sorted(p.parent.parent for p in Path(root).rglob("export/manifest.json")
-                  if not any(part.startswith(".") for part in p.parent.parent.relative_to(root).parts))
+    """Folders with ``export/manifest.json``; an expert's folder counts as its pair's run folder."""
+    runs = set()
+    for p in Path(root).rglob("export/manifest.json"):
+        run = p.parent.parent
+        if any(part.startswith(".") for part in run.relative_to(root).parts):
+            continue
+        runs.add(run.parent if run.name in _experts(run.parent) else run)
+    return sorted(runs)
 
 
 def _mb(n: int) -> str:
@@ -86,7 +101,8 @@ def run(args) -> int:
     for r in runs:
         s = r["sampling"]
         samp = f"{s['num_steps']} steps, CFG {s['guidance_scale']:g}, shift {s['shift']:g}" if s else "not recorded"
-        print(f"{r['run']}\n  model {r['model']}, recipe {r['recipe'] or '?'}; parity {r['parity']}"
+        pair = f" (experts {', '.join(r['experts'])})" if r["experts"] else ""
+        print(f"{r['run']}\n  model {r['model']}{pair}, recipe {r['recipe'] or '?'}; parity {r['parity']}"
               f"{' (' + r['checked_backend'] + ')' if r['checked_backend'] else ''}; target {r['target'] or '?'}\n"
               f"  backends: {', '.join(r['backends'])}; buckets: {', '.join(r['buckets']) or '?'}\n"
               f"  sizes: export {_mb(r['bytes']['export'])}, quant {_mb(r['bytes']['quant'])}, engine "

@@ -317,9 +317,20 @@ class ModelAdapter(Conditioner, abc.ABC):
 
     def image_conditioning(self, point: Mapping[str, int], *, seed: int = 0, images=None) -> dict[str, Any]:
         """Inputs both CFG branches share (image-to-video: the image's latents and embedding) at
-        ``point`` (batch = its ``batch``); ``{}`` for text-to-video models. ``images``: None draws a
-        seeded stand-in (random-weight models; calibration of a real checkpoint passes its images)."""
+        ``point`` (batch = its ``batch``); ``{}`` for text-to-video models. ``images``: fp32
+        ``[batch, 3, height, width]`` in ``[-1, 1]`` at the clip's pixel size (generation), or None
+        for a seeded stand-in (calibration and parity of random-weight models)."""
         return {}
+
+    @property
+    def image_input(self) -> str:
+        """Whether generation takes a conditioning image: ``"none"`` (text-to-video), ``"optional"``
+        (text- or image-to-video, e.g. Wan 2.2 TI2V) or ``"required"`` (image-to-video)."""
+        return "none"
+
+    def image_encoder_description(self) -> str:
+        """How :meth:`image_conditioning` encodes a given image, in words (clip metadata)."""
+        return "none (text-to-video)"
 
     def negative_embedding(self, encode: Callable[[list[str], int], Any], batch: int, text_len: int):
         """The unconditional branch's conditioning users sample with, ``[batch, text_len, text_dim]``

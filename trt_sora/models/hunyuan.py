@@ -448,9 +448,14 @@ class HunyuanVideo15Adapter(ModelAdapter):
     def scheduler(self, shift: float | None = None):
         return make_scheduler(self.sampling.shift if shift is None else shift)
 
-    def decoder(self):
-        """``AutoencoderKLHunyuanVideo15`` from the checkpoint's ``vae/`` (latents / ``scaling_factor``,
-        as the pipeline), else a small seeded one."""
+    def vae(self):
+        """``(vae, description)``: ``AutoencoderKLHunyuanVideo15`` from the checkpoint's ``vae/`` (fp32,
+        eval), else a small seeded one; loaded once per adapter."""
+        if "_vae" not in self.__dict__:
+            self.__dict__["_vae"] = self._load_vae()
+        return self.__dict__["_vae"]
+
+    def _load_vae(self):
         import torch
 
         diffusers = require("diffusers", extra="export")
@@ -466,7 +471,13 @@ class HunyuanVideo15Adapter(ModelAdapter):
                 torch.manual_seed(0)
                 vae = cls(latent_channels=self.latent_channels, block_out_channels=(8, 8, 8, 8, 8), layers_per_block=1)
             desc = f"random tiny {cls.__name__} (seed 0; no VAE weights with this model)"
-        vae = vae.eval().requires_grad_(False)
+        return vae.eval().requires_grad_(False), desc
+
+    def decoder(self):
+        """Latents -> frames through :meth:`vae` (latents / ``scaling_factor``, as the pipeline)."""
+        import torch
+
+        vae, desc = self.vae()
         scale = float(vae.config.scaling_factor)
 
         def decode(z):

@@ -450,19 +450,30 @@ class WanAdapter(ModelAdapter):
 
         return torch.cat([first.to(latents.dtype).to(latents.device), latents[:, :, 1:]], dim=2)
 
+    @property
+    def image_input(self) -> str:
+        """Wan 2.1 I2V needs an image; Wan 2.2 TI2V takes one optionally (its image mode); T2V none."""
+        if self.is_i2v:
+            return "required"
+        return "optional" if self.frame_timesteps else "none"
+
     def image_conditioning(self, point: Mapping[str, int], *, seed: int = 0, images=None):
-        """Image-to-video conditioning both CFG branches share, batch ``point["batch"]``:
-        ``encoder_hidden_states_image`` [B, image_len, image_dim] (CLIP tokens) and
-        ``latent_condition`` [B, 4 + C, F, H, W] (the first-frame mask, then the image latents:
-        the first latent frame the image's, the rest zeros). Without ``images``: a seeded stand-in
-        (unit-normal tokens and first-frame latents) - what a random-weight model can be calibrated
-        with; real checkpoints need their CLIP image encoder and VAE. TI2V and text-to-video: ``{}``
-        (TI2V's image mode takes a ``first_frame`` latent, see :meth:`model_inputs`)."""
+        """Image-to-video conditioning both CFG branches share, batch ``point["batch"]``.
+
+        Wan 2.1 I2V: ``encoder_hidden_states_image`` [B, image_len, image_dim] (CLIP tokens) and
+        ``latent_condition`` [B, 4 + C, F, H, W] (the first-frame mask, then the latents of the video
+        "the image, then black frames", as ``WanImageToVideoPipeline``). Wan 2.2 TI2V with an image:
+        ``first_frame`` [B, C, 1, H, W], the image's latents (see :meth:`model_inputs`).
+
+        ``images``: fp32 ``[B, 3, height, width]`` in ``[-1, 1]`` at the clip's pixel size, encoded by
+        the VAE (:meth:`vae`; latents normalised with its ``latents_mean`` / ``latents_std``) and the
+        image encoder (:meth:`image_encoder`). Without ``images`` (calibration and parity of
+        random-weight models): a seeded stand-in (unit-normal tokens and first-frame latents, zeros
+        after); TI2V and text-to-video: ``{}`` (TI2V's text-to-video mode)."""
+        if images is not None:
+            return self._encode_images(point, images)
         if not self.is_i2v:
             return {}
-        if images is not None:
-            raise ModelError(f"{self.name}: encoding real images (CLIP image encoder + VAE) is not implemented "
-                             "yet; calibrate with the seeded stand-in (images=None)")
         import torch
 
         g = torch.Generator().manual_seed(int(seed) + 7_919)
@@ -474,6 +485,82 @@ class WanAdapter(ModelAdapter):
         lat = torch.zeros(b, c_img, f, h, w)
         lat[:, :, 0] = torch.randn(b, c_img, h, w, generator=g)
         return {"encoder_hidden_states_image": tokens, "latent_condition": torch.cat([mask, lat], dim=1)}
+
+    def _encode_images(self, point: Mapping[str, int], images):
+        import torch
+
+        from trt_sora.errors import ShapeError
+
+        if self.image_input == "none":
+            raise ModelError(f"{self.name} is text-to-video: it takes no conditioning image; leave the image out")
+        b, f, h, w = (int(point[k]) for k in ("batch", "latent_frames", "latent_height", "latent_width"))
+        _, height, width = self.pixel_size(point)
+        if tuple(images.shape) != (b, 3, height, width):
+            raise ShapeError(f"{self.name}: conditioning images must be [{b}, 3, {height}, {width}] (the clip's size), "
+                             f"got {tuple(images.shape)}")
+        images = images.float()
+        if self.frame_timesteps:  # Wan 2.2 TI2V: the image is the first latent frame (diffusers' expand_timesteps)
+            return {"first_frame": self._vae_encode(images[:, :, None])}
+        frames = (f - 1) * self.vae_scale[0] + 1
+        video = torch.cat([images[:, :, None], images.new_zeros(b, 3, frames - 1, height, width)], dim=2)
+        mask = torch.zeros(b, I2V_MASK_CHANNELS, f, h, w)
+        mask[:, :, 0] = 1.0
+        encode, _ = self.image_encoder()
+        return {"encoder_hidden_states_image": encode(images),
+                "latent_condition": torch.cat([mask, self._vae_encode(video)], dim=1)}
+
+    def _vae_encode(self, video):
+        """Normalised VAE latents (the distribution's mode, ``(z - mean) / std``) of ``video``
+        [B, 3, F, H, W] in [-1, 1], one clip at a time (so a clip does not depend on its batch)."""
+        import torch
+
+        vae, _ = self.vae()
+        mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1)
+        inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1)
+        with torch.inference_mode():
+            z = torch.cat([vae.encode(v[None]).latent_dist.mode() for v in video.float()])
+        return (z.float() - mean) * inv_std
+
+    def image_encoder(self):
+        """``(encode, description)``: images [B, 3, H, W] in [-1, 1] -> image tokens [B, image_len,
+        image_dim] fp32. A pipeline folder's ``image_encoder/`` + ``image_processor/`` (CLIP ViT-H: its
+        penultimate hidden states, as ``WanImageToVideoPipeline.encode_image``), else a seeded stand-in
+        for random-weight models (:func:`standin_image_tokens`: pooled patches through a fixed random
+        projection - deterministic in the image, like the hash text encoder)."""
+        if "_image_encoder" not in self.__dict__:
+            self.__dict__["_image_encoder"] = self._load_image_encoder()
+        return self.__dict__["_image_encoder"]
+
+    def _load_image_encoder(self):
+        folder = self._component("image_encoder")
+        dim = int(self.spec.config["image_dim"])
+        if folder is not None:
+            import torch
+
+            transformers = require("transformers", extra="export")
+            model = transformers.CLIPVisionModel.from_pretrained(str(folder), torch_dtype=torch.float32)
+            processor = transformers.CLIPImageProcessor.from_pretrained(str(folder.parent / "image_processor"))
+            model = model.eval().requires_grad_(False)
+
+            def encode(images):
+                pixels = [((x.permute(1, 2, 0) + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).numpy()
+                          for x in images.float()]
+                with torch.inference_mode():
+                    inputs = processor(images=pixels, return_tensors="pt")
+                    return model(**inputs, output_hidden_states=True).hidden_states[-2].float()
+
+            return encode, f"CLIPVisionModel from {folder} (penultimate hidden states)"
+        seed = self.spec.seed
+        return (lambda images: standin_image_tokens(images, self.image_len, dim, seed),
+                f"seeded stand-in image tokens (seed {seed}; no image encoder with this model)")
+
+    def image_encoder_description(self) -> str:
+        if self.image_input == "none":
+            return super().image_encoder_description()
+        vae = self.vae()[1]
+        if self.frame_timesteps:
+            return f"first latent frame from {vae}"
+        return f"latents from {vae}; image tokens: {self.image_encoder()[1]}"
 
     def enable_sequence_parallel(self, model, seq) -> None:
         """Ulysses over a loaded Wan transformer (diffusers blocks or the torch-fp8 fused blocks):
@@ -513,18 +600,28 @@ class WanAdapter(ModelAdapter):
         """``(vae, description)``: the checkpoint's ``vae/`` (``AutoencoderKLWan``, fp32, eval) when
         the model came from a pipeline folder, else a small random one (seeded; enough to see how
         latent error turns into pixel error); ``(None, ...)`` for pixel-space models (3 latent
-        channels, e.g. wan-shapes)."""
+        channels, e.g. wan-shapes). Loaded once per adapter (the decoder and the image encoding share it)."""
+        if "_vae" not in self.__dict__:
+            self.__dict__["_vae"] = self._load_vae()
+        return self.__dict__["_vae"]
+
+    def _component(self, name: str) -> Path | None:
+        """A pipeline component folder beside the transformer's (``vae``, ``image_encoder``, ...), or None."""
+        if not self.spec.path:
+            return None
+        root = Path(self.spec.path)
+        return next((c for c in (root.parent / name, root / name) if (c / "config.json").is_file()), None)
+
+    def _load_vae(self):
         import torch
 
         if self.latent_channels == 3:
             return None, "identity (pixel-space model: latents are frames)"
         diffusers = require("diffusers", extra="export")
-        if self.spec.path:
-            root = Path(self.spec.path)
-            for cand in (root.parent / "vae", root / "vae"):
-                if (cand / "config.json").is_file():
-                    vae = diffusers.AutoencoderKLWan.from_pretrained(str(cand), torch_dtype=torch.float32)
-                    return vae.eval().requires_grad_(False), f"AutoencoderKLWan from {cand}"
+        cand = self._component("vae")
+        if cand is not None:
+            vae = diffusers.AutoencoderKLWan.from_pretrained(str(cand), torch_dtype=torch.float32)
+            return vae.eval().requires_grad_(False), f"AutoencoderKLWan from {cand}"
         vae, desc = _random_vae(self.latent_channels, self.spec.defaults.get("vae") == "wan2.2")
         return vae.eval().requires_grad_(False), desc
 
@@ -546,13 +643,21 @@ class WanAdapter(ModelAdapter):
 
         return decode, desc
 
-    def diffusers_pipeline(self, transformer, *, encode, scheduler, defaults):
+    def diffusers_pipeline(self, transformer, *, encode, scheduler, defaults, transformer_2=None):
         """A ready ``WanPipeline`` (see :func:`diffusers_pipeline`): the checkpoint's VAE, or
-        :func:`pixel_vae` for pixel-space models."""
+        :func:`pixel_vae` for pixel-space models; Wan 2.2 TI2V's ``expand_timesteps``; a pair of experts
+        (A14B) switches at its ``boundary_ratio`` to ``transformer_2`` (default: ``transformer``, a
+        drop-in that routes by timestep itself) with ``guidance_scale_2``."""
+        if self.is_i2v:
+            raise ModelError(f"{self.name} is image-to-video: the ready pipeline helper is WanPipeline's "
+                             "(text-to-video); generate with trt_sora.runtime.generate(..., image=...)")
         vae, _ = self.vae()
+        pair = self.sampling.boundary_ratio
         return diffusers_pipeline(transformer, encode=encode, vae=vae if vae is not None else
                                   pixel_vae(self.latent_channels), scheduler=scheduler, defaults=defaults,
-                                  negative=lambda n, text_len: self.negative_embedding(encode, n, text_len))
+                                  negative=lambda n, text_len: self.negative_embedding(encode, n, text_len),
+                                  transformer_2=(transformer_2 or transformer) if pair else None, boundary_ratio=pair,
+                                  expand_timesteps=self.frame_timesteps)
 
     def text_encoder(self, source: str | None = None):
         """``source``: None (the model's default), ``"hash"``, a ``.safetensors`` embedding file,
@@ -601,12 +706,14 @@ def pixel_vae(channels: int):
     return PixelSpaceVAE()
 
 
-def diffusers_pipeline(transformer, *, encode, vae, scheduler, defaults: Mapping[str, Any], negative=None):
+def diffusers_pipeline(transformer, *, encode, vae, scheduler, defaults: Mapping[str, Any], negative=None,
+                       transformer_2=None, boundary_ratio: float | None = None, expand_timesteps: bool = False):
     """A ``WanPipeline`` around ``transformer`` (a model or the runtime's drop-in) whose prompts go
     through ``encode(prompts, text_len) -> [B, text_len, D]`` (any text encoder, not only UMT5) and
     whose call defaults (size, steps, guidance, ``max_sequence_length``) are ``defaults``.
     ``negative(batch, text_len)``: the unconditional conditioning when no negative prompt is given
-    (the model's own; None: WanPipeline's encoded ``""``)."""
+    (the model's own; None: WanPipeline's encoded ``""``). ``transformer_2`` + ``boundary_ratio``:
+    Wan 2.2's low-noise expert and the switch; ``expand_timesteps``: Wan 2.2 TI2V's per-token timesteps."""
     from diffusers import WanPipeline
 
     class ArtifactWanPipeline(WanPipeline):
@@ -630,7 +737,8 @@ def diffusers_pipeline(transformer, *, encode, vae, scheduler, defaults: Mapping
             return super().__call__(prompt, **kwargs)
 
     return ArtifactWanPipeline(tokenizer=None, text_encoder=None, vae=vae, scheduler=scheduler,
-                               transformer=transformer)
+                               transformer=transformer, transformer_2=transformer_2, boundary_ratio=boundary_ratio,
+                               expand_timesteps=expand_timesteps)
 
 
 def _random_vae(z_dim: int, wan22: bool):
@@ -648,6 +756,25 @@ def _random_vae(z_dim: int, wan22: bool):
         torch.manual_seed(0)
         vae = diffusers.AutoencoderKLWan(**kw)
     return vae, f"random tiny AutoencoderKLWan{' (Wan 2.2 layout)' if wan22 else ''} (seed 0; no VAE weights with this model)"
+
+
+def standin_image_tokens(images, image_len: int, image_dim: int, seed: int = 0):
+    """Image tokens of a random-weight image-to-video model (which has no CLIP): a global mean token,
+    then the image average-pooled to a ``sqrt(image_len - 1)``-square grid (zero tokens pad the rest),
+    through a fixed seeded ``[3, image_dim]`` projection; ``images`` [B, 3, H, W] -> [B, image_len,
+    image_dim] fp32. Deterministic in the image, like :class:`trt_sora.models.text.HashTextEncoder`."""
+    import math
+
+    import torch
+    import torch.nn.functional as F
+
+    x = images.float()
+    side = max(1, math.isqrt(max(1, image_len - 1)))
+    grid = F.adaptive_avg_pool2d(x, side).flatten(2).transpose(1, 2)
+    tokens = torch.cat([x.mean(dim=(2, 3))[:, None], grid], dim=1)[:, :image_len]
+    tokens = F.pad(tokens, (0, 0, 0, image_len - tokens.shape[1]))
+    proj = torch.randn(3, image_dim, generator=torch.Generator().manual_seed(int(seed) + 104_729))
+    return tokens @ proj
 
 
 def make_scheduler(shift: float):

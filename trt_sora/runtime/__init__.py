@@ -599,8 +599,9 @@ def as_diffusers_transformer(runner, *, dtype=None, device=None):
 
 
 def diffusers_pipeline(runner, **kwargs):
-    """A ready diffusers pipeline over ``runner`` (see :func:`trt_sora.runtime.diffusers_pipeline.make_pipeline`)."""
-    from trt_sora.runtime.diffusers_pipeline import make_pipeline
+    """A ready diffusers pipeline over ``runner`` (see :func:`trt_sora.runtime._pipeline.make_pipeline`)."""
+    from trt_sora.runtime._pipeline import make_pipeline  # not "diffusers_pipeline": importing that
+    # submodule would rebind this function's name on the package to the module (a second call then fails)
 
     return make_pipeline(runner, **kwargs)
 

@@ -56,6 +56,10 @@ def make_transformer(runner, *, dtype=None, device=None):
             t = timestep.to(torch.float32)
             if t.dim() == 0:
                 t = t.expand(hidden_states.shape[0])
+            if t.dim() == 2 and 1 in (getattr(self.runner, "_dims", {}).get("timestep") or {}):
+                # Wan 2.2 TI2V: the pipeline passes a timestep per token [B, F*h*w]; the graph takes one per
+                # latent frame [B, F] (every token of a frame shares it)
+                t = t.reshape(t.shape[0], hidden_states.shape[2], -1)[:, :, 0]
             feeds = {"hidden_states": hidden_states, "timestep": t.contiguous(),
                      "encoder_hidden_states": encoder_hidden_states}
             out = self.runner.infer(feeds)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import threading
 import time
 import weakref
@@ -57,6 +58,11 @@ class ClipRequest:
             zero embedding).
         steps, guidance, shift: sampling overrides (default: the artifact's sampling settings).
         num_frames, height, width: pixel size (default: the first bucket's opt point).
+        image: the conditioning image of an image-to-video model (required by Wan 2.1 I2V, optional
+            for Wan 2.2 TI2V, refused by text-to-video models): a file path or a
+            ``data:image/...;base64,`` URL (JSONL lines and HTTP bodies), or in Python a PIL image or
+            a uint8 array ``[H, W, 3]``; resized to the clip's size (:func:`trt_sora.runtime.video.read_image`)
+            and encoded as the model family says (``adapter.image_conditioning``).
     """
 
     prompt: str
@@ -68,6 +74,7 @@ class ClipRequest:
     num_frames: int | None = None
     height: int | None = None
     width: int | None = None
+    image: Any = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.prompt, str):
@@ -84,6 +91,10 @@ class ClipRequest:
             v = getattr(self, k)
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
                 raise ConfigError(f"{k}={v!r} must be a number")
+        image = self.image
+        if image is not None and not (isinstance(image, (str, os.PathLike, np.ndarray)) or hasattr(image, "convert")):
+            raise ConfigError(f"image must be a file path or a data:image/...;base64 URL (in Python also a PIL image "
+                              f"or a uint8 array), got {type(self.image).__name__}")
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], *, where: str = "request") -> "ClipRequest":
@@ -135,7 +146,8 @@ class _Resolved:
     @property
     def key(self) -> tuple:
         s = self.settings
-        return (s.num_steps, s.guidance_scale, s.shift, *(self.point[k] for k in sorted(self.point)))
+        return (s.num_steps, s.guidance_scale, s.shift, self.request.image is None,
+                *(self.point[k] for k in sorted(self.point)))
 
 
 def to_uint8(frames) -> np.ndarray:
@@ -162,7 +174,7 @@ class Generator:
 
         self.runner = runner
         self.run_dir = Path(getattr(runner, "run_dir", "."))
-        entry = read_manifest(self.run_dir / "export", stage="export")["results"]["model"]
+        entry = read_manifest(_export_folder(self.run_dir), stage="export")["results"]["model"]
         if adapter is None:
             from trt_sora.models import adapter_for_manifest
 
@@ -182,14 +194,22 @@ class Generator:
     # -- defaults ---------------------------------------------------------------------------------
     @property
     def default_point(self) -> dict[str, int]:
-        """The first bucket's opt point without batch (the default clip size)."""
-        p = self.runner.buckets[0].point("opt")
-        return {k: int(p[k]) for k in ("latent_frames", "latent_height", "latent_width", "text_len")}
+        """The first bucket's opt point without batch (the default clip size; every text dim)."""
+        return {k: int(v) for k, v in self.runner.buckets[0].point("opt").items() if k != "batch"}
 
     @property
     def default_size(self) -> tuple[int, int, int]:
         """``(num_frames, height, width)`` of :attr:`default_point`."""
         return self.adapter.pixel_size(self.default_point)
+
+    @property
+    def warmup_image(self) -> np.ndarray | None:
+        """A mid-grey image of the default size when the model needs one (a server's warm-up and
+        probe requests), else None."""
+        if self.adapter.image_input != "required":
+            return None
+        _, h, w = self.default_size
+        return np.full((h, w, 3), 128, np.uint8)
 
     def resolve(self, req: ClipRequest) -> _Resolved:
         """Fill the defaults in; ShapeError / ConfigError for a size or setting the artifact cannot run."""
@@ -197,13 +217,29 @@ class Generator:
         f0, h0, w0 = self.default_size
         size = (req.num_frames or f0, req.height or h0, req.width or w0)
         lat = self.adapter.latent_size(*size)
-        text_len = self._text_len(lat, size)
-        return _Resolved(req, settings, {**lat, "text_len": text_len}, size)
+        self._check_image(req)
+        return _Resolved(req, settings, {**lat, **self._text_dims(lat, size)}, size)
 
-    def _text_len(self, lat: Mapping[str, int], size) -> int:
+    def _check_image(self, req: ClipRequest) -> None:
+        need = self.adapter.image_input
+        if need == "required" and req.image is None:
+            raise ConfigError(f"{self.adapter.name} is image-to-video: give the conditioning image (generate(..., "
+                              "image=PATH), `trt-sora generate --image PATH`, or \"image\": PATH in a batch line or "
+                              "an HTTP request)")
+        if need == "none" and req.image is not None:
+            raise ConfigError(f"{self.adapter.name} is text-to-video: it takes no conditioning image; leave the "
+                              "image out")
+        im = req.image
+        if isinstance(im, (str, os.PathLike)) and not str(im).startswith("data:") and not Path(im).is_file():
+            raise ConfigError(f"image {str(im)!r} is not a file; pass the path of a PNG/JPEG image (or a "
+                              "data:image/...;base64 URL)")
+
+    def _text_dims(self, lat: Mapping[str, int], size) -> dict[str, int]:
+        """The text dims (``text_len`` and the family's own, e.g. ``text_len_2``) of the first bucket
+        holding ``lat``: their opt values."""
         for b in self.runner.buckets:
             if all(getattr(b, k).contains(v) for k, v in lat.items()):
-                return b.text_len.opt
+                return {k: int(r.opt) for k, r in b.dims() if k.startswith("text_len")}
         listing = "; ".join(f"{b.name}: {self.adapter.pixel_size(b.point('min'))} .. "
                             f"{self.adapter.pixel_size(b.point('max'))}" for b in self.runner.buckets)
         raise ShapeError(f"no bucket of {self.run_dir} makes {size[0]} frames of {size[1]}x{size[2]} "
@@ -306,16 +342,26 @@ class Generator:
         mode = self.cfg_mode(r0, cfg)
         settings, p = r0.settings, r0.point
         t0 = time.perf_counter()
-        cond = encode([g.request.prompt for g in group], p["text_len"]).float()
-        uncond = self._uncond(encode, [g.request.negative_prompt for g in group], p["text_len"]) \
+        point = {**p, "batch": len(group)}
+        shared = self._image_conditioning(group)
+        cond = {**self.adapter.text_conditioning(encode, [g.request.prompt for g in group], point), **shared}
+        uncond = {**self._uncond(encode, [g.request.negative_prompt for g in group], p), **shared} \
             if settings.uses_cfg else None
         t1 = time.perf_counter()
         shape = (1, self.adapter.latent_channels, p["latent_frames"], p["latent_height"], p["latent_width"])
         noise = torch.cat([gaussian_noise(shape, g.request.seed) for g in group])
         label = f"{len(group)} clip(s) at {r0.size[0]} frames {r0.size[1]}x{r0.size[2]}"
         scheduler = self.adapter.scheduler(settings.shift)
+        served: dict[str, list[int]] = {}
+
+        def tick(info):  # which expert the sampler sent each step to (metadata), then the caller's hook
+            if info.expert is not None and info.step not in served.setdefault(info.expert, []):
+                served[info.expert].append(info.step)
+            return hook(info) if hook else None
+
         res = sample(runner_call(self.runner), noise, cond, uncond, scheduler=scheduler, settings=settings,
-                     cfg="split" if mode == "none" else mode, dtype=torch.float32, hook=hook, label=label)
+                     cfg="split" if mode == "none" else mode, dtype=torch.float32, hook=tick, label=label,
+                     conditioner=self.adapter)
         t2 = time.perf_counter()
         # one clip at a time: a decoder's convolutions need not give the same bits at another batch size
         frames = [decode(res.latents[i:i + 1]).float().cpu().numpy()[0] for i in range(len(group))]
@@ -325,22 +371,59 @@ class Generator:
         seconds = {"encode": round(t1 - t0, 4), "sample": round(t2 - t1, 4), "decode": round(t3 - t2, 4),
                    "total": round(t3 - t0, 4)}
         common = self._metadata(settings, mode, scheduler, r0, bucket, len(group), call_batch, seconds)
+        if settings.experts:
+            common["experts"] = {"boundary_timestep": settings.boundary_timestep,
+                                 "steps": {e: served.get(e, []) for e in settings.experts}}
         latents = res.latents.float().cpu().numpy()
         return [Clip(prompt=g.request.prompt, seed=g.request.seed, frames=to_uint8(frames[i]), latents=latents[i],
                      metadata={"prompt": g.request.prompt, "negative_prompt": g.request.negative_prompt,
                                "unconditional": self.negative_description(g.request.negative_prompt)
-                               if settings.uses_cfg else "none (no CFG)", "seed": g.request.seed, **common, "batch": {**common["batch"], "index": i}})
+                               if settings.uses_cfg else "none (no CFG)", "seed": g.request.seed,
+                               "image": self._image_record(g.request.image), **common,
+                               "batch": {**common["batch"], "index": i}})
                 for i, g in enumerate(group)]
 
-    def _uncond(self, encode, negatives: list, text_len: int):
-        """``[B, text_len, D]``: each row the given negative prompt encoded, or the model's own
-        unconditional conditioning where it is None."""
+    def _uncond(self, encode, negatives: list, point: Mapping[str, int]) -> dict:
+        """The unconditional branch's inputs ``{name: [B, ...]}``: each row the given negative prompt
+        encoded, or the model's own unconditional conditioning where it is None (the family's
+        ``negative_conditioning``, row by row: a row does not depend on its batch)."""
         import torch
 
-        given = [n for n in negatives if n is not None]
-        enc = iter(encode(given, text_len).float()) if given else iter(())
-        own = self.adapter.negative_embedding(encode, 1, text_len)[0] if len(given) < len(negatives) else None
-        return torch.stack([next(enc) if n is not None else own for n in negatives])
+        rows = [self.adapter.negative_conditioning(encode, 1, {**point, "batch": 1}, prompt=n) for n in negatives]
+        return {k: torch.cat([r[k].float() for r in rows]) for k in rows[0]}
+
+    def _image_conditioning(self, group: list[_Resolved]) -> dict:
+        """What both CFG branches share, ``{name: [B, ...]}``: each clip's image encoded as the family
+        says (``adapter.image_conditioning``); without images, the family's text-to-video conditioning
+        (``{}`` for Wan, zero image latents and tokens for HunyuanVideo 1.5; :meth:`resolve` refused a
+        missing image where the model needs one)."""
+        import torch
+
+        from trt_sora.runtime.video import read_image
+
+        images = [g.request.image for g in group]
+        if any(i is None for i in images) and not all(i is None for i in images):
+            raise ConfigError("a call group mixes clips with and without a conditioning image; generate them "
+                              "apart")  # grouping keys keep them apart; this guards direct Generator use
+        point = {**group[0].point, "batch": 1}
+        if images[0] is None:
+            return self.adapter.image_conditioning({**point, "batch": len(group)})
+        _, h, w = group[0].size
+        rows = []
+        for im in images:
+            pixels = torch.from_numpy(read_image(im, h, w)).permute(2, 0, 1)[None].float() / 127.5 - 1.0
+            rows.append(self.adapter.image_conditioning(point, images=pixels))
+        return {k: torch.cat([r[k] for r in rows]) for k in rows[0]}
+
+    def _image_record(self, image) -> dict | None:
+        """What a clip's metadata says of its conditioning image (JSON-safe)."""
+        if image is None:
+            return None
+        if isinstance(image, os.PathLike):
+            image = str(image)
+        src = image if isinstance(image, str) and not image.startswith("data:") else \
+            ("data URL" if isinstance(image, str) else type(image).__name__)
+        return {"source": src, "encoding": self.adapter.image_encoder_description()}
 
     def negative_description(self, negative: str | None) -> str:
         """What the unconditional branch of a clip was conditioned on, in words."""
@@ -362,6 +445,7 @@ class Generator:
             "scheduler": {"class": type(scheduler).__name__, "shift": sc.get("shift"),
                           "num_train_timesteps": sc.get("num_train_timesteps")},
             "text_encoder": self.text_encoder_source, "text_len": r.point["text_len"],
+            "text_dims": {k: v for k, v in r.point.items() if k.startswith("text_len")},
             "decoder": self.decoder_description,
             "size": {"num_frames": f, "height": h, "width": w}, "fps": self.adapter.fps,
             "latent": {k: r.point[k] for k in ("latent_frames", "latent_height", "latent_width")},
@@ -370,6 +454,21 @@ class Generator:
             "bucket": bucket, "batch": {"clips": clips, "call_batch": call_batch},
             "checked": self.checked, "seconds": seconds, "trt_sora": __version__,
         }
+
+
+def _export_folder(run: Path) -> Path:
+    """``run/export``, or for a pair of experts (``experts/experts.json``) the first expert's: every
+    expert records the same model entry (the pair's name, sampling settings and text encoder)."""
+    import json
+
+    pair = run / "experts" / "experts.json"
+    if pair.is_file():
+        try:
+            first = next(iter(json.loads(pair.read_text())["experts"]))
+        except (ValueError, KeyError, TypeError, StopIteration):
+            raise ConfigError(f"{pair} does not describe a pair of experts; re-run `trt-sora engine`") from None
+        return run / first / "export"
+    return run / "export"
 
 
 def _checked(run: Path) -> dict:
@@ -401,7 +500,7 @@ def generate(runner, prompts: str | Sequence[str], *, steps: int | None = None, 
              seed: int | Sequence[int] = 0, negative_prompt: str | None = None, shift: float | None = None,
              num_frames: int | None = None, height: int | None = None, width: int | None = None,
              cfg: str = "auto", max_batch: int | None = None, text_encoder: str | None = None,
-             hook: Callable | None = None) -> list[Clip]:
+             hook: Callable | None = None, image: Any = None) -> list[Clip]:
     """Generate one clip per prompt with a loaded artifact (``trt_sora.runtime.load``).
 
     Args:
@@ -417,6 +516,8 @@ def generate(runner, prompts: str | Sequence[str], *, steps: int | None = None, 
         max_batch: at most this many clips per transformer call group.
         text_encoder: override the recorded text encoder.
         hook: per-call hook of :func:`trt_sora.sampling.sample`.
+        image: the conditioning image of an image-to-video model (one for every prompt, or a list with
+            one per prompt): a path, a data URL, a PIL image or a uint8 array (see :class:`ClipRequest`).
 
     Returns:
         one :class:`Clip` per prompt, in order (uint8 frames ``[F, H, W, 3]`` + metadata).
@@ -428,6 +529,10 @@ def generate(runner, prompts: str | Sequence[str], *, steps: int | None = None, 
         else list(seed)
     if len(seeds) != len(prompts):
         raise ConfigError(f"generate: {len(prompts)} prompts but {len(seeds)} seeds; pass one seed per prompt")
+    images = list(image) if isinstance(image, (list, tuple)) else [image] * len(prompts)
+    if len(images) != len(prompts):
+        raise ConfigError(f"generate: {len(prompts)} prompts but {len(images)} images; pass one image per prompt")
     reqs = [ClipRequest(prompt=p, seed=s, negative_prompt=negative_prompt, steps=steps, guidance=guidance, shift=shift,
-                        num_frames=num_frames, height=height, width=width) for p, s in zip(prompts, seeds)]
+                        num_frames=num_frames, height=height, width=width, image=im)
+            for p, s, im in zip(prompts, seeds, images)]
     return generator_for(runner, text_encoder=text_encoder).run(reqs, cfg=cfg, max_batch=max_batch, hook=hook)

@@ -19,8 +19,8 @@ import numpy as np
 
 from trt_sora.errors import ConfigError, TrtSoraError, require
 
-__all__ = ["FORMATS", "VideoError", "contact_sheet", "ffmpeg_exe", "has_ffmpeg_filter", "read_video", "write_clip",
-           "write_gif", "write_mp4", "write_png_sheet"]
+__all__ = ["FORMATS", "VideoError", "contact_sheet", "ffmpeg_exe", "has_ffmpeg_filter", "read_image", "read_video",
+           "write_clip", "write_gif", "write_mp4", "write_png_sheet"]
 
 #: File suffix -> what is written.
 FORMATS = {".mp4": "H.264 MP4 (yuv420p)", ".gif": "animated GIF", ".png": "PNG contact sheet of the frames",
@@ -155,3 +155,49 @@ def read_video(path) -> np.ndarray:
     if res.returncode != 0:
         raise VideoError(f"ffmpeg could not decode {path}: {res.stderr.decode(errors='replace').strip()[-300:]}")
     return np.frombuffer(res.stdout, np.uint8).reshape(-1, h, w, 3)
+
+
+def read_image(image, height: int, width: int) -> np.ndarray:
+    """A conditioning image as uint8 ``[height, width, 3]`` RGB.
+
+    ``image``: a file path (PNG, JPEG, WebP, ...), a ``data:image/...;base64,`` URL (HTTP bodies), a
+    PIL image, or a uint8 array ``[H, W, 3]``. An image of another size is resized to ``width x height``
+    with Lanczos filtering, as diffusers' ``VideoProcessor.preprocess`` does. ConfigError for a missing
+    or unreadable file or a wrong array.
+    """
+    import base64
+    import binascii
+    import io
+
+    Image = require("PIL", extra="serve", pip="pip install pillow").Image
+    if isinstance(image, np.ndarray):
+        if image.dtype != np.uint8 or image.ndim != 3 or image.shape[-1] != 3:
+            raise ConfigError(f"an image array must be uint8 [height, width, 3], got {image.dtype} {image.shape}")
+        pil = Image.fromarray(image)
+    elif isinstance(image, Image.Image):
+        pil = image
+    elif isinstance(image, (str, os.PathLike)):
+        ref = str(image)
+        try:
+            if ref.startswith("data:"):
+                head, _, body = ref.partition(",")
+                if ";base64" not in head:
+                    raise ConfigError("an image data URL must be base64 (data:image/png;base64,...)")
+                src = io.BytesIO(base64.b64decode(body, validate=True))
+            elif not Path(ref).is_file():
+                raise ConfigError(f"image {ref!r} is not a file; pass the path of a PNG/JPEG image (or a "
+                                  "data:image/...;base64 URL)")
+            else:
+                src = ref
+            with Image.open(src) as im:
+                pil = im.convert("RGB")
+        except (OSError, binascii.Error, ValueError) as exc:
+            what = "the image data URL" if ref.startswith("data:") else f"image {ref!r}"
+            raise ConfigError(f"cannot read {what} ({exc}); pass a PNG or JPEG image") from None
+    else:
+        raise ConfigError(f"image must be a file path, a data: URL, a PIL image or a uint8 array, got "
+                          f"{type(image).__name__}")
+    pil = pil.convert("RGB")
+    if pil.size != (width, height):
+        pil = pil.resize((width, height), resample=Image.LANCZOS)
+    return np.asarray(pil, dtype=np.uint8).copy()

@@ -7,8 +7,10 @@
 
 ``prompts.jsonl``: one JSON object a line, the fields of :class:`~trt_sora.runtime.ClipRequest`
 (``prompt`` required; ``seed``, ``steps``, ``guidance``, ``shift``, ``negative_prompt``,
-``num_frames``, ``height``, ``width``) plus an optional ``id`` (letters, digits, ``-``, ``_``;
-default ``line-<n>``). Blank lines and lines starting with ``#`` are skipped.
+``num_frames``, ``height``, ``width``, ``image``) plus an optional ``id`` (letters, digits, ``-``, ``_``;
+default ``line-<n>``). Blank lines and lines starting with ``#`` are skipped. ``image`` (the
+conditioning image of an image-to-video model) is a path relative to the jobs file's folder, an
+absolute path or a ``data:image/...;base64,`` URL; a changed image file redoes its clip on resume.
 
 The output folder::
 
@@ -156,6 +158,8 @@ def read_jobs(path) -> list[Job]:
                 jid = str(d.pop("id"))
                 if not _ID.match(jid):
                     raise ConfigError(f"id {jid!r} must be 1-128 letters, digits, '-' or '_' (it names the files)")
+            if isinstance(d, Mapping) and isinstance(d.get("image"), str) and not d["image"].startswith("data:"):
+                d = {**d, "image": str(path.parent / d["image"])}  # relative to the jobs file (absolute stays)
             req = ClipRequest.from_dict(d, where=f"{path.name}:{n}")
         except json.JSONDecodeError as exc:
             err = f"{path.name}:{n}: not JSON ({exc.msg} at column {exc.colno})"
@@ -287,8 +291,16 @@ def _fingerprint(job: Job, resolved, config: BatchConfig, artifact: Mapping[str,
             "settings": resolved.settings.to_dict() if resolved else None,
             "size": list(resolved.size) if resolved else None, "formats": sorted(config.formats),
             "scale": config.scale, "cfg": config.cfg, "artifact": dict(artifact),
-            "gate": dataclasses.asdict(config.gate) if config.gate else None}
+            "gate": dataclasses.asdict(config.gate) if config.gate else None,
+            "image_sha256": _image_sha256(job.request.image) if job.request else None}
     return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def _image_sha256(image) -> str | None:
+    """The conditioning image file's sha256 (a changed image is a changed job); None without a file."""
+    if isinstance(image, str) and not image.startswith("data:") and Path(image).is_file():
+        return sha256_file(Path(image))
+    return None
 
 
 def _artifact_identity(generator) -> dict:

@@ -245,7 +245,7 @@ class Engine:
         self.ready = True
         if self.metrics:
             self.metrics.ready.set(1)
-            self.metrics.batch_cap.set(self.cap_for(self.generator.resolve(_probe_request())))
+            self.metrics.batch_cap.set(self.cap_for(self.generator.resolve(_probe_request(self.generator))))
         log.info("serve: ready (%s backend, batch cap %s, warm-up %.1f s)", self.generator.runner.backend,
                  self.memory.get("cap"), self.warmup_seconds or 0)
 
@@ -256,12 +256,13 @@ class Engine:
 
         t0 = time.perf_counter()
         gen = self.generator
-        r = gen.resolve(ClipRequest("warm-up", steps=self.config.warmup_steps))
+        image = gen.warmup_image  # an image-to-video model warms up on a grey image
+        r = gen.resolve(ClipRequest("warm-up", steps=self.config.warmup_steps, image=image))
         bucket_cap = gen.max_clips(r, self.config.cfg)
         gpu = _on_gpu(gen.runner)
         peaks = {}
         for n in sorted({1, bucket_cap}):
-            reqs = [ClipRequest("warm-up", seed=i, steps=self.config.warmup_steps) for i in range(n)]
+            reqs = [ClipRequest("warm-up", seed=i, steps=self.config.warmup_steps, image=image) for i in range(n)]
             gen.run(reqs, cfg=self.config.cfg, max_batch=n)  # first call: allocations, kernels, caches
             with _PeakSampler(gpu) as s:
                 gen.run(reqs, cfg=self.config.cfg, max_batch=n)
@@ -297,7 +298,7 @@ class Engine:
             cap = min(cap, self.config.max_batch)
         m = self.memory
         if m:
-            warm = self.generator.resolve(_probe_request()).point
+            warm = self.generator.resolve(_probe_request(self.generator)).point
             ratio = np.prod([resolved.point[k] for k in ("latent_frames", "latent_height", "latent_width")]) / \
                 np.prod([warm[k] for k in ("latent_frames", "latent_height", "latent_width")])
             budget = m["available_bytes"] * (1 - m["headroom"]) - m["base_bytes"]
@@ -474,10 +475,10 @@ class Engine:
         return d
 
 
-def _probe_request():
+def _probe_request(generator):
     from trt_sora.runtime.generate import ClipRequest
 
-    return ClipRequest("probe")
+    return ClipRequest("probe", image=generator.warmup_image)
 
 
 def _on_gpu(runner) -> bool:

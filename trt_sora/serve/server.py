@@ -69,6 +69,10 @@ def make_app(engine, metrics):
         except json.JSONDecodeError as exc:
             raise ConfigError(f"the body is not JSON ({exc.msg}); send a JSON object such as "
                               '{"prompt": "a red circle moving right", "seed": 1}') from None
+        if isinstance(body, dict) and body.get("image") is not None and not str(body["image"]).startswith("data:"):
+            # a path would read files of the server's machine: images travel in the request
+            raise ConfigError('request body: "image" must be the image itself as a data URL '
+                              '("data:image/png;base64,..."), not a path')
         return ClipRequest.from_dict(body, where="request body")
 
     def submit_or_error(req):

@@ -24,6 +24,8 @@ def make_pipeline(runner, *, text_encoder: str | None = None):
     s = gen.settings
     defaults = {"num_frames": f, "height": h, "width": w, "num_inference_steps": s.num_steps,
                 "guidance_scale": s.guidance_scale, "max_sequence_length": gen.default_point["text_len"]}
+    if s.guidance_scale_2 is not None:  # a pair of experts: the drop-in routes by timestep, the pipeline's guidance
+        defaults["guidance_scale_2"] = s.guidance_scale_2
     encode = gen.adapter.text_encoder(text_encoder)
     return gen.adapter.diffusers_pipeline(as_diffusers_transformer(runner), encode=encode,
                                           scheduler=gen.adapter.scheduler(s.shift), defaults=defaults)
