@@ -297,16 +297,20 @@ class EnginePipeline:
 
             kw = dict(preset=load_preset(self.calib_preset_name), quant_format=self.recipe.quantization.format,
                       quant_config=self.recipe.quantization)
-            if self.experts:
-                if self.calib_shards > 1:
-                    raise ConfigError(f"{self.adapter.name} is a pair of experts: calibrate it in one pass "
-                                      "(calib_shards 1); sharded calibration covers one transformer")
-                res = calibrate_experts(self.adapter, self.recipe.calibration,
-                                        {e: self.folder("calibrate", e) for e in self.experts},
-                                        models={e: self.model_of(e) for e in self.experts}, **kw)
+            n = self.calib_shards
+            if self.experts:  # one pass over the shared trajectories (n slices of it), each expert on its steps
+                outs = {e: self.folder("calibrate", e) for e in self.experts}
+                models = {e: self.model_of(e) for e in self.experts}
+                shards = {e: [shard_folder(o, i, n) for i in range(n)] for e, o in outs.items()} if n > 1 else None
+                for i in range(n if shards else 0):
+                    calibrate_experts(self.adapter, self.recipe.calibration, {e: f[i] for e, f in shards.items()},
+                                      models=models, shard=(i, n), **kw)
+                res = calibrate_experts(self.adapter, self.recipe.calibration, outs, models=models,
+                                        from_shards=shards, **kw)
                 return "; ".join(f"{e}: {len(r.stats.sites)} sites over steps "
-                                 f"{r.manifest['results']['expert']['steps_served']}" for e, r in res.items())
-            out, n = self.folder("calibrate"), self.calib_shards
+                                 f"{r.manifest['results']['expert']['steps_served']}" for e, r in res.items()) + \
+                    (f" ({n} shards merged)" if shards else "")
+            out = self.folder("calibrate")
             folders = [shard_folder(out, i, n) for i in range(n)] if n > 1 else None
             for i, f in enumerate(folders or []):
                 calibrate(self.adapter, self.recipe.calibration, f, shard=(i, n), model=self.model, **kw)

@@ -180,3 +180,57 @@ def test_hooks_summarize_a_shared_input_once(tiny_adapter, tiny_model, monkeypat
     assert "blocks.0.attn1.to_q" in calls and "blocks.0.attn1.to_k" not in calls and len(calls) < len(sites)
     q, k = sites["blocks.0.attn1.to_q"].compute_all(), sites["blocks.0.attn1.to_k"].compute_all()
     assert all(torch.equal(q[m], k[m]) for m in METHODS)
+
+
+def _tensors(folder):
+    from safetensors.torch import load_file
+
+    out = {f"stats:{k}": v for k, v in CalibStats.load(folder / "stats.safetensors").to_tensors().items()}
+    if (folder / "weights.safetensors").is_file():  # the GPTQ-rounded weights, rounded once from the merged Hessians
+        out.update({f"weights:{k}": v for k, v in load_file(str(folder / "weights.safetensors")).items()})
+    return out
+
+
+def test_sharded_calibration_of_an_expert_pair_equals_one_pass(tmp_path, preset):
+    """Wan 2.2 A14B's pair: shards of the shared trajectories (each still switching at the boundary; a shard
+    folder holds one folder per expert), merged by `trt-sora calibrate --from-shards`, give both experts the
+    one-pass statistics and GPTQ weights tensor for tensor."""
+    import json
+
+    from trt_sora.calibrate.run import calibrate_experts
+    from trt_sora.cli import main
+    from trt_sora.config import load_recipe
+    from trt_sora.models import get_adapter
+
+    pair = get_adapter("wan-a14b-tiny")
+    recipe = load_recipe("rtx4090-fp8")
+    two = tmp_path / "two.yaml"  # the module's preset with 2 prompts: one trajectory per shard
+    two.write_text(preset.read_text().replace("num_prompts: 3", "num_prompts: 2"))
+    kw = dict(preset=str(two), report=False, quant_format=recipe.quantization.format, quant_config=recipe.quantization,
+              models={e: pair.expert(e).load() for e in pair.experts})
+    one = calibrate_experts(pair, recipe.calibration, {e: tmp_path / "one" / e for e in pair.experts}, **kw)
+    served = {e: r.manifest["results"]["expert"]["steps_served"] for e, r in one.items()}
+    assert served == {"high": [0], "low": [1]}  # 2 steps at shift 3: t = 1000, then below the boundary
+    for i in (1, 0):
+        calibrate_experts(pair, recipe.calibration, {e: tmp_path / f"s{i}" / e for e in pair.experts},
+                          shard=(i, 2), **kw)
+    assert json.loads((tmp_path / "s1" / "low" / "manifest.json").read_text())["results"]["shard"] == [1, 2]
+    assert main(["calibrate", "--model", "wan-a14b-tiny", "--recipe", "rtx4090-fp8", "--preset", str(two),
+                 "--no-report", "--from-shards", str(tmp_path / "s1"), str(tmp_path / "s0"),
+                 "--out", str(tmp_path / "m")]) == 0
+    for e in pair.experts:
+        a, b = _tensors(tmp_path / "one" / e), _tensors(tmp_path / "m" / e)
+        assert set(a) == set(b) and any(k.startswith("weights:") for k in a)
+        for k in a:
+            assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), (e, k)
+        m = json.loads((tmp_path / "m" / e / "manifest.json").read_text())["results"]
+        assert m["from_shards"] == 2 and m["expert"]["steps_served"] == served[e]
+    import dataclasses
+
+    with pytest.raises(CalibrationError, match="num_bins=2048"):  # observer settings of the shards, not others
+        calibrate_experts(pair, dataclasses.replace(recipe.calibration, num_bins=256),
+                          {e: tmp_path / "x" / e for e in pair.experts},
+                          from_shards={e: [tmp_path / "s0" / e, tmp_path / "s1" / e] for e in pair.experts}, **kw)
+    with pytest.raises(ConfigError, match="missing"):  # each expert needs its own shards
+        calibrate_experts(pair, recipe.calibration, {e: tmp_path / "x" / e for e in pair.experts},
+                          from_shards={"high": [tmp_path / "s0" / "high", tmp_path / "s1" / "high"]}, **kw)

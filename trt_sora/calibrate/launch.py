@@ -50,7 +50,10 @@ def torchrun_command(argv: Sequence[str], workers: int, *, max_restarts: int = 3
 
 def shard_done(folder: Path, expect: Mapping) -> bool:
     """Whether ``folder`` holds a finished shard whose manifest matches ``expect`` (``config``, the model
-    hash and the preset), so its work need not run again."""
+    hash and the preset), so its work need not run again. A pair of experts' shard (``expect`` =
+    ``{"experts": {expert: expect}}``) is finished when every expert's sub-folder is."""
+    if "experts" in expect:
+        return all(shard_done(folder / e, x) for e, x in expect["experts"].items())
     path = folder / "manifest.json"
     if not (folder / "stats.safetensors").is_file() or not path.is_file():
         return False

@@ -380,8 +380,9 @@ def _reduce(model, sites: Mapping[str, Any], meta):
     return stats
 
 
-def _merged(folders: Sequence[str | Path], adapter, preset: CalibPreset, settings, method: str):
-    """The exact merge of shard folders (:mod:`trt_sora.calibrate.shards`), checked against this run."""
+def _merged(folders: Sequence[str | Path], adapter, preset: CalibPreset, settings, method: str, config: CalibConfig):
+    """The exact merge of shard folders (:mod:`trt_sora.calibrate.shards`), checked against this run
+    (model, preset, sampling and the observer settings the merged amax is computed with)."""
     from trt_sora.calibrate.shards import merge_stats
     from trt_sora.calibrate.stats import CalibStats
 
@@ -390,6 +391,11 @@ def _merged(folders: Sequence[str | Path], adapter, preset: CalibPreset, setting
     want = {"model_hash": adapter.spec.model_hash(), "preset": preset.name, "method": method,
             "num_steps": settings.num_steps, "guidance_scale": settings.guidance_scale, "shift": settings.shift}
     bad = {k: (getattr(m, k), v) for k, v in want.items() if getattr(m, k) != v}
+    for obs, key, name in (("percentile", "num_bins", "num_bins"), ("percentile", "percentile", "percentile"),
+                           ("ema", "averaging_constant", "ema_constant")):
+        got = ((m.observers or {}).get(obs) or {}).get(key)
+        if got is not None and float(got) != float(getattr(config, name)):
+            bad[f"calibration.{name}"] = (got, getattr(config, name))
     if bad:
         k, (got, exp) = next(iter(bad.items()))
         raise CalibrationError(f"the shards were calibrated with {k}={got!r}, this run asks for {exp!r}; merge them "
@@ -444,7 +450,7 @@ def calibrate(adapter, config: CalibConfig, out_dir, *, model=None, preset: Cali
     return _calibrate({None: adapter}, config, {None: out_dir}, models={None: model}, preset=preset,
                       quant_format=quant_format, text_encoder=text_encoder, device=device, progress=progress,
                       report=report, quant_config=quant_config, report_options=report_options, dtype=dtype,
-                      cfg=cfg, shard=shard, from_shards=from_shards)[None]
+                      cfg=cfg, shard=shard, from_shards={None: list(from_shards)} if from_shards else None)[None]
 
 
 def calibrate_experts(adapter, config: CalibConfig, out_dirs: Mapping[str, Any], *,
@@ -452,13 +458,19 @@ def calibrate_experts(adapter, config: CalibConfig, out_dirs: Mapping[str, Any],
                       quant_format: QuantFormat = QuantFormat.FP8_E4M3, text_encoder: str | None = None,
                       device="cpu", progress: Progress | None = None, report: bool = True,
                       quant_config: QuantConfig | None = None, report_options: ReportOptions | None = None,
-                      dtype: str | None = None, cfg: str = "split") -> dict[str, CalibResult]:
+                      dtype: str | None = None, cfg: str = "split", shard: tuple[int, int] | None = None,
+                      from_shards: Mapping[str, Sequence[str | Path]] | None = None) -> dict[str, CalibResult]:
     """Calibrate both experts of a boundary-switched pair (Wan 2.2 A14B) over the *same* trajectories:
     each trajectory switches at the model's boundary as users sample it, and each expert's observers
     see exactly the steps that expert serves. Writes one calibration folder per expert
     (``out_dirs[expert]``, as :func:`calibrate`), each recording the steps it served; its report holds
     the statistics (drift, outliers) - a pair's PyTorch evaluation is the parity check's per-expert
-    levels. (Sharded calibration of a pair is not supported: run it in one pass.)
+    levels.
+
+    Shards (as :func:`calibrate`): ``shard=(i, n)`` runs slice ``i`` of the shared trajectories - every
+    trajectory of the slice still switches at the boundary, so each expert's shard folder holds its
+    observers over the steps it serves of those trajectories; ``from_shards={expert: [shard folders]}``
+    merges each expert's shards exactly (the one-pass statistics bit for bit).
 
     ``models``: ``{expert: loaded transformer}`` (default: each expert loaded); the other arguments
     as :func:`calibrate`. Returns ``{expert: CalibResult}``.
@@ -468,18 +480,26 @@ def calibrate_experts(adapter, config: CalibConfig, out_dirs: Mapping[str, Any],
     missing = [e for e in adapter.experts if e not in out_dirs]
     if missing:
         raise ConfigError(f"calibrate_experts needs an output folder per expert; missing {missing}")
+    if from_shards is not None:
+        missing = [e for e in adapter.experts if not from_shards.get(e)]
+        if missing:
+            raise ConfigError(f"merging the shards of a pair needs each expert's shard folders; missing {missing}")
+        if shard is not None:
+            raise ConfigError("pass shard= (run one slice) or from_shards= (merge the slices), not both")
     sides = {e: adapter.expert(e) for e in adapter.experts}
     return _calibrate(sides, config, dict(out_dirs), models=dict(models or {}), preset=preset,
                       quant_format=quant_format, text_encoder=text_encoder, device=device, progress=progress,
                       report=report, quant_config=quant_config, report_options=report_options, dtype=dtype,
-                      cfg=cfg, pair=adapter)
+                      cfg=cfg, shard=shard, from_shards={e: list(from_shards[e]) for e in sides} if from_shards
+                      else None, pair=adapter)
 
 
 def _calibrate(sides: Mapping[Any, Any], config: CalibConfig, out_dirs: Mapping[Any, Any], *, models, preset,
                quant_format, text_encoder, device, progress, report, quant_config, report_options, dtype,
                cfg="split", shard=None, from_shards=None, pair=None) -> dict[Any, CalibResult]:
     """One calibration pass: the trajectories of the preset at the model's sampling settings, every
-    call observed on the model serving it (``sides``: ``{None: adapter}`` or ``{expert: adapter}``)."""
+    call observed on the model serving it (``sides``: ``{None: adapter}`` or ``{expert: adapter}``;
+    ``from_shards``: ``{side: [shard folders]}``)."""
     t_start = time.perf_counter()
     lead = pair or sides[next(iter(sides))]
     method = _method(config.method)
@@ -514,8 +534,8 @@ def _calibrate(sides: Mapping[Any, Any], config: CalibConfig, out_dirs: Mapping[
     stats: dict[Any, Any] = {}
     t_collect = 0.0
     if from_shards:
-        stats = {None: _merged(from_shards, lead, preset, settings, method)}
-        timesteps = {None: dict(enumerate(stats[None].metadata.timesteps))}
+        stats = {k: _merged(from_shards[k], a, preset, settings, method, config) for k, a in sides.items()}
+        timesteps = {k: _served(stats[k].metadata) for k in sides}
     else:
         log.info("calibrating %s: %d of %d trajectories x %d steps x %d branches (%s, cfg %s, methods %s; "
                  "sampling: %s)", lead.name, len(todo), len(plan), settings.num_steps, len(settings.branches),
@@ -538,31 +558,35 @@ def _calibrate(sides: Mapping[Any, Any], config: CalibConfig, out_dirs: Mapping[
         t_collect = time.perf_counter() - t_start
 
     with contextlib.ExitStack() as stack:
-        shard_tmp = None
+        shard_tmp = None  # {side: folder}
         if shard is not None and plans:  # a shard's Hessians, pass by pass, until its folder is written
             from trt_sora.manifest import check_out_dir
 
-            out = check_out_dir(out_dirs[None])  # (creates its parent)
-            shard_tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(
-                prefix=f".{out.name}.tmp-{os.getpid()}-hessians-", dir=out.parent)))
+            shard_tmp = {}
+            for k in plans:  # one folder per side: a pair's experts write Hessian files of the same names
+                out = check_out_dir(out_dirs[k])  # (creates its parent)
+                shard_tmp[k] = Path(stack.enter_context(tempfile.TemporaryDirectory(
+                    prefix=f".{out.name}.tmp-{os.getpid()}-hessians-", dir=out.parent)))
         rounded, record = _gptq_passes(plans, models, trajectories, stats, config, qfmt.value,
                                        shard_tmp=shard_tmp, from_shards=from_shards)
         return {k: _write(a, models[k], stats[k], out_dirs[k], rounded=rounded.get(k) if shard is None else None,
                           rounding=(gptq[k][0], gptq[k][1], record.get(k)), config=config, settings=settings,
                           sampling_note=sampling_note, progress=progress, report=report, quant_config=quant_config,
                           report_options=report_options, text_encoder=text_encoder, t_start=t_start,
-                          t_collect=t_collect, forwards=forwards[k], from_shards=from_shards,
+                          t_collect=t_collect, forwards=forwards[k],
+                          from_shards=from_shards[k] if from_shards else None,
                           steps=sorted(timesteps[k]), timesteps=[timesteps[k][i] for i in sorted(timesteps[k])],
                           **ctx)
                 for k, a in sides.items()}
 
 
 def _gptq_passes(plans: Mapping[Any, Any], models, trajectories, stats, config: CalibConfig, fmt: str, *,
-                 shard_tmp: Path | None, from_shards) -> tuple[dict, dict]:
+                 shard_tmp: Mapping[Any, Path] | None, from_shards) -> tuple[dict, dict]:
     """Accumulate and use every GPTQ pass's input Hessians, one group at a time (``plans``: ``{side:
     HessianPlan}``): ``trajectories(group, hooks)`` runs the trajectories with that group's hooks (pass 0
-    also the observers; a merge reads the shards' Hessians instead), then the group's weights are rounded
-    (a shard saves its Hessians to ``shard_tmp`` for the merge) and its Hessians freed before the next.
+    also the observers; a merge reads the shards' Hessians instead, ``from_shards``: ``{side: folders}``),
+    then the group's weights are rounded (a shard saves its Hessians to ``shard_tmp[side]`` for the merge)
+    and its Hessians freed before the next.
     Returns ``({side: {site: W'}}, {side: what the manifest records})``."""
     from trt_sora.calibrate.gptq import HessianHooks, load_hessians
 
@@ -573,7 +597,7 @@ def _gptq_passes(plans: Mapping[Any, Any], models, trajectories, stats, config: 
     for g in range(passes if from_shards else max(passes, 1)):
         t0 = time.perf_counter()
         if from_shards:
-            held = {k: load_hessians(from_shards, pl.groups[g]) for k, pl in plans.items() if g < pl.passes}
+            held = {k: load_hessians(from_shards[k], pl.groups[g]) for k, pl in plans.items() if g < pl.passes}
         else:
             hooks = {k: HessianHooks(models[k], pl.sites_of(g), shared=pl.leader)
                      for k, pl in plans.items() if g < pl.passes}
@@ -583,7 +607,8 @@ def _gptq_passes(plans: Mapping[Any, Any], models, trajectories, stats, config: 
         t1 = time.perf_counter()
         peak = max(peak, sum(x.numel() * x.element_size() for hs, _ in held.values() for x in hs.values()))
         for k in list(held):
-            _use_group(k, held.pop(k), plans[k], g, models[k], stats[k], config, fmt, shard_tmp, rounded, files)
+            _use_group(k, held.pop(k), plans[k], g, models[k], stats[k], config, fmt,
+                       shard_tmp[k] if shard_tmp is not None else None, rounded, files)
         if g < passes:
             times.append({"trajectories_s": round(t1 - t0, 3), "round_s": round(time.perf_counter() - t1, 3)})
             log.info("GPTQ pass %d/%d: %d linears, %.3g GiB of Hessians, %.1f s trajectories, %.1f s %s", g + 1,
@@ -591,7 +616,7 @@ def _gptq_passes(plans: Mapping[Any, Any], models, trajectories, stats, config: 
                      sum(pl.group_bytes(g) for pl in plans.values() if g < pl.passes) / 2 ** 30, t1 - t0,
                      time.perf_counter() - t1, "saving" if shard_tmp is not None else "rounding")
     record = {k: {**pl.describe(), "peak_hessian_bytes": peak, "pass_seconds": times,
-                  "hessian_files": [str(shard_tmp / f) for f in files[k]] if shard_tmp is not None else []}
+                  "hessian_files": [str(shard_tmp[k] / f) for f in files[k]] if shard_tmp is not None else []}
               for k, pl in plans.items()}
     return rounded, record
 
@@ -609,6 +634,12 @@ def _use_group(side, held, plan, group: int, model, stats, config: CalibConfig, 
         return
     rounded[side].update(_round_weights(dict(model.named_modules()), stats, hessians, tokens, plan.sites_of(group),
                                         plan.leader, fmt, config))
+
+
+def _served(meta) -> dict[int, float]:
+    """``{step: timestep}`` a statistics file covers: every step, or a pair's expert's ``steps_served``."""
+    steps = meta.extra.get("steps_served")
+    return dict(zip(steps if steps is not None else range(len(meta.timesteps)), meta.timesteps))
 
 
 def _metadata(adapter, settings, sampling_note, plan, todo, served: Mapping[int, float], *, method, preset, prompts,

@@ -2,6 +2,8 @@
 
 Shards: ``--shard i/n`` (one slice, no report), ``--from-shards DIR...`` (exact merge + report),
 ``--workers N`` (every shard in its own torchrun process, e.g. one per GPU; merged by rank 0).
+A pair of experts (Wan 2.2 A14B) calibrates both over the same trajectories into ``OUT/high`` and
+``OUT/low``; its shard folders hold one folder per expert, and ``--from-shards`` takes those folders.
 """
 from __future__ import annotations
 
@@ -64,7 +66,9 @@ def run(args) -> int:
         os.makedirs(args.out, exist_ok=True)
         return subprocess.call(launch.torchrun_command(argv, args.workers))
 
-    from trt_sora.calibrate.run import ReportOptions, calibrate
+    from pathlib import Path
+
+    from trt_sora.calibrate.run import ReportOptions, calibrate, calibrate_experts
     from trt_sora.config import load_recipe
     from trt_sora.config.recipe import CalibMethod
     from trt_sora.manifest import check_out_dir
@@ -91,33 +95,51 @@ def run(args) -> int:
         bar.n = done
         bar.refresh()
 
-    def go(out, device, **kw):
-        return calibrate(adapter, cfg, out, preset=preset, quant_format=fmt, text_encoder=args.text_embeddings,
-                         device=device, progress=progress, report=not args.no_report,
-                         quant_config=recipe.quantization, cfg=args.cfg,
-                         report_options=ReportOptions(eval_prompts=args.eval_prompts, sensitivity=args.sensitivity,
-                                                      peer=args.peer, peer_prompts=args.peer_prompts,
-                                                      peer_steps=args.peer_steps),
-                         dtype=args.dtype or recipe.model.dtype.value, **kw)
+    def go(out, device, shard=None, from_shards=None):
+        """One calibration into ``out``; a pair of experts (Wan 2.2 A14B) writes ``out/<expert>/`` for each
+        expert, and its shard folders hold one such folder per expert."""
+        kw = dict(preset=preset, quant_format=fmt, text_encoder=args.text_embeddings, device=device,
+                  progress=progress, report=not args.no_report, quant_config=recipe.quantization, cfg=args.cfg,
+                  report_options=ReportOptions(eval_prompts=args.eval_prompts, sensitivity=args.sensitivity,
+                                               peer=args.peer, peer_prompts=args.peer_prompts,
+                                               peer_steps=args.peer_steps),
+                  dtype=args.dtype or recipe.model.dtype.value, shard=shard)
+        if not adapter.experts:
+            return {None: calibrate(adapter, cfg, out, from_shards=from_shards, **kw)}
+        shards = {e: [Path(d) / e for d in from_shards] for e in adapter.experts} if from_shards else None
+        return calibrate_experts(adapter, cfg, {e: Path(out) / e for e in adapter.experts}, from_shards=shards, **kw)
 
     try:
         if args.workers > 1:  # inside a torchrun worker
             from trt_sora.calibrate.data import load_preset
             from trt_sora.config.base import to_dict
 
-            expect = {"config": {"calibration": to_dict(cfg), "quant_format": fmt.value,
-                                 "quantization": to_dict(recipe.quantization)},
-                      "model_hash": adapter.spec.model_hash(), "preset": load_preset(preset).to_dict()}
+            def expect_of(a):
+                return {"config": {"calibration": to_dict(cfg), "quant_format": fmt.value,
+                                   "quantization": to_dict(recipe.quantization)},
+                        "model_hash": a.spec.model_hash(), "preset": load_preset(preset).to_dict()}
+
+            def expect(sh):  # a pair's shard folder holds one finished folder per expert
+                if adapter.experts:
+                    return {"experts": {e: {**expect_of(adapter.expert(e)), "shard": list(sh)}
+                                        for e in adapter.experts}}
+                return {**expect_of(adapter), "shard": list(sh)}
+
             launch.run_worker(args.out, args.device,
                               run_shard=lambda sh, folder, dev: go(folder, dev, shard=sh),
-                              merge=lambda folders, dev: go(args.out, dev, from_shards=folders),
-                              expect=lambda sh: {**expect, "shard": list(sh)})
+                              merge=lambda folders, dev: go(args.out, dev, from_shards=folders), expect=expect)
             return 0
-        res = go(args.out, args.device, shard=parse_shard(args.shard) if args.shard else None,
-                 from_shards=args.from_shards)
+        results = go(args.out, args.device, shard=parse_shard(args.shard) if args.shard else None,
+                     from_shards=args.from_shards)
     finally:
         for bar in bars.values():
             bar.close()
+    for res in results.values():
+        _print(res)
+    return 0
+
+
+def _print(res) -> None:
     ev = res.evaluation
     if ev:
         for row in ev["comparison"]:
@@ -130,4 +152,3 @@ def run(args) -> int:
     print(res.stats_path)
     if res.report_path:
         print(res.report_path)
-    return 0
