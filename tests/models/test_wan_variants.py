@@ -141,3 +141,42 @@ def test_tiny_variants_serve_what_passed(variant_run):
     bad[name] = bad[name][..., :1]
     with pytest.raises(rt.InputError):
         r.infer(bad)
+
+
+def test_i2v_checkpoint_encodes_images_with_its_clip_like_the_pipeline(tmp_path):
+    """A Wan 2.1 I2V pipeline folder with image_encoder/ + image_processor/: the adapter's image tokens are
+    WanImageToVideoPipeline.encode_image's (CLIP's penultimate hidden states), and its conditioning is the
+    pipeline's prepare_latents (the VAE latents of the image then black frames, after the first-frame mask)."""
+    import numpy as np
+    import transformers
+    from diffusers import WanImageToVideoPipeline
+    from PIL import Image
+
+    from trt_sora.models.wan import CONFIGS
+
+    root = tmp_path / "pipe"
+    (root / "transformer").mkdir(parents=True)  # the transformer's facts; its weights are not read here
+    (root / "transformer" / "config.json").write_text(json.dumps({"_class_name": "WanTransformer3DModel",
+                                                                  **CONFIGS["wan-i2v-tiny"]}))
+    (root / "transformer" / "diffusion_pytorch_model.safetensors").write_bytes(b"")
+    clip = transformers.CLIPVisionConfig(hidden_size=24, intermediate_size=48, num_hidden_layers=2,
+                                         num_attention_heads=2, image_size=32, patch_size=16)
+    torch.manual_seed(0)
+    transformers.CLIPVisionModel(clip).save_pretrained(root / "image_encoder")
+    processor = transformers.CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    processor.save_pretrained(root / "image_processor")
+    a = get_adapter(str(root))
+    encode, desc = a.image_encoder()
+    assert desc.startswith("CLIPVisionModel from") and a.image_input == "required"
+    y, x = np.mgrid[0:32, 0:48]
+    pixels = np.stack([x * 5, y * 7, 255 - x * 5], -1).astype(np.uint8)
+    ref = WanImageToVideoPipeline(tokenizer=None, text_encoder=None, vae=a.vae()[0], scheduler=a.scheduler(),
+                                  image_processor=processor, transformer=None,
+                                  image_encoder=transformers.CLIPVisionModel.from_pretrained(root / "image_encoder"))
+    image = torch.from_numpy(pixels).permute(2, 0, 1)[None].float() / 127.5 - 1
+    point = {"batch": 1, "latent_frames": 3, "latent_height": 4, "latent_width": 6}
+    got = a.image_conditioning(point, images=image)
+    torch.testing.assert_close(got["encoder_hidden_states_image"], ref.encode_image(Image.fromarray(pixels), "cpu"))
+    _, want = ref.prepare_latents(ref.video_processor.preprocess(Image.fromarray(pixels), height=32, width=48), 1,
+                                  16, 32, 48, 9, torch.float32, "cpu", None, torch.zeros(1, 16, 3, 4, 6))
+    torch.testing.assert_close(got["latent_condition"], want, rtol=1e-5, atol=1e-5)
