@@ -74,13 +74,13 @@ def run(args) -> int:
     from trt_sora.manifest import check_out_dir
     from trt_sora.models import get_adapter
 
-    check_out_dir(args.out)  # fail before the work, not after it
-
     recipe = load_recipe(args.recipe)
     cfg = recipe.calibration
     if args.method:
         cfg = dataclasses.replace(cfg, method=CalibMethod(args.method))
     adapter = get_adapter(recipe.model.default if args.model is None else args.model)
+    for e in adapter.experts or (None,):  # fail before the work, not after it (a pair: OUT/<expert> each)
+        check_out_dir(Path(args.out) / e if e else args.out)
     preset = args.preset or adapter.spec.defaults.get("calib_preset") or cfg.preset
     fmt = recipe.quantization.format
     bars: dict = {}

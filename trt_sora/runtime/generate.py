@@ -224,8 +224,8 @@ class Generator:
         need = self.adapter.image_input
         if need == "required" and req.image is None:
             raise ConfigError(f"{self.adapter.name} is image-to-video: give the conditioning image (generate(..., "
-                              "image=PATH), `trt-sora generate --image PATH`, or \"image\": PATH in a batch line or "
-                              "an HTTP request)")
+                              "image=PATH), `trt-sora generate --image PATH`, \"image\": PATH in a batch line, or "
+                              "\"image\": \"data:image/png;base64,...\" in an HTTP request)")
         if need == "none" and req.image is not None:
             raise ConfigError(f"{self.adapter.name} is text-to-video: it takes no conditioning image; leave the "
                               "image out")
