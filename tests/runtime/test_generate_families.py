@@ -239,7 +239,7 @@ def test_batch_on_every_family(fixture, request, tmp_path):
     f, h, w = rt.Generator(runner).default_size
     Image.fromarray(_image(h, w)).save(tmp_path / "in.png")
     image = FAMILIES[fixture]
-    good = {"id": "good", "prompt": PROMPT, "seed": 4, **({"image": "in.png"} if image else {})}
+    good = {"id": "good", "prompt": PROMPT, "seed": 4, "steps": 2, **({"image": "in.png"} if image else {})}
     bad = {"id": "bad", "prompt": PROMPT, **({} if image == "required" else {"image": "in.png"} if image is None
                                               else {"num_frames": 10})}
     (tmp_path / "jobs.jsonl").write_text("\n".join(json.dumps(j) for j in (good, bad)))
@@ -254,7 +254,7 @@ def test_batch_on_every_family(fixture, request, tmp_path):
 
     assert batch() == 1  # one job failed
     rec = json.loads((out / "clips" / "good.json").read_text())
-    want = rt.generate(runner, PROMPT, seed=4, image=str(tmp_path / "in.png") if image else None)[0]
+    want = rt.generate(runner, PROMPT, seed=4, steps=2, image=str(tmp_path / "in.png") if image else None)[0]
     np.testing.assert_array_equal(np.load(out / "clips" / "good.npy"), want.frames)
     assert rec["frames"]["shape"] == [f, h, w, 3]
     err = json.loads((out / "clips" / "bad.json").read_text())["error"]["message"]
