@@ -325,7 +325,8 @@ def test_cli(tmp_path, small_preset, capsys):
     assert rc == 0
     st = CalibStats.load(out / "stats.safetensors")
     assert st.metadata.method == "ema" and st.metadata.preset == "one"
-    assert str(out / "stats.safetensors") in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert str(out / "stats.safetensors") in printed and "weight rounding: gptq: " in printed
     rc = main(["calibrate", "--recipe", "rtx4090-fp8", "--model", "wan-tiny", "--preset", "no-such-preset",
                "--out", str(tmp_path / "bad"), "--no-report"])
     assert rc == 2

@@ -149,6 +149,7 @@ def _print(res) -> None:
                   f"calibration {row['calib_seconds']:.1f} s")
         if ev["skip"]["patterns"]:
             print("  suggested quantization.exclude: " + ", ".join(ev["skip"]["patterns"]))
+    print(f"  weight rounding: {res.manifest['results']['weight_rounding']['note']}")
     print(res.stats_path)
     if res.report_path:
         print(res.report_path)
