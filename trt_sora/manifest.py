@@ -19,6 +19,7 @@ import contextlib
 import datetime as _dt
 import errno
 import fcntl
+import glob
 import hashlib
 import importlib.metadata
 import json
@@ -533,24 +534,29 @@ def staged_dir(out: str | os.PathLike) -> Iterator[Path]:
     """
     out = check_out_dir(out)
     sweep_dead_temps(out.parent, out.name)
-    try:
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-{os.getpid()}-", dir=out.parent))
-        tmp.chmod(0o755)
-    except OSError as exc:
-        raise storage_error(exc, out) or ArtifactError(f"cannot create a folder beside {out}: {exc.strerror}; "
-                                                      "pass another --out") from None
-    fd = _try_lock_dir(tmp)
-    try:
+    prefix = f".{out.name}.tmp-{os.getpid()}-"
+    fd = None
+    try:  # from before the folder exists: a SIGTERM landing between mkdtemp and the yield must clean up too
+        try:
+            tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=out.parent))
+            tmp.chmod(0o755)
+        except OSError as exc:
+            raise storage_error(exc, out) or ArtifactError(f"cannot create a folder beside {out}: "
+                                                          f"{exc.strerror}; pass another --out") from None
+        fd = _try_lock_dir(tmp)
         try:
             yield tmp
-        except BaseException as exc:
-            shutil.rmtree(tmp, ignore_errors=True)
-            if isinstance(exc, Exception) and not isinstance(exc, TrtSoraError):
+        except Exception as exc:
+            if not isinstance(exc, TrtSoraError):
                 typed = storage_error(exc, out)
                 if typed is not None:
                     raise typed from exc
             raise
         _swap_in(tmp, out)
+    except BaseException:
+        for p in out.parent.glob(f"{glob.escape(prefix)}*"):  # this call's folder, wherever the signal landed
+            shutil.rmtree(p, ignore_errors=True)
+        raise
     finally:
         if fd is not None:
             os.close(fd)
@@ -575,10 +581,12 @@ def _swap_in(tmp: Path, out: Path) -> None:
             if out.exists():
                 os.replace(out, old)
             os.replace(tmp, out)
-        except OSError as exc:
+        except BaseException as exc:  # an OS error, or a signal between the two renames: the old one returns
             shutil.rmtree(tmp, ignore_errors=True)
             if old.exists() and not out.exists():
                 os.replace(old, out)
+            if not isinstance(exc, OSError):
+                raise
             raise storage_error(exc, out) or ArtifactError(f"cannot move the finished artifact to {out}: "
                                                           f"{exc.strerror}") from None
         shutil.rmtree(old, ignore_errors=True)
