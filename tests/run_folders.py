@@ -66,6 +66,28 @@ def hunyuan_run(tmp_path_factory):
     return _engine(tmp_path_factory, "hunyuan-tiny", ci_recipe(HUNYUAN_POINTS, eval_prompts=1))
 
 
+def assert_every_stage_passed(run, points, *, attentions: int) -> dict:
+    """What every tiny family's ``make engine`` run must show: five stages ran, export parity at
+    ``points`` (cosine >= 0.99999, max-abs < 1e-4) with the adapter's inputs, every quantized GEMM in FP8
+    and ``attentions`` fused attentions in the TensorRT-RTX build, parity passed at all six levels.
+    Returns the export manifest's results for the family's own checks."""
+    import json
+
+    pipe, outcomes = run
+    assert [o.status for o in outcomes] == ["ran"] * 5
+    exp = json.loads((pipe.folder("export") / "manifest.json").read_text())["results"]
+    assert [p["point"] for p in exp["parity"]] == list(points)
+    assert all(p["cosine"] >= 0.99999 and p["max_abs"] < 1e-4 for p in exp["parity"])
+    assert exp["input_names"] == list(pipe.adapter.input_names)
+    report = json.loads((pipe.folder("build") / "build_report.json").read_text())["analysis"]
+    assert report["fp8_gemm_fraction"] == 1.0 and report["gemm_counts"]["fp8"] >= 13
+    assert report["attention"]["fused"] and report["attention"]["fused_count"] == attentions
+    rep = json.loads((pipe.folder("check") / "report.json").read_text())
+    assert rep["passed"], rep["failed"]
+    assert {c["level"] for c in rep["comparisons"]} == {"export", "qdq", "quality", "trajectory", "loop", "frames"}
+    return exp
+
+
 def make_stats(adapter, model, path: Path) -> None:
     """Min-max input amax of every nn.Linear over a short CFG sampling loop (calibration stand-in)."""
     import torch

@@ -12,6 +12,7 @@ from trt_sora.errors import ModelError
 from trt_sora.models import get_adapter
 
 from run_folders import WAN_POINTS as POINTS  # three points that differ in every dynamic dim
+from run_folders import assert_every_stage_passed
 
 
 @pytest.mark.parametrize("name,params,linears", [
@@ -110,19 +111,9 @@ def variant_run(request):
 
 @pytest.mark.trt_rtx
 def test_every_stage_on_the_tiny_variants(variant_run):
-    pipe, outcomes = variant_run
-    assert [o.status for o in outcomes] == ["ran"] * 5
-    exp = json.loads((pipe.folder("export") / "manifest.json").read_text())["results"]
-    assert [p["point"] for p in exp["parity"]] == list(POINTS)
-    assert all(p["cosine"] >= 0.99999 and p["max_abs"] < 1e-4 for p in exp["parity"])
-    assert exp["input_names"] == list(pipe.adapter.input_names)
-    report = json.loads((pipe.folder("build") / "build_report.json").read_text())["analysis"]
-    assert report["fp8_gemm_fraction"] == 1.0 and report["gemm_counts"]["fp8"] >= 13
+    pipe, _ = variant_run
     attentions = 2 * (3 if pipe.adapter.is_i2v else 2)  # per block: self, text cross (+ image cross)
-    assert report["attention"]["fused"] and report["attention"]["fused_count"] == attentions
-    rep = json.loads((pipe.folder("check") / "report.json").read_text())
-    assert rep["passed"], rep["failed"]
-    assert {c["level"] for c in rep["comparisons"]} == {"export", "qdq", "quality", "trajectory", "loop", "frames"}
+    assert_every_stage_passed(variant_run, POINTS, attentions=attentions)
 
 
 @pytest.mark.trt_rtx
