@@ -457,18 +457,13 @@ class Generator:
 
 
 def _export_folder(run: Path) -> Path:
-    """``run/export``, or for a pair of experts (``experts/experts.json``) the first expert's: every
-    expert records the same model entry (the pair's name, sampling settings and text encoder)."""
-    import json
+    """``run/export``, or for a pair of experts the first expert's (the runtime's reader of
+    ``experts/experts.json``): every expert records the same model entry (the pair's name, sampling
+    settings and text encoder)."""
+    from trt_sora.runtime import _read_pair
 
-    pair = run / "experts" / "experts.json"
-    if pair.is_file():
-        try:
-            first = next(iter(json.loads(pair.read_text())["experts"]))
-        except (ValueError, KeyError, TypeError, StopIteration):
-            raise ConfigError(f"{pair} does not describe a pair of experts; re-run `trt-sora engine`") from None
-        return run / first / "export"
-    return run / "export"
+    pair = _read_pair(run)
+    return run / "export" if pair is None else run / next(iter(pair["experts"])) / "export"
 
 
 def _checked(run: Path) -> dict:
