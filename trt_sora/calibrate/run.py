@@ -51,6 +51,7 @@ from trt_sora.calibrate.data import CalibPreset, CalibShape, load_preset, prompt
 from trt_sora.calibrate.shards import shard_range
 from trt_sora.config.recipe import CalibConfig, CalibMethod, QuantConfig, QuantFormat
 from trt_sora.errors import CalibrationError, ConfigError
+from trt_sora.models.base import DTYPES
 
 log = logging.getLogger("trt_sora")
 
@@ -227,7 +228,7 @@ def _negative_label(adapter, preset: CalibPreset) -> str:
     return "(zero embedding: the model's unconditional)" if neg is None else neg
 
 
-_DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+_DTYPE_NAMES = {torch_name: name for name, torch_name in DTYPES.items()}  # "bfloat16" -> "bf16"
 
 
 def _probe(adapter, model, preset: CalibPreset):
