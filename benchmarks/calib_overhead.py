@@ -10,6 +10,8 @@ calibration observer installed (minmax, EMA, percentile, MSE on every linear inp
 sample). Prints and writes: ms per forward (plain, observed), the ratio, forwards per second, and
 the per-sample cost. Runs with the observers of whatever trt_sora is on PYTHONPATH, so the same
 command on an older checkout measures "before" (that one only knows ``--cfg split``).
+``--variants torch,r1,r4`` times the observed forward once per histogram path in the same process
+(``torch``: fp32 copy + abs + multiply + histc; ``r<k>``: the Triton pass with k bin replicas).
 """
 from __future__ import annotations
 
@@ -42,8 +44,14 @@ def main() -> None:
     ap.add_argument("--frames", type=int, default=21, help="latent frames (81 video frames)")
     ap.add_argument("--height", type=int, default=60)
     ap.add_argument("--width", type=int, default=104)
+    ap.add_argument("--variants", default="shipped",
+                    help="comma list of histogram paths to time: torch (fp32 copy + histc), r<k> (the Triton pass "
+                         "with k bin replicas), shipped; the last one is the headline")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    from trt_sora.calibrate import histogram
+
+    shipped = histogram.REPLICAS
 
     adapter = get_adapter(args.model)
     model = adapter.load("bf16", "cuda")
@@ -60,22 +68,29 @@ def main() -> None:
     plain()  # warm-up (kernels, allocator)
     t_plain = _time(plain, args.reps)
     okw = observer_kwargs(CalibConfig(), "fp8_e4m3")
-    with CollectionHooks(model, methods=ALL_METHODS, branches=("cond", "uncond"), observer_kwargs=okw) as hooks:
-        step = [0]
+    variants = {}
+    for v in args.variants.split(","):  # "torch": the histogram's torch path; "r<k>": the Triton path, k replicas
+        histogram._ABS_SCALED = False if v == "torch" else None
+        histogram.REPLICAS = int(v[1:]) if v.startswith("r") else shipped
+        with CollectionHooks(model, methods=ALL_METHODS, branches=("cond", "uncond"), observer_kwargs=okw) as hooks:
+            step = [0]
 
-        @torch.inference_mode()
-        def observed():
-            with hooks.at(step=step[0] % 50, branch=branch):
-                adapter.forward(model, inputs)
-            step[0] += 1
+            @torch.inference_mode()
+            def observed():
+                with hooks.at(step=step[0] % 50, branch=branch):
+                    adapter.forward(model, inputs)
+                step[0] += 1
 
-        observed()
-        t_obs = _time(observed, args.reps)
-        n_sites = len(hooks.sites)
+            observed()
+            t_obs = _time(observed, args.reps)
+            n_sites = len(hooks.sites)
+        variants[v] = {"observed_ms": round(t_obs * 1e3, 1), "overhead_ratio": round(t_obs / t_plain, 3),
+                       "observed_forwards_per_s": round(1.0 / t_obs, 3),
+                       "observed_ms_per_sample_and_branch": round(t_obs * 1e3 / batch, 1)}
+        print(v, variants[v], flush=True)
+    histogram._ABS_SCALED, histogram.REPLICAS = None, shipped
     res = {"model": args.model, "cfg": args.cfg, "batch": batch, "point": point, "sites": n_sites,
-           "plain_ms": round(t_plain * 1e3, 1), "observed_ms": round(t_obs * 1e3, 1),
-           "overhead_ratio": round(t_obs / t_plain, 3), "observed_forwards_per_s": round(1.0 / t_obs, 3),
-           "observed_ms_per_sample_and_branch": round(t_obs * 1e3 / batch, 1),
+           "plain_ms": round(t_plain * 1e3, 1), **variants[args.variants.split(",")[-1]], "variants": variants,
            "device": torch.cuda.get_device_name(0), "torch": torch.__version__}
     print(json.dumps(res, indent=2))
     if args.out:

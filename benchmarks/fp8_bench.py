@@ -3,8 +3,11 @@
 Parts (``--parts``):
 
 * ``attention``: self-attention at Wan 14B 480p x 81 (1 x 40 heads x 32,760 tokens x 128): our
-  8-bit kernel (INT8 QK^T, FP8 PV), its QKV epilogue, cuDNN and flash BF16 SDPA; TFLOP/s and
-  cosine vs fp32 attention on inputs with a per-channel K bias.
+  8-bit kernel (INT8 QK^T, FP8 PV) with K/V through TMA descriptors and with pointer loads (and
+  their autotune timings), its QKV epilogue (per launch, by warps), cuDNN and flash BF16 SDPA;
+  TFLOP/s and cosine vs fp32 attention on inputs with a per-channel K bias. For an A/B against an
+  older kernel in the same run, put it beside this file first (it travels to the device untracked):
+  ``git show REV:trt_sora/kernels/triton_ops.py > benchmarks/_prev_triton_ops.py``.
 * ``models``: one transformer call of Wan 1.3B / 14B (random weights, real sizes) per resolution
   and batch: eager BF16 (cuDNN SDPA), ``torch.compile`` BF16 (diffusers' regional compilation),
   and the torch-fp8 ladder: FP8 GEMMs (eager quantize) -> + fused quantization -> + 8-bit
@@ -65,12 +68,33 @@ def attention_part(s=32760, h=40, d=128) -> dict:
     q, k, v = t.qkv_rmsnorm_rope(qkv, wq, wk, cs, sn, h, fp8=False)
     flops = 4.0 * s * s * d * h
     out = {"tokens": s, "heads": h, "head_dim": d, "flops": flops}
-    out["ours_8bit_ms"] = bench_ms(lambda: t.attention_fp8(*ops8))
     tuner = t._attn_fp8_kernel
-    out["autotune"] = {"best": str(getattr(tuner, "best_config", None)),
-                       "timings_ms": {str(k): [float(x) for x in v] if isinstance(v, (list, tuple)) else float(v)
-                                      for k, v in (getattr(tuner, "configs_timings", None) or {}).items()}}
+    for tag, tma in (("", True), ("_pointer", False)):  # K/V tiles through TMA descriptors, or pointer loads
+        out[f"ours{tag}_8bit_ms"] = bench_ms(lambda: t.attention_fp8(*ops8, tma=tma))
+        out[f"autotune{tag}"] = {"best": str(getattr(tuner, "best_config", None)),
+                                 "timings_ms": {str(k): [float(x) for x in v] if isinstance(v, (list, tuple))
+                                                else float(v)
+                                                for k, v in (getattr(tuner, "configs_timings", None) or {}).items()}}
+    out["tma_equals_pointer"] = torch.equal(t.attention_fp8(*ops8, tma=True), t.attention_fp8(*ops8, tma=False))
+    try:  # A/B against the previous commit's kernel in the same run, when the bench carries it
+        from benchmarks import _prev_triton_ops as prev
+    except ImportError:
+        prev = None
+    if prev is not None:
+        out["prev_8bit_ms"] = bench_ms(lambda: prev.attention_fp8(*ops8))
+        out["prev_autotune_best"] = str(getattr(prev._attn_fp8_kernel, "best_config", None))
     out["ours_epilogue_8bit_ms"] = bench_ms(lambda: t.qkv_rmsnorm_rope(qkv, wq, wk, cs, sn, h, fp8=True))
+    rstd = t.rms_stats(qkv)
+    out["epilogue_rms_ms"] = bench_ms(lambda: t.rms_stats(qkv))
+    shipped = dict(t.EPILOGUE_WARPS)
+    sweep = {}
+    for post in (4, 8, 16):  # warps of the tile pass and the K/V pass (each launch's time by difference)
+        for kv in (4, 8, 16):
+            t.EPILOGUE_WARPS.update(post=post, kv=kv)
+            sweep[f"post{post}_kv{kv}"] = bench_ms(lambda: t.qkv_rmsnorm_rope(qkv, wq, wk, cs, sn, h, fp8=True,
+                                                                              rstd=rstd))
+    t.EPILOGUE_WARPS.update(shipped)
+    out["epilogue_without_rms_ms_by_warps"] = sweep
     out["ours_epilogue_bf16_ms"] = bench_ms(lambda: t.qkv_rmsnorm_rope(qkv, wq, wk, cs, sn, h, fp8=False))
     for name, be in (("cudnn_bf16", SDPBackend.CUDNN_ATTENTION), ("flash_bf16", SDPBackend.FLASH_ATTENTION)):
         try:
@@ -85,6 +109,8 @@ def attention_part(s=32760, h=40, d=128) -> dict:
     heads = list(range(0, h, max(1, h // 4)))[:4]
     want = ref.attention(q[:, heads], k[:, heads], v[:, heads]).transpose(1, 2)
     out["cosine_vs_fp32"] = cos(o8[:, :, heads], want)
+    if prev is not None:
+        out["prev_cosine_vs_fp32"] = cos(prev.attention_fp8(*ops8).float().view(1, s, h, d)[:, :, heads], want)
     with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
         bf = torch.nn.functional.scaled_dot_product_attention(q, k, v)
     out["cudnn_bf16_cosine_vs_fp32"] = cos(bf[:, heads].transpose(1, 2).float(), want)

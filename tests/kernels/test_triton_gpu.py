@@ -109,22 +109,27 @@ def test_attention_8bit_vs_fp32(s):
 
 @pytest.mark.parametrize("s", [100, 1000])
 def test_attention_configs_give_identical_results(s):
-    """The autotuner may pick any config (tile, warps, stages, PIPE): each one must compute the same bits,
-    with a ragged last key tile and with no full tile at all."""
+    """The autotuner may pick any config (tile, warps, stages, PIPE), and K/V may come through TMA
+    descriptors or pointer loads: each one must compute the same bits, with a ragged last key tile and
+    with no full tile at all."""
     import triton
+    from triton.tools.tensor_descriptor import TensorDescriptor
 
     t = _tri()
     qkv, wq, wk, cos, sin, h = _qkv_inputs(b=1, s=s, h=2)
     q8, qs, k8, ks, vt8, vs = t.qkv_rmsnorm_rope(qkv, wq, wk, cos, sin, h, fp8=True)
     b, _, s, d = q8.shape
+    sp = vt8.shape[-1]
+    blk = t.SCALE_BLOCK
+    kv = {False: (k8, vt8), True: (TensorDescriptor(k8, [b * h, s, d], [s * d, d, 1], [1, blk, d]),
+                                   TensorDescriptor(vt8, [b * h, d, s], [d * sp, sp, 1], [1, d, blk]))}
     outs = []
-    for cfg in t._attn_configs():
+    for tma, cfg in ((tma, cfg) for tma in (False, True) for cfg in t._attn_configs()):
         o = torch.full((b, s, h * d), float("nan"), device="cuda", dtype=torch.bfloat16)
         grid = (triton.cdiv(s, cfg.kwargs["BLOCK_M"]), b * h)
-        t._attn_fp8_kernel.fn[grid](q8, qs, k8, ks, vt8, vs, o, o, s, vt8.shape[-1], h, qs.shape[-1],
-                                    1.4426950408889634 / d ** 0.5, s.bit_length(), D=d, OUT_FP8=False,
-                                    BLOCK_N=t.SCALE_BLOCK, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                                    **cfg.kwargs)
+        t._attn_fp8_kernel.fn[grid](q8, qs, kv[tma][0], ks, kv[tma][1], vs, o, o, s, sp, h, qs.shape[-1],
+                                    1.4426950408889634 / d ** 0.5, s.bit_length(), D=d, OUT_FP8=False, BLOCK_N=blk,
+                                    TMA=tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **cfg.kwargs)
         assert not o.isnan().any()
         outs.append(o)
     for o in outs[1:]:

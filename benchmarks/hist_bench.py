@@ -1,0 +1,101 @@
+"""Calibration histogram cost on the GPU: one batch's ``|x|`` counts (2048 bins) of a bf16 activation the size
+of Wan 1.3B's FFN-down input at 480p x 81 (32,760 x 8,960), three ways:
+
+* ``torch``: fp32 copy, ``abs``, multiply by ``2**-e``, ``histc`` per 2**24-element chunk (``kernel=False``);
+* ``fused_r{1,2,4,8}``: the shipped path, one Triton pass ``|x| * 2**-e`` -> fp32 (with r > 1: the bin's centre in
+  one of r replicas of every bin, index mod r, so one bin's neighbours count at different addresses), then
+  ``histc`` per chunk;
+* ``tl_histogram``: one Triton pass with ``tl.histogram`` (no fp32 temporary at all), to show why it is not
+  the shipped path (its lowering costs about num_bins / 32 instructions per element).
+
+    python benchmarks/hist_bench.py --out hist.json
+
+Also times ``torch.aminmax`` (the min/max every site needs anyway) as the one-read floor, and the torch and
+shipped paths on data without the outlier channel (``spread_*``: counts spread over many bins). Every variant's
+counts are checked equal to the torch path's.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+@triton.jit
+def _tl_hist_kernel(X, SC, OUT, N, per_prog, NB: tl.constexpr, BLOCK: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    sc = tl.load(SC) * NB
+    h = tl.zeros([NB], tl.int32)
+    for i in range(0, per_prog, BLOCK):
+        offs = pid * per_prog + i + tl.arange(0, BLOCK)
+        m = offs < N
+        u = tl.abs(tl.load(X + offs, mask=m, other=0.0).to(tl.float32)) * sc
+        h += tl.histogram(tl.minimum(tl.maximum(u, 0.0), NB - 1.0).to(tl.int32), NB, mask=m)
+    tl.atomic_add(OUT + tl.arange(0, NB), h.to(tl.int64), sem="relaxed")
+
+
+def tl_histogram(x, scale, nb):
+    x = x.reshape(-1)
+    n = x.numel()
+    out = torch.zeros(nb, dtype=torch.int64, device=x.device)
+    progs = min(triton.cdiv(n, 4096), 4 * torch.cuda.get_device_properties(x.device).multi_processor_count)
+    per = triton.cdiv(triton.cdiv(n, progs), 4096) * 4096
+    _tl_hist_kernel[(triton.cdiv(n, per),)](x, scale, out, n, per, NB=nb, BLOCK=4096, num_warps=8)
+    return out
+
+
+def main() -> None:
+    from trt_sora.calibrate.histogram import batch_counts, exponent_of
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=32760)
+    ap.add_argument("--width", type=int, default=8960)
+    ap.add_argument("--bins", type=int, default=2048)
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = (torch.randn(a.tokens, a.width, device="cuda", generator=g) * 0.5).to(torch.bfloat16)
+    x[:, 7] *= 40.0  # an outlier channel, as FFN inputs have
+    amax = x.float().abs().amax()
+    e = exponent_of(amax)
+    one = torch.ones((), device="cuda")
+    scale = torch.ldexp(one, (-e).float())
+    bench = lambda fn: triton.testing.do_bench(fn, warmup=5, rep=200, return_mode="median")  # noqa: E731
+    want = batch_counts(x, e, a.bins, kernel=False)
+    res = {"elements": x.numel(), "bins": a.bins, "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+           "triton": triton.__version__}
+    res["aminmax_ms"] = bench(lambda: torch.aminmax(x))
+    res["torch_ms"] = bench(lambda: batch_counts(x, e, a.bins, kernel=False))
+    from trt_sora.calibrate import histogram
+
+    shipped = histogram.REPLICAS
+    for r in (1, 2, 4, 8):
+        histogram.REPLICAS = r
+        res[f"fused_r{r}_ms"] = bench(lambda: batch_counts(x, e, a.bins))
+        res[f"fused_r{r}_equal"] = torch.equal(batch_counts(x, e, a.bins), want)
+    histogram.REPLICAS = shipped
+    wide = (torch.randn(a.tokens, a.width, device="cuda", generator=g) * 0.5).to(torch.bfloat16)  # no outlier
+    ew = exponent_of(wide.float().abs().amax())
+    res["spread_torch_ms"] = bench(lambda: batch_counts(wide, ew, a.bins, kernel=False))
+    res["spread_fused_ms"] = bench(lambda: batch_counts(wide, ew, a.bins))
+    try:
+        res["tl_histogram_ms"] = bench(lambda: tl_histogram(x, scale, a.bins))
+        res["tl_histogram_equal"] = torch.equal(tl_histogram(x, scale, a.bins), want)
+    except Exception as exc:  # noqa: BLE001 - a compile failure is a result too
+        res["tl_histogram_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+    for k in [k for k in res if k.endswith("_ms")]:
+        res[k.replace("_ms", "_gbps")] = round(x.numel() * 2 / (res[k] * 1e-3) / 1e9, 1)
+    print(json.dumps(res, indent=1))
+    if a.out:
+        Path(a.out).write_text(json.dumps(res, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
