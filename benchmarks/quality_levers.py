@@ -18,7 +18,10 @@ folder's ``weights.safetensors``: weights rounded column by column with the roun
 the columns not yet rounded through the inverse Hessian of the calibration inputs - the scales stay the
 same; ``calibration.weight_rounding: gptq``). Special variants:
 ``bf16`` (the model in bf16), ``modelopt`` / ``modelopt_wch`` (NVIDIA ModelOpt's FP8, max
-calibration on the stats' own calibration trajectories, restricted to the same linears).
+calibration on the stats' own calibration trajectories, restricted to the same linears), ``noise<r>``
+(no quantization: the fp32 model with Gaussian noise of relative RMS ``r`` added to every call's
+output, seeded: how far a clip moves under a per-call error of that size - FP8's per-call cosine of
+~0.998 is a relative error of ~0.06).
 
 The calibration folders are ``trt-sora calibrate`` outputs at the model's sampling settings (one per
 format: the MSE observer targets its format), with ``calibration.weight_rounding: gptq`` for the
@@ -250,6 +253,15 @@ def build_variant(variant, adapter, base, sites, calib, calib_cond, st, dev, sta
     from trt_sora.calibrate.fakequant_model import fake_quantized
     from trt_sora.sampling import SamplingSettings, adapter_call
 
+    if variant.startswith("noise"):
+        rel, call0, g = float(variant[5:]), adapter_call(adapter, base), torch.Generator().manual_seed(0)
+
+        def noisy(f):
+            y = call0(f)
+            n = torch.randn(y.shape, generator=g).to(y.device)
+            return y + rel * y.norm() / n.norm() * n
+
+        return noisy, [], set()
     if variant == "bf16":
         m16 = adapter.load("bf16", dev)
         return (lambda f: adapter.forward(m16, {k: v.to(torch.bfloat16) if k != "timestep" else v
