@@ -667,6 +667,35 @@ def _metadata(adapter, settings, sampling_note, plan, todo, served: Mapping[int,
     return meta
 
 
+def _report(tmp, adapter, model, stats, rounded, rounding_note, *, config, settings, progress, quant_config,
+            report_options, preset, model_dtype, qfmt, encode, pair):
+    """The calibration report in ``tmp``, with the PyTorch evaluation (and ModelOpt peer) it shows; a pair's
+    experts get no evaluation (the parity check judges each). Returns ``(evaluation or None, report path)``."""
+    from trt_sora.calibrate.report import write_report
+
+    opts = report_options or ReportOptions(eval_prompts=config.eval_prompts, eval_steps=config.eval_steps,
+                                           sensitivity=config.sensitivity)
+    qcfg = quant_config or QuantConfig(format=qfmt)
+    if qcfg.format is QuantFormat.NONE:  # an unquantized recipe: still show what FP8 would cost
+        qcfg = dataclasses.replace(qcfg, format=QuantFormat.FP8_E4M3)
+    evaluation = None
+    if pair is None:
+        from trt_sora.calibrate import evaluate as ev
+
+        evaluation = ev.evaluate(adapter, model, stats, preset, qcfg, opts, encode=encode, settings=settings,
+                                 model_dtype=model_dtype, progress=progress,
+                                 weights=(rounded, qfmt.value) if rounded else None)
+        if opts.peer == "modelopt":
+            from trt_sora.calibrate.peer import modelopt_peer
+
+            evaluation["peer"] = modelopt_peer(adapter, model, stats, preset, qcfg, encode=encode, settings=settings,
+                                               model_dtype=model_dtype, num_prompts=opts.peer_prompts,
+                                               num_steps=opts.peer_steps, progress=progress,
+                                               weights=rounded if qfmt is QuantFormat.FP8_E4M3 else None)
+    return evaluation, write_report(tmp, stats, evaluation, preset=preset, options=opts,
+                                    quant_format=qcfg.format.value, weight_rounding=rounding_note)
+
+
 def _write(adapter, model, stats, out_dir, *, rounded, rounding, config, settings, sampling_note, progress,
            report, quant_config, report_options, text_encoder, t_start, t_collect, forwards, from_shards, steps,
            timesteps, method, methods, preset, model_dtype, qfmt, encode, cfg, shard, pair, **_) -> CalibResult:
@@ -677,7 +706,6 @@ def _write(adapter, model, stats, out_dir, *, rounded, rounding, config, setting
     from trt_sora.config.base import to_dict
     from trt_sora.manifest import file_entry, staged_dir, write_manifest
 
-    evaluation = None
     with staged_dir(out_dir) as tmp:
         stats.save(tmp / "stats.safetensors")
         hessian_files = [Path(f) for f in (rounding[2] or {}).get("hessian_files", [])]
@@ -686,31 +714,10 @@ def _write(adapter, model, stats, out_dir, *, rounded, rounding, config, setting
         if rounded is not None:
             save_rounded_weights(tmp / WEIGHTS_FILE, rounded, {s: stats.amax[f"{s}.weight"] for s in rounded},
                                  qfmt.value, {"method": "gptq", "damp": config.gptq_damp, "sites": len(rounded)})
-        report_path = None
-        if report:
-            from trt_sora.calibrate.report import write_report
-
-            opts = report_options or ReportOptions(eval_prompts=config.eval_prompts, eval_steps=config.eval_steps,
-                                                   sensitivity=config.sensitivity)
-            qcfg = quant_config or QuantConfig(format=qfmt)
-            if qcfg.format is QuantFormat.NONE:  # an unquantized recipe: still show what FP8 would cost
-                qcfg = dataclasses.replace(qcfg, format=QuantFormat.FP8_E4M3)
-            if pair is None:
-                from trt_sora.calibrate import evaluate as ev
-
-                evaluation = ev.evaluate(adapter, model, stats, preset, qcfg, opts, encode=encode, settings=settings,
-                                         model_dtype=model_dtype, progress=progress,
-                                         weights=(rounded, qfmt.value) if rounded else None)
-                if opts.peer == "modelopt":
-                    from trt_sora.calibrate.peer import modelopt_peer
-
-                    evaluation["peer"] = modelopt_peer(adapter, model, stats, preset, qcfg, encode=encode,
-                                                       settings=settings, model_dtype=model_dtype,
-                                                       num_prompts=opts.peer_prompts, num_steps=opts.peer_steps,
-                                                       progress=progress,
-                                                       weights=rounded if qfmt is QuantFormat.FP8_E4M3 else None)
-            report_path = write_report(tmp, stats, evaluation, preset=preset, options=opts,
-                                       quant_format=qcfg.format.value, weight_rounding=rounding[1])
+        evaluation, report_path = (_report(tmp, adapter, model, stats, rounded, rounding[1], config=config,
+                                           settings=settings, progress=progress, quant_config=quant_config,
+                                           report_options=report_options, preset=preset, model_dtype=model_dtype,
+                                           qfmt=qfmt, encode=encode, pair=pair) if report else (None, None))
         seconds = time.perf_counter() - t_start
         results = {"num_sites": len(stats.amax), "method": method, "methods": list(methods), "cfg": cfg,
                    "shard": list(shard) if shard else None, "from_shards": len(from_shards) if from_shards else None,
