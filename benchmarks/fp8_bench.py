@@ -18,6 +18,9 @@ Parts (``--parts``):
     python benchmarks/fp8_bench.py --parts attention,models --models wan2.1-t2v-1.3b,wan2.1-t2v-14b \
         --sizes 480p --batches 1,2 --iters 10 --out benchmarks/results/h200_fp8_bench.json
 
+``--points 480p:2,720p:1`` picks size:batch pairs instead of the product; each model is built once
+and shared by all its points.
+
 The plan (input amax per site) comes from one BF16 forward over the benchmark input with the
 recipe's default exclusions and the Q/DQ graph's grouping (fused QKV, one scale for every
 cross-attention K/V reading the text), so the FP8 path quantizes the sites a real artifact would.
@@ -195,10 +198,12 @@ def model_flops(cfg, point) -> dict:
     return {"gemm": gemm, "attention": attn, "tokens": s}
 
 
-def model_part(name: str, size: str, batch: int, iters: int, rungs: list[str], save=lambda res: None) -> dict:
-    """One model x size x batch. The random-init model is built once (its weights are drawn on the
-    CPU, ~110 s for 14B) and every rung runs on a GPU copy of it; ``save(res)`` after each rung, so
-    a run cut off by its time limit keeps what it measured."""
+def model_part(name: str, size: str, batch: int, iters: int, rungs: list[str], save=lambda res: None, *,
+               model=None, profile: bool = True) -> dict:
+    """One model x size x batch. The random-init model (``model``, else built here: its weights are drawn
+    on the CPU, ~110 s for 14B) is shared by every size and batch of a run, and every rung runs on a GPU
+    copy of it; ``save(res)`` after each rung, so a run cut off by its time limit keeps what it measured.
+    ``profile``: the profiler split of the eager and fused calls (one more call each)."""
     import copy
 
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -214,7 +219,7 @@ def model_part(name: str, size: str, batch: int, iters: int, rungs: list[str], s
     inputs = [feeds[n] for n in adapter.input_names]
     res = {"model": name, "size": size, "batch": batch, "point": point,
            "flops": model_flops(dict(adapter.spec.config), point), "rungs": {}}
-    model = adapter.load("bf16", "cuda")
+    model = adapter.load("bf16", "cuda") if model is None else model
     fwd = adapter.export_module(model)
     cudnn = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]
 
@@ -223,7 +228,7 @@ def model_part(name: str, size: str, batch: int, iters: int, rungs: list[str], s
             return fwd(*inputs)
 
     y_ref, t, ts = timed_calls(eager, iters)
-    res["rungs"]["eager_bf16"] = {"s": t, "all_s": ts, "split_ms": profile_split(eager)}
+    res["rungs"]["eager_bf16"] = {"s": t, "all_s": ts, "split_ms": profile_split(eager) if profile else None}
     plan = calibrate_plan(model, lambda *a: eager(), inputs)
     res["quantized_sites"] = len(plan)
     save(res)
@@ -255,7 +260,7 @@ def model_part(name: str, size: str, batch: int, iters: int, rungs: list[str], s
         call = lambda: r.infer(feeds_r)["sample"]  # noqa: E731
         y, t, ts = timed_calls(call, iters)
         rep = r.report()
-        if rung in ("fp8_fused", "fp8_fused_attn8"):
+        if profile and rung in ("fp8_fused", "fp8_fused_attn8"):
             rep["split_ms"] = profile_split(call)
         rep.update({"s": t, "all_s": ts, "cosine_vs_eager_bf16": cos(y, y_ref), "expected_fp8_gemms": r.expected_gemms()})
         if not r.cuda_graphs and rep["fp8_gemms_per_call"] != rep["expected_fp8_gemms"]:
@@ -266,7 +271,7 @@ def model_part(name: str, size: str, batch: int, iters: int, rungs: list[str], s
         del r
         torch.cuda.empty_cache()
         save(res)
-    del model, fwd
+    del fwd
     torch.cuda.empty_cache()
     base = res["rungs"]["eager_bf16"]["s"]
     comp = res["rungs"].get("compile_bf16", {}).get("s")
@@ -292,6 +297,9 @@ def main(argv=None) -> None:
     ap.add_argument("--batches", default="1,2")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--rungs", default="compile_bf16,fp8_gemm,fp8_fused,fp8_fused_attn8,fp8_fused_attn8_graph")
+    ap.add_argument("--points", default=None,
+                    help="size:batch list (e.g. 480p:2,720p:1,720p:2) instead of every --sizes x --batches pair")
+    ap.add_argument("--no-profile", action="store_true", help="skip the profiler splits (two calls per run)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     if a.out:
@@ -304,24 +312,31 @@ def main(argv=None) -> None:
         out["attention"] = attention_part()
         print(json.dumps(out["attention"]), flush=True)
     if "models" in a.parts:
+        from trt_sora.models import get_adapter
+
         for m in a.models.split(","):
-            for sz in a.sizes.split(","):
-                for b in (int(x) for x in a.batches.split(",")):
-                    out["runs"].append({})
+            model = get_adapter(m).load("bf16", "cuda")  # once per model: every size and batch shares it
+            points = ([(p.split(":")[0], int(p.split(":")[1])) for p in a.points.split(",")] if a.points else
+                      [(sz, int(b)) for sz in a.sizes.split(",") for b in a.batches.split(",")])
+            for sz, b in points:
+                out["runs"].append({})
 
-                    def save(res):
-                        out["runs"][-1] = res
-                        if a.out:
-                            Path(a.out).write_text(json.dumps(out, indent=1))
-
-                    r = model_part(m, sz, b, a.iters, a.rungs.split(","), save)
-                    print(json.dumps({k: r[k] for k in ("model", "size", "batch")} | {
-                        k: {kk: v.get(kk) for kk in ("s", "speedup_vs_eager_bf16", "speedup_vs_compile_bf16",
-                                                       "cosine_vs_eager_bf16", "fp8_gemms_per_call",
-                                                       "fp8_attention_layers", "cuda_graphs")}
-                        for k, v in r["rungs"].items()}), flush=True)
+                def save(res):
+                    out["runs"][-1] = res
                     if a.out:
                         Path(a.out).write_text(json.dumps(out, indent=1))
+
+                r = model_part(m, sz, b, a.iters, a.rungs.split(","), save, model=model,
+                               profile=not a.no_profile)
+                print(json.dumps({k: r[k] for k in ("model", "size", "batch")} | {
+                    k: {kk: v.get(kk) for kk in ("s", "speedup_vs_eager_bf16", "speedup_vs_compile_bf16",
+                                                   "cosine_vs_eager_bf16", "fp8_gemms_per_call",
+                                                   "fp8_attention_layers", "cuda_graphs")}
+                    for k, v in r["rungs"].items()}), flush=True)
+                if a.out:
+                    Path(a.out).write_text(json.dumps(out, indent=1))
+            del model
+            torch.cuda.empty_cache()
     if a.out:
         Path(a.out).write_text(json.dumps(out, indent=1))
 

@@ -14,7 +14,8 @@
 # needs the serve extra's wheels: fastapi, uvicorn, prometheus-client, imageio-ffmpeg),
 # m13 / m14 (one transformer call, 480p x 81, batch 1: eager, compile, the torch-fp8 ladder),
 # calib13 / calib14 (calibration observer overhead), hist (one batch's |x| histogram three ways),
-# m14b2 (14B batch 2), m14_720 (14B 720p batch 1), prof14 (profiler of the 14B fp8 call),
+# m14b2 (14B batch 2), m14_720 (14B 720p batch 1), m14x (14B 480p batch 2, 720p batch 1 and 2: eager vs full torch-fp8,
+# one model build, no profiler; the JSON keeps what finished), prof14 (profiler of the 14B fp8 call),
 # peer (issue 17: wan-shapes calibrated here, then NVIDIA ModelOpt's FP8 recipe vs ours on 16 held-out
 # prompts at 20 steps; needs build/wan_shapes_peer_prompts.safetensors from
 # `python benchmarks/peer_modelopt.py embed --model wan-shapes --num 16 --out ...` and ModelOpt's wheels in .whl).
@@ -69,6 +70,8 @@ for p in "$@"; do
            --out "$OUT/m13.json" ;;
     m14) part m14 540 python3 benchmarks/fp8_bench.py --parts models --models wan2.1-t2v-14b --batches 1 \
            --rungs "${M14_RUNGS:-compile_bf16,fp8_gemm,fp8_fused,fp8_fused_attn8,fp8_fused_attn8_graph}" --out "$OUT/m14.json" ;;
+    m14x) part m14x 560 python3 benchmarks/fp8_bench.py --parts models --models wan2.1-t2v-14b --points 480p:2,720p:1,720p:2 \
+            --iters 10 --no-profile --rungs fp8_fused_attn8_graph --out "$OUT/m14x.json" ;;
     m14b2) part m14b2 540 python3 benchmarks/fp8_bench.py --parts models --models wan2.1-t2v-14b --batches 2 \
              --iters 10 --rungs fp8_fused_attn8_graph --out "$OUT/m14b2.json" ;;
     m14_720) part m14_720 540 python3 benchmarks/fp8_bench.py --parts models --models wan2.1-t2v-14b --sizes 720p \
