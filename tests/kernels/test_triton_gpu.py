@@ -113,7 +113,6 @@ def test_attention_configs_give_identical_results(s):
     descriptors or pointer loads: each one must compute the same bits, with a ragged last key tile and
     with no full tile at all."""
     import triton
-    from triton.tools.tensor_descriptor import TensorDescriptor
 
     t = _tri()
     qkv, wq, wk, cos, sin, h = _qkv_inputs(b=1, s=s, h=2)
@@ -121,8 +120,7 @@ def test_attention_configs_give_identical_results(s):
     b, _, s, d = q8.shape
     sp = vt8.shape[-1]
     blk = t.SCALE_BLOCK
-    kv = {False: (k8, vt8), True: (TensorDescriptor(k8, [b * h, s, d], [s * d, d, 1], [1, blk, d]),
-                                   TensorDescriptor(vt8, [b * h, d, s], [d * sp, sp, 1], [1, d, blk]))}
+    kv = {False: (k8, vt8), True: t.kv_descriptors(k8, vt8)}
     outs = []
     for tma, cfg in ((tma, cfg) for tma in (False, True) for cfg in t._attn_configs()):
         o = torch.full((b, s, h * d), float("nan"), device="cuda", dtype=torch.bfloat16)

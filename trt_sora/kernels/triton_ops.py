@@ -20,7 +20,7 @@ SCALE_BLOCK = 128  # tokens per Q / K quantization block = the attention kernel'
 EPILOGUE_WARPS = {"rms": 4, "post": 8, "kv": 8}
 
 __all__ = ["SCALE_BLOCK", "abs_scaled", "attention_fp8", "gated_add", "gelu_quant", "heads_to_tokens",
-           "qkv_rmsnorm_rope", "quantize", "residual_norm_quant", "rms_stats"]
+           "kv_descriptors", "qkv_rmsnorm_rope", "quantize", "residual_norm_quant", "rms_stats"]
 
 
 @triton.jit
@@ -456,6 +456,18 @@ def _attn_fp8_kernel(Q8, QS, K8, KS, VT8, VS, O, OSC, S, S_pad, H, nblk, qk_scal
 ATTN_TMA = True
 
 
+def kv_descriptors(k8, vt8):
+    """TMA descriptors of the attention kernel's K [B, H, S, D] and V^T [B, H, D, S_pad] as [B*H, S, D] and
+    [B*H, D, S] (V^T's padding is outside the descriptor, so the ragged tile reads zeros), one key tile
+    per block."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    b, h, s, d = k8.shape
+    s_pad = vt8.shape[-1]
+    return (TensorDescriptor(k8, [b * h, s, d], [s * d, d, 1], [1, SCALE_BLOCK, d]),
+            TensorDescriptor(vt8, [b * h, d, s], [d * s_pad, s_pad, 1], [1, d, SCALE_BLOCK]))
+
+
 def attention_fp8(q8, q_scale, k8, k_scale, vt8, v_scale, *, out_scale=None, tma: bool | None = None):
     """Softmax attention on 8-bit operands -> [B, S, H*D] token-major (``to_out``'s input layout):
     INT8 Q K^T and FP8 P V on tensor cores (SageAttention2's 8-bit recipe), fp32 online softmax.
@@ -471,12 +483,7 @@ def attention_fp8(q8, q_scale, k8, k_scale, vt8, v_scale, *, out_scale=None, tma
     qk_scale = 1.0 / math.sqrt(d) * 1.4426950408889634
     if tma is None:
         tma = ATTN_TMA and torch.cuda.get_device_capability(q8.device)[0] >= 9
-    k_arg, v_arg = k8, vt8
-    if tma:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
-        k_arg = TensorDescriptor(k8, [b * h, s, d], [s * d, d, 1], [1, SCALE_BLOCK, d])
-        v_arg = TensorDescriptor(vt8, [b * h, d, s], [d * s_pad, s_pad, 1], [1, d, SCALE_BLOCK])
+    k_arg, v_arg = kv_descriptors(k8, vt8) if tma else (k8, vt8)
     grid = lambda meta: (triton.cdiv(s, meta["BLOCK_M"]), b * h)  # noqa: E731
     _attn_fp8_kernel[grid](q8, q_scale, k_arg, k_scale, v_arg, v_scale, o, out_scale if out_scale is not None else o,
                            s, s_pad, h, q_scale.shape[-1], qk_scale, max(1, s).bit_length(), D=d,
