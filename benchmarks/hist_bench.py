@@ -5,6 +5,8 @@ of Wan 1.3B's FFN-down input at 480p x 81 (32,760 x 8,960), three ways:
 * ``fused_r{1,2,4,8}``: the shipped path, one Triton pass ``|x| * 2**-e`` -> fp32 (with r > 1: the bin's centre in
   one of r replicas of every bin, index mod r, so one bin's neighbours count at different addresses), then
   ``histc`` per chunk;
+* ``hot<H>x<R>``: only the H lowest bins in R replicas (an outlier-stretched range crowds the data there),
+  fewer histc bins than replicating all;
 * ``tl_histogram``: one Triton pass with ``tl.histogram`` (no fp32 temporary at all), to show why it is not
   the shipped path (its lowering costs about num_bins / 32 instructions per element).
 
@@ -39,6 +41,34 @@ def _tl_hist_kernel(X, SC, OUT, N, per_prog, NB: tl.constexpr, BLOCK: tl.constex
         u = tl.abs(tl.load(X + offs, mask=m, other=0.0).to(tl.float32)) * sc
         h += tl.histogram(tl.minimum(tl.maximum(u, 0.0), NB - 1.0).to(tl.int32), NB, mask=m)
     tl.atomic_add(OUT + tl.arange(0, NB), h.to(tl.int64), sem="relaxed")
+
+
+@triton.jit
+def _hot_kernel(X, SC, U, N, NB, HOT: tl.constexpr, R: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < N
+    u = tl.abs(tl.load(X + offs, mask=m, other=0.0).to(tl.float32)) * tl.load(SC)
+    b = tl.minimum(tl.maximum(u * NB, 0.0), NB - 1.0).to(tl.int32)
+    slot = tl.where(b < HOT, b * R + (offs % R).to(tl.int32), HOT * R + b - HOT)
+    tl.store(U + offs, (slot.to(tl.float32) + 0.5) / (NB + HOT * (R - 1)), mask=m)
+
+
+def hot_counts(x, e, nb, hot, r):
+    """Only the ``hot`` lowest bins (where an outlier-stretched range crowds the data) in ``r`` replicas:
+    ``nb + hot * (r - 1)`` histc bins instead of ``nb * r``; the slot centres keep the counts exact."""
+    from trt_sora.calibrate.histogram import CHUNK, EMPTY
+
+    one = torch.ones((), dtype=torch.float32, device=x.device)
+    scale = torch.where(e > EMPTY, torch.ldexp(one, (-e).clamp(max=126).to(torch.float32)), one)
+    total = nb + hot * (r - 1)
+    parts = []
+    for chunk in x.reshape(-1).split(CHUNK):
+        u = torch.empty(chunk.numel(), device=x.device, dtype=torch.float32)
+        _hot_kernel[(triton.cdiv(chunk.numel(), 4096),)](chunk, scale, u, chunk.numel(), nb, HOT=hot, R=r, BLOCK=4096,
+                                                        num_warps=8)
+        parts.append(torch.histc(u, bins=total, min=0.0, max=1.0))
+    slots = torch.stack(parts).to(torch.int64).sum(0)
+    return torch.cat([slots[:hot * r].view(hot, r).sum(1), slots[hot * r:]])
 
 
 def tl_histogram(x, scale, nb):
@@ -81,6 +111,9 @@ def main() -> None:
         res[f"fused_r{r}_ms"] = bench(lambda: batch_counts(x, e, a.bins))
         res[f"fused_r{r}_equal"] = torch.equal(batch_counts(x, e, a.bins), want)
     histogram.REPLICAS = shipped
+    for hot, r in ((128, 8), (256, 4), (256, 8), (512, 4)):
+        res[f"hot{hot}x{r}_ms"] = bench(lambda: hot_counts(x, e, a.bins, hot, r))
+        res[f"hot{hot}x{r}_equal"] = torch.equal(hot_counts(x, e, a.bins, hot, r), want)
     wide = (torch.randn(a.tokens, a.width, device="cuda", generator=g) * 0.5).to(torch.bfloat16)  # no outlier
     ew = exponent_of(wide.float().abs().amax())
     res["spread_torch_ms"] = bench(lambda: batch_counts(wide, ew, a.bins, kernel=False))
