@@ -559,15 +559,7 @@ def _calibrate(sides: Mapping[Any, Any], config: CalibConfig, out_dirs: Mapping[
         t_collect = time.perf_counter() - t_start
 
     with contextlib.ExitStack() as stack:
-        shard_tmp = None  # {side: folder}
-        if shard is not None and plans:  # a shard's Hessians, pass by pass, until its folder is written
-            from trt_sora.manifest import check_out_dir
-
-            shard_tmp = {}
-            for k in plans:  # one folder per side: a pair's experts write Hessian files of the same names
-                out = check_out_dir(out_dirs[k])  # (creates its parent)
-                shard_tmp[k] = Path(stack.enter_context(tempfile.TemporaryDirectory(
-                    prefix=f".{out.name}.tmp-{os.getpid()}-hessians-", dir=out.parent)))
+        shard_tmp = _hessian_dirs(stack, plans, out_dirs) if shard is not None and plans else None
         rounded, record = _gptq_passes(plans, models, trajectories, stats, config, qfmt.value,
                                        shard_tmp=shard_tmp, from_shards=from_shards)
         return {k: _write(a, models[k], stats[k], out_dirs[k], rounded=rounded.get(k) if shard is None else None,
@@ -579,6 +571,19 @@ def _calibrate(sides: Mapping[Any, Any], config: CalibConfig, out_dirs: Mapping[
                           steps=sorted(timesteps[k]), timesteps=[timesteps[k][i] for i in sorted(timesteps[k])],
                           **ctx)
                 for k, a in sides.items()}
+
+
+def _hessian_dirs(stack: contextlib.ExitStack, plans: Mapping[Any, Any], out_dirs: Mapping[Any, Any]) -> dict:
+    """``{side: folder}`` beside each output folder for a shard's Hessians, pass by pass, until its folder is
+    written (removed when ``stack`` closes); one per side: a pair's experts write files of the same names."""
+    from trt_sora.manifest import check_out_dir
+
+    dirs = {}
+    for k in plans:
+        out = check_out_dir(out_dirs[k])  # (creates its parent)
+        dirs[k] = Path(stack.enter_context(tempfile.TemporaryDirectory(
+            prefix=f".{out.name}.tmp-{os.getpid()}-hessians-", dir=out.parent)))
+    return dirs
 
 
 def _gptq_passes(plans: Mapping[Any, Any], models, trajectories, stats, config: CalibConfig, fmt: str, *,
