@@ -56,10 +56,9 @@ def _hot_kernel(X, SC, U, N, NB, HOT: tl.constexpr, R: tl.constexpr, BLOCK: tl.c
 def hot_counts(x, e, nb, hot, r):
     """Only the ``hot`` lowest bins (where an outlier-stretched range crowds the data) in ``r`` replicas:
     ``nb + hot * (r - 1)`` histc bins instead of ``nb * r``; the slot centres keep the counts exact."""
-    from trt_sora.calibrate.histogram import CHUNK, EMPTY
+    from trt_sora.calibrate.histogram import CHUNK, unit_scale
 
-    one = torch.ones((), dtype=torch.float32, device=x.device)
-    scale = torch.where(e > EMPTY, torch.ldexp(one, (-e).clamp(max=126).to(torch.float32)), one)
+    scale = unit_scale(e)
     total = nb + hot * (r - 1)
     parts = []
     for chunk in x.reshape(-1).split(CHUNK):
@@ -82,7 +81,8 @@ def tl_histogram(x, scale, nb):
 
 
 def main() -> None:
-    from trt_sora.calibrate.histogram import batch_counts, exponent_of
+    from trt_sora.calibrate import histogram
+    from trt_sora.calibrate.histogram import batch_counts, exponent_of, unit_scale
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=32760)
@@ -95,16 +95,13 @@ def main() -> None:
     x[:, 7] *= 40.0  # an outlier channel, as FFN inputs have
     amax = x.float().abs().amax()
     e = exponent_of(amax)
-    one = torch.ones((), device="cuda")
-    scale = torch.ldexp(one, (-e).float())
+    scale = unit_scale(e)
     bench = lambda fn: triton.testing.do_bench(fn, warmup=5, rep=200, return_mode="median")  # noqa: E731
     want = batch_counts(x, e, a.bins, kernel=False)
     res = {"elements": x.numel(), "bins": a.bins, "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
            "triton": triton.__version__}
     res["aminmax_ms"] = bench(lambda: torch.aminmax(x))
     res["torch_ms"] = bench(lambda: batch_counts(x, e, a.bins, kernel=False))
-    from trt_sora.calibrate import histogram
-
     shipped = histogram.REPLICAS
     for r in (1, 2, 4, 8):
         histogram.REPLICAS = r

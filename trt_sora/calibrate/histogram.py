@@ -50,6 +50,12 @@ def rebin(counts: Tensor, shift: Tensor) -> Tensor:
     return torch.zeros_like(counts).index_add_(0, idx, counts)
 
 
+def unit_scale(e: Tensor) -> Tensor:
+    """fp32 0-d ``2**-e`` on ``e``'s device (1 for ``EMPTY``): maps ``[0, 2**e)`` onto ``[0, 1)`` exactly."""
+    one = torch.ones((), dtype=torch.float32, device=e.device)
+    return torch.where(e > EMPTY, torch.ldexp(one, (-e).clamp(max=126).to(torch.float32)), one)
+
+
 def batch_counts(x: Tensor, e: Tensor, num_bins: int, *, kernel: bool = True) -> Tensor:
     """int64 ``[num_bins]`` counts of ``|x|`` on ``[0, 2**e)`` (``|x| < 2**e``, finite).
 
@@ -60,8 +66,7 @@ def batch_counts(x: Tensor, e: Tensor, num_bins: int, *, kernel: bool = True) ->
     its counts in the input's dtype, so a bf16 input would count in bf16 (a bin stops growing near 256).
     Chunk counts are summed once, in int64.
     """
-    one = torch.ones((), dtype=torch.float32, device=x.device)
-    scale = torch.where(e > EMPTY, torch.ldexp(one, (-e).clamp(max=126).to(torch.float32)), one)
+    scale = unit_scale(e)
     fused = _gpu_abs_scaled() if kernel and x.is_cuda else None
     reps = REPLICAS if fused is not None and num_bins * REPLICAS <= MAX_REPLICATED_BINS else 1
     parts = []
