@@ -230,9 +230,10 @@ class Generator:
             raise ConfigError(f"{self.adapter.name} is text-to-video: it takes no conditioning image; leave the "
                               "image out")
         im = req.image
-        if isinstance(im, (str, os.PathLike)) and not str(im).startswith("data:") and not Path(im).is_file():
-            raise ConfigError(f"image {str(im)!r} is not a file; pass the path of a PNG/JPEG image (or a "
-                              "data:image/...;base64 URL)")
+        if isinstance(im, (str, os.PathLike)) and not str(im).startswith("data:"):
+            from trt_sora.runtime.video import check_image_path
+
+            check_image_path(im)
 
     def _text_dims(self, lat: Mapping[str, int], size) -> dict[str, int]:
         """The text dims (``text_len`` and the family's own, e.g. ``text_len_2``) of the first bucket

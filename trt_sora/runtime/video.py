@@ -19,8 +19,8 @@ import numpy as np
 
 from trt_sora.errors import ConfigError, TrtSoraError, require
 
-__all__ = ["FORMATS", "VideoError", "contact_sheet", "ffmpeg_exe", "has_ffmpeg_filter", "read_image", "read_video",
-           "write_clip", "write_gif", "write_mp4", "write_png_sheet"]
+__all__ = ["FORMATS", "VideoError", "check_image_path", "contact_sheet", "ffmpeg_exe", "has_ffmpeg_filter",
+           "read_image", "read_video", "write_clip", "write_gif", "write_mp4", "write_png_sheet"]
 
 #: File suffix -> what is written.
 FORMATS = {".mp4": "H.264 MP4 (yuv420p)", ".gif": "animated GIF", ".png": "PNG contact sheet of the frames",
@@ -157,6 +157,16 @@ def read_video(path) -> np.ndarray:
     return np.frombuffer(res.stdout, np.uint8).reshape(-1, h, w, 3)
 
 
+def check_image_path(image) -> str:
+    """``image`` (a path, not a data URL) as a string; ConfigError where no file is there (checked before
+    the work by the generator, and again where the image is read)."""
+    ref = str(image)
+    if not Path(ref).is_file():
+        raise ConfigError(f"image {ref!r} is not a file; pass the path of a PNG/JPEG image (or a "
+                          "data:image/...;base64 URL)")
+    return ref
+
+
 def read_image(image, height: int, width: int) -> np.ndarray:
     """A conditioning image as uint8 ``[height, width, 3]`` RGB.
 
@@ -184,11 +194,8 @@ def read_image(image, height: int, width: int) -> np.ndarray:
                 if ";base64" not in head:
                     raise ConfigError("an image data URL must be base64 (data:image/png;base64,...)")
                 src = io.BytesIO(base64.b64decode(body, validate=True))
-            elif not Path(ref).is_file():
-                raise ConfigError(f"image {ref!r} is not a file; pass the path of a PNG/JPEG image (or a "
-                                  "data:image/...;base64 URL)")
             else:
-                src = ref
+                src = check_image_path(ref)
             with Image.open(src) as im:
                 pil = im.convert("RGB")
         except (OSError, binascii.Error, ValueError) as exc:
