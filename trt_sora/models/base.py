@@ -332,6 +332,13 @@ class ModelAdapter(Conditioner, abc.ABC):
         """How :meth:`image_conditioning` encodes a given image, in words (clip metadata)."""
         return "none (text-to-video)"
 
+    def _once(self, key: str, load: Callable[[], Any]) -> Any:
+        """``load()``, run once per adapter (a family's heavy components - its VAE, its image encoder -
+        shared by decoding, image encoding and metadata)."""
+        if key not in self.__dict__:
+            self.__dict__[key] = load()
+        return self.__dict__[key]
+
     def negative_embedding(self, encode: Callable[[list[str], int], Any], batch: int, text_len: int):
         """The unconditional branch's conditioning users sample with, ``[batch, text_len, text_dim]``
         fp32: the model's negative prompt encoded by ``encode``, or zeros for a model whose dropped-text

@@ -451,9 +451,7 @@ class HunyuanVideo15Adapter(ModelAdapter):
     def vae(self):
         """``(vae, description)``: ``AutoencoderKLHunyuanVideo15`` from the checkpoint's ``vae/`` (fp32,
         eval), else a small seeded one; loaded once per adapter."""
-        if "_vae" not in self.__dict__:
-            self.__dict__["_vae"] = self._load_vae()
-        return self.__dict__["_vae"]
+        return self._once("_vae", self._load_vae)
 
     def _load_vae(self):
         import torch

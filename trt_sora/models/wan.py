@@ -527,9 +527,7 @@ class WanAdapter(ModelAdapter):
         penultimate hidden states, as ``WanImageToVideoPipeline.encode_image``), else a seeded stand-in
         for random-weight models (:func:`standin_image_tokens`: pooled patches through a fixed random
         projection - deterministic in the image, like the hash text encoder)."""
-        if "_image_encoder" not in self.__dict__:
-            self.__dict__["_image_encoder"] = self._load_image_encoder()
-        return self.__dict__["_image_encoder"]
+        return self._once("_image_encoder", self._load_image_encoder)
 
     def _load_image_encoder(self):
         folder = self._component("image_encoder")
@@ -601,9 +599,7 @@ class WanAdapter(ModelAdapter):
         the model came from a pipeline folder, else a small random one (seeded; enough to see how
         latent error turns into pixel error); ``(None, ...)`` for pixel-space models (3 latent
         channels, e.g. wan-shapes). Loaded once per adapter (the decoder and the image encoding share it)."""
-        if "_vae" not in self.__dict__:
-            self.__dict__["_vae"] = self._load_vae()
-        return self.__dict__["_vae"]
+        return self._once("_vae", self._load_vae)
 
     def _component(self, name: str) -> Path | None:
         """A pipeline component folder beside the transformer's (``vae``, ``image_encoder``, ...), or None."""
