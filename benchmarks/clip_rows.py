@@ -28,7 +28,7 @@ def main() -> None:
     from trt_sora.calibrate.fakequant_model import quantized_sites
     from trt_sora.config import load_recipe
     from trt_sora.models import get_adapter
-    from trt_sora.sampling import adapter_call, gaussian_noise, sample
+    from trt_sora.sampling import adapter_call
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calib", required=True)
@@ -47,9 +47,7 @@ def main() -> None:
     sites = [s for s in quantized_sites(base, load_recipe("rtx4090-fp8").quantization) if s in calib[fmt][0].amax]
 
     def run(call, i):
-        c = cond[i:i + 1]
-        return sample(call, gaussian_noise((1, 3, 9, 32, 32), ql.SEED0 + i, "cpu"), c, torch.zeros_like(c),
-                      scheduler=ad.scheduler(st.shift), settings=st, cfg="batched").latents.float().clamp(-1, 1)
+        return ql.sample_clip(ad, call, cond[i:i + 1], i, "cpu").clamp(-1, 1)
 
     out = {}
     with contextlib.ExitStack() as stack, torch.no_grad():

@@ -86,6 +86,17 @@ def calibration_prompts() -> list[str]:
     return [p.prompt for p in prompts_for_preset(load_preset("moving-shapes"))]
 
 
+def sample_clip(adapter, call, cond, index: int, device, hook=None):
+    """Clip ``index`` of the set (``cond`` its [1, L, D] caption embedding): the model's sampling settings,
+    CFG batched with the zero unconditional embedding, noise seed ``SEED0 + index``; fp32 latents
+    [1, 3, 9, 32, 32] (wan-shapes' pixels) on ``device``."""
+    from trt_sora.sampling import gaussian_noise, sample
+
+    st = adapter.sampling
+    return sample(call, gaussian_noise((1, 3, 9, 32, 32), SEED0 + index, device), cond, torch.zeros_like(cond),
+                  scheduler=adapter.scheduler(st.shift), settings=st, cfg="batched", hook=hook).latents.float()
+
+
 def psnr(a, b) -> float:
     mse = float((a.double().clamp(-1, 1) - b.double().clamp(-1, 1)).square().mean())
     return 10 * math.log10(4.0 / max(mse, 1e-30))
@@ -341,7 +352,7 @@ def main(argv=None) -> None:
     from trt_sora.models import get_adapter
     from trt_sora.models.moving_shapes import data
     from trt_sora.models.moving_shapes.probe import probe_batch
-    from trt_sora.sampling import adapter_call, gaussian_noise, sample
+    from trt_sora.sampling import adapter_call
 
     dev = a.device
     adapter = get_adapter("wan-shapes")
@@ -372,12 +383,9 @@ def main(argv=None) -> None:
         state, out = {}, []
         ref_call = adapter_call(adapter, base)
         for i in range(len(caps)):
-            c = cond[i:i + 1]
-            r = sample(lambda f: (ref_call if state["step"] in fp32_steps else call)(f),
-                       gaussian_noise((1, 3, 9, 32, 32), SEED0 + index[i], dev), c, torch.zeros_like(c),
-                       scheduler=adapter.scheduler(st.shift), settings=st, cfg="batched",
-                       hook=lambda ci: state.__setitem__("step", ci.step))
-            out.append(r.latents.float().cpu())
+            r = sample_clip(adapter, lambda f: (ref_call if state["step"] in fp32_steps else call)(f),
+                            cond[i:i + 1], index[i], dev, hook=lambda ci: state.__setitem__("step", ci.step))
+            out.append(r.cpu())
         return torch.cat(out)
 
     t0 = time.perf_counter()
