@@ -199,10 +199,10 @@ def model_flops(cfg, point) -> dict:
 
 
 def model_part(name: str, size: str, batch: int, iters: int, rungs: list[str], save=lambda res: None, *,
-               model=None, profile: bool = True) -> dict:
-    """One model x size x batch. The random-init model (``model``, else built here: its weights are drawn
-    on the CPU, ~110 s for 14B) is shared by every size and batch of a run, and every rung runs on a GPU
-    copy of it; ``save(res)`` after each rung, so a run cut off by its time limit keeps what it measured.
+               model, profile: bool = True) -> dict:
+    """One model x size x batch. ``model``: the random-init model (its weights are drawn on the CPU, ~110 s
+    for 14B, so :func:`main` builds it once for every size and batch); every rung runs on a GPU copy of
+    it; ``save(res)`` after each rung, so a run cut off by its time limit keeps what it measured.
     ``profile``: the profiler split of the eager and fused calls (one more call each)."""
     import copy
 
@@ -219,7 +219,6 @@ def model_part(name: str, size: str, batch: int, iters: int, rungs: list[str], s
     inputs = [feeds[n] for n in adapter.input_names]
     res = {"model": name, "size": size, "batch": batch, "point": point,
            "flops": model_flops(dict(adapter.spec.config), point), "rungs": {}}
-    model = adapter.load("bf16", "cuda") if model is None else model
     fwd = adapter.export_module(model)
     cudnn = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]
 
