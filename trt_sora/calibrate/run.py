@@ -281,10 +281,9 @@ def _round_weights(modules, stats, hessians, tokens, sites, leader, fmt: str, co
     (``hessians``/``tokens`` keyed by the Hessian leaders, ``leader``: ``{site: leader}``)."""
     from trt_sora.calibrate.gptq import gptq_round
 
-    out = {s: gptq_round(modules[s].weight, hessians[leader[s]], stats.amax[f"{s}.weight"], fmt,
-                         damp=config.gptq_damp).cpu()
-           for s in sites if tokens[leader[s]] and f"{s}.weight" in stats.amax}
-    return out
+    return {s: gptq_round(modules[s].weight, hessians[leader[s]], stats.amax[f"{s}.weight"], fmt,
+                          damp=config.gptq_damp).cpu()
+            for s in sites if tokens[leader[s]] and f"{s}.weight" in stats.amax}
 
 
 def _resolve_preset(adapter, config: CalibConfig, preset) -> CalibPreset:
