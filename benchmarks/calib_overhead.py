@@ -51,7 +51,7 @@ def main() -> None:
     args = ap.parse_args()
     from trt_sora.calibrate import histogram
 
-    shipped = histogram.REPLICAS
+    shipped, kernel = histogram.REPLICAS, histogram._gpu_abs_scaled
 
     adapter = get_adapter(args.model)
     model = adapter.load("bf16", "cuda")
@@ -70,7 +70,7 @@ def main() -> None:
     okw = observer_kwargs(CalibConfig(), "fp8_e4m3")
     variants = {}
     for v in args.variants.split(","):  # "torch": the histogram's torch path; "r<k>": the Triton path, k replicas
-        histogram._ABS_SCALED = False if v == "torch" else None
+        histogram._gpu_abs_scaled = (lambda: None) if v == "torch" else kernel
         histogram.REPLICAS = int(v[1:]) if v.startswith("r") else shipped
         with CollectionHooks(model, methods=ALL_METHODS, branches=("cond", "uncond"), observer_kwargs=okw) as hooks:
             step = [0]
@@ -88,7 +88,7 @@ def main() -> None:
                        "observed_forwards_per_s": round(1.0 / t_obs, 3),
                        "observed_ms_per_sample_and_branch": round(t_obs * 1e3 / batch, 1)}
         print(v, variants[v], flush=True)
-    histogram._ABS_SCALED, histogram.REPLICAS = None, shipped
+    histogram._gpu_abs_scaled, histogram.REPLICAS = kernel, shipped
     res = {"model": args.model, "cfg": args.cfg, "batch": batch, "point": point, "sites": n_sites,
            "plain_ms": round(t_plain * 1e3, 1), **variants[args.variants.split(",")[-1]], "variants": variants,
            "device": torch.cuda.get_device_name(0), "torch": torch.__version__}

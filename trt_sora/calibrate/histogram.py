@@ -18,6 +18,7 @@ tensors): no ``float(...)`` of a device value per batch. Counts are int64; a
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Mapping
 
 import torch
@@ -82,19 +83,16 @@ def batch_counts(x: Tensor, e: Tensor, num_bins: int, *, kernel: bool = True) ->
     return torch.cat(parts).to(torch.int64).sum(0)
 
 
+@functools.cache
 def _gpu_abs_scaled():
     """The Triton ``|x| * scale`` kernel, or None where Triton is not installed."""
-    global _ABS_SCALED
-    if _ABS_SCALED is None:
-        try:
-            from trt_sora.kernels.triton_ops import abs_scaled
-        except ImportError:
-            abs_scaled = False
-        _ABS_SCALED = abs_scaled
-    return _ABS_SCALED or None
+    try:
+        from trt_sora.kernels.triton_ops import abs_scaled
+    except ImportError:
+        return None
+    return abs_scaled
 
 
-_ABS_SCALED = None
 #: Copies of each bin on the GPU path (see :func:`trt_sora.kernels.triton_ops.abs_scaled`): ``histc``'s
 #: shared-memory atomics on a crowded bin hit two addresses. Measured on the H200 (benchmarks/README.md):
 #: 1 / 2 / 4 / 8 copies, 4.19 / 3.24 / 4.68 / 25.8 ms for a 294M-element FFN input.
