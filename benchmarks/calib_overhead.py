@@ -10,8 +10,10 @@ calibration observer installed (minmax, EMA, percentile, MSE on every linear inp
 sample). Prints and writes: ms per forward (plain, observed), the ratio, forwards per second, and
 the per-sample cost. Runs with the observers of whatever trt_sora is on PYTHONPATH, so the same
 command on an older checkout measures "before" (that one only knows ``--cfg split``).
-``--variants torch,r1,r4`` times the observed forward once per histogram path in the same process
-(``torch``: fp32 copy + abs + multiply + histc; ``r<k>``: the Triton pass with k bin replicas).
+``--variants torch,r1,r4,serial`` times the observed forward once per observer path in the same process
+(``torch``: fp32 copy + abs + multiply + histc; ``r<k>``: the Triton pass with k bin replicas; ``serial``:
+the observers on the forward's own stream instead of a side stream). ``--profile``: GPU time by kernel
+of one plain and one observed forward per variant.
 """
 from __future__ import annotations
 
@@ -45,8 +47,11 @@ def main() -> None:
     ap.add_argument("--height", type=int, default=60)
     ap.add_argument("--width", type=int, default=104)
     ap.add_argument("--variants", default="shipped",
-                    help="comma list of histogram paths to time: torch (fp32 copy + histc), r<k> (the Triton pass "
-                         "with k bin replicas), shipped; the last one is the headline")
+                    help="comma list of observer paths to time: torch (fp32 copy + histc), r<k> (the Triton pass "
+                         "with k bin replicas), serial (observers on the forward's own stream), shipped; the last "
+                         "one is the headline")
+    ap.add_argument("--profile", action="store_true",
+                    help="also a profiler split (top kernels by GPU time) of one plain and one observed forward")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     from trt_sora.calibrate import histogram
@@ -69,10 +74,14 @@ def main() -> None:
     t_plain = _time(plain, args.reps)
     okw = observer_kwargs(CalibConfig(), "fp8_e4m3")
     variants = {}
+    if args.profile:
+        from benchmarks.fp8_bench import profile_split
+    profiles = {"plain": profile_split(plain)} if args.profile else {}
     for v in args.variants.split(","):  # "torch": the histogram's torch path; "r<k>": the Triton path, k replicas
         histogram._gpu_abs_scaled = (lambda: None) if v == "torch" else kernel
         histogram.REPLICAS = int(v[1:]) if v.startswith("r") else shipped
-        with CollectionHooks(model, methods=ALL_METHODS, branches=("cond", "uncond"), observer_kwargs=okw) as hooks:
+        with CollectionHooks(model, methods=ALL_METHODS, branches=("cond", "uncond"), observer_kwargs=okw,
+                             overlap=v != "serial") as hooks:
             step = [0]
 
             @torch.inference_mode()
@@ -84,6 +93,8 @@ def main() -> None:
             observed()
             t_obs = _time(observed, args.reps)
             n_sites = len(hooks.sites)
+            if args.profile:
+                profiles[v] = profile_split(observed)
         variants[v] = {"observed_ms": round(t_obs * 1e3, 1), "overhead_ratio": round(t_obs / t_plain, 3),
                        "observed_forwards_per_s": round(1.0 / t_obs, 3),
                        "observed_ms_per_sample_and_branch": round(t_obs * 1e3 / batch, 1)}
@@ -91,7 +102,8 @@ def main() -> None:
     histogram._gpu_abs_scaled, histogram.REPLICAS = kernel, shipped
     res = {"model": args.model, "cfg": args.cfg, "batch": batch, "point": point, "sites": n_sites,
            "plain_ms": round(t_plain * 1e3, 1), **variants[args.variants.split(",")[-1]], "variants": variants,
-           "device": torch.cuda.get_device_name(0), "torch": torch.__version__}
+           "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+           **({"profiles": profiles} if args.profile else {})}
     print(json.dumps(res, indent=2))
     if args.out:
         with open(args.out, "w") as fh:

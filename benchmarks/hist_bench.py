@@ -5,6 +5,7 @@ of Wan 1.3B's FFN-down input at 480p x 81 (32,760 x 8,960), three ways:
 * ``fused_r{1,2,4,8}``: the shipped path, one Triton pass ``|x| * 2**-e`` -> fp32 (with r > 1: the bin's centre in
   one of r replicas of every bin, index mod r, so one bin's neighbours count at different addresses), then
   ``histc`` per chunk;
+* ``split<H>``: the H lowest bins counted by ``tl.histogram`` in the Triton pass, the rest by ``histc``;
 * ``hot<H>x<R>``: only the H lowest bins in R replicas (an outlier-stretched range crowds the data there),
   fewer histc bins than replicating all;
 * ``tl_histogram``: one Triton pass with ``tl.histogram`` (no fp32 temporary at all), to show why it is not
@@ -51,6 +52,43 @@ def _hot_kernel(X, SC, U, N, NB, HOT: tl.constexpr, R: tl.constexpr, BLOCK: tl.c
     b = tl.minimum(tl.maximum(u * NB, 0.0), NB - 1.0).to(tl.int32)
     slot = tl.where(b < HOT, b * R + (offs % R).to(tl.int32), HOT * R + b - HOT)
     tl.store(U + offs, (slot.to(tl.float32) + 0.5) / (NB + HOT * (R - 1)), mask=m)
+
+
+@triton.jit
+def _split_kernel(X, SC, U, HOT_COUNTS, N, NB, per_prog, HOT: tl.constexpr, BLOCK: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    sc = tl.load(SC)
+    h = tl.zeros([HOT], tl.int32)
+    for i in range(0, per_prog, BLOCK):
+        offs = pid * per_prog + i + tl.arange(0, BLOCK)
+        m = offs < N
+        u = tl.abs(tl.load(X + offs, mask=m, other=0.0).to(tl.float32)) * sc
+        b = tl.minimum(tl.maximum(u * NB, 0.0), NB - 1.0).to(tl.int32)
+        hot = b < HOT
+        h += tl.histogram(tl.where(hot, b, 0), HOT, mask=m & hot)
+        tl.store(U + offs, tl.where(hot, -1.0, u), mask=m)  # -1: outside histc's range, skipped
+    tl.atomic_add(HOT_COUNTS + tl.arange(0, HOT), h, sem="relaxed")
+
+
+def split_counts(x, e, nb, hot):
+    """The ``hot`` lowest bins counted by ``tl.histogram`` in a persistent Triton pass (one atomic add per
+    bin and program), every other element by ``histc``."""
+    from trt_sora.calibrate.histogram import CHUNK, unit_scale
+
+    scale = unit_scale(e)
+    parts, hots = [], []
+    progs = 4 * torch.cuda.get_device_properties(x.device).multi_processor_count
+    for chunk in x.reshape(-1).split(CHUNK):
+        n = chunk.numel()
+        u = torch.empty(n, device=x.device, dtype=torch.float32)
+        c = torch.zeros(hot, device=x.device, dtype=torch.int32)
+        per = triton.cdiv(triton.cdiv(n, min(triton.cdiv(n, 4096), progs)), 4096) * 4096
+        _split_kernel[(triton.cdiv(n, per),)](chunk, scale, u, c, n, nb, per, HOT=hot, BLOCK=4096, num_warps=8)
+        parts.append(torch.histc(u, bins=nb, min=0.0, max=1.0))
+        hots.append(c)
+    counts = torch.stack(parts).to(torch.int64).sum(0)
+    counts[:hot] += torch.stack(hots).to(torch.int64).sum(0)
+    return counts
 
 
 def hot_counts(x, e, nb, hot, r):
@@ -108,6 +146,9 @@ def main() -> None:
         res[f"fused_r{r}_ms"] = bench(lambda: batch_counts(x, e, a.bins))
         res[f"fused_r{r}_equal"] = torch.equal(batch_counts(x, e, a.bins), want)
     histogram.REPLICAS = shipped
+    for h in (32, 64, 128, 256):
+        res[f"split{h}_ms"] = bench(lambda: split_counts(x, e, a.bins, h))
+        res[f"split{h}_equal"] = torch.equal(split_counts(x, e, a.bins, h), want)
     for hot, r in ((128, 8), (256, 4), (256, 8), (512, 4)):
         res[f"hot{hot}x{r}_ms"] = bench(lambda: hot_counts(x, e, a.bins, hot, r))
         res[f"hot{hot}x{r}_equal"] = torch.equal(hot_counts(x, e, a.bins, hot, r), want)
@@ -115,6 +156,7 @@ def main() -> None:
     ew = exponent_of(wide.float().abs().amax())
     res["spread_torch_ms"] = bench(lambda: batch_counts(wide, ew, a.bins, kernel=False))
     res["spread_fused_ms"] = bench(lambda: batch_counts(wide, ew, a.bins))
+    res["spread_fused_equal"] = torch.equal(batch_counts(wide, ew, a.bins), batch_counts(wide, ew, a.bins, kernel=False))
     try:
         res["tl_histogram_ms"] = bench(lambda: tl_histogram(x, scale, a.bins))
         res["tl_histogram_equal"] = torch.equal(tl_histogram(x, scale, a.bins), want)

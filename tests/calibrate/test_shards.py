@@ -163,6 +163,32 @@ def test_site_updates_never_sync_with_the_host_on_cuda():
         assert torch.equal(a[m].cpu(), b[m]), m
 
 
+@pytest.mark.gpu
+def test_observers_on_a_side_stream_give_the_same_statistics(tiny_adapter):
+    """CollectionHooks(overlap=True) runs the observers on a side stream (ordered after each producing
+    kernel, joined before the host sync): every site's statistics equal the forward-stream run's, bit for
+    bit, over split and CFG-batched forwards, and the forward's own output is untouched."""
+    from trt_sora.calibrate.hooks import CollectionHooks
+
+    model = tiny_adapter.load("fp32", "cuda")
+    pt = {"batch": 2, "latent_frames": 3, "latent_height": 8, "latent_width": 8, "text_len": 16}
+    x = tiny_adapter.example_inputs(pt, device="cuda")
+    stats, outs = [], []
+    for overlap in (False, True):
+        with CollectionHooks(model, methods=METHODS, observer_kwargs=KW, overlap=overlap) as hooks:
+            for step in range(3):
+                with hooks.at(step=step, branch="cond+uncond"), torch.inference_mode():
+                    outs.append(tiny_adapter.forward(model, x))
+                with hooks.at(step=step, branch="cond"), torch.inference_mode():
+                    tiny_adapter.forward(model, x)
+        stats.append({n: s.compute_all() for n, s in hooks.used_sites().items()})
+    assert stats[0].keys() == stats[1].keys() and len(stats[0]) > 10
+    for name in stats[0]:
+        for m in METHODS:
+            assert torch.equal(stats[0][name][m], stats[1][name][m]), (name, m)
+    assert torch.equal(outs[0], outs[3])
+
+
 def test_hooks_summarize_a_shared_input_once(tiny_adapter, tiny_model, monkeypatch):
     """Q, K and V of self-attention read one tensor: one batch summary serves all three sites."""
     from trt_sora.calibrate.hooks import CollectionHooks
