@@ -53,20 +53,26 @@ def bench_ms(fn, iters=20) -> float:
 
 
 # -- attention -----------------------------------------------------------------------------------------------
+def attention_inputs(b: int, s: int, h: int, d: int = 128, seed: int = 0):
+    """``(qkv, wq, wk, cos, sin)`` of one self-attention layer on cuda: fused Q/K/V bf16 with a per-channel K
+    bias (what makes K smoothing matter), RMSNorm weights, RoPE angles."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    qkv = torch.randn(b, s, 3 * h * d, device="cuda", generator=g)
+    qkv[..., h * d:2 * h * d] += 3.0 * torch.randn(h * d, device="cuda", generator=g)
+    qkv = qkv.to(torch.bfloat16)
+    wq = (1 + 0.2 * torch.randn(h * d, device="cuda", generator=g)).to(torch.bfloat16)
+    wk = (1 + 0.2 * torch.randn(h * d, device="cuda", generator=g)).to(torch.bfloat16)
+    ang = torch.rand(s, d // 2, device="cuda", generator=g) * 6.28
+    return qkv, wq, wk, ang.cos().repeat_interleave(2, -1), ang.sin().repeat_interleave(2, -1)
+
+
 def attention_part(s=32760, h=40, d=128) -> dict:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from trt_sora.kernels import reference as ref
     from trt_sora.kernels import triton_ops as t
 
-    g = torch.Generator(device="cuda").manual_seed(0)
-    qkv = torch.randn(1, s, 3 * h * d, device="cuda", generator=g)
-    qkv[..., h * d:2 * h * d] += 3.0 * torch.randn(h * d, device="cuda", generator=g)
-    qkv = qkv.to(torch.bfloat16)
-    wq = (1 + 0.2 * torch.randn(h * d, device="cuda", generator=g)).to(torch.bfloat16)
-    wk = (1 + 0.2 * torch.randn(h * d, device="cuda", generator=g)).to(torch.bfloat16)
-    ang = torch.rand(s, d // 2, device="cuda", generator=g) * 6.28
-    cs, sn = ang.cos().repeat_interleave(2, -1), ang.sin().repeat_interleave(2, -1)
+    qkv, wq, wk, cs, sn = attention_inputs(1, s, h, d)
     ops8 = t.qkv_rmsnorm_rope(qkv, wq, wk, cs, sn, h, fp8=True)
     q, k, v = t.qkv_rmsnorm_rope(qkv, wq, wk, cs, sn, h, fp8=False)
     flops = 4.0 * s * s * d * h

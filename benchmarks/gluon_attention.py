@@ -206,22 +206,11 @@ def attention_fp8_hopper(q8, q_scale, k8, k_scale, vt8, v_scale, *, out_scale=No
     return o
 
 
-def _inputs(b, s, h, d=128, seed=1):
-    """The GPU tests' attention inputs: Q/K/V with a per-channel K bias, RMSNorm weights, RoPE angles."""
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    qkv = torch.randn(b, s, 3 * h * d, device="cuda", generator=g)
-    qkv[..., h * d:2 * h * d] += 3.0 * torch.randn(h * d, device="cuda", generator=g)
-    qkv = qkv.to(torch.bfloat16)
-    wq = (1 + 0.2 * torch.randn(h * d, device="cuda", generator=g)).to(torch.bfloat16)
-    wk = (1 + 0.2 * torch.randn(h * d, device="cuda", generator=g)).to(torch.bfloat16)
-    ang = torch.rand(s, d // 2, device="cuda", generator=g) * 6.28
-    return qkv, wq, wk, ang.cos().repeat_interleave(2, -1), ang.sin().repeat_interleave(2, -1), h
-
-
 def main() -> None:
     import triton
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from benchmarks.fp8_bench import attention_inputs
     from trt_sora.kernels import reference as ref
     from trt_sora.kernels import triton_ops as t
 
@@ -233,7 +222,7 @@ def main() -> None:
     cfgs = [tuple(int(x) for x in c.split(",")) for c in a.configs.split(";")]
     res = {"device": torch.cuda.get_device_name(0), "triton": triton.__version__, "bits": [], "ms": {}}
     for b, s, h in ((1, 100, 2), (1, 128, 2), (2, 1000, 2), (1, 4133, 2)):  # ragged, one tile, batch 2, many
-        ops = t.qkv_rmsnorm_rope(*_inputs(b, s, h), fp8=True)
+        ops = t.qkv_rmsnorm_rope(*attention_inputs(b, s, h, seed=1), h, fp8=True)
         want = t.attention_fp8(*ops)
         sc = torch.tensor(float(want.float().abs().max()) / 448, device="cuda")
         want8 = t.attention_fp8(*ops, out_scale=sc)
@@ -242,7 +231,7 @@ def main() -> None:
                                                             .view(torch.uint8), want8.view(torch.uint8))
                                                 for c in cfgs}})
     s, h, d = 32760, 40, 128
-    qkv, wq, wk, cs, sn, h = _inputs(1, s, h, seed=0)
+    qkv, wq, wk, cs, sn = attention_inputs(1, s, h, d)
     ops = t.qkv_rmsnorm_rope(qkv, wq, wk, cs, sn, h, fp8=True)
     bench = lambda fn: triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")  # noqa: E731
     for _ in range(2):

@@ -337,8 +337,10 @@ def _attn_configs():
     """Query tile x warps x PIPE (3 stages). A 64-row tile on one warpgroup needs about half the
     registers of a 128-row tile on two, so two CTAs share an SM and one's softmax (special-function
     unit) runs while another's tensor-core products do: the overlap that FA3 gets from ping-pong
-    scheduling. PIPE issues the next key tile's Q K^T before this tile's softmax (FA3's
-    intra-warpgroup overlap, by source order); it pays only on 128-row tiles. Every config computes
+    scheduling. PIPE issues the next key tile's Q K^T before this tile's softmax in source order
+    (FA3's intra-warpgroup order); Triton 3.6 still waits on that product right after issuing it
+    (SASS: ``WARPGROUP.DEPBAR.LE gsb0, 0x0``), so nothing overlaps within a CTA, yet it measured
+    faster on 128-row tiles (29.9 vs 31.6 ms) and is kept there. Every config computes
     bit-identical results (same key tiles, same per-row arithmetic in the same order), so the choice
     never changes numbers. Measured on the H200 and dropped (benchmarks/README.md): an exponential in
     packed f16 pairs (4% slower); three CTAs per SM at 168 registers and 2 stages (34 ms vs 29); 64-row
@@ -417,7 +419,7 @@ def _attn_fp8_kernel(Q8, QS, K8, KS, VT8, VS, O, OSC, S, S_pad, H, nblk, qk_scal
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     n_full = S // BLOCK_N
-    if PIPE:  # tile j+1's Q K^T in flight during tile j's softmax; the tile after the last full one is masked
+    if PIPE:  # tile j+1's Q K^T issued before tile j's softmax (Triton waits on it at once); last tile masked
         qk = tl.dot(q, tl.trans(_k_tile(K8, kp, bh, 0, S, D, BLOCK_N, TMA, True)))
         for j in range(0, n_full):
             qk_next = tl.dot(q, tl.trans(_k_tile(K8, kp, bh, (j + 1) * BLOCK_N, S, D, BLOCK_N, TMA, True)))
