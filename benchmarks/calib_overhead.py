@@ -10,9 +10,11 @@ calibration observer installed (minmax, EMA, percentile, MSE on every linear inp
 sample). Prints and writes: ms per forward (plain, observed), the ratio, forwards per second, and
 the per-sample cost. Runs with the observers of whatever trt_sora is on PYTHONPATH, so the same
 command on an older checkout measures "before" (that one only knows ``--cfg split``).
-``--variants torch,r1,r4,serial`` times the observed forward once per observer path in the same process
-(``torch``: fp32 copy + abs + multiply + histc; ``r<k>``: the Triton pass with k bin replicas; ``serial``:
-the observers on the forward's own stream instead of a side stream). ``--profile``: GPU time by kernel
+``--variants torch,r1,r4,cuda_c2,serial`` times the observed forward once per observer path in the same
+process (``torch``: fp32 copy + abs + multiply + histc; ``r<k>``: the Triton pass with k bin replicas,
+then histc; ``cuda_c<k>``: the NVRTC counting kernel with k sub-histograms per block, the shipped path
+(trt_sora.kernels.cuda_hist); ``serial``: the observers on the forward's own stream instead of a side
+stream). ``--profile``: GPU time by kernel
 of one plain and one observed forward per variant.
 """
 from __future__ import annotations
@@ -33,6 +35,19 @@ def _time(fn, reps: int) -> float:
     return (time.perf_counter() - t) / reps
 
 
+def _select(histogram, variant: str, replicas: int, kernel, counting) -> None:
+    """Point the histogram at one observer path: ``torch``, ``r<k>`` (Triton + histc, k replicas),
+    ``cuda_c<copies>`` (the NVRTC kernel), anything else the shipped one."""
+    histogram._gpu_abs_scaled = (lambda: None) if variant == "torch" else kernel
+    histogram.REPLICAS = int(variant[1:]) if variant.startswith("r") else replicas
+    if variant == "torch" or variant.startswith("r"):
+        histogram.CUDA_COPIES = None
+    elif variant.startswith("cuda_c"):
+        histogram.CUDA_COPIES = int(variant[len("cuda_c"):])
+    else:
+        histogram.CUDA_COPIES = counting
+
+
 def main() -> None:
     from trt_sora.calibrate.hooks import CollectionHooks
     from trt_sora.calibrate.run import ALL_METHODS, observer_kwargs
@@ -48,15 +63,15 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=104)
     ap.add_argument("--variants", default="shipped",
                     help="comma list of observer paths to time: torch (fp32 copy + histc), r<k> (the Triton pass "
-                         "with k bin replicas), serial (observers on the forward's own stream), shipped; the last "
-                         "one is the headline")
+                         "with k bin replicas), cuda_c<k> (the NVRTC kernel), serial (observers on the forward's own "
+                         "stream), shipped; the last one is the headline")
     ap.add_argument("--profile", action="store_true",
                     help="also a profiler split (top kernels by GPU time) of one plain and one observed forward")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     from trt_sora.calibrate import histogram
 
-    shipped, kernel = histogram.REPLICAS, histogram._gpu_abs_scaled
+    shipped, kernel, counting = histogram.REPLICAS, histogram._gpu_abs_scaled, histogram.CUDA_COPIES
 
     adapter = get_adapter(args.model)
     model = adapter.load("bf16", "cuda")
@@ -77,9 +92,8 @@ def main() -> None:
     if args.profile:
         from benchmarks.fp8_bench import profile_split
     profiles = {"plain": profile_split(plain)} if args.profile else {}
-    for v in args.variants.split(","):  # "torch": the histogram's torch path; "r<k>": the Triton path, k replicas
-        histogram._gpu_abs_scaled = (lambda: None) if v == "torch" else kernel
-        histogram.REPLICAS = int(v[1:]) if v.startswith("r") else shipped
+    for v in args.variants.split(","):
+        _select(histogram, v, shipped, kernel, counting)
         with CollectionHooks(model, methods=ALL_METHODS, branches=("cond", "uncond"), observer_kwargs=okw,
                              overlap=v != "serial") as hooks:
             step = [0]
@@ -99,7 +113,7 @@ def main() -> None:
                        "observed_forwards_per_s": round(1.0 / t_obs, 3),
                        "observed_ms_per_sample_and_branch": round(t_obs * 1e3 / batch, 1)}
         print(v, variants[v], flush=True)
-    histogram._gpu_abs_scaled, histogram.REPLICAS = kernel, shipped
+    histogram._gpu_abs_scaled, histogram.REPLICAS, histogram.CUDA_COPIES = kernel, shipped, counting
     res = {"model": args.model, "cfg": args.cfg, "batch": batch, "point": point, "sites": n_sites,
            "plain_ms": round(t_plain * 1e3, 1), **variants[args.variants.split(",")[-1]], "variants": variants,
            "device": torch.cuda.get_device_name(0), "torch": torch.__version__,

@@ -13,7 +13,8 @@
 # serve (after check: the serve GPU test, then serve_bench with and without dynamic batching on torch-fp8;
 # needs the serve extra's wheels: fastapi, uvicorn, prometheus-client, imageio-ffmpeg),
 # m13 / m14 (one transformer call, 480p x 81, batch 1: eager, compile, the torch-fp8 ladder),
-# calib13 / calib14 (calibration observer overhead), hist (one batch's |x| histogram three ways),
+# calib13 / calib14 (calibration observer overhead; CALIB_VARIANTS picks calib13's observer paths),
+# hist (one batch's |x| histogram several ways; HIST_ARGS=--only-cuda: the torch path and the NVRTC kernel),
 # m14b2 (14B batch 2), m14_720 (14B 720p batch 1), m14x (14B 480p batch 2, 720p batch 1 and 2: eager vs full torch-fp8,
 # one model build, no profiler; the JSON keeps what finished), prof14 (profiler of the 14B fp8 call),
 # peer (issue 17: wan-shapes calibrated here, then NVIDIA ModelOpt's FP8 recipe vs ours on 16 held-out
@@ -46,8 +47,8 @@ part() {  # name, limit_s, command...
 for p in "$@"; do
   case $p in
     tests) part tests 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels tests/runtime/test_torch_fp8.py tests/models/test_wan.py tests/calibrate/test_shards.py tests/calibrate/test_histogram.py ;;
-    calib13) part calib13 240 bash -c "python3 benchmarks/calib_overhead.py --model wan2.1-t2v-1.3b --cfg split --variants torch,r1,r2,r4 --out $OUT/calib13_split.json && python3 benchmarks/calib_overhead.py --model wan2.1-t2v-1.3b --cfg batched --out $OUT/calib13_batched.json" ;;
-    calib14) part calib14 360 python3 benchmarks/calib_overhead.py --model wan2.1-t2v-14b --cfg batched --reps 3 --out "$OUT/calib14_batched.json" ;;
+    calib13) part calib13 300 bash -c "python3 benchmarks/calib_overhead.py --model wan2.1-t2v-1.3b --cfg split --variants ${CALIB_VARIANTS:-r2,shipped} --out $OUT/calib13_split.json && python3 benchmarks/calib_overhead.py --model wan2.1-t2v-1.3b --cfg batched --variants ${CALIB_VARIANTS:-r2,shipped} --out $OUT/calib13_batched.json" ;;
+    calib14) part calib14 360 python3 benchmarks/calib_overhead.py --model wan2.1-t2v-14b --cfg batched --reps 3 --variants ${CALIB14_VARIANTS:-shipped} --out "$OUT/calib14_batched.json" ;;
     attention) part attention 240 python3 benchmarks/fp8_bench.py --parts attention --out "$OUT/attention.json" ;;
     quality) part quality 240 python3 benchmarks/fp8_quality.py --run "$RUN" \
                --prompts build/wan_shapes_heldout.safetensors --num 16 --out "$OUT/quality.json" ;;
@@ -60,7 +61,7 @@ for p in "$@"; do
               python3 benchmarks/quality_levers.py --calib fp8_e4m3=build/lev/calib_fp8_e4m3 \
               --calib int8=build/lev/calib_int8 --prompts build/lev/prompts.safetensors --device cuda \
               --variants \"$LEVERS\" --out $OUT/levers.json" ;;
-    hist) part hist 120 python3 benchmarks/hist_bench.py --out "$OUT/hist.json" ;;
+    hist) part hist 120 python3 benchmarks/hist_bench.py ${HIST_ARGS:-} --out "$OUT/hist.json" ;;
     ktests) part ktests 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels tests/calibrate/test_histogram.py ;;
     check) part check 200 python3 -m trt_sora check --run "$RUN" --recipe rtx4090-fp8 --backend torch-fp8 --device cuda ;;
     serve) part serve 540 bash -c "python3 -m pytest -q -m gpu -p no:cacheprovider tests/serve; \

@@ -1,13 +1,15 @@
 """Calibration histogram cost on the GPU: one batch's ``|x|`` counts (2048 bins) of a bf16 activation the size
-of Wan 1.3B's FFN-down input at 480p x 81 (32,760 x 8,960), three ways:
+of Wan 1.3B's FFN-down input at 480p x 81 (32,760 x 8,960), several ways:
 
 * ``torch``: fp32 copy, ``abs``, multiply by ``2**-e``, ``histc`` per 2**24-element chunk (``kernel=False``);
-* ``fused_r{1,2,4,8}``: the shipped path, one Triton pass ``|x| * 2**-e`` -> fp32 (with r > 1: the bin's centre in
+* ``fused_r{1,2,4,8}``: the earlier path, one Triton pass ``|x| * 2**-e`` -> fp32 (with r > 1: the bin's centre in
   one of r replicas of every bin, index mod r, so one bin's neighbours count at different addresses), then
   ``histc`` per chunk;
 * ``split<H>``: the H lowest bins counted by ``tl.histogram`` in the Triton pass, the rest by ``histc``;
 * ``hot<H>x<R>``: only the H lowest bins in R replicas (an outlier-stretched range crowds the data there),
   fewer histc bins than replicating all;
+* ``cuda_c<copies>``: the shipped path, the NVRTC counting kernel (:mod:`trt_sora.kernels.cuda_hist`):
+  shared-memory bins, ``copies`` sub-histograms per block (``--only-cuda``: just these and the torch path);
 * ``tl_histogram``: one Triton pass with ``tl.histogram`` (no fp32 temporary at all), to show why it is not
   the shipped path (its lowering costs about num_bins / 32 instructions per element).
 
@@ -121,11 +123,13 @@ def tl_histogram(x, scale, nb):
 def main() -> None:
     from trt_sora.calibrate import histogram
     from trt_sora.calibrate.histogram import batch_counts, exponent_of, unit_scale
+    from trt_sora.kernels import cuda_hist
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=32760)
     ap.add_argument("--width", type=int, default=8960)
     ap.add_argument("--bins", type=int, default=2048)
+    ap.add_argument("--only-cuda", action="store_true", help="only the torch path and the NVRTC kernel's variants")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -140,6 +144,29 @@ def main() -> None:
            "triton": triton.__version__}
     res["aminmax_ms"] = bench(lambda: torch.aminmax(x))
     res["torch_ms"] = bench(lambda: batch_counts(x, e, a.bins, kernel=False))
+    wide = (torch.randn(a.tokens, a.width, device="cuda", generator=g) * 0.5).to(torch.bfloat16)  # no outlier
+    ew = exponent_of(wide.float().abs().amax())
+    want_wide = batch_counts(wide, ew, a.bins, kernel=False)
+    flat = torch.zeros_like(x)  # zero padding (text rows past the prompt): the worst case of one bin
+    flat[0, 0] = 1.0
+    ef = exponent_of(flat.float().abs().amax())
+    for copies in (1, 2, 4, 8):
+        if a.bins > cuda_hist.max_bins(copies):
+            continue
+        name = f"cuda_c{copies}"
+        run = lambda t, s: cuda_hist.abs_histogram(t, s, a.bins, copies=copies)  # noqa: E731
+        res[f"{name}_ms"] = bench(lambda: run(x, scale))
+        res[f"{name}_equal"] = torch.equal(run(x, scale), want)
+        res[f"spread_{name}_ms"] = bench(lambda: run(wide, unit_scale(ew)))
+        res[f"spread_{name}_equal"] = torch.equal(run(wide, unit_scale(ew)), want_wide)
+        res[f"flat_{name}_ms"] = bench(lambda: run(flat, unit_scale(ef)))  # every element in bin 0
+    for dtype in (torch.float32, torch.float16):  # the other input dtypes, a ragged size: counts only
+        t = wide[:1001, :777].to(dtype)
+        et = exponent_of(t.float().abs().amax())
+        res[f"cuda_{str(dtype)[6:]}_equal"] = torch.equal(batch_counts(t, et, a.bins), batch_counts(t, et, a.bins, kernel=False))
+    if a.only_cuda:
+        return _finish(res, x.numel(), a.out)
+    histogram.CUDA_COPIES = None  # the Triton + histc variants below
     shipped = histogram.REPLICAS
     for r in (1, 2, 4, 8):
         histogram.REPLICAS = r
@@ -152,8 +179,6 @@ def main() -> None:
     for hot, r in ((128, 8), (256, 4), (256, 8), (512, 4)):
         res[f"hot{hot}x{r}_ms"] = bench(lambda: hot_counts(x, e, a.bins, hot, r))
         res[f"hot{hot}x{r}_equal"] = torch.equal(hot_counts(x, e, a.bins, hot, r), want)
-    wide = (torch.randn(a.tokens, a.width, device="cuda", generator=g) * 0.5).to(torch.bfloat16)  # no outlier
-    ew = exponent_of(wide.float().abs().amax())
     res["spread_torch_ms"] = bench(lambda: batch_counts(wide, ew, a.bins, kernel=False))
     res["spread_fused_ms"] = bench(lambda: batch_counts(wide, ew, a.bins))
     res["spread_fused_equal"] = torch.equal(batch_counts(wide, ew, a.bins), batch_counts(wide, ew, a.bins, kernel=False))
@@ -162,11 +187,15 @@ def main() -> None:
         res["tl_histogram_equal"] = torch.equal(tl_histogram(x, scale, a.bins), want)
     except Exception as exc:  # noqa: BLE001 - a compile failure is a result too
         res["tl_histogram_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+    _finish(res, x.numel(), a.out)
+
+
+def _finish(res: dict, numel: int, out: str | None) -> None:
     for k in [k for k in res if k.endswith("_ms")]:
-        res[k.replace("_ms", "_gbps")] = round(x.numel() * 2 / (res[k] * 1e-3) / 1e9, 1)
+        res[k.replace("_ms", "_gbps")] = round(numel * 2 / (res[k] * 1e-3) / 1e9, 1)
     print(json.dumps(res, indent=1))
-    if a.out:
-        Path(a.out).write_text(json.dumps(res, indent=1) + "\n")
+    if out:
+        Path(out).write_text(json.dumps(res, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -25,13 +25,22 @@ def test_counts_equal_numpy_for_every_dtype(dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("counting", ["cuda", "triton"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_gpu_kernel_counts_equal_the_torch_path(dtype):
-    """Counts with the Triton ``|x| * 2**-e`` pass equal the torch path's bin for bin: ragged sizes, more than
-    one histc chunk, zeros, outliers, bin counts from 16 to 8192, a tiny range and an all-zero batch."""
+def test_gpu_kernel_counts_equal_the_torch_path(dtype, counting, monkeypatch):
+    """Counts of both GPU paths (the NVRTC counting kernel; the Triton ``|x| * 2**-e`` pass + histc) equal the
+    torch path's bin for bin: ragged sizes, more than one histc chunk, zeros, outliers, bin counts from 16 to
+    8192, a tiny range and an all-zero batch."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
+    from trt_sora.calibrate import histogram
     from trt_sora.calibrate.histogram import CHUNK, batch_counts, exponent_of
+    from trt_sora.kernels import cuda_hist
+
+    if counting == "cuda":
+        assert cuda_hist.available(), "NVRTC / torch.cuda._compile_kernel missing on this GPU machine"
+    else:
+        monkeypatch.setattr(histogram, "CUDA_COPIES", None)
 
     g = torch.Generator(device="cuda").manual_seed(5)
     for n in (1, 4095, 4096 * 7 + 3, CHUNK + 4097):
@@ -48,3 +57,29 @@ def test_gpu_kernel_counts_equal_the_torch_path(dtype):
     for x in (tiny, torch.zeros(777, device="cuda", dtype=dtype)):
         e = exponent_of(x.float().abs().amax())
         assert torch.equal(batch_counts(x, e, 2048), batch_counts(x, e, 2048, kernel=False))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("copies", [1, 2, 4])
+def test_cuda_counting_equals_histc(copies):
+    """The NVRTC kernel with 1, 2 or 4 sub-histograms per block gives ``histc``'s bins: crowded low bins (an
+    outlier), a spread batch, a view that starts off the kernel's 16-byte vectors, a size no vector divides,
+    NaN skipped as ``histc`` skips it."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from trt_sora.calibrate.histogram import batch_counts, exponent_of, unit_scale
+    from trt_sora.kernels.cuda_hist import abs_histogram
+
+    g = torch.Generator(device="cuda").manual_seed(11)
+    base = torch.randn(3_000_011, device="cuda", generator=g).to(torch.bfloat16)
+    crowded = base.clone()
+    crowded[12345] = 1000.0
+    for x in (crowded, base, base[3:], base[8:-3]):  # whole, off the vectors (copied), a 16-byte-aligned view
+        e = exponent_of(x.float().abs().amax())
+        got = abs_histogram(x, unit_scale(e), 2048, copies=copies)
+        assert torch.equal(got, batch_counts(x, e, 2048, kernel=False)), (copies, x.numel())
+    holed = base.clone()
+    holed[::1000] = float("nan")
+    e = exponent_of(base.float().abs().amax())
+    want = batch_counts(holed[~holed.isnan()], e, 2048, kernel=False)
+    assert torch.equal(abs_histogram(holed, unit_scale(e), 2048, copies=copies), want)

@@ -22,5 +22,8 @@
                               ``|x|`` histogram (:func:`trt_sora.calibrate.histogram.batch_counts`)
   ==========================  ==========================================================================
 
+* :mod:`trt_sora.kernels.cuda_hist` - calibration's ``|x|`` histogram as one CUDA kernel compiled by
+  NVRTC at run time (shared-memory atomics, which Triton lacks); the same bins as ``torch.histc``.
+
 Importing this package loads nothing heavy.
 """
