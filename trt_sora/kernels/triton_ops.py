@@ -195,10 +195,21 @@ def _rms_kernel(QKV, RSTD, S, C, eps, BLOCK_S: tl.constexpr, BLOCK_C: tl.constex
 
 
 @triton.jit
-def _norm_rope_tile(QKV, RSTD, W, COS, SIN, row64, rm, col0, h, which: tl.constexpr, C, D: tl.constexpr,
-                    BLOCK_S: tl.constexpr, ROPE: tl.constexpr, pos):
+def _rope_tile(CS, pos, rm, D: tl.constexpr, BLOCK_S: tl.constexpr):
+    """``(cos of the even lanes, sin of the odd lanes)`` [BLOCK_S, D // 2] at token positions ``pos``, from the
+    compact table ``CS`` [S, D // 2, 2] (:func:`_rope_table`): one [BLOCK_S, D] fp32 load per tile, shared by
+    Q and K, instead of a cos and a sin tile for each."""
+    d = tl.arange(0, D)
+    cs = tl.load(CS + pos[:, None] * D + d[None, :], mask=rm[:, None], other=0.0)
+    return tl.split(tl.reshape(cs, (BLOCK_S, D // 2, 2)))
+
+
+@triton.jit
+def _norm_rope_tile(QKV, RSTD, W, ce, so, row64, rm, col0, h, which: tl.constexpr, C, D: tl.constexpr,
+                    BLOCK_S: tl.constexpr, ROPE: tl.constexpr):
     """One head's [BLOCK_S, D] tile of Q (``which`` 0) or K (1): RMSNorm (bf16 rounding as
-    diffusers), interleaved-pair RoPE at token positions ``pos`` (bf16 rounding), as fp32."""
+    diffusers), interleaved-pair RoPE with the tile's ``ce``/``so`` (:func:`_rope_tile`; bf16 rounding),
+    as fp32. Rows past S load as zeros and stay zeros."""
     d = tl.arange(0, D)
     x = tl.load(QKV + row64[:, None] * (3 * C) + col0 + h * D + d[None, :], mask=rm[:, None], other=0.0)
     r = tl.load(RSTD + row64 * 2 + which, mask=rm, other=0.0)
@@ -206,10 +217,6 @@ def _norm_rope_tile(QKV, RSTD, W, COS, SIN, row64, rm, col0, h, which: tl.conste
     x = (x.to(tl.float32) * r[:, None] * w[None, :]).to(tl.bfloat16).to(tl.float32)
     if ROPE:
         e, o = tl.split(tl.reshape(x, (BLOCK_S, D // 2, 2)))
-        cs = tl.load(COS + pos[:, None] * D + d[None, :], mask=rm[:, None], other=1.0)
-        sn = tl.load(SIN + pos[:, None] * D + d[None, :], mask=rm[:, None], other=0.0)
-        ce, _ = tl.split(tl.reshape(cs, (BLOCK_S, D // 2, 2)))
-        _, so = tl.split(tl.reshape(sn, (BLOCK_S, D // 2, 2)))
         e2 = (e * ce - o * so).to(tl.bfloat16).to(tl.float32)
         o2 = (e * so + o * ce).to(tl.bfloat16).to(tl.float32)
         x = tl.reshape(tl.join(e2, o2), (BLOCK_S, D))
@@ -217,7 +224,7 @@ def _norm_rope_tile(QKV, RSTD, W, COS, SIN, row64, rm, col0, h, which: tl.conste
 
 
 @triton.jit
-def _qkv_post_kernel(QKV, RSTD, WQ, WK, COS, SIN, QO, KO, VO, QS, KSUM, VMAX, S, H, nblk,
+def _qkv_post_kernel(QKV, RSTD, WQ, WK, CS, QO, KO, VO, QS, KSUM, VMAX, S, H, nblk,
                      D: tl.constexpr, BLOCK_S: tl.constexpr, ROPE: tl.constexpr, Q8_OUT: tl.constexpr):
     """Per (token block, batch x head): Q normalized + roped (INT8 per block, or bf16), K the same
     (bf16 path) or its partial per-channel sums (8-bit path: K is quantized once its mean is known),
@@ -233,8 +240,13 @@ def _qkv_post_kernel(QKV, RSTD, WQ, WK, COS, SIN, QO, KO, VO, QS, KSUM, VMAX, S,
     pos = t.to(tl.int64)
     d = tl.arange(0, D)
     out = (bh.to(tl.int64) * S + t)[:, None] * D + d[None, :]
-    q = _norm_rope_tile(QKV, RSTD, WQ, COS, SIN, row64, rm, 0, h, 0, C, D, BLOCK_S, ROPE, pos)
-    k = _norm_rope_tile(QKV, RSTD, WK, COS, SIN, row64, rm, C, h, 1, C, D, BLOCK_S, ROPE, pos)
+    if ROPE:
+        ce, so = _rope_tile(CS, pos, rm, D, BLOCK_S)
+    else:
+        ce = tl.zeros([BLOCK_S, D // 2], tl.float32)
+        so = ce
+    q = _norm_rope_tile(QKV, RSTD, WQ, ce, so, row64, rm, 0, h, 0, C, D, BLOCK_S, ROPE)
+    k = _norm_rope_tile(QKV, RSTD, WK, ce, so, row64, rm, C, h, 1, C, D, BLOCK_S, ROPE)
     v = tl.load(QKV + row64[:, None] * (3 * C) + 2 * C + h * D + d[None, :], mask=rm[:, None], other=0.0)
     if Q8_OUT:
         s = tl.max(tl.max(tl.abs(q), 1), 0) / 127.0
@@ -251,7 +263,7 @@ def _qkv_post_kernel(QKV, RSTD, WQ, WK, COS, SIN, QO, KO, VO, QS, KSUM, VMAX, S,
 
 
 @triton.jit
-def _kv_quant_kernel(QKV, RSTD, WK, COS, SIN, KMEAN, K8, KS, VS, VT8, S, S_pad, H, nblk, D: tl.constexpr,
+def _kv_quant_kernel(QKV, RSTD, WK, CS, KMEAN, K8, KS, VS, VT8, S, S_pad, H, nblk, D: tl.constexpr,
                      BLOCK_S: tl.constexpr, ROPE: tl.constexpr):
     """K (recomputed from ``qkv``: cheaper than a bf16 round trip) minus its mean -> INT8 per block;
     V -> FP8 per channel, stored transposed [D, S_pad] for the PV tensor-core product."""
@@ -264,7 +276,12 @@ def _kv_quant_kernel(QKV, RSTD, WK, COS, SIN, KMEAN, K8, KS, VS, VT8, S, S_pad, 
     rm = t < S
     row64 = (b * S + t).to(tl.int64)
     d = tl.arange(0, D)
-    k = _norm_rope_tile(QKV, RSTD, WK, COS, SIN, row64, rm, C, h, 1, C, D, BLOCK_S, ROPE, t.to(tl.int64))
+    if ROPE:
+        ce, so = _rope_tile(CS, t.to(tl.int64), rm, D, BLOCK_S)
+    else:
+        ce = tl.zeros([BLOCK_S, D // 2], tl.float32)
+        so = ce
+    k = _norm_rope_tile(QKV, RSTD, WK, ce, so, row64, rm, C, h, 1, C, D, BLOCK_S, ROPE)
     k = tl.where(rm[:, None], k - tl.load(KMEAN + bh * D + d)[None, :], 0.0)
     s = tl.max(tl.max(tl.abs(k), 1), 0) / 127.0
     s = tl.where(s > 0, s, 1.0)
@@ -273,6 +290,12 @@ def _kv_quant_kernel(QKV, RSTD, WK, COS, SIN, KMEAN, K8, KS, VS, VT8, S, S_pad, 
     v = tl.load(QKV + row64[:, None] * (3 * C) + 2 * C + h * D + d[None, :], mask=rm[:, None], other=0.0)
     v8 = _q8(v.to(tl.float32), tl.load(VS + bh * D + d)[None, :])
     tl.store(VT8 + bh.to(tl.int64) * D * S_pad + d[:, None] * S_pad + t[None, :], tl.trans(v8), mask=rm[None, :])
+
+
+def _rope_table(cos, sin):
+    """fp32 [S, D // 2, 2]: ``cos[:, 0::2]`` and ``sin[:, 1::2]`` interleaved, the only lanes the
+    interleaved-pair rotation reads (half the bytes of ``cos`` and ``sin``, one load per tile)."""
+    return torch.stack((cos[:, 0::2], sin[:, 1::2]), dim=-1).float().contiguous()
 
 
 def rms_stats(qkv, eps: float = 1e-6):
@@ -307,18 +330,18 @@ def qkv_rmsnorm_rope(qkv, wq, wk, cos, sin, heads: int, eps: float = 1e-6, *, fp
     nblk = triton.cdiv(s, SCALE_BLOCK)
     grid = (nblk, b * heads)
     rope = cos is not None
-    cs, sn = (cos, sin) if rope else (qkv, qkv)
+    cs = _rope_table(cos, sin) if rope else qkv  # never read without RoPE
     rstd = _rstd(qkv, eps) if rstd is None else rstd
     if not fp8:
         q, k, v = (torch.empty((b, heads, s, d), device=dev, dtype=torch.bfloat16) for _ in range(3))
-        _qkv_post_kernel[grid](qkv, rstd, wq, wk, cs, sn, q, k, v, rstd, rstd, rstd, s, heads, nblk, D=d,
+        _qkv_post_kernel[grid](qkv, rstd, wq, wk, cs, q, k, v, rstd, rstd, rstd, s, heads, nblk, D=d,
                                BLOCK_S=SCALE_BLOCK, ROPE=rope, Q8_OUT=False, num_warps=EPILOGUE_WARPS["post"])
         return q, k, v
     q8 = torch.empty((b, heads, s, d), device=dev, dtype=torch.int8)
     qs = torch.empty((b, heads, nblk), device=dev, dtype=torch.float32)
     ksum = torch.empty((b, heads, nblk, d), device=dev, dtype=torch.float32)
     vmax = torch.empty((b, heads, nblk, d), device=dev, dtype=torch.float32)
-    _qkv_post_kernel[grid](qkv, rstd, wq, wk, cs, sn, q8, q8, q8, qs, ksum, vmax, s, heads, nblk, D=d,
+    _qkv_post_kernel[grid](qkv, rstd, wq, wk, cs, q8, q8, q8, qs, ksum, vmax, s, heads, nblk, D=d,
                            BLOCK_S=SCALE_BLOCK, ROPE=rope, Q8_OUT=True, num_warps=EPILOGUE_WARPS["post"])
     k_mean = ksum.sum(dim=2) / s  # deterministic two-stage reduction (no atomics)
     v_scale = vmax.amax(dim=2) / FP8_MAX
@@ -327,7 +350,7 @@ def qkv_rmsnorm_rope(qkv, wq, wk, cos, sin, heads: int, eps: float = 1e-6, *, fp
     k8 = torch.empty((b, heads, s, d), device=dev, dtype=torch.int8)
     ks = torch.empty((b, heads, nblk), device=dev, dtype=torch.float32)
     vt8 = torch.empty((b, heads, d, s_pad), device=dev, dtype=FP8)
-    _kv_quant_kernel[grid](qkv, rstd, wk, cs, sn, k_mean, k8, ks, v_scale, vt8, s, s_pad, heads, nblk, D=d,
+    _kv_quant_kernel[grid](qkv, rstd, wk, cs, k_mean, k8, ks, v_scale, vt8, s, s_pad, heads, nblk, D=d,
                            BLOCK_S=SCALE_BLOCK, ROPE=rope, num_warps=EPILOGUE_WARPS["kv"])
     return q8, qs, k8, ks, vt8, v_scale
 
