@@ -195,13 +195,18 @@ def _rms_kernel(QKV, RSTD, S, C, eps, BLOCK_S: tl.constexpr, BLOCK_C: tl.constex
 
 
 @triton.jit
-def _rope_tile(CS, pos, rm, D: tl.constexpr, BLOCK_S: tl.constexpr):
+def _rope_tile(CS, pos, rm, D: tl.constexpr, BLOCK_S: tl.constexpr, ROPE: tl.constexpr):
     """``(cos of the even lanes, sin of the odd lanes)`` [BLOCK_S, D // 2] at token positions ``pos``, from the
     compact table ``CS`` [S, D // 2, 2] (:func:`_rope_table`): one [BLOCK_S, D] fp32 load per tile, shared by
-    Q and K, instead of a cos and a sin tile for each."""
-    d = tl.arange(0, D)
-    cs = tl.load(CS + pos[:, None] * D + d[None, :], mask=rm[:, None], other=0.0)
-    return tl.split(tl.reshape(cs, (BLOCK_S, D // 2, 2)))
+    Q and K, instead of a cos and a sin tile for each. Zeros (never used) without RoPE."""
+    if ROPE:
+        d = tl.arange(0, D)
+        cs = tl.load(CS + pos[:, None] * D + d[None, :], mask=rm[:, None], other=0.0)
+        ce, so = tl.split(tl.reshape(cs, (BLOCK_S, D // 2, 2)))
+    else:
+        ce = tl.zeros([BLOCK_S, D // 2], tl.float32)
+        so = ce
+    return ce, so
 
 
 @triton.jit
@@ -240,11 +245,7 @@ def _qkv_post_kernel(QKV, RSTD, WQ, WK, CS, QO, KO, VO, QS, KSUM, VMAX, S, H, nb
     pos = t.to(tl.int64)
     d = tl.arange(0, D)
     out = (bh.to(tl.int64) * S + t)[:, None] * D + d[None, :]
-    if ROPE:
-        ce, so = _rope_tile(CS, pos, rm, D, BLOCK_S)
-    else:
-        ce = tl.zeros([BLOCK_S, D // 2], tl.float32)
-        so = ce
+    ce, so = _rope_tile(CS, pos, rm, D, BLOCK_S, ROPE)
     q = _norm_rope_tile(QKV, RSTD, WQ, ce, so, row64, rm, 0, h, 0, C, D, BLOCK_S, ROPE)
     k = _norm_rope_tile(QKV, RSTD, WK, ce, so, row64, rm, C, h, 1, C, D, BLOCK_S, ROPE)
     v = tl.load(QKV + row64[:, None] * (3 * C) + 2 * C + h * D + d[None, :], mask=rm[:, None], other=0.0)
@@ -276,11 +277,7 @@ def _kv_quant_kernel(QKV, RSTD, WK, CS, KMEAN, K8, KS, VS, VT8, S, S_pad, H, nbl
     rm = t < S
     row64 = (b * S + t).to(tl.int64)
     d = tl.arange(0, D)
-    if ROPE:
-        ce, so = _rope_tile(CS, t.to(tl.int64), rm, D, BLOCK_S)
-    else:
-        ce = tl.zeros([BLOCK_S, D // 2], tl.float32)
-        so = ce
+    ce, so = _rope_tile(CS, t.to(tl.int64), rm, D, BLOCK_S, ROPE)
     k = _norm_rope_tile(QKV, RSTD, WK, ce, so, row64, rm, C, h, 1, C, D, BLOCK_S, ROPE)
     k = tl.where(rm[:, None], k - tl.load(KMEAN + bh * D + d)[None, :], 0.0)
     s = tl.max(tl.max(tl.abs(k), 1), 0) / 127.0
