@@ -74,7 +74,7 @@ def batch_counts(x: Tensor, e: Tensor, num_bins: int, *, kernel: bool = True) ->
     Chunk counts are summed once, in int64.
     """
     scale = unit_scale(e)
-    if kernel and x.is_cuda and CUDA_COPIES is not None and cuda_hist.supports(x, num_bins, CUDA_COPIES):
+    if kernel and CUDA_COPIES is not None and cuda_hist.supports(x, num_bins, CUDA_COPIES):
         return cuda_hist.abs_histogram(x, scale, num_bins, copies=CUDA_COPIES)
     fused = _gpu_abs_scaled() if kernel and x.is_cuda else None
     reps = REPLICAS if fused is not None and num_bins * REPLICAS <= MAX_REPLICATED_BINS else 1

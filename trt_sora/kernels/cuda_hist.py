@@ -41,7 +41,8 @@ MAX_ELEMENTS = 1 << 30
 _KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 _SOURCE = r"""
-// KIND 0 fp32 (4 per 16-byte load), 1 bf16 (8), 2 fp16 (8); NB bins; COPIES sub-histograms per block.
+// KIND 0 fp32 (4 per 16-byte load), 1 bf16 (8), 2 fp16 (8); NB bins; COPIES sub-histograms per block;
+// THREADS per block (the launch's).
 #define VEC (KIND == 0 ? 4 : 8)
 
 __device__ __forceinline__ float half_to_float(unsigned short h) {
@@ -84,7 +85,7 @@ __device__ __forceinline__ float load_one(const void* x, long long i) {
 #endif
 }
 
-extern "C" __global__ void __launch_bounds__(256) abs_hist(const void* __restrict__ x,
+extern "C" __global__ void __launch_bounds__(THREADS) abs_hist(const void* __restrict__ x,
         const float* __restrict__ scale_ptr, unsigned long long* __restrict__ out, int n) {
     extern __shared__ unsigned int sh[];
     for (int i = threadIdx.x; i < COPIES * NB; i += blockDim.x) sh[i] = 0u;
@@ -129,7 +130,7 @@ def _kernel(kind: int, num_bins: int, copies: int, device_index: int):
     from torch.cuda import _compile_kernel
     from torch.utils import cpp_extension
 
-    opts = [f"-DKIND={kind}", f"-DNB={num_bins}", f"-DCOPIES={copies}"]
+    opts = [f"-DKIND={kind}", f"-DNB={num_bins}", f"-DCOPIES={copies}", f"-DTHREADS={THREADS}"]
     # torch adds CUDA_HOME/include to NVRTC's include path and raises where no toolkit is installed (a
     # wheel-only machine). The kernel includes no header: point it at torch's own folder meanwhile.
     home = cpp_extension.CUDA_HOME
@@ -177,11 +178,11 @@ def abs_histogram(x: torch.Tensor, scale: torch.Tensor, num_bins: int, *, copies
     out = torch.zeros(num_bins, dtype=torch.int64, device=x.device)
     if x.data_ptr() % 16:  # the kernel reads 16-byte vectors
         x = x.clone()
-    kernel = _kernel(_KINDS[x.dtype], num_bins, copies, x.device.index or 0)
-    step = MAX_ELEMENTS
-    for start in range(0, x.numel(), step):
-        part = x[start:start + step]  # step is a multiple of 8: every part stays 16-byte aligned
-        blocks = max(1, min(_blocks_per_device(x.device.index or 0), -(-part.numel() // (THREADS * 8))))
+    dev = x.device.index or 0
+    kernel = _kernel(_KINDS[x.dtype], num_bins, copies, dev)
+    for start in range(0, x.numel(), MAX_ELEMENTS):
+        part = x[start:start + MAX_ELEMENTS]  # a multiple of 8 elements: every part stays 16-byte aligned
+        blocks = max(1, min(_blocks_per_device(dev), -(-part.numel() // (THREADS * 8))))
         kernel(grid=(blocks, 1, 1), block=(THREADS, 1, 1), args=[part, scale, out, part.numel()],
                shared_mem=4 * copies * num_bins)
     return out
