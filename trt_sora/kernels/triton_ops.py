@@ -18,6 +18,8 @@ from trt_sora.kernels.reference import FP8, FP8_MAX
 SCALE_BLOCK = 128  # tokens per Q / K quantization block = the attention kernel's tile (one scale per tile)
 #: Warps of the fused-QKV epilogue's three launches (per-token RMS, per-head tile pass, K/V quantization).
 EPILOGUE_WARPS = {"rms": 4, "post": 8, "kv": 8}
+#: The epilogue's tile passes launch the heads of one token block together (see :func:`_tile_ids`).
+EPILOGUE_HEADS_FAST = True
 
 __all__ = ["SCALE_BLOCK", "abs_scaled", "attention_fp8", "gated_add", "gelu_quant", "heads_to_tokens",
            "kv_descriptors", "qkv_rmsnorm_rope", "quantize", "residual_norm_quant", "rms_stats"]
@@ -195,6 +197,16 @@ def _rms_kernel(QKV, RSTD, S, C, eps, BLOCK_S: tl.constexpr, BLOCK_C: tl.constex
 
 
 @triton.jit
+def _tile_ids(HEADS_FAST: tl.constexpr):
+    """``(token block, batch x head)`` of this program. HEADS_FAST: the grid is (B*H, blocks), so the
+    programs launched together are the heads of one token block: they share its RoPE table tile and
+    RMS statistics in L2 and read whole token rows of ``qkv``."""
+    if HEADS_FAST:
+        return tl.program_id(1), tl.program_id(0)
+    return tl.program_id(0), tl.program_id(1)
+
+
+@triton.jit
 def _rope_tile(CS, pos, rm, D: tl.constexpr, BLOCK_S: tl.constexpr, ROPE: tl.constexpr):
     """``(cos of the even lanes, sin of the odd lanes)`` [BLOCK_S, D // 2] at token positions ``pos``, from the
     compact table ``CS`` [S, D // 2, 2] (:func:`_rope_table`): one [BLOCK_S, D] fp32 load per tile, shared by
@@ -230,12 +242,12 @@ def _norm_rope_tile(QKV, RSTD, W, ce, so, row64, rm, col0, h, which: tl.constexp
 
 @triton.jit
 def _qkv_post_kernel(QKV, RSTD, WQ, WK, CS, QO, KO, VO, QS, KSUM, VMAX, S, H, nblk,
-                     D: tl.constexpr, BLOCK_S: tl.constexpr, ROPE: tl.constexpr, Q8_OUT: tl.constexpr):
+                     D: tl.constexpr, BLOCK_S: tl.constexpr, ROPE: tl.constexpr, Q8_OUT: tl.constexpr,
+                     HEADS_FAST: tl.constexpr):
     """Per (token block, batch x head): Q normalized + roped (INT8 per block, or bf16), K the same
     (bf16 path) or its partial per-channel sums (8-bit path: K is quantized once its mean is known),
     V copied (bf16 path) or its partial per-channel amax."""
-    pid_s = tl.program_id(0)
-    bh = tl.program_id(1)
+    pid_s, bh = _tile_ids(HEADS_FAST)
     b = bh // H
     h = bh % H
     C = H * D
@@ -265,11 +277,10 @@ def _qkv_post_kernel(QKV, RSTD, WQ, WK, CS, QO, KO, VO, QS, KSUM, VMAX, S, H, nb
 
 @triton.jit
 def _kv_quant_kernel(QKV, RSTD, WK, CS, KMEAN, K8, KS, VS, VT8, S, S_pad, H, nblk, D: tl.constexpr,
-                     BLOCK_S: tl.constexpr, ROPE: tl.constexpr):
+                     BLOCK_S: tl.constexpr, ROPE: tl.constexpr, HEADS_FAST: tl.constexpr):
     """K (recomputed from ``qkv``: cheaper than a bf16 round trip) minus its mean -> INT8 per block;
     V -> FP8 per channel, stored transposed [D, S_pad] for the PV tensor-core product."""
-    pid_s = tl.program_id(0)
-    bh = tl.program_id(1)
+    pid_s, bh = _tile_ids(HEADS_FAST)
     b = bh // H
     h = bh % H
     C = H * D
@@ -325,21 +336,23 @@ def qkv_rmsnorm_rope(qkv, wq, wk, cos, sin, heads: int, eps: float = 1e-6, *, fp
     d = c // heads
     dev = qkv.device
     nblk = triton.cdiv(s, SCALE_BLOCK)
-    grid = (nblk, b * heads)
+    hf = EPILOGUE_HEADS_FAST
+    grid = (b * heads, nblk) if hf else (nblk, b * heads)
+    pw = EPILOGUE_WARPS["post"]
     rope = cos is not None
     cs = _rope_table(cos, sin) if rope else qkv  # never read without RoPE
     rstd = _rstd(qkv, eps) if rstd is None else rstd
     if not fp8:
         q, k, v = (torch.empty((b, heads, s, d), device=dev, dtype=torch.bfloat16) for _ in range(3))
         _qkv_post_kernel[grid](qkv, rstd, wq, wk, cs, q, k, v, rstd, rstd, rstd, s, heads, nblk, D=d,
-                               BLOCK_S=SCALE_BLOCK, ROPE=rope, Q8_OUT=False, num_warps=EPILOGUE_WARPS["post"])
+                               BLOCK_S=SCALE_BLOCK, ROPE=rope, Q8_OUT=False, HEADS_FAST=hf, num_warps=pw)
         return q, k, v
     q8 = torch.empty((b, heads, s, d), device=dev, dtype=torch.int8)
     qs = torch.empty((b, heads, nblk), device=dev, dtype=torch.float32)
     ksum = torch.empty((b, heads, nblk, d), device=dev, dtype=torch.float32)
     vmax = torch.empty((b, heads, nblk, d), device=dev, dtype=torch.float32)
     _qkv_post_kernel[grid](qkv, rstd, wq, wk, cs, q8, q8, q8, qs, ksum, vmax, s, heads, nblk, D=d,
-                           BLOCK_S=SCALE_BLOCK, ROPE=rope, Q8_OUT=True, num_warps=EPILOGUE_WARPS["post"])
+                           BLOCK_S=SCALE_BLOCK, ROPE=rope, Q8_OUT=True, HEADS_FAST=hf, num_warps=pw)
     k_mean = ksum.sum(dim=2) / s  # deterministic two-stage reduction (no atomics)
     v_scale = vmax.amax(dim=2) / FP8_MAX
     v_scale = torch.where(v_scale > 0, v_scale, torch.ones_like(v_scale))
@@ -348,7 +361,7 @@ def qkv_rmsnorm_rope(qkv, wq, wk, cos, sin, heads: int, eps: float = 1e-6, *, fp
     ks = torch.empty((b, heads, nblk), device=dev, dtype=torch.float32)
     vt8 = torch.empty((b, heads, d, s_pad), device=dev, dtype=FP8)
     _kv_quant_kernel[grid](qkv, rstd, wk, cs, k_mean, k8, ks, v_scale, vt8, s, s_pad, heads, nblk, D=d,
-                           BLOCK_S=SCALE_BLOCK, ROPE=rope, num_warps=EPILOGUE_WARPS["kv"])
+                           BLOCK_S=SCALE_BLOCK, ROPE=rope, HEADS_FAST=hf, num_warps=EPILOGUE_WARPS["kv"])
     return q8, qs, k8, ks, vt8, v_scale
 
 
