@@ -68,6 +68,16 @@ def test_backend_quantizes_exactly_the_qdq_map_sites(base_run):
     assert rep["fp8_attention_layers"] == len(r.blocks) and rep["bf16_attention_layers"] == 0
 
 
+def test_fast_accumulation_reaches_every_fp8_gemm(base_run):
+    from trt_sora.models.wan_fp8 import Gemm
+
+    for fast in (False, True):
+        r = _runner(base_run, fast_accum=fast)
+        gemms = [m for m in r.model.modules() if isinstance(m, Gemm) and m.fp8]
+        assert len(gemms) == r.expected_gemms() > 0 and {m.fast_accum for m in gemms} == {fast}
+        assert r.report()["gemm_fast_accum"] is False  # the CPU reference kernels accumulate in fp32
+
+
 @pytest.mark.parametrize("with_stats_weight_amax", [False, True])
 def test_weight_prequantization_round_trip(with_stats_weight_amax):
     from trt_sora.models.wan_fp8 import Gemm
@@ -130,7 +140,8 @@ def test_int8_artifacts_are_refused_with_the_fix(base_run, tmp_path):
 
 # -- GPU: the Triton kernels and torch._scaled_mm ------------------------------------------------------
 @pytest.mark.gpu
-def test_gpu_backend_matches_fake_quant_and_graphs_replay_exactly(base_run):
+@pytest.mark.parametrize("fast_accum", [False, True])
+def test_gpu_backend_matches_fake_quant_and_graphs_replay_exactly(base_run, fast_accum):
     from trt_sora.runners import TorchFakeQuantRunner
     from trt_sora.runners.fp8_runner import AttentionPolicy
 
@@ -139,14 +150,16 @@ def test_gpu_backend_matches_fake_quant_and_graphs_replay_exactly(base_run):
     feeds = _feeds(seed=4)
     want = fq.infer(feeds)["sample"]
     for attn, min_cos in ((False, 0.999), (True, 0.995)):
-        eager = _runner(base_run, device="cuda", cuda_graphs=False, attention=AttentionPolicy(enabled=attn))
-        graph = _runner(base_run, device="cuda", cuda_graphs=True, attention=AttentionPolicy(enabled=attn))
+        kw = dict(attention=AttentionPolicy(enabled=attn), fast_accum=fast_accum)
+        eager = _runner(base_run, device="cuda", cuda_graphs=False, **kw)
+        graph = _runner(base_run, device="cuda", cuda_graphs=True, **kw)
         a = eager.infer(feeds)["sample"]
         b1, b2 = graph.infer(feeds)["sample"], graph.infer(feeds)["sample"]
         assert _cos(a, want) > min_cos
         assert (b1 == a).all() and (b2 == a).all()
         assert graph.report()["cuda_graphs"] == 1
         assert eager.report()["fp8_gemms_per_call"] == eager.expected_gemms() > 0
+        assert eager.report()["gemm_fast_accum"] is fast_accum
 
 
 def test_runtime_refuses_torch_fp8_without_its_own_parity_report(checked_run):
@@ -175,5 +188,8 @@ def test_gpu_check_on_torch_fp8_then_auto_serves_it(base_run, tmp_path):
     assert ran["fp8_gemms_per_call"] > 0 and ran["fp8_attention_layers"] == 2 and ran["sm"] >= "8.9"
     sr = rt.load(run, backend="auto")
     assert sr.backend == "torch-fp8"
+    # the runtime runs the GEMM accumulation the check ran (the recipe's torch_fp8.gemm_fast_accum)
+    assert ran["gemm_fast_accum"] is True
+    assert {r.fast_accum for r in sr._runners} == {True}
     out = sr.infer(_feeds(seed=9))["sample"]
     assert out.shape == (2, 16, 3, 4, 6)

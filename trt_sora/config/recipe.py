@@ -215,13 +215,17 @@ class TorchFp8Config:
     The GEMMs follow ``quantization`` (the same sites and scales as the Q/DQ graph); this section
     holds what only that backend has: the 8-bit self-attention (INT8 QK^T, FP8 PV, per-block
     scales, K smoothing), switched off per block (``attention_exclude``, fnmatch over ``blocks.N``)
-    or outside a timestep range (``attention_timesteps: [lo, hi]`` in 0..1000), and CUDA graphs.
+    or outside a timestep range (``attention_timesteps: [lo, hi]`` in 0..1000), CUDA graphs, and
+    ``gemm_fast_accum``: the FP8 GEMMs accumulate in the tensor cores' own accumulator (cuBLASLt fast
+    accumulation, no periodic promotion to fp32). ``check`` runs the candidate with these settings
+    and the runtime loads it with the settings the check ran.
     """
 
     fp8_attention: bool = True
     attention_exclude: tuple[str, ...] = ()
     attention_timesteps: tuple[float, float] = (0.0, 1000.0)
     cuda_graphs: bool = True
+    gemm_fast_accum: bool = True
 
     def __post_init__(self) -> None:
         lo, hi = self.attention_timesteps

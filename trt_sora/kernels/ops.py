@@ -93,13 +93,14 @@ def self_attention(qkv, wq, wk, cos, sin, heads: int, eps: float, *, fp8: bool, 
     return out if seq is None else seq.heads_to_tokens(out)
 
 
-def linear_fp8(x8, w8, x_scale, w_scale, bias, rows_cache: dict | None = None):
+def linear_fp8(x8, w8, x_scale, w_scale, bias, rows_cache: dict | None = None, fast_accum: bool = False):
     """FP8 GEMM ``(x8 * x_scale) @ (w8 * w_scale[:, None]).T + bias`` -> bf16.
 
     ``x8`` [..., K] E4M3, ``w8`` [N, K] E4M3 (row-major, so ``w8.t()`` is the column-major operand
     cuBLASLt wants), ``x_scale`` fp32 scalar tensor, ``w_scale`` [1, N] fp32 (per output channel),
     ``bias`` [N] bf16 or None. On CUDA ``torch._scaled_mm`` with row-wise scales (tensor cores);
-    elsewhere the same math dequantized in fp32.
+    elsewhere the same math dequantized in fp32. ``fast_accum``: cuBLASLt's FP8 fast accumulation
+    (the tensor cores' own accumulator, without the periodic promotion to fp32; CUDA only).
     """
     lead, k = x8.shape[:-1], x8.shape[-1]
     x2 = x8.reshape(-1, k)
@@ -110,7 +111,8 @@ def linear_fp8(x8, w8, x_scale, w_scale, bias, rows_cache: dict | None = None):
             sa = x_scale.reshape(1, 1).expand(m, 1).contiguous()
             if rows_cache is not None:
                 rows_cache[m] = sa
-        y = torch._scaled_mm(x2, w8.t(), scale_a=sa, scale_b=w_scale, bias=bias, out_dtype=torch.bfloat16)
+        y = torch._scaled_mm(x2, w8.t(), scale_a=sa, scale_b=w_scale, bias=bias, out_dtype=torch.bfloat16,
+                             use_fast_accum=fast_accum)
     else:
         y = (x2.float() * x_scale) @ (w8.float() * w_scale.reshape(-1, 1)).t()
         if bias is not None:

@@ -39,7 +39,11 @@ class Gemm(torch.nn.Module):
         act_amax: the input's calibrated amax (per tensor) or None for a BF16 GEMM.
         weight_amax: [N] per-output-channel amax from the calibration stats; None: ``max |W|`` per row.
         counters: dict counting executed GEMMs by kind (``fp8_gemm`` / ``bf16_gemm``).
+
+    ``fast_accum`` (set by :func:`prepare`): the FP8 GEMM accumulates with cuBLASLt's fast accumulation.
     """
+
+    fast_accum = False
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, act_amax: float | None,
                  weight_amax: torch.Tensor | None, counters: dict):
@@ -70,7 +74,7 @@ class Gemm(torch.nn.Module):
         if x.dtype != FP8:
             x = ops.quantize(x.to(torch.bfloat16), self.act_scale)
         self.counters["fp8_gemm"] = self.counters.get("fp8_gemm", 0) + 1
-        return ops.linear_fp8(x, self.w8, self.act_scale, self.w_scale, self.bias, self._rows)
+        return ops.linear_fp8(x, self.w8, self.act_scale, self.w_scale, self.bias, self._rows, self.fast_accum)
 
     def dequantized_weight(self) -> torch.Tensor:
         """[N, K] fp32: what the GEMM multiplies by (for tests and reports)."""
@@ -203,17 +207,22 @@ def swap_linears(model, plan: Mapping[str, Any], counters: dict) -> int:
     return n
 
 
-def prepare(model, plan: Mapping[str, Any], *, fused: bool, counters: dict) -> list[FusedWanBlock]:
+def prepare(model, plan: Mapping[str, Any], *, fused: bool, counters: dict,
+            fast_accum: bool = False) -> list[FusedWanBlock]:
     """Rewrite a loaded ``WanTransformer3DModel`` for the ``torch-fp8`` backend, in place.
 
     ``fused``: every block becomes a :class:`FusedWanBlock`; planned linears outside the blocks
     (a recipe may include ``proj_out``) become :class:`Fp8Linear`. Otherwise only the planned
     linears are swapped. The remaining parameters are cast to bf16, except diffusers'
     ``_keep_in_fp32_modules`` (time embedder, norms, AdaLN tables), as ``from_pretrained`` does.
+    ``fast_accum``: every FP8 GEMM uses cuBLASLt's fast accumulation (:func:`trt_sora.kernels.ops.linear_fp8`).
     Returns the fused blocks (empty when not ``fused``).
     """
     blocks = fuse_blocks(model, plan, counters) if fused else []
     swap_linears(model, plan, counters)
+    for m in model.modules():
+        if isinstance(m, Gemm) and m.fp8:
+            m.fast_accum = fast_accum
     keep = set(getattr(model, "_keep_in_fp32_modules", None) or ())
     for name, p in model.named_parameters():
         p.data = p.data.to(torch.float32 if keep & set(name.split(".")) else torch.bfloat16)

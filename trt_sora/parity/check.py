@@ -263,7 +263,7 @@ def _torch_fp8_candidate(adapter, arts, recipe, device: str | None):
     tf = recipe.torch_fp8
     return TorchFp8Runner(adapter, arts["qdq_map"], arts["stats"], device=device or "cuda",
                           attention=AttentionPolicy.from_dict(tf.attention_policy()), cuda_graphs=tf.cuda_graphs,
-                          name="torch-fp8").activate()
+                          fast_accum=tf.gemm_fast_accum, name="torch-fp8").activate()
 
 
 @contextlib.contextmanager
@@ -381,7 +381,8 @@ def _expert_steps(adapter, settings) -> dict:
 
 
 def check_artifacts(run_dir: str | Path, recipe, *, model=None, backend: str = "ort", write: bool = True,
-                    seed: int = 0, localize_always: bool = False, device: str | None = None) -> dict[str, Any]:
+                    seed: int = 0, localize_always: bool = False, device: str | None = None,
+                    text_encoder: str | None = None) -> dict[str, Any]:
     """Run the parity matrix on ``run_dir`` (``build/<model>/<recipe>/``) and write ``parity/``.
 
     A pair of experts (Wan 2.2 A14B; ``high/`` and ``low/`` expert folders) is checked as one run:
@@ -398,6 +399,9 @@ def check_artifacts(run_dir: str | Path, recipe, *, model=None, backend: str = "
             ``"trt"`` (the engine; needs a GPU and TensorRT) or ``"torch-fp8"`` (the calibrated sites
             as FP8 tensor-core GEMMs + Triton kernels on this GPU; needs SM >= 8.9).
         device: ``torch-fp8``: the CUDA device (default ``cuda``).
+        text_encoder: the loop's prompt encoder (None: the model's own; a ``.safetensors`` written by
+            :func:`trt_sora.models.text.save_embeddings` holding the model's held-out prompts, for a GPU
+            machine without the text encoder package).
         write: write ``parity/report.json``, ``report.md``, ``manifest.json`` (atomically).
         seed: noise / sample seed.
 
@@ -437,7 +441,7 @@ def check_artifacts(run_dir: str | Path, recipe, *, model=None, backend: str = "
     settings, sampling_note = parity_sampling(adapter, pc)
     lp, batched = _loop_point(buckets)
     cfg = "batched" if batched else "split"
-    noise, cond, uncond = loop_inputs(adapter, lp, seed=seed)
+    noise, cond, uncond = loop_inputs(adapter, lp, seed=seed, text_encoder=text_encoder)
     served = _expert_steps(adapter, settings)
     keep = sorted({s for steps in served.values()
                    for s in (steps[i] for i in _sample_steps(pc.num_samples, len(steps)))})

@@ -118,6 +118,8 @@ class TorchFp8Runner(Runner):
             the linears swapped for FP8 GEMMs that quantize their input eagerly; a benchmark rung).
         attention: :class:`AttentionPolicy` (``mode="fused"`` only).
         cuda_graphs: capture one CUDA graph per input shape and attention pattern, replay after.
+        fast_accum: the FP8 GEMMs accumulate with cuBLASLt's fast accumulation (recipe
+            ``torch_fp8.gemm_fast_accum``, default on; CUDA only: the CPU reference accumulates in fp32).
         load_dtype: precision the weights are quantized from (default fp32 when they fit in a
             third of the GPU's memory, else bf16).
 
@@ -126,8 +128,9 @@ class TorchFp8Runner(Runner):
     """
 
     def __init__(self, model_ref, qdq_map, stats=None, *, device: str = "cuda", mode: str = "fused",
-                 attention: AttentionPolicy | None = None, cuda_graphs: bool = True, load_dtype: str | None = None,
-                 name: str | None = None, plan: Mapping[str, SitePlan] | None = None, model=None):
+                 attention: AttentionPolicy | None = None, cuda_graphs: bool = True, fast_accum: bool = True,
+                 load_dtype: str | None = None, name: str | None = None, plan: Mapping[str, SitePlan] | None = None,
+                 model=None):
         super().__init__()
         from trt_sora.runners.torch_runner import _adapter
 
@@ -138,6 +141,7 @@ class TorchFp8Runner(Runner):
         self.device, self.mode = device, mode
         self.attention = attention or AttentionPolicy(enabled=mode == "fused")
         self.cuda_graphs = cuda_graphs
+        self.fast_accum = bool(fast_accum)
         self.load_dtype = load_dtype
         self.input_names = tuple(self.adapter.input_names)
         self.output_names = tuple(self.adapter.output_names)
@@ -173,7 +177,8 @@ class TorchFp8Runner(Runner):
             from trt_sora.runners.torch_runner import read_qdq_map, use_rounded_weights
 
             use_rounded_weights(model, read_qdq_map(self.qdq_map)[1])
-        self.blocks = wan_fp8.prepare(model, self.plan, fused=self.mode == "fused", counters=self.counters)
+        self.blocks = wan_fp8.prepare(model, self.plan, fused=self.mode == "fused", counters=self.counters,
+                                      fast_accum=self.fast_accum)
         self.model = model
         self._fwd = self.adapter.export_module(model).eval()
         self._pool = torch.cuda.graph_pool_handle() if self._graphs_on() else None
@@ -265,6 +270,7 @@ class TorchFp8Runner(Runner):
         info: dict[str, Any] = {"backend": "torch-fp8", "mode": self.mode, "device": dev,
                                 "quantized_sites": len(getattr(self, "plan", {})),
                                 "attention_policy": self.attention.to_dict(),
+                                "gemm_fast_accum": self.fast_accum and dev.startswith("cuda"),
                                 "cuda_graphs": len(self.graphs),
                                 "fp8_gemms_per_call": self.last_counts.get("fp8_gemm", 0),
                                 "bf16_gemms_per_call": self.last_counts.get("bf16_gemm", 0),

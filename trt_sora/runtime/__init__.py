@@ -565,7 +565,8 @@ def _make_runners(run: Path, backend: str, files, rep, family, *, concurrency, d
         qmap = _candidate_path(run, files, "qdq_map.json", run / "quant" / "qdq_map.json")
         stats = _candidate_path(run, files, "stats.safetensors", run / "calib" / "stats.safetensors")
         return [TorchFp8Runner(family, qmap, stats, device=device or "cuda",
-                               attention=AttentionPolicy.from_dict(ran.get("attention_policy"))).activate()]
+                               attention=AttentionPolicy.from_dict(ran.get("attention_policy")),
+                               fast_accum=bool(ran.get("gemm_fast_accum", False))).activate()]
     if backend == "ort":
         from trt_sora.runners.ort_runner import OrtRunner, providers_for
 
