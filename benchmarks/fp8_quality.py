@@ -6,12 +6,14 @@ noise seeds, 20 steps, CFG 4, shift 2.0; every variant samples from the same noi
 
 * ``fp32`` / ``bf16``: the PyTorch model (cuDNN SDPA);
 * ``fakequant``: the Q/DQ simulation (what ONNX Runtime / TensorRT compute from the artifact);
-* ``torch-fp8`` with the 8-bit self-attention off and on (the real kernels).
+* ``torch-fp8`` with the 8-bit self-attention off and on (the real kernels; FP8 GEMMs with fast
+  accumulation, as the recipes ship), and on with exact accumulation.
 
 Per variant: clip PSNR (peak 2.0: pixels in [-1, 1]) and cosine vs BF16 and vs fp32 (mean and
 worst clip), and the probe's verdicts (colour, motion, background, shape) per clip.
 
     python benchmarks/fp8_quality.py --encode --out build/wan_shapes_heldout.safetensors      # CPU
+    (the same file feeds ``trt-sora check --text-embeddings`` on the GPU box)
     python benchmarks/fp8_quality.py --run build/wan-shapes/rtx4090-fp8 \
         --prompts build/wan_shapes_heldout.safetensors --out quality.json                        # GPU
 """
@@ -28,16 +30,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def encode(out: str, n: int) -> None:
-    from safetensors.torch import save_file
-
     from trt_sora.models import get_adapter
     from trt_sora.models import moving_shapes as ms
+    from trt_sora.models.text import save_embeddings
 
     adapter = get_adapter("wan-shapes")
     prompts = adapter.heldout_prompts()[:n]
     emb = adapter.text_encoder()(prompts, ms.TEXT_LEN).float().contiguous()
     Path(out).parent.mkdir(parents=True, exist_ok=True)
-    save_file({"cond": emb}, out, metadata={"prompts": json.dumps(prompts)})
+    save_embeddings(prompts, emb, out)  # the format `trt-sora check --text-embeddings` reads too
 
 
 def clip_metrics(a: torch.Tensor, b: torch.Tensor) -> list[dict]:
@@ -77,7 +78,7 @@ def main(argv=None) -> None:
 
     with safe_open(a.prompts, "pt") as f:
         prompts = json.loads(f.metadata()["prompts"])[:a.num]
-        cond = f.get_tensor("cond")[:a.num].to(a.device)
+        cond = f.get_tensor("embeddings")[:a.num].to(a.device)
     n = cond.shape[0]
     dev = a.device
     adapter = get_adapter("wan-shapes")
@@ -95,6 +96,8 @@ def main(argv=None) -> None:
                                                       attention=AttentionPolicy(enabled=False)),
         "torch_fp8_attn_8bit": lambda: TorchFp8Runner(adapter, qmap, stats, device=dev,
                                                       attention=AttentionPolicy(enabled=True)),
+        "torch_fp8_attn_8bit_exactacc": lambda: TorchFp8Runner(adapter, qmap, stats, device=dev, fast_accum=False,
+                                                               attention=AttentionPolicy(enabled=True)),
     }
     decode, _ = adapter.decoder()
     settings = adapter.sampling.override(num_steps=a.steps, guidance_scale=a.guidance, shift=a.shift)

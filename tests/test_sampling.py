@@ -207,3 +207,26 @@ def test_unconditional_branch_is_the_models(tiny_adapter):
     enc = tiny_adapter.text_encoder()
     torch.testing.assert_close(tiny_adapter.negative_embedding(enc, 2, 8), enc(["", ""], 8))
     assert load_preset("moving-shapes").negative_prompt is None
+
+
+def test_parity_loop_reads_precomputed_prompt_embeddings(tmp_path):
+    """`check --text-embeddings`: the loop's conditioning from a file equals the encoder's; a file
+    without the held-out prompts is refused with the fix."""
+    from trt_sora.errors import ModelError
+    from trt_sora.models import get_adapter
+    from trt_sora.models.text import save_embeddings
+    from trt_sora.parity.loop import loop_inputs
+
+    shapes = get_adapter("wan-shapes")
+    point = {"batch": 2, "latent_frames": 9, "latent_height": 32, "latent_width": 32, "text_len": 16}
+    prompts = shapes.heldout_prompts()[:3]
+    f = tmp_path / "heldout.safetensors"
+    save_embeddings(prompts, shapes.text_encoder()(prompts, 16), f)
+    want = loop_inputs(shapes, point, seed=3)
+    got = loop_inputs(shapes, point, seed=3, text_encoder=str(f))
+    assert torch.equal(got[0], want[0])
+    for a, b in zip(got[1:], want[1:]):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    save_embeddings(prompts[1:], shapes.text_encoder()(prompts[1:], 16), f)
+    with pytest.raises(ModelError, match="no precomputed embedding"):
+        loop_inputs(shapes, point, seed=3, text_encoder=str(f))

@@ -13,6 +13,9 @@ def add_parser(sub) -> None:
     p.add_argument("--backend", choices=["ort", "trt", "torch-fp8"], default="ort",
                    help="candidate backend (default ort; torch-fp8: FP8 tensor-core GEMMs + Triton kernels on a GPU)")
     p.add_argument("--device", default=None, help="torch-fp8: CUDA device (default cuda)")
+    p.add_argument("--text-embeddings", default=None, metavar="FILE",
+                   help="precomputed embeddings of the model's held-out prompts (.safetensors, see "
+                        "trt_sora.models.text.save_embeddings) for a machine without the text encoder")
     p.set_defaults(func=run)
 
 
@@ -26,7 +29,8 @@ def run(args) -> int:
     if not args.recipe:
         print(f"[check] recipe {recipe.name} from {source}", file=sys.stderr)
     with stage_line("check"):
-        rep = check_artifacts(args.run, recipe, model=args.model, backend=args.backend, device=args.device)
+        rep = check_artifacts(args.run, recipe, model=args.model, backend=args.backend, device=args.device,
+                              text_encoder=args.text_embeddings)
     for c in rep["comparisons"]:
         shown = ", ".join(f"{ch['metric']} {ch['value']:.6g} ({ch['op']} {ch['threshold']})" for ch in c["checks"])
         print(f"  {c['level']:8s} {'ok  ' if c['passed'] else 'FAIL'} {shown}")

@@ -31,17 +31,19 @@ def parity_sampling(adapter, parity_config) -> tuple[Any, str]:
                       f"{model.num_steps} steps, CFG {model.guidance_scale:g}){short}")
 
 
-def loop_inputs(adapter, point: Mapping[str, int], *, seed: int = 0, prompts=HELD_OUT_PROMPTS):
+def loop_inputs(adapter, point: Mapping[str, int], *, seed: int = 0, prompts=HELD_OUT_PROMPTS,
+                text_encoder: str | None = None):
     """Noise ``[B, C, F, H, W]`` and the (cond, uncond) conditioning mappings for ``point`` (batch = B
     prompts per branch, so the CFG batch is 2B): the model's own held-out prompts when it has them,
     its own unconditional conditioning, and what both branches share (an image-to-video model's
-    seeded image conditioning)."""
+    seeded image conditioning). ``text_encoder``: the adapter's text-encoder source (None: its
+    default; a ``.safetensors`` of precomputed embeddings on machines without the encoder)."""
     from trt_sora.sampling import gaussian_noise
 
     b = int(point["batch"])
     point = adapter.with_family_dims(point)
     prompts = adapter.heldout_prompts() or prompts
-    enc = adapter.text_encoder()
+    enc = adapter.text_encoder(text_encoder)
     shared = adapter.image_conditioning(point, seed=seed)
     cond = {**adapter.text_conditioning(enc, [prompts[i % len(prompts)] for i in range(b)], point), **shared}
     uncond = {**adapter.negative_conditioning(enc, b, point), **shared}
