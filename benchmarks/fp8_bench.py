@@ -8,12 +8,21 @@ Parts (``--parts``):
   TFLOP/s and cosine vs fp32 attention on inputs with a per-channel K bias. For an A/B against an
   older kernel in the same run, put it beside this file first (it travels to the device untracked):
   ``git show REV:trt_sora/kernels/triton_ops.py > benchmarks/_prev_triton_ops.py``.
+* ``gemm``: the FP8 GEMMs of one Wan 14B / 1.3B block at 480p x 81 (32,760 tokens): ``_scaled_mm``
+  with row-wise weight scales, exact (fp32 promotion) vs fast accumulation: time, TFLOP/s, and the
+  relative error of each against the fp32 product of the same FP8 operands, beside the error FP8
+  quantization itself puts into the product (vs the bf16 operands).
+* ``attention_in_model``: why the attention kernel is slower inside a 14B call than alone: the
+  kernel's time per layer in a profiled call, then the kernel alone on block 0's captured inputs
+  and on the synthetic ones (bf16 and FP8 output), the autotuner's pick, and the SM clock / power
+  nvidia-smi saw during each phase.
 * ``models``: one transformer call of Wan 1.3B / 14B (random weights, real sizes) per resolution
   and batch: eager BF16 (cuDNN SDPA), ``torch.compile`` BF16 (diffusers' regional compilation),
   and the torch-fp8 ladder: FP8 GEMMs (eager quantize) -> + fused quantization -> + 8-bit
-  attention -> + CUDA graph. Median of ``--iters`` calls after warm-up, cosine vs eager BF16,
-  what the backend reports it ran, and a profiler split (GEMM / attention / other) of the BF16
-  and the full FP8 call with achieved TFLOP/s against the measured ceilings.
+  attention -> + CUDA graph (GEMMs with fast accumulation, as the recipes ship; rung
+  ``fp8_fused_attn8_graph_exactacc``: the full rung with exact accumulation). Median of ``--iters``
+  calls after warm-up, cosine vs eager BF16, what the backend reports it ran, and a profiler split
+  (GEMM / attention / other) of the BF16 and the full FP8 call with achieved TFLOP/s against the measured ceilings.
 
     python benchmarks/fp8_bench.py --parts attention,models --models wan2.1-t2v-1.3b,wan2.1-t2v-14b \
         --sizes 480p --batches 1,2 --iters 10 --out benchmarks/results/h200_fp8_bench.json
@@ -95,15 +104,24 @@ def attention_part(s=32760, h=40, d=128) -> dict:
     out["ours_epilogue_8bit_ms"] = bench_ms(lambda: t.qkv_rmsnorm_rope(qkv, wq, wk, cs, sn, h, fp8=True))
     rstd = t.rms_stats(qkv)
     out["epilogue_rms_ms"] = bench_ms(lambda: t.rms_stats(qkv))
-    shipped = dict(t.EPILOGUE_WARPS)
-    sweep = {}
-    for post in (4, 8, 16):  # warps of the tile pass and the K/V pass (each launch's time by difference)
-        for kv in (4, 8, 16):
-            t.EPILOGUE_WARPS.update(post=post, kv=kv)
-            sweep[f"post{post}_kv{kv}"] = bench_ms(lambda: t.qkv_rmsnorm_rope(qkv, wq, wk, cs, sn, h, fp8=True,
-                                                                              rstd=rstd))
-    t.EPILOGUE_WARPS.update(shipped)
-    out["epilogue_without_rms_ms_by_warps"] = sweep
+    shipped = dict(t.EPILOGUE_WARPS), t.EPILOGUE_HEADS_FAST
+    sweep, results = {}, {}
+    for heads_fast in (False, True):  # program order of the tile passes: token blocks or heads fastest
+        t.EPILOGUE_HEADS_FAST = heads_fast
+        results[heads_fast] = t.qkv_rmsnorm_rope(qkv, wq, wk, cs, sn, h, fp8=True, rstd=rstd)
+        for post in (8, 16):  # warps of the tile pass and the K/V pass
+            for kv in (8, 16):
+                t.EPILOGUE_WARPS.update(post=post, kv=kv)
+                sweep[f"heads_fast{int(heads_fast)}_post{post}_kv{kv}"] = bench_ms(
+                    lambda: t.qkv_rmsnorm_rope(qkv, wq, wk, cs, sn, h, fp8=True, rstd=rstd))
+        t.EPILOGUE_WARPS.update(shipped[0])
+    t.EPILOGUE_HEADS_FAST = shipped[1]
+    out["epilogue_without_rms_ms_by_order_and_warps"] = sweep
+    a_, b_ = results[False], results[True]
+    out["epilogue_orders_bit_identical"] = all(
+        torch.equal(x.view(torch.uint8) if x.element_size() == 1 else x, y.view(torch.uint8) if y.element_size() == 1
+                    else y) for x, y in zip(a_[:4] + a_[5:], b_[:4] + b_[5:])) and torch.equal(
+        a_[4][..., :s].view(torch.uint8), b_[4][..., :s].view(torch.uint8))
     out["ours_epilogue_bf16_ms"] = bench_ms(lambda: t.qkv_rmsnorm_rope(qkv, wq, wk, cs, sn, h, fp8=False))
     for name, be in (("cudnn_bf16", SDPBackend.CUDNN_ATTENTION), ("flash_bf16", SDPBackend.FLASH_ATTENTION)):
         try:
@@ -123,6 +141,158 @@ def attention_part(s=32760, h=40, d=128) -> dict:
     with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
         bf = torch.nn.functional.scaled_dot_product_attention(q, k, v)
     out["cudnn_bf16_cosine_vs_fp32"] = cos(bf[:, heads].transpose(1, 2).float(), want)
+    return out
+
+
+GEMM_SHAPES = {"14b": {"qkv": (5120, 15360), "out": (5120, 5120), "ffn_up": (5120, 13824), "ffn_down": (13824, 5120)},
+               "1.3b": {"qkv": (1536, 4608), "out": (1536, 1536), "ffn_up": (1536, 8960), "ffn_down": (8960, 1536)}}
+
+
+def gemm_part(m: int = 32760) -> dict:
+    """Exact vs fast FP8 accumulation per block GEMM shape (see the module docstring)."""
+    from trt_sora.kernels import ops
+    from trt_sora.kernels.reference import dequant_scale, quantize
+
+    out = {}
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for model, shapes in GEMM_SHAPES.items():
+        for name, (k, n) in shapes.items():
+            x = torch.randn(m, k, device="cuda", generator=g)
+            x[:, :8] *= 20.0  # a few outlier channels, as real activations have
+            x = x.to(torch.bfloat16)
+            w = (torch.randn(n, k, device="cuda", generator=g) / k ** 0.5).to(torch.bfloat16)
+            xs = dequant_scale(x.float().abs().amax())
+            ws = dequant_scale(w.float().abs().amax(1))
+            x8, w8 = quantize(x.float(), xs), quantize(w.float(), ws[:, None])
+            ws = ws.reshape(1, -1).contiguous()
+            rows = {}
+            want = (x8[:4096].float() * xs) @ (w8.float() * ws.reshape(-1, 1)).t()  # fp32, same FP8 operands
+            exact_bf16 = (x[:4096].float() @ w.float().t())
+            r = {"m": m, "k": k, "n": n}
+            for tag, fast in (("exact", False), ("fast", True)):
+                fn = lambda: ops.linear_fp8(x8, w8, xs, ws, None, rows, fast)  # noqa: E731
+                ms = bench_ms(fn)
+                y = fn()[:4096].float()
+                r[f"{tag}_ms"] = ms
+                r[f"{tag}_tflops"] = 2.0 * m * k * n / (ms * 1e-3) / 1e12
+                r[f"{tag}_rel_err_vs_fp32_same_operands"] = ((y - want).norm() / want.norm()).item()
+                r[f"{tag}_rel_err_vs_bf16_operands"] = ((y - exact_bf16).norm() / exact_bf16.norm()).item()
+            out[f"{model}_{name}"] = r
+            print(json.dumps({f"{model}_{name}": r}), flush=True)
+            del x, w, x8, w8, want, exact_bf16
+    for model in GEMM_SHAPES:
+        keys = [k for k in out if k.startswith(model + "_")]
+        mult = {"qkv": 1, "out": 3, "ffn_up": 1, "ffn_down": 1}  # out: self-attention out, cross q, cross out
+        out[f"{model}_block_ms"] = {tag: sum(out[k][f"{tag}_ms"] * mult[k.split("_", 1)[1]] for k in keys)
+                                    for tag in ("exact", "fast")}
+    return out
+
+
+class GpuSampler:
+    """nvidia-smi's SM clock (MHz), power (W) and temperature every 50 ms while inside ``with``."""
+
+    def __init__(self):
+        self.rows: list[list[float]] = []
+
+    def __enter__(self):
+        import subprocess
+        import tempfile
+
+        self._f = tempfile.TemporaryFile(mode="w+")
+        try:
+            self._p = subprocess.Popen(["nvidia-smi", "--query-gpu=clocks.sm,power.draw,temperature.gpu",
+                                        "--format=csv,noheader,nounits", "-lms", "50"], stdout=self._f)
+        except OSError:
+            self._p = None
+        return self
+
+    def __exit__(self, *exc):
+        if self._p is not None:
+            self._p.terminate()
+            self._p.wait()
+            self._f.seek(0)
+            for line in self._f:
+                try:
+                    self.rows.append([float(x) for x in line.split(",")])
+                except ValueError:
+                    pass
+        self._f.close()
+
+    def summary(self) -> dict:
+        if not self.rows:
+            return {}
+        cols = list(zip(*self.rows))
+        return {"samples": len(self.rows), "sm_mhz_median": statistics.median(cols[0]), "sm_mhz_min": min(cols[0]),
+                "power_w_median": statistics.median(cols[1]), "power_w_max": max(cols[1]),
+                "temp_c_max": max(cols[2])}
+
+
+def attention_in_model_part(name: str = "wan2.1-t2v-14b") -> dict:
+    """See the module docstring (``attention_in_model``)."""
+    from trt_sora.kernels import ops
+    from trt_sora.kernels import triton_ops as t
+    from trt_sora.models import get_adapter
+    from trt_sora.runners.fp8_runner import AttentionPolicy, TorchFp8Runner
+
+    adapter = get_adapter(name)
+    h, w = SIZES["480p"]
+    point = {"batch": 1, "latent_frames": 21, "latent_height": h, "latent_width": w, "text_len": 512}
+    feeds = adapter.example_inputs(point, dtype="bf16", device="cuda", seed=1)
+    feeds["timestep"] = torch.full((1,), 700.0, device="cuda")
+    inputs = [feeds[n] for n in adapter.input_names]
+    model = adapter.load("bf16", "cuda")
+    fwd = adapter.export_module(model)
+    plan = calibrate_plan(model, fwd, inputs)
+    del fwd
+    r = TorchFp8Runner(adapter, None, plan=plan, device="cuda", model=model, attention=AttentionPolicy(enabled=True),
+                       cuda_graphs=False).activate()
+    del model
+    feeds_r = dict(zip(adapter.input_names, inputs))
+    captured: dict = {}
+    orig = ops.self_attention
+
+    def grab(qkv, wq, wk, cos, sin, heads, eps, **kw):
+        if not captured:
+            captured.update(qkv=qkv.clone(), wq=wq, wk=wk, cos=cos.clone(), sin=sin.clone(), heads=heads, eps=eps,
+                            out_scale=kw.get("out_scale"))
+        return orig(qkv, wq, wk, cos, sin, heads, eps, **kw)
+
+    ops.self_attention = grab
+    try:
+        r.infer(feeds_r)
+    finally:
+        ops.self_attention = orig
+    out: dict = {"model": name, "tokens": int(captured["qkv"].shape[1]), "heads": captured["heads"]}
+    with GpuSampler() as smp:
+        _, t_call, _ = timed_calls(lambda: r.infer(feeds_r)["sample"], 5, warmup=1)
+    out["call_s"], out["gpu_during_calls"] = t_call, smp.summary()
+    sp = profile_split(lambda: r.infer(feeds_r)["sample"])
+    attn = [k for k in sp["top_kernels"] if "attn_fp8" in k[2]]
+    out["in_model_attention_ms_per_layer"] = attn[0][0] / attn[0][1] if attn else None
+    out["autotune_best"] = str(getattr(t._attn_fp8_kernel, "best_config", None))
+    c = captured
+    ops_model = t.qkv_rmsnorm_rope(c["qkv"], c["wq"], c["wk"], c["cos"], c["sin"], c["heads"], c["eps"], fp8=True)
+    s_tok, heads = out["tokens"], out["heads"]
+    ops_syn = t.qkv_rmsnorm_rope(*attention_inputs(1, s_tok, heads), heads, fp8=True)
+    for tag, o8 in (("model_inputs", ops_model), ("synthetic_inputs", ops_syn)):
+        for otag, osc in (("bf16_out", None), ("fp8_out", c["out_scale"])):
+            with GpuSampler() as smp:
+                ms = bench_ms(lambda: t.attention_fp8(*o8, out_scale=osc))
+            out[f"alone_{tag}_{otag}_ms"] = ms
+            out[f"gpu_alone_{tag}_{otag}"] = smp.summary()
+    with GpuSampler() as smp:  # back to back, as in the call: one layer's epilogue + attention, 40 times
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(40):
+            t.attention_fp8(*t.qkv_rmsnorm_rope(c["qkv"], c["wq"], c["wk"], c["cos"], c["sin"], heads, c["eps"],
+                                                fp8=True), out_scale=c["out_scale"])
+        torch.cuda.synchronize()
+    out["sustained_40_layers_ms_per_layer"] = (time.perf_counter() - t0) * 1e3 / 40
+    out["gpu_sustained"] = smp.summary()
+    flops = 4.0 * s_tok * s_tok * 128 * heads
+    out.update({k.replace("_ms", "_tflops"): flops / (v * 1e-3) / 1e12 for k, v in list(out.items())
+                if (k.endswith("_ms") or k.endswith("_ms_per_layer")) and isinstance(v, float)})
+    r.deactivate()
     return out
 
 
@@ -190,7 +360,7 @@ def profile_split(fn) -> dict:
             split["gemm"] += t_ms
         else:
             split["other"] += t_ms
-    split["top_kernels"] = sorted(kernels, reverse=True)[:16]
+    split["top_kernels"] = sorted(kernels, reverse=True)[:24]
     return split
 
 
@@ -256,7 +426,10 @@ def model_part(name: str, size: str, batch: int, iters: int, rungs: list[str], s
     ladder = {"fp8_gemm": dict(mode="gemm", attention=AttentionPolicy(enabled=False), cuda_graphs=False),
               "fp8_fused": dict(mode="fused", attention=AttentionPolicy(enabled=False), cuda_graphs=False),
               "fp8_fused_attn8": dict(mode="fused", attention=AttentionPolicy(enabled=True), cuda_graphs=False),
-              "fp8_fused_attn8_graph": dict(mode="fused", attention=AttentionPolicy(enabled=True), cuda_graphs=True)}
+              "fp8_fused_attn8_graph": dict(mode="fused", attention=AttentionPolicy(enabled=True), cuda_graphs=True),
+              # the full rung with exact FP8 accumulation (every other rung: fast, as recipes ship it)
+              "fp8_fused_attn8_graph_exactacc": dict(mode="fused", attention=AttentionPolicy(enabled=True),
+                                                     cuda_graphs=True, fast_accum=False)}
     for rung, kw in ladder.items():
         if rung not in rungs:
             continue
@@ -313,10 +486,15 @@ def main(argv=None) -> None:
     import triton
 
     out["triton"] = triton.__version__
-    if "attention" in a.parts:
+    if "gemm" in a.parts.split(","):
+        out["gemm"] = gemm_part()
+    if "attention_in_model" in a.parts.split(","):
+        out["attention_in_model"] = attention_in_model_part()
+        print(json.dumps(out["attention_in_model"]), flush=True)
+    if "attention" in a.parts.split(","):
         out["attention"] = attention_part()
         print(json.dumps(out["attention"]), flush=True)
-    if "models" in a.parts:
+    if "models" in a.parts.split(","):
         from trt_sora.models import get_adapter
 
         for m in a.models.split(","):

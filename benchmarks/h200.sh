@@ -5,11 +5,13 @@
 #
 #   bash benchmarks/h200.sh tests attention quality m13 m14 ...
 #
-# Parts: tests (pytest -m gpu), attention (kernel vs cuDNN/flash), quality (wan-shapes clips),
+# Parts: tests (pytest -m gpu), gemm (block GEMMs, exact vs fast FP8 accumulation), attention (kernel vs
+# cuDNN/flash), attn_model (the attention kernel inside a 14B call vs alone, with clocks and power), quality (wan-shapes clips),
 # levers (issue 13: FP8/INT8 quantization levers on 17 wan-shapes clips at 20 steps, vs fp32; needs
 # build/lev/prompts.safetensors + prompts.text.safetensors from `python benchmarks/quality_levers.py --encode
 # --out build/lev/prompts.safetensors` on CPU, carried),
-# check (trt-sora check --backend torch-fp8 on the wan-shapes run folder),
+# check (trt-sora check --backend torch-fp8 on the wan-shapes run folder; the held-out prompts' embeddings from
+# `python benchmarks/fp8_quality.py --encode` (CPU), carried: the GPU box has no text encoder),
 # serve (after check: the serve GPU test, then serve_bench with and without dynamic batching on torch-fp8;
 # needs the serve extra's wheels: fastapi, uvicorn, prometheus-client, imageio-ffmpeg),
 # m13 / m14 (one transformer call, 480p x 81, batch 1: eager, compile, the torch-fp8 ladder),
@@ -49,6 +51,9 @@ for p in "$@"; do
     tests) part tests 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels tests/runtime/test_torch_fp8.py tests/models/test_wan.py tests/calibrate/test_shards.py tests/calibrate/test_histogram.py ;;
     calib13) part calib13 300 bash -c "python3 benchmarks/calib_overhead.py --model wan2.1-t2v-1.3b --cfg split --variants ${CALIB_VARIANTS:-r2,shipped} --out $OUT/calib13_split.json && python3 benchmarks/calib_overhead.py --model wan2.1-t2v-1.3b --cfg batched --variants ${CALIB_VARIANTS:-r2,shipped} --out $OUT/calib13_batched.json" ;;
     calib14) part calib14 360 python3 benchmarks/calib_overhead.py --model wan2.1-t2v-14b --cfg batched --reps 3 --variants ${CALIB14_VARIANTS:-shipped} --out "$OUT/calib14_batched.json" ;;
+    attn_model) part attn_model 400 python3 benchmarks/fp8_bench.py --parts attention_in_model \
+                  --out "$OUT/attn_model.json" ;;
+    gemm) part gemm 120 python3 benchmarks/fp8_bench.py --parts gemm --out "$OUT/gemm.json" ;;
     attention) part attention 240 python3 benchmarks/fp8_bench.py --parts attention --out "$OUT/attention.json" ;;
     quality) part quality 240 python3 benchmarks/fp8_quality.py --run "$RUN" \
                --prompts build/wan_shapes_heldout.safetensors --num 16 --out "$OUT/quality.json" ;;
@@ -63,7 +68,8 @@ for p in "$@"; do
               --variants \"$LEVERS\" --out $OUT/levers.json" ;;
     hist) part hist 120 python3 benchmarks/hist_bench.py ${HIST_ARGS:-} --out "$OUT/hist.json" ;;
     ktests) part ktests 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels tests/calibrate/test_histogram.py ;;
-    check) part check 200 python3 -m trt_sora check --run "$RUN" --recipe rtx4090-fp8 --backend torch-fp8 --device cuda ;;
+    check) part check 200 python3 -m trt_sora check --run "$RUN" --recipe rtx4090-fp8 --backend torch-fp8 --device cuda \
+             --text-embeddings build/wan_shapes_heldout.safetensors ;;
     serve) part serve 540 bash -c "python3 -m pytest -q -m gpu -p no:cacheprovider tests/serve; \
              python3 benchmarks/serve_bench.py --run $RUN --backend torch-fp8 --requests 32 --concurrency 8 \
              --out $OUT/serve.json" ;;
