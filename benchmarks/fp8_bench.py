@@ -63,16 +63,11 @@ def bench_ms(fn, iters=20) -> float:
 
 # -- attention -----------------------------------------------------------------------------------------------
 def attention_inputs(b: int, s: int, h: int, d: int = 128, seed: int = 0):
-    """``(qkv, wq, wk, cos, sin)`` of one self-attention layer on cuda: fused Q/K/V bf16 with a per-channel K
-    bias (what makes K smoothing matter), RMSNorm weights, RoPE angles."""
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    qkv = torch.randn(b, s, 3 * h * d, device="cuda", generator=g)
-    qkv[..., h * d:2 * h * d] += 3.0 * torch.randn(h * d, device="cuda", generator=g)
-    qkv = qkv.to(torch.bfloat16)
-    wq = (1 + 0.2 * torch.randn(h * d, device="cuda", generator=g)).to(torch.bfloat16)
-    wk = (1 + 0.2 * torch.randn(h * d, device="cuda", generator=g)).to(torch.bfloat16)
-    ang = torch.rand(s, d // 2, device="cuda", generator=g) * 6.28
-    return qkv, wq, wk, ang.cos().repeat_interleave(2, -1), ang.sin().repeat_interleave(2, -1)
+    """``(qkv, wq, wk, cos, sin)`` of one self-attention layer on cuda
+    (:func:`trt_sora.kernels.reference.example_qkv`)."""
+    from trt_sora.kernels.reference import example_qkv
+
+    return example_qkv(b, s, h, d, seed=seed)
 
 
 def attention_part(s=32760, h=40, d=128) -> dict:
@@ -179,7 +174,6 @@ def gemm_part(m: int = 32760) -> dict:
                 r[f"{tag}_rel_err_vs_bf16_operands"] = ((y - exact_bf16).norm() / exact_bf16.norm()).item()
             out[f"{model}_{name}"] = r
             print(json.dumps({f"{model}_{name}": r}), flush=True)
-            del x, w, x8, w8, want, exact_bf16
     for model in GEMM_SHAPES:
         keys = [k for k in out if k.startswith(model + "_")]
         mult = {"qkv": 1, "out": 3, "ffn_up": 1, "ffn_down": 1}  # out: self-attention out, cross q, cross out

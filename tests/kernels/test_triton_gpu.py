@@ -66,14 +66,7 @@ def test_elementwise_kernels():
 
 
 def _qkv_inputs(b=2, s=1000, h=4, d=128, seed=1):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    qkv = torch.randn(b, s, 3 * h * d, device="cuda", generator=g)
-    qkv[..., h * d:2 * h * d] += 3.0 * torch.randn(h * d, device="cuda", generator=g)  # per-channel K bias
-    qkv = qkv.to(torch.bfloat16)
-    wq = (1 + 0.2 * torch.randn(h * d, device="cuda", generator=g)).to(torch.bfloat16)
-    wk = (1 + 0.2 * torch.randn(h * d, device="cuda", generator=g)).to(torch.bfloat16)
-    ang = torch.rand(s, d // 2, device="cuda", generator=g) * 6.28
-    return qkv, wq, wk, ang.cos().repeat_interleave(2, -1), ang.sin().repeat_interleave(2, -1), h
+    return (*ref.example_qkv(b, s, h, d, seed=seed), h)
 
 
 def test_qkv_epilogue_bf16_and_8bit():

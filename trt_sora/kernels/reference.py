@@ -16,7 +16,7 @@ import torch.nn.functional as F
 FP8_MAX = 448.0
 FP8 = torch.float8_e4m3fn
 
-__all__ = ["FP8", "FP8_MAX", "attention", "attention_fp8", "block_quant", "dequant_scale", "gelu_quant",
+__all__ = ["FP8", "FP8_MAX", "attention", "attention_fp8", "block_quant", "dequant_scale", "example_qkv", "gelu_quant",
            "heads_to_tokens", "quantize", "quantize_int8", "qkv_rmsnorm_rope", "residual_norm_quant", "rms_stats"]
 
 
@@ -161,3 +161,17 @@ def heads_to_tokens(o: torch.Tensor, act_scale: torch.Tensor | None = None) -> t
     """[B, H, S, D] -> [B, S, H*D] in bf16, or FP8 at ``act_scale``."""
     y = o.transpose(1, 2).flatten(2).to(torch.bfloat16)
     return quantize(y, act_scale) if act_scale is not None else y
+
+
+def example_qkv(b: int, s: int, h: int, d: int = 128, *, seed: int = 0, device: str = "cuda"):
+    """``(qkv, wq, wk, cos, sin)`` of one self-attention layer for kernel tests and benchmarks: fused
+    Q/K/V [B, S, 3*H*D] bf16 with a per-channel K bias (what makes K smoothing matter), RMSNorm
+    weights [H*D] bf16 near 1, RoPE tables [S, D] fp32 of random angles (interleaved pairs)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    qkv = torch.randn(b, s, 3 * h * d, device=device, generator=g)
+    qkv[..., h * d:2 * h * d] += 3.0 * torch.randn(h * d, device=device, generator=g)
+    qkv = qkv.to(torch.bfloat16)
+    wq = (1 + 0.2 * torch.randn(h * d, device=device, generator=g)).to(torch.bfloat16)
+    wk = (1 + 0.2 * torch.randn(h * d, device=device, generator=g)).to(torch.bfloat16)
+    ang = torch.rand(s, d // 2, device=device, generator=g) * 6.28
+    return qkv, wq, wk, ang.cos().repeat_interleave(2, -1), ang.sin().repeat_interleave(2, -1)
