@@ -112,11 +112,13 @@ def attention_part(s=32760, h=40, d=128) -> dict:
         t.EPILOGUE_WARPS.update(shipped[0])
     t.EPILOGUE_HEADS_FAST = shipped[1]
     out["epilogue_without_rms_ms_by_order_and_warps"] = sweep
-    a_, b_ = results[False], results[True]
-    out["epilogue_orders_bit_identical"] = all(
-        torch.equal(x.view(torch.uint8) if x.element_size() == 1 else x, y.view(torch.uint8) if y.element_size() == 1
-                    else y) for x, y in zip(a_[:4] + a_[5:], b_[:4] + b_[5:])) and torch.equal(
-        a_[4][..., :s].view(torch.uint8), b_[4][..., :s].view(torch.uint8))
+    def bits(outs):  # the 8-bit operands as bytes; V^T without its never-written padding columns
+        outs = list(outs)
+        outs[4] = outs[4][..., :s]
+        return [x.view(torch.uint8) if x.element_size() == 1 else x for x in outs]
+
+    out["epilogue_orders_bit_identical"] = all(torch.equal(x, y) for x, y in zip(bits(results[False]),
+                                                                                  bits(results[True])))
     out["ours_epilogue_bf16_ms"] = bench_ms(lambda: t.qkv_rmsnorm_rope(qkv, wq, wk, cs, sn, h, fp8=False))
     for name, be in (("cudnn_bf16", SDPBackend.CUDNN_ATTENTION), ("flash_bf16", SDPBackend.FLASH_ATTENTION)):
         try:
@@ -139,8 +141,17 @@ def attention_part(s=32760, h=40, d=128) -> dict:
     return out
 
 
-GEMM_SHAPES = {"14b": {"qkv": (5120, 15360), "out": (5120, 5120), "ffn_up": (5120, 13824), "ffn_down": (13824, 5120)},
-               "1.3b": {"qkv": (1536, 4608), "out": (1536, 1536), "ffn_up": (1536, 8960), "ffn_down": (8960, 1536)}}
+GEMM_MODELS = {"14b": "wan2.1-t2v-14b", "1.3b": "wan2.1-t2v-1.3b"}
+GEMM_PER_BLOCK = {"qkv": 1, "out": 3, "ffn_up": 1, "ffn_down": 1}  # out: self-attention out, cross q, cross out
+
+
+def block_gemm_shapes(name: str) -> dict[str, tuple[int, int]]:
+    """``{gemm: (K, N)}`` of one block's token GEMMs, from the model's config."""
+    from trt_sora.models import get_adapter
+
+    cfg = dict(get_adapter(name).spec.config)
+    c, f = cfg["num_attention_heads"] * cfg["attention_head_dim"], cfg["ffn_dim"]
+    return {"qkv": (c, 3 * c), "out": (c, c), "ffn_up": (c, f), "ffn_down": (f, c)}
 
 
 def gemm_part(m: int = 32760) -> dict:
@@ -150,8 +161,8 @@ def gemm_part(m: int = 32760) -> dict:
 
     out = {}
     g = torch.Generator(device="cuda").manual_seed(0)
-    for model, shapes in GEMM_SHAPES.items():
-        for name, (k, n) in shapes.items():
+    for model, registry_name in GEMM_MODELS.items():
+        for name, (k, n) in block_gemm_shapes(registry_name).items():
             x = torch.randn(m, k, device="cuda", generator=g)
             x[:, :8] *= 20.0  # a few outlier channels, as real activations have
             x = x.to(torch.bfloat16)
@@ -174,10 +185,8 @@ def gemm_part(m: int = 32760) -> dict:
                 r[f"{tag}_rel_err_vs_bf16_operands"] = ((y - exact_bf16).norm() / exact_bf16.norm()).item()
             out[f"{model}_{name}"] = r
             print(json.dumps({f"{model}_{name}": r}), flush=True)
-    for model in GEMM_SHAPES:
-        keys = [k for k in out if k.startswith(model + "_")]
-        mult = {"qkv": 1, "out": 3, "ffn_up": 1, "ffn_down": 1}  # out: self-attention out, cross q, cross out
-        out[f"{model}_block_ms"] = {tag: sum(out[k][f"{tag}_ms"] * mult[k.split("_", 1)[1]] for k in keys)
+    for model in GEMM_MODELS:
+        out[f"{model}_block_ms"] = {tag: sum(out[f"{model}_{g}"][f"{tag}_ms"] * n for g, n in GEMM_PER_BLOCK.items())
                                     for tag in ("exact", "fast")}
     return out
 
@@ -221,6 +230,15 @@ class GpuSampler:
                 "temp_c_max": max(cols[2])}
 
 
+def call_inputs(adapter, size: str, batch: int) -> tuple[dict, list]:
+    """``(point, inputs)`` of one benchmark call: 81 frames (21 latent), text 512, timestep 700, on cuda."""
+    h, w = SIZES[size]
+    point = {"batch": batch, "latent_frames": 21, "latent_height": h, "latent_width": w, "text_len": 512}
+    feeds = adapter.example_inputs(point, dtype="bf16", device="cuda", seed=1)
+    feeds["timestep"] = torch.full((batch,), 700.0, device="cuda")
+    return point, [feeds[n] for n in adapter.input_names]
+
+
 def attention_in_model_part(name: str = "wan2.1-t2v-14b") -> dict:
     """See the module docstring (``attention_in_model``)."""
     from trt_sora.kernels import ops
@@ -229,11 +247,7 @@ def attention_in_model_part(name: str = "wan2.1-t2v-14b") -> dict:
     from trt_sora.runners.fp8_runner import AttentionPolicy, TorchFp8Runner
 
     adapter = get_adapter(name)
-    h, w = SIZES["480p"]
-    point = {"batch": 1, "latent_frames": 21, "latent_height": h, "latent_width": w, "text_len": 512}
-    feeds = adapter.example_inputs(point, dtype="bf16", device="cuda", seed=1)
-    feeds["timestep"] = torch.full((1,), 700.0, device="cuda")
-    inputs = [feeds[n] for n in adapter.input_names]
+    _, inputs = call_inputs(adapter, "480p", 1)
     model = adapter.load("bf16", "cuda")
     fwd = adapter.export_module(model)
     plan = calibrate_plan(model, fwd, inputs)
@@ -382,11 +396,7 @@ def model_part(name: str, size: str, batch: int, iters: int, rungs: list[str], s
     from trt_sora.runners.fp8_runner import AttentionPolicy, TorchFp8Runner
 
     adapter = get_adapter(name)
-    h, w = SIZES[size]
-    point = {"batch": batch, "latent_frames": 21, "latent_height": h, "latent_width": w, "text_len": 512}
-    feeds = adapter.example_inputs(point, dtype="bf16", device="cuda", seed=1)
-    feeds["timestep"] = torch.full((batch,), 700.0, device="cuda")
-    inputs = [feeds[n] for n in adapter.input_names]
+    point, inputs = call_inputs(adapter, size, batch)
     res = {"model": name, "size": size, "batch": batch, "point": point,
            "flops": model_flops(dict(adapter.spec.config), point), "rungs": {}}
     fwd = adapter.export_module(model)
@@ -480,15 +490,16 @@ def main(argv=None) -> None:
     import triton
 
     out["triton"] = triton.__version__
-    if "gemm" in a.parts.split(","):
+    parts = set(a.parts.split(","))
+    if "gemm" in parts:
         out["gemm"] = gemm_part()
-    if "attention_in_model" in a.parts.split(","):
+    if "attention_in_model" in parts:
         out["attention_in_model"] = attention_in_model_part()
         print(json.dumps(out["attention_in_model"]), flush=True)
-    if "attention" in a.parts.split(","):
+    if "attention" in parts:
         out["attention"] = attention_part()
         print(json.dumps(out["attention"]), flush=True)
-    if "models" in a.parts.split(","):
+    if "models" in parts:
         from trt_sora.models import get_adapter
 
         for m in a.models.split(","):

@@ -20,6 +20,7 @@ import logging
 import threading
 from typing import Any, Mapping
 
+from trt_sora.config.recipe import TorchFp8Config
 from trt_sora.errors import ArtifactError, BackendMissingError
 from trt_sora.runners.base import Runner, is_torch, to_numpy
 
@@ -119,7 +120,8 @@ class TorchFp8Runner(Runner):
         attention: :class:`AttentionPolicy` (``mode="fused"`` only).
         cuda_graphs: capture one CUDA graph per input shape and attention pattern, replay after.
         fast_accum: the FP8 GEMMs accumulate with cuBLASLt's fast accumulation (recipe
-            ``torch_fp8.gemm_fast_accum``, default on; CUDA only: the CPU reference accumulates in fp32).
+            ``torch_fp8.gemm_fast_accum``, whose default is this one's; CUDA only: the CPU reference
+            accumulates in fp32).
         load_dtype: precision the weights are quantized from (default fp32 when they fit in a
             third of the GPU's memory, else bf16).
 
@@ -128,7 +130,8 @@ class TorchFp8Runner(Runner):
     """
 
     def __init__(self, model_ref, qdq_map, stats=None, *, device: str = "cuda", mode: str = "fused",
-                 attention: AttentionPolicy | None = None, cuda_graphs: bool = True, fast_accum: bool = True,
+                 attention: AttentionPolicy | None = None, cuda_graphs: bool = True,
+                 fast_accum: bool = TorchFp8Config.gemm_fast_accum,
                  load_dtype: str | None = None, name: str | None = None, plan: Mapping[str, SitePlan] | None = None,
                  model=None):
         super().__init__()
