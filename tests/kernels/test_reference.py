@@ -95,3 +95,16 @@ def test_qkv_epilogue_matches_the_plugin_oracle():
     out = ref.attention_fp8(q8, qs, k8, ks, v8, vs)
     want = ref.attention(q, k, v)
     assert torch.nn.functional.cosine_similarity(out.flatten(), want.flatten(), dim=0) > 0.998
+
+
+def test_warp_specialized_attention_refuses_without_hopper_and_gluon():
+    """Where Gluon or an SM 9.x GPU is missing (this CPU box), the Gluon kernel says so and names the fix
+    instead of failing inside Triton."""
+    from trt_sora.errors import BackendMissingError
+    from trt_sora.kernels import gluon_attention as g
+
+    if g.available():
+        pytest.skip("this machine can run the kernel")
+    q8 = torch.zeros(1, 1, 128, 128, dtype=torch.int8)
+    with pytest.raises(BackendMissingError, match="ws=False"):
+        g.attention_fp8_ws(q8, None, q8, None, q8, None)

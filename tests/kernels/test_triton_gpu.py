@@ -172,3 +172,24 @@ def test_attention_configs_give_identical_results(s):
         outs.append(o)
     for o in outs[1:]:
         assert torch.equal(o, outs[0])
+
+
+@pytest.mark.parametrize("b,s", [(1, 100), (1, 128), (1, 129), (2, 1000), (1, 4133)])
+@pytest.mark.parametrize("stages,pingpong", [(2, 0), (3, 1), (4, 0), (4, 1)])
+def test_warp_specialized_attention_equals_triton_kernel(b, s, stages, pingpong):
+    """The Gluon kernel (producer warp, two consumer warpgroups, asynchronous products) computes the
+    Triton kernel's bits, bf16 and FP8 output: ragged last tile, one tile, no full tile, a second query
+    half past S, batch 2 (a key tile that runs into the next head's rows), ring depths, ping-pong on and off."""
+    from trt_sora.kernels import gluon_attention as g
+
+    if not g.available():
+        pytest.skip("needs Gluon's warp specialization and SM 9.x")
+    t = _tri()
+    qkv, wq, wk, cos, sin, h = _qkv_inputs(b=b, s=s, h=2)
+    ops = t.qkv_rmsnorm_rope(qkv, wq, wk, cos, sin, h, fp8=True)
+    want = t.attention_fp8(*ops, ws=False)
+    assert torch.equal(g.attention_fp8_ws(*ops, config=(stages, 240, 24, pingpong)), want)
+    sc = torch.tensor(float(want.float().abs().max()) / 448, device="cuda")
+    want8 = t.attention_fp8(*ops, out_scale=sc, ws=False)
+    got8 = g.attention_fp8_ws(*ops, out_scale=sc, config=(stages, 240, 24, pingpong))
+    assert torch.equal(got8.view(torch.uint8), want8.view(torch.uint8))

@@ -22,6 +22,9 @@
                               ``|x|`` histogram (:func:`trt_sora.calibrate.histogram.batch_counts`)
   ==========================  ==========================================================================
 
+* :mod:`trt_sora.kernels.gluon_attention` - ``attention_fp8``'s kernel on SM 9.x: the same arithmetic and bits,
+  warp-specialized in Gluon (a TMA producer warp, two consumer warpgroups with asynchronous products and
+  ping-pong turns, FlashAttention-3's schedule); ``triton_ops.attention_kernel`` says which one runs.
 * :mod:`trt_sora.kernels.cuda_hist` - calibration's ``|x|`` histogram as one CUDA kernel compiled by
   NVRTC at run time (shared-memory atomics, which Triton lacks); the same bins as ``torch.histc``.
 

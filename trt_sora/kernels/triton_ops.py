@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from trt_sora.kernels import gluon_attention
 from trt_sora.kernels.reference import FP8, FP8_MAX
 
 SCALE_BLOCK = 128  # tokens per Q / K quantization block = the attention kernel's tile (one scale per tile)
@@ -21,8 +22,8 @@ EPILOGUE_WARPS = {"rms": 4, "post": 8, "kv": 8}
 #: The epilogue's tile passes launch the heads of one token block together (see :func:`_tile_ids`).
 EPILOGUE_HEADS_FAST = True
 
-__all__ = ["SCALE_BLOCK", "abs_scaled", "attention_fp8", "gated_add", "gelu_quant", "heads_to_tokens",
-           "kv_descriptors", "qkv_rmsnorm_rope", "quantize", "residual_norm_quant", "rms_stats"]
+__all__ = ["SCALE_BLOCK", "abs_scaled", "attention_fp8", "attention_kernel", "gated_add", "gelu_quant",
+           "heads_to_tokens", "kv_descriptors", "qkv_rmsnorm_rope", "quantize", "residual_norm_quant", "rms_stats"]
 
 
 @triton.jit
@@ -489,6 +490,8 @@ def _attn_fp8_kernel(Q8, QS, K8, KS, VT8, VS, O, OSC, S, S_pad, H, nblk, qk_scal
 
 #: Key/value tiles through TMA tensor descriptors (Hopper+) instead of pointer loads: same bits.
 ATTN_TMA = True
+#: On SM 9.x with Gluon, the warp-specialized kernel (:mod:`trt_sora.kernels.gluon_attention`): same bits.
+ATTN_WS = True
 
 
 def kv_descriptors(k8, vt8):
@@ -503,15 +506,27 @@ def kv_descriptors(k8, vt8):
             TensorDescriptor(vt8, [b * h, d, s], [d * s_pad, s_pad, 1], [1, d, SCALE_BLOCK]))
 
 
-def attention_fp8(q8, q_scale, k8, k_scale, vt8, v_scale, *, out_scale=None, tma: bool | None = None):
+def attention_kernel(device=None) -> str:
+    """Which 8-bit attention kernel :func:`attention_fp8` launches on ``device`` by default: ``"gluon-ws"``
+    (the warp-specialized kernel, SM 9.x with Gluon) or ``"triton"``."""
+    return "gluon-ws" if ATTN_WS and gluon_attention.available(device) else "triton"
+
+
+def attention_fp8(q8, q_scale, k8, k_scale, vt8, v_scale, *, out_scale=None, tma: bool | None = None,
+                  ws: bool | None = None):
     """Softmax attention on 8-bit operands -> [B, S, H*D] token-major (``to_out``'s input layout):
     INT8 Q K^T and FP8 P V on tensor cores (SageAttention2's 8-bit recipe), fp32 online softmax.
 
     ``q8``/``k8`` [B, H, S, D] int8, scales [B, H, S/128] (one per 128-token tile); ``vt8``
     [B, H, D, S_pad] fp8, ``v_scale`` [B, H, D]. Output bf16, or FP8 at ``out_scale`` (the
     ``to_out`` linear's static input scale). ``tma``: key/value tiles through tensor descriptors
-    (default :data:`ATTN_TMA` on SM >= 9.0).
+    (default :data:`ATTN_TMA` on SM >= 9.0). ``ws``: the warp-specialized Gluon kernel instead, the same
+    bits (default :data:`ATTN_WS` where :func:`trt_sora.kernels.gluon_attention.available`).
     """
+    if ws is None:
+        ws = attention_kernel(q8.device) == "gluon-ws"
+    if ws:
+        return gluon_attention.attention_fp8_ws(q8, q_scale, k8, k_scale, vt8, v_scale, out_scale=out_scale)
     b, h, s, d = q8.shape
     s_pad = vt8.shape[-1]
     o = torch.empty((b, s, h * d), device=q8.device, dtype=FP8 if out_scale is not None else torch.bfloat16)

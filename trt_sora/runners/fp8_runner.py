@@ -283,6 +283,10 @@ class TorchFp8Runner(Runner):
             major, minor = torch.cuda.get_device_capability(torch.device(dev))
             info.update({"gpu": torch.cuda.get_device_name(torch.device(dev)), "sm": f"{major}.{minor}",
                          "torch": torch.__version__})
+            if info["fp8_attention_layers"]:
+                from trt_sora.kernels.triton_ops import attention_kernel
+
+                info["attention_kernel"] = attention_kernel(torch.device(dev))
         return info
 
     def expected_gemms(self) -> int:
