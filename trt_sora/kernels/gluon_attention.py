@@ -13,14 +13,16 @@ One CTA takes 128 query rows of one (batch, head) and runs three partitions:
   products, so one's softmax runs against the other's tensor-core work (FA3's inter-warpgroup schedule).
 
 No CTA-wide barrier in the loop: the consumers wait on mbarriers only, and release a slot with one
-mbarrier arrive each. Two details keep the overlap in the SASS: the next K scale is loaded one tile
-ahead (the softmax would stall on it), and the release of tile j-2's V slot is issued at tile j's start,
-so nothing after the P V wait makes ptxas hoist that wait above the softmax. The output goes through a
-layout change to 16-byte row pieces per thread (whole lines per store; the accumulator's own layout
-stores 1-2 bytes at a time, which cost about 2.7 ms per 14B layer with FP8 output).
+mbarrier arrive each. Three details keep the overlap in the SASS (offline ptxas): ``P`` crosses the loop
+in fp32 and becomes FP8 right before its product (an FP8 loop-carried tensor is one byte per register,
+190 shuffles a tile); the next K scale is loaded one tile ahead (the softmax would stall on it); and the
+release of tile j-2's V slot is issued at tile j's start, so nothing after the P V wait makes ptxas hoist
+that wait above the softmax. FP8 output goes through a layout change to 16-byte row pieces per thread
+(the accumulator's layout stores 1-2 bytes at a time: about 2.7 ms per 14B layer); bf16 output, 4 bytes
+a store, is stored from the accumulator's layout.
 
-Measured on H200s (benchmarks/README.md): 797-819 TFLOP/s at 1 x 40 heads x 32,760 x 128 against the Triton
-kernel's 743-793 in the same runs.
+Measured on H200s (benchmarks/README.md): 798-819 TFLOP/s at 1 x 40 heads x 32,760 x 128 on two machines,
+against the Triton kernel's 767-791 in the same runs; 792-807 with FP8 output on a slower third.
 
 Needs Triton's Gluon (Triton >= 3.5) and SM 9.x; :func:`available` says whether this process can run it.
 """
