@@ -89,6 +89,8 @@ def attention_part(s=32760, h=40, d=128) -> dict:
                                                 else float(v)
                                                 for k, v in (getattr(tuner, "configs_timings", None) or {}).items()}}
     out["tma_equals_pointer"] = torch.equal(t.attention_fp8(*ops8, tma=True), t.attention_fp8(*ops8, tma=False))
+    out["default_kernel"] = t.attention_kernel(qkv.device)  # what attention_fp8 launches without tma / ws
+    out["default_8bit_ms"] = bench_ms(lambda: t.attention_fp8(*ops8))
     try:  # A/B against the previous commit's kernel in the same run, when the bench carries it
         from benchmarks import _prev_triton_ops as prev
     except ImportError:

@@ -101,6 +101,13 @@ if HAVE_GLUON:
 
 
     @gluon.jit
+    def _pv_operands(acc, alpha, p, o_layout: gl.constexpr, p_layout: gl.constexpr):
+        """Before tile j's P V: the accumulator rescaled to tile j's row max, and ``P`` as the FP8 A operand."""
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+        return acc, gl.convert_layout(p.to(gl.float8e4nv), p_layout)
+
+
+    @gluon.jit
     def _iter(r, q, j, p, alpha, c, c_next, m_i, l_i, acc, KSB, qsc, nblk, S, MASKED: gl.constexpr,
               WG: gl.constexpr, PINGPONG: gl.constexpr, STAGES: gl.constexpr, HALF: gl.constexpr,
               BLOCK_N: gl.constexpr, qk_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
@@ -109,8 +116,7 @@ if HAVE_GLUON:
         q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn = r
         sp = (j - 1) % STAGES
         if PINGPONG:  # both products issued in this warpgroup's turn, then the other's
-            acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-            p8 = gl.convert_layout(p.to(gl.float8e4nv), p_layout)
+            acc, p8 = _pv_operands(acc, alpha, p, o_layout, p_layout)
             mbarrier.wait(turn.index(WG), (j - 1) & 1)
             tok = _qk(r, q, j, STAGES, HALF, BLOCK_N, qk_layout)
             mbarrier.wait(v_ready.index(sp), ((j - 1) // STAGES) & 1)
@@ -120,8 +126,7 @@ if HAVE_GLUON:
         else:
             tok = _qk(r, q, j, STAGES, HALF, BLOCK_N, qk_layout)
             mbarrier.arrive(v_empty.index((j + STAGES - 2) % STAGES), count=1, pred=j > 1)  # tile j-2's P V is done
-            acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-            p8 = gl.convert_layout(p.to(gl.float8e4nv), p_layout)
+            acc, p8 = _pv_operands(acc, alpha, p, o_layout, p_layout)
             mbarrier.wait(v_ready.index(sp), ((j - 1) // STAGES) & 1)
             pv = warpgroup_mma(p8, v_smem.index(sp).permute((1, 0)), acc, is_async=True)
         c_cur = c
@@ -176,8 +181,7 @@ if HAVE_GLUON:
             p, alpha, c, c_next, m_i, l_i, acc = _iter(r, q, n_full, p, alpha, c, c_next, m_i, l_i, acc, KSB, qsc, nblk,
                                                        S, True, WG, PINGPONG, STAGES, HALF, BLOCK_N, qk_layout,
                                                        o_layout, p_layout)
-        acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-        p8 = gl.convert_layout(p.to(gl.float8e4nv), p_layout)
+        acc, p8 = _pv_operands(acc, alpha, p, o_layout, p_layout)
         last = n_tiles - 1
         sl = last % STAGES
         mbarrier.arrive(v_empty.index((last + STAGES - 1) % STAGES), count=1, pred=last > 0)

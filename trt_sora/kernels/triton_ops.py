@@ -519,12 +519,12 @@ def attention_fp8(q8, q_scale, k8, k_scale, vt8, v_scale, *, out_scale=None, tma
 
     ``q8``/``k8`` [B, H, S, D] int8, scales [B, H, S/128] (one per 128-token tile); ``vt8``
     [B, H, D, S_pad] fp8, ``v_scale`` [B, H, D]. Output bf16, or FP8 at ``out_scale`` (the
-    ``to_out`` linear's static input scale). ``tma``: key/value tiles through tensor descriptors
-    (default :data:`ATTN_TMA` on SM >= 9.0). ``ws``: the warp-specialized Gluon kernel instead, the same
-    bits (default :data:`ATTN_WS` where :func:`trt_sora.kernels.gluon_attention.available`).
+    ``to_out`` linear's static input scale). ``ws``: the warp-specialized Gluon kernel, the same bits
+    (default: :func:`attention_kernel`). ``tma``, an option of the Triton kernel (so a given ``tma`` picks
+    it): key/value tiles through tensor descriptors (default :data:`ATTN_TMA` on SM >= 9.0).
     """
     if ws is None:
-        ws = attention_kernel(q8.device) == "gluon-ws"
+        ws = tma is None and attention_kernel(q8.device) == "gluon-ws"
     if ws:
         return gluon_attention.attention_fp8_ws(q8, q_scale, k8, k_scale, vt8, v_scale, out_scale=out_scale)
     b, h, s, d = q8.shape
