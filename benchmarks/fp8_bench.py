@@ -20,7 +20,9 @@ Parts (``--parts``):
   and batch: eager BF16 (cuDNN SDPA), ``torch.compile`` BF16 (diffusers' regional compilation),
   and the torch-fp8 ladder: FP8 GEMMs (eager quantize) -> + fused quantization -> + 8-bit
   attention -> + CUDA graph (GEMMs with fast accumulation, as the recipes ship; rung
-  ``fp8_fused_attn8_graph_exactacc``: the full rung with exact accumulation). Median of ``--iters``
+  ``fp8_fused_attn8_graph_exactacc``: the full rung with exact accumulation;
+  ``fp8_fused_attn8_graph_otherkernel``: with the 8-bit attention kernel that is not the default, the
+  warp-specialized Gluon one on SM 9.x). Median of ``--iters``
   calls after warm-up, cosine vs eager BF16, what the backend reports it ran, and a profiler split
   (GEMM / attention / other) of the BF16 and the full FP8 call with achieved TFLOP/s against the measured ceilings.
 
@@ -114,9 +116,7 @@ def attention_part(s=32760, h=40, d=128) -> dict:
         t.EPILOGUE_WARPS.update(shipped[0])
     t.EPILOGUE_HEADS_FAST = shipped[1]
     out["epilogue_without_rms_ms_by_order_and_warps"] = sweep
-    def bits(outs):  # the 8-bit operands as bytes; V^T without its never-written padding columns
-        outs = list(outs)
-        outs[4] = outs[4][..., :s]
+    def bits(outs):  # the 8-bit operands as bytes (V^T with its padding: zeros the kernels read)
         return [x.view(torch.uint8) if x.element_size() == 1 else x for x in outs]
 
     out["epilogue_orders_bit_identical"] = all(torch.equal(x, y) for x, y in zip(bits(results[False]),
@@ -435,10 +435,17 @@ def model_part(name: str, size: str, batch: int, iters: int, rungs: list[str], s
               "fp8_fused_attn8_graph": dict(mode="fused", attention=AttentionPolicy(enabled=True), cuda_graphs=True),
               # the full rung with exact FP8 accumulation (every other rung: fast, as recipes ship it)
               "fp8_fused_attn8_graph_exactacc": dict(mode="fused", attention=AttentionPolicy(enabled=True),
-                                                     cuda_graphs=True, fast_accum=False)}
+                                                     cuda_graphs=True, fast_accum=False),
+              # the full rung with the other 8-bit attention kernel (the warp-specialized Gluon one on SM 9.x)
+              "fp8_fused_attn8_graph_otherkernel": dict(mode="fused", attention=AttentionPolicy(enabled=True),
+                                                        cuda_graphs=True)}
+    from trt_sora.kernels import triton_ops
+
+    shipped_ws = triton_ops.ATTN_WS
     for rung, kw in ladder.items():
         if rung not in rungs:
             continue
+        triton_ops.ATTN_WS = shipped_ws != rung.endswith("_otherkernel")
         r = TorchFp8Runner(adapter, None, plan=plan, device="cuda", model=copy.deepcopy(model), **kw).activate()
         feeds_r = {n: x for n, x in zip(adapter.input_names, inputs)}
         call = lambda: r.infer(feeds_r)["sample"]  # noqa: E731
@@ -451,6 +458,7 @@ def model_part(name: str, size: str, batch: int, iters: int, rungs: list[str], s
             raise SystemExit(f"{rung}: ran {rep['fp8_gemms_per_call']} FP8 GEMMs, the plan needs "
                              f"{rep['expected_fp8_gemms']}: a silent no-op")
         res["rungs"][rung] = rep
+        triton_ops.ATTN_WS = shipped_ws
         r.deactivate()
         del r
         torch.cuda.empty_cache()

@@ -1,13 +1,16 @@
 """The warp-specialized Gluon attention kernel (:mod:`trt_sora.kernels.gluon_attention`) against the Triton
 kernel (:func:`trt_sora.kernels.triton_ops.attention_fp8`), in one process on one GPU: bits on ragged, one-tile,
 batch-2 and many-tile shapes (bf16 and FP8 output), then speed at Wan 14B's 1 x 40 heads x 32,760 x 128 for
-each ``--configs`` entry, and the cosine against fp32 attention.
+each ``--configs`` entry, and the cosine against fp32 attention. With the previous commit's kernels carried
+(``benchmarks/_prev_gluon_attention.py`` and ``benchmarks/_prev_triton_ops.py``, the latter importing the former),
+its default kernel is timed in the same rounds on its own epilogue's operands (A/B on one machine).
 
     python benchmarks/gluon_attention.py --out results.json      # H100/H200
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -28,9 +31,17 @@ def main() -> None:
     ap.add_argument("--configs", default="3,240,24,1;6,240,24,1",
                     help="ring slots,consumer registers,producer registers,ping-pong; semicolon-separated")
     ap.add_argument("--reps", type=int, default=3, help="timing rounds (each kernel once per round)")
+    ap.add_argument("--variants", default="",
+                    help="NAME=PATH,...: other builds of the Gluon module (same operands), held to the same bits and timed")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     cfgs = [tuple(int(x) for x in c.split(",")) for c in a.configs.split(";")]
+    variants = {}
+    for item in filter(None, a.variants.split(",")):
+        name, path = item.split("=", 1)
+        spec = importlib.util.spec_from_file_location(f"_variant_{name}", path)
+        variants[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(variants[name])
     res = {"device": torch.cuda.get_device_name(0), "triton": triton.__version__, "bits": [], "ms": {}}
     for b, s, h in ((1, 100, 2), (1, 128, 2), (1, 129, 2), (2, 1000, 2), (1, 4133, 2), (1, 32760, 3)):
         ops = t.qkv_rmsnorm_rope(*ref.example_qkv(b, s, h, seed=1), h, fp8=True)
@@ -43,6 +54,11 @@ def main() -> None:
             got8 = g.attention_fp8_ws(*ops, out_scale=sc, config=c).view(torch.uint8)
             row[str(c)] = {"bf16_equal": torch.equal(got, want), "fp8_equal": torch.equal(got8, want8),
                            "max_abs": float((got.float() - want.float()).abs().max())}
+        for name, mod in variants.items():
+            got = mod.attention_fp8_ws(*ops)
+            row[name] = {"bf16_equal": torch.equal(got, want),
+                         "fp8_equal": torch.equal(mod.attention_fp8_ws(*ops, out_scale=sc).view(torch.uint8), want8),
+                         "max_abs": float((got.float() - want.float()).abs().max())}
         res["bits"].append(row)
         print(json.dumps(row), flush=True)
     s, h, d = 32760, 40, 128
@@ -50,9 +66,24 @@ def main() -> None:
     ops = t.qkv_rmsnorm_rope(qkv, wq, wk, cs, sn, h, fp8=True)
     bench = lambda fn: triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")  # noqa: E731
     osc = torch.tensor(0.01, device="cuda")  # FP8 output (the to_out linear's input, as in the model)
+    try:  # A/B against the previous commit's kernels, when the bench carries them
+        from benchmarks import _prev_triton_ops as prev
+    except ImportError:
+        prev = None
+    if prev is not None:
+        ops_prev = prev.qkv_rmsnorm_rope(qkv, wq, wk, cs, sn, h, fp8=True)
+        res["prev_kernel"] = prev.attention_kernel(qkv.device)
+        res["prev_max_abs_vs_ours"] = float((prev.attention_fp8(*ops_prev).float()
+                                             - t.attention_fp8(*ops).float()).abs().max())
     for _ in range(a.reps):
+        if prev is not None:
+            res["ms"].setdefault("prev", []).append(bench(lambda: prev.attention_fp8(*ops_prev)))
+            res["ms"].setdefault("prev_fp8_out", []).append(bench(lambda: prev.attention_fp8(*ops_prev, out_scale=osc)))
         res["ms"].setdefault("triton", []).append(bench(lambda: t.attention_fp8(*ops, ws=False)))
         res["ms"].setdefault("triton_fp8_out", []).append(bench(lambda: t.attention_fp8(*ops, out_scale=osc, ws=False)))
+        for name, mod in variants.items():
+            res["ms"].setdefault(name, []).append(bench(lambda: mod.attention_fp8_ws(*ops)))
+            res["ms"].setdefault(f"{name}_fp8_out", []).append(bench(lambda: mod.attention_fp8_ws(*ops, out_scale=osc)))
         for c in cfgs:
             res["ms"].setdefault(str(c), []).append(bench(lambda: g.attention_fp8_ws(*ops, config=c)))
             res["ms"].setdefault(f"{c}_fp8_out", []).append(
@@ -65,7 +96,8 @@ def main() -> None:
     cos = lambda o: torch.nn.functional.cosine_similarity(  # noqa: E731
         o.float().view(1, s, h, d)[:, :, heads].flatten(), want, dim=0).item()
     res["cosine_vs_fp32"] = {"triton": cos(t.attention_fp8(*ops, ws=False)),
-                             **{str(c): cos(g.attention_fp8_ws(*ops, config=c)) for c in cfgs}}
+                             **{str(c): cos(g.attention_fp8_ws(*ops, config=c)) for c in cfgs},
+                             **{name: cos(mod.attention_fp8_ws(*ops)) for name, mod in variants.items()}}
     print(json.dumps(res, indent=1))
     if a.out:
         Path(a.out).write_text(json.dumps(res, indent=1) + "\n")

@@ -108,3 +108,29 @@ def test_warp_specialized_attention_refuses_without_hopper_and_gluon():
     q8 = torch.zeros(1, 1, 128, 128, dtype=torch.int8)
     with pytest.raises(BackendMissingError, match="ws=False"):
         g.attention_fp8_ws(q8, None, q8, None, q8, None)
+
+
+def test_vt_key_order_puts_each_lanes_p_operand_in_its_own_accumulator_registers():
+    """PTX ISA fragments: the Q K^T accumulator (wgmma / mma C layout) gives lane q of a quad the key
+    columns 8c + 2q + {0, 1} (c < 4) of every 32; the FP8 A operand of the P V product (k32) gives it
+    operand positions 4q + i and 16 + 4q + i (i < 4). Read in V^T's key order, each lane's operand
+    positions hold exactly its own accumulator keys (no shuffles), in register order, and V^T stored
+    in that order is a permutation of each group of 16 keys."""
+    n = 256
+    order = ref.vt_key_order(n)
+    assert torch.equal(order.sort().values, torch.arange(n))
+    assert torch.equal(order // 16, torch.arange(n) // 16)  # keys stay in their group (and tile)
+    for base in range(0, n, 32):
+        for q in range(4):
+            acc = [base + 8 * c + 2 * q + e for c in range(4) for e in range(2)]  # register order
+            operand = [base + 16 * half + 4 * q + i for half in range(2) for i in range(4)]
+            assert order[operand].tolist() == acc, (base, q)
+    g = torch.Generator().manual_seed(3)
+    vt8 = ref.quantize(torch.randn(2, 3, 8, 48, generator=g), 0.01)
+    order = ref.vt_key_order(48)
+    nat = ref.vt_natural(vt8, 40)
+    assert nat.shape == (2, 3, 40, 8)
+    assert torch.equal(nat.float(), vt8.float()[..., order.argsort()][..., :40].transpose(-1, -2))
+    p = torch.rand(5, 48, generator=g)  # P V over keys: the same sum in either order
+    keys = vt8.float()[0, 0][:, order.argsort()]
+    torch.testing.assert_close(p[:, order] @ vt8.float()[0, 0].T, p @ keys.T)

@@ -13,7 +13,8 @@
                               all-to-all, which leaves each rank only some heads)
   ``qkv_rmsnorm_rope``        fused-QKV epilogue: split, RMSNorm across heads, 3-axis RoPE, INT8
                               per-block Q; K minus its mean (smoothing) in INT8 per block; V in FP8
-                              per channel, transposed (the GPU implementation of
+                              per channel, transposed, keys in the P V operand's order
+                              (``reference.vt_key_order``) (the GPU implementation of
                               ``plugins/fused_qkv_attention``)
   ``attention_fp8``           flash attention with INT8 QK^T and FP8 PV on tensor cores, per-block
                               Q/K scales, output written token-major (optionally FP8 for ``to_out``)
@@ -22,9 +23,11 @@
                               ``|x|`` histogram (:func:`trt_sora.calibrate.histogram.batch_counts`)
   ==========================  ==========================================================================
 
-* :mod:`trt_sora.kernels.gluon_attention` - ``attention_fp8``'s kernel on SM 9.x: the same arithmetic and bits,
-  warp-specialized in Gluon (a TMA producer warp, two consumer warpgroups with asynchronous products and
-  ping-pong turns, FlashAttention-3's schedule); ``triton_ops.attention_kernel`` says which one runs.
+* :mod:`trt_sora.kernels.gluon_attention` - ``attention_fp8`` on SM 9.x warp-specialized in Gluon: the same
+  arithmetic and bits (a TMA producer warp, two consumer warpgroups with asynchronous products and
+  ping-pong turns, FlashAttention-3's schedule); ``attention_fp8(..., ws=True)`` or ``triton_ops.ATTN_WS``
+  picks it, ``triton_ops.attention_kernel`` says which one runs (the Triton kernel by default: faster
+  since V^T is stored in the operand's key order).
 * :mod:`trt_sora.kernels.cuda_hist` - calibration's ``|x|`` histogram as one CUDA kernel compiled by
   NVRTC at run time (shared-memory atomics, which Triton lacks); the same bins as ``torch.histc``.
 

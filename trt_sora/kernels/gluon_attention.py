@@ -17,12 +17,16 @@ mbarrier arrive each. Three details keep the overlap in the SASS (offline ptxas)
 in fp32 and becomes FP8 right before its product (an FP8 loop-carried tensor is one byte per register,
 190 shuffles a tile); the next K scale is loaded one tile ahead (the softmax would stall on it); and the
 release of tile j-2's V slot is issued at tile j's start, so nothing after the P V wait makes ptxas hoist
-that wait above the softmax. FP8 output goes through a layout change to 16-byte row pieces per thread
-(the accumulator's layout stores 1-2 bytes at a time: about 2.7 ms per 14B layer); bf16 output, 4 bytes
-a store, is stored from the accumulator's layout.
+that wait above the softmax. ``P`` reaches the P V product in V^T's key order
+(:func:`trt_sora.kernels.reference.vt_key_order`), the softmax's registers as they are. FP8 output goes
+through a layout change to 16-byte row pieces per thread (the accumulator's layout stores 1-2 bytes at a
+time: about 2.7 ms per 14B layer); bf16 output, 4 bytes a store, is stored from the accumulator's layout.
 
-Measured on H200s (benchmarks/README.md): 798-819 TFLOP/s at 1 x 40 heads x 32,760 x 128 on two machines,
-against the Triton kernel's 767-791 in the same runs; 792-807 with FP8 output on a slower third.
+Measured on H200s (benchmarks/README.md), 1 x 40 heads x 32,760 x 128: on V^T in natural key order (P
+through 16 shuffles a tile) 798-819 TFLOP/s, ahead of the Triton kernel's 767-791. With the key order ptxas
+moves P's 32 FP8 conversions from before this warpgroup's turn into it, and the kernel fell to 761-768
+(FP8 output 780-787) while the Triton kernel rose to 780-808 (FP8 output 800-823); so the Triton kernel is
+the default (``triton_ops.ATTN_WS``) and this one is selectable, the same bits.
 
 Needs Triton's Gluon (Triton >= 3.5) and SM 9.x; :func:`available` says whether this process can run it.
 """
@@ -55,7 +59,8 @@ if HAVE_GLUON:
     def _producer(q_desc, k_desc, v_desc, r, bh, pid_m, S, n_tiles, D: gl.constexpr, BLOCK_M: gl.constexpr,
                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
         """The TMA warp: Q's two halves, then K_t and V^T_t of every key tile t into slot t % STAGES once both
-        consumers released it (rows past S: the next head's keys, masked; past the end: zeros)."""
+        consumers released it (K rows past S: the next head's keys, masked; past the end: zeros. V^T's
+        padding: the epilogue's zeros)."""
         q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn = r
         HALF: gl.constexpr = BLOCK_M // 2
         mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
@@ -102,9 +107,15 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _pv_operands(acc, alpha, p, o_layout: gl.constexpr, p_layout: gl.constexpr):
-        """Before tile j's P V: the accumulator rescaled to tile j's row max, and ``P`` as the FP8 A operand."""
+        """Before tile j's P V: the accumulator rescaled to tile j's row max, and ``P`` as the FP8 A operand,
+        its keys in V^T's order (``triton_ops._vt_order``): the accumulator's registers as they are, which
+        ``assert_trivial`` checks at compile time."""
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-        return acc, gl.convert_layout(p.to(gl.float8e4nv), p_layout)
+        p8 = p.to(gl.float8e4nv)
+        M: gl.constexpr = p8.shape[0]
+        N: gl.constexpr = p8.shape[1]
+        p8 = gl.reshape(gl.permute(gl.reshape(p8, [M, N // 16, 2, 4, 2]), (0, 1, 3, 2, 4)), [M, N])
+        return acc, gl.convert_layout(p8, p_layout, assert_trivial=True)
 
 
     @gluon.jit
@@ -267,7 +278,7 @@ def attention_fp8_ws(q8, q_scale, k8, k_scale, vt8, v_scale, *, out_scale=None, 
     lay = gl.NVMMASharedLayout.get_default_for
     q_desc = TensorDescriptor(q8, [b * h * s, d], [d, 1], [half, d], lay([half, d], gl.int8))
     k_desc = TensorDescriptor(k8, [b * h * s, d], [d, 1], [block_n, d], lay([block_n, d], gl.int8))
-    v_desc = TensorDescriptor(vt8, [b * h * d, s], [s_pad, 1], [d, block_n], lay([d, block_n], gl.float8e4nv))
+    v_desc = TensorDescriptor(vt8, [b * h * d, s_pad], [s_pad, 1], [d, block_n], lay([d, block_n], gl.float8e4nv))
     o = torch.empty((b, s, h * d), device=q8.device, dtype=vt8.dtype if out_scale is not None else torch.bfloat16)
     _attn_ws_kernel[(-(-s // BLOCK_M), b * h)](
         q_desc, k_desc, v_desc, q_scale, k_scale, v_scale, o, out_scale if out_scale is not None else o, s, h,

@@ -17,7 +17,8 @@ FP8_MAX = 448.0
 FP8 = torch.float8_e4m3fn
 
 __all__ = ["FP8", "FP8_MAX", "attention", "attention_fp8", "block_quant", "dequant_scale", "example_qkv", "gelu_quant",
-           "heads_to_tokens", "quantize", "quantize_int8", "qkv_rmsnorm_rope", "residual_norm_quant", "rms_stats"]
+           "heads_to_tokens", "quantize", "quantize_int8", "qkv_rmsnorm_rope", "residual_norm_quant", "rms_stats",
+           "vt_key_order", "vt_natural"]
 
 
 def dequant_scale(amax: torch.Tensor) -> torch.Tensor:
@@ -155,6 +156,27 @@ def attention_fp8(q8, q_scale, k8, k_scale, v8, v_scale, block: int = 128) -> to
     p = torch.exp(logits - logits.amax(-1, keepdim=True))
     pq = (p * FP8_MAX).to(FP8).float() / FP8_MAX
     return (pq @ (v8.float() * v_scale[:, :, None, :])) / p.sum(-1, keepdim=True)
+
+
+def vt_key_order(n: int) -> torch.Tensor:
+    """The key held at each position of the kernels' V^T [B, H, D, S_pad] (``n`` a multiple of 16): in each
+    group of 16, position ``4q + 2h + e`` holds key ``8h + 2q + e`` (q < 4; h, e < 2).
+
+    It is the order in which the P V product finds P in the softmax's registers. The FP8 A operand of
+    wgmma m64nNk32 (and mma m16n8k32) gives lane ``q`` of each quad the keys ``4q..4q+3`` and
+    ``16+4q..19+4q`` of every 32; the Q K^T accumulator it comes from holds keys ``8c + 2q + {0, 1}``,
+    c < 4. Read in this order, every lane already holds its own operand (no shuffles); V^T stored in
+    the same order keeps the product the same sum over keys."""
+    p = torch.arange(n)
+    return p // 16 * 16 + p % 4 // 2 * 8 + p % 16 // 4 * 2 + p % 2
+
+
+def vt_natural(vt8: torch.Tensor, s: int) -> torch.Tensor:
+    """The kernels' V^T [B, H, D, S_pad] in key order (:func:`vt_key_order`) -> V [B, H, S, D]."""
+    order = vt_key_order(vt8.shape[-1]).to(vt8.device)
+    nat = torch.empty_like(vt8)
+    nat[..., order] = vt8
+    return nat[..., :s].transpose(-1, -2)
 
 
 def heads_to_tokens(o: torch.Tensor, act_scale: torch.Tensor | None = None) -> torch.Tensor:

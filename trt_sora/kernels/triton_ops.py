@@ -277,10 +277,20 @@ def _qkv_post_kernel(QKV, RSTD, WQ, WK, CS, QO, KO, VO, QS, KSUM, VMAX, S, H, nb
 
 
 @triton.jit
+def _vt_order(x):
+    """The columns of ``x`` [M, N] (N a multiple of 16) in V^T's key order,
+    :func:`trt_sora.kernels.reference.vt_key_order`: P in the FP8 P V operand's own register layout
+    (no shuffles between the softmax and the product), and V^T as the epilogue stores it."""
+    M: tl.constexpr = x.shape[0]
+    N: tl.constexpr = x.shape[1]
+    return tl.reshape(tl.permute(tl.reshape(x, [M, N // 16, 2, 4, 2]), (0, 1, 3, 2, 4)), [M, N])
+
+
+@triton.jit
 def _kv_quant_kernel(QKV, RSTD, WK, CS, KMEAN, K8, KS, VS, VT8, S, S_pad, H, nblk, D: tl.constexpr,
                      BLOCK_S: tl.constexpr, ROPE: tl.constexpr, HEADS_FAST: tl.constexpr):
     """K (recomputed from ``qkv``: cheaper than a bf16 round trip) minus its mean -> INT8 per block;
-    V -> FP8 per channel, stored transposed [D, S_pad] for the PV tensor-core product."""
+    V -> FP8 per channel, stored transposed [D, S_pad] in the P V product's key order, padding zeros."""
     pid_s, bh = _tile_ids(HEADS_FAST)
     b = bh // H
     h = bh % H
@@ -297,8 +307,8 @@ def _kv_quant_kernel(QKV, RSTD, WK, CS, KMEAN, K8, KS, VS, VT8, S, S_pad, H, nbl
     tl.store(K8 + (bh.to(tl.int64) * S + t)[:, None] * D + d[None, :], _qi8(k, s), mask=rm[:, None])
     tl.store(KS + bh * nblk + pid_s, s)
     v = tl.load(QKV + row64[:, None] * (3 * C) + 2 * C + h * D + d[None, :], mask=rm[:, None], other=0.0)
-    v8 = _q8(v.to(tl.float32), tl.load(VS + bh * D + d)[None, :])
-    tl.store(VT8 + bh.to(tl.int64) * D * S_pad + d[:, None] * S_pad + t[None, :], tl.trans(v8), mask=rm[None, :])
+    v8 = _q8(v.to(tl.float32), tl.load(VS + bh * D + d)[None, :])  # zeros past S: the padding is read
+    tl.store(VT8 + bh.to(tl.int64) * D * S_pad + d[:, None] * S_pad + t[None, :], _vt_order(tl.trans(v8)))
 
 
 def _rope_table(cos, sin):
@@ -328,7 +338,8 @@ def qkv_rmsnorm_rope(qkv, wq, wk, cos, sin, heads: int, eps: float = 1e-6, *, fp
     Returns BF16 ``(q, k, v)`` [B, H, S, D] when ``fp8`` is False, else the attention kernel's
     operands ``(q8 [B,H,S,D] int8, q_scale [B,H,nblk], k8 [B,H,S,D] int8, k_scale, vt8
     [B,H,D,S_pad] fp8, v_scale [B,H,D])`` with blocks of :data:`SCALE_BLOCK` tokens (V stored
-    token-contiguous for the PV tensor-core product; its padding is never read).
+    token-contiguous for the PV tensor-core product, keys in :func:`~trt_sora.kernels.reference.vt_key_order`,
+    the padding zeros; :func:`~trt_sora.kernels.reference.vt_natural` undoes both).
     Three launches: per-token RMS statistics (skipped when ``rstd`` [B*S, 2] is given: taken over
     more heads than ``qkv`` holds, Ulysses), the per-head tile pass, K/V quantization.
     """
@@ -398,7 +409,7 @@ def _attn_tile(qk_i32, c, m_i, l_i, acc, vt):
     p = tl.math.exp2(raw * c - (12582912.0 * c + m_new - LOG2_448)[:, None])  # 448 * softmax numerator
     alpha = tl.math.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = tl.dot(p.to(tl.float8e4nv), tl.trans(vt), acc * alpha[:, None])
+    acc = tl.dot(_vt_order(p.to(tl.float8e4nv)), tl.trans(vt), acc * alpha[:, None])
     return m_new, l_i, acc
 
 
@@ -415,12 +426,11 @@ def _k_tile(K8, kp, bh, n0, S, D: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.c
 
 
 @triton.jit
-def _v_tile(VT8, vp, bh, n0, S, D: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr, MASK: tl.constexpr):
-    """V^T [D, BLOCK_N] fp8 of the key tile at token ``n0`` (as :func:`_k_tile`; columns past S are zeros)."""
+def _v_tile(VT8, vp, bh, n0, D: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr):
+    """V^T [D, BLOCK_N] fp8 of the key tile at token ``n0``, keys in :func:`_vt_order` (the padding past S
+    holds zeros: a key of the ragged tile can sit at any position of its group)."""
     if TMA:
         return VT8.load([bh, 0, n0]).reshape(D, BLOCK_N)
-    elif MASK:
-        return tl.load(vp + n0, mask=((n0 + tl.arange(0, BLOCK_N)) < S)[None, :], other=0.0)
     else:
         return tl.load(vp + n0)
 
@@ -458,13 +468,13 @@ def _attn_fp8_kernel(Q8, QS, K8, KS, VT8, VS, O, OSC, S, S_pad, H, nblk, qk_scal
         for j in range(0, n_full):
             qk_next = tl.dot(q, tl.trans(_k_tile(K8, kp, bh, (j + 1) * BLOCK_N, S, D, BLOCK_N, TMA, True)))
             m_i, l_i, acc = _attn_tile(qk, qsc * tl.load(KS + bh * nblk + j), m_i, l_i, acc,
-                                       _v_tile(VT8, vp, bh, j * BLOCK_N, S, D, BLOCK_N, TMA, False))
+                                       _v_tile(VT8, vp, bh, j * BLOCK_N, D, BLOCK_N, TMA))
             qk = qk_next
     else:
         for j in range(0, n_full):
             qk = tl.dot(q, tl.trans(_k_tile(K8, kp, bh, j * BLOCK_N, S, D, BLOCK_N, TMA, False)))
             m_i, l_i, acc = _attn_tile(qk, qsc * tl.load(KS + bh * nblk + j), m_i, l_i, acc,
-                                       _v_tile(VT8, vp, bh, j * BLOCK_N, S, D, BLOCK_N, TMA, False))
+                                       _v_tile(VT8, vp, bh, j * BLOCK_N, D, BLOCK_N, TMA))
     if n_full * BLOCK_N < S:  # the ragged last block: keys past S are masked out of the softmax
         LOG2_448: tl.constexpr = 8.807354922057604
         nm = (n_full * BLOCK_N + offs_n) < S
@@ -477,8 +487,8 @@ def _attn_fp8_kernel(Q8, QS, K8, KS, VT8, VS, O, OSC, S, S_pad, H, nblk, qk_scal
         p = tl.math.exp2(sc - (m_new - LOG2_448)[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        vt = _v_tile(VT8, vp, bh, n_full * BLOCK_N, S, D, BLOCK_N, TMA, True)
-        acc = tl.dot(p.to(tl.float8e4nv), tl.trans(vt), acc * alpha[:, None])
+        vt = _v_tile(VT8, vp, bh, n_full * BLOCK_N, D, BLOCK_N, TMA)
+        acc = tl.dot(_vt_order(p.to(tl.float8e4nv)), tl.trans(vt), acc * alpha[:, None])
     vs = tl.load(VS + bh * D + d)
     o = acc / l_i[:, None] * vs[None, :]
     out = O + (b * S + offs_m).to(tl.int64)[:, None] * (H * D) + h * D + d[None, :]
@@ -490,20 +500,22 @@ def _attn_fp8_kernel(Q8, QS, K8, KS, VT8, VS, O, OSC, S, S_pad, H, nblk, qk_scal
 
 #: Key/value tiles through TMA tensor descriptors (Hopper+) instead of pointer loads: same bits.
 ATTN_TMA = True
-#: On SM 9.x with Gluon, the warp-specialized kernel (:mod:`trt_sora.kernels.gluon_attention`): same bits.
-ATTN_WS = True
+#: On SM 9.x with Gluon, the warp-specialized kernel (:mod:`trt_sora.kernels.gluon_attention`) by default: same
+#: bits. Off: with V^T in the P V operand's key order the Triton kernel measured faster on the H200 (FP8 output,
+#: what the model runs: 800-823 TFLOP/s against 780-787; benchmarks/README.md).
+ATTN_WS = False
 
 
 def kv_descriptors(k8, vt8):
     """TMA descriptors of the attention kernel's K [B, H, S, D] and V^T [B, H, D, S_pad] as [B*H, S, D] and
-    [B*H, D, S] (V^T's padding is outside the descriptor, so the ragged tile reads zeros), one key tile
-    per block."""
+    [B*H, D, S_pad] (V^T's padding is the epilogue's zeros: its key order puts keys of the ragged tile past
+    S), one key tile per block."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     b, h, s, d = k8.shape
     s_pad = vt8.shape[-1]
     return (TensorDescriptor(k8, [b * h, s, d], [s * d, d, 1], [1, SCALE_BLOCK, d]),
-            TensorDescriptor(vt8, [b * h, d, s], [d * s_pad, s_pad, 1], [1, d, SCALE_BLOCK]))
+            TensorDescriptor(vt8, [b * h, d, s_pad], [d * s_pad, s_pad, 1], [1, d, SCALE_BLOCK]))
 
 
 def attention_kernel(device=None) -> str:
