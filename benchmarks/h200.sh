@@ -6,7 +6,7 @@
 #   bash benchmarks/h200.sh tests attention quality m13 m14 ...
 #
 # Parts: tests (pytest -m gpu), ws (the warp-specialized Gluon attention kernel vs the Triton one: bits, speed;
-# WS_CONFIGS picks its configs), gemm (block GEMMs, exact vs fast FP8 accumulation), attention (kernel vs
+# WS_CONFIGS picks its configs; WS_VARIANTS=name=path,... other builds of the Gluon module), gemm (block GEMMs, exact vs fast FP8 accumulation), attention (kernel vs
 # cuDNN/flash), attn_model (the attention kernel inside a 14B call vs alone, with clocks and power), quality (wan-shapes clips),
 # levers (issue 13: FP8/INT8 quantization levers on 17 wan-shapes clips at 20 steps, vs fp32; needs
 # build/lev/prompts.safetensors + prompts.text.safetensors from `python benchmarks/quality_levers.py --encode
@@ -54,7 +54,8 @@ for p in "$@"; do
     calib14) part calib14 360 python3 benchmarks/calib_overhead.py --model wan2.1-t2v-14b --cfg batched --reps 3 --variants ${CALIB14_VARIANTS:-shipped} --out "$OUT/calib14_batched.json" ;;
     attn_model) part attn_model 400 python3 benchmarks/fp8_bench.py --parts attention_in_model \
                   --out "$OUT/attn_model.json" ;;
-    ws) part ws 300 python3 benchmarks/gluon_attention.py ${WS_CONFIGS:+--configs "$WS_CONFIGS"} --out "$OUT/ws.json" ;;
+    ws) part ws 300 python3 benchmarks/gluon_attention.py ${WS_CONFIGS:+--configs "$WS_CONFIGS"} \
+          ${WS_VARIANTS:+--variants "$WS_VARIANTS"} --out "$OUT/ws.json" ;;
     gemm) part gemm 120 python3 benchmarks/fp8_bench.py --parts gemm --out "$OUT/gemm.json" ;;
     attention) part attention 240 python3 benchmarks/fp8_bench.py --parts attention --out "$OUT/attention.json" ;;
     quality) part quality 240 python3 benchmarks/fp8_quality.py --run "$RUN" \
