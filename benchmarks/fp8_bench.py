@@ -97,8 +97,9 @@ def attention_part(s=32760, h=40, d=128) -> dict:
         from benchmarks import _prev_triton_ops as prev
     except ImportError:
         prev = None
-    if prev is not None:
-        out["prev_8bit_ms"] = bench_ms(lambda: prev.attention_fp8(*ops8))
+    if prev is not None:  # on its own epilogue's operands: the V^T layout may differ between commits
+        ops_prev = prev.qkv_rmsnorm_rope(qkv, wq, wk, cs, sn, h, fp8=True)
+        out["prev_8bit_ms"] = bench_ms(lambda: prev.attention_fp8(*ops_prev))
         out["prev_autotune_best"] = str(getattr(prev._attn_fp8_kernel, "best_config", None))
     out["ours_epilogue_8bit_ms"] = bench_ms(lambda: t.qkv_rmsnorm_rope(qkv, wq, wk, cs, sn, h, fp8=True))
     rstd = t.rms_stats(qkv)
@@ -136,7 +137,7 @@ def attention_part(s=32760, h=40, d=128) -> dict:
     want = ref.attention(q[:, heads], k[:, heads], v[:, heads]).transpose(1, 2)
     out["cosine_vs_fp32"] = cos(o8[:, :, heads], want)
     if prev is not None:
-        out["prev_cosine_vs_fp32"] = cos(prev.attention_fp8(*ops8).float().view(1, s, h, d)[:, :, heads], want)
+        out["prev_cosine_vs_fp32"] = cos(prev.attention_fp8(*ops_prev).float().view(1, s, h, d)[:, :, heads], want)
     with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
         bf = torch.nn.functional.scaled_dot_product_attention(q, k, v)
     out["cudnn_bf16_cosine_vs_fp32"] = cos(bf[:, heads].transpose(1, 2).float(), want)

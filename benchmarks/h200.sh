@@ -6,7 +6,8 @@
 #   bash benchmarks/h200.sh tests attention quality m13 m14 ...
 #
 # Parts: tests (pytest -m gpu), ws (the warp-specialized Gluon attention kernel vs the Triton one: bits, speed;
-# WS_CONFIGS picks its configs; WS_VARIANTS=name=path,... other builds of the Gluon module), gemm (block GEMMs, exact vs fast FP8 accumulation), attention (kernel vs
+# WS_CONFIGS picks its configs; WS_VARIANTS=name=path,... other builds of the Gluon module), gemm (block GEMMs,
+# exact vs fast FP8 accumulation), attention (kernel vs
 # cuDNN/flash), attn_model (the attention kernel inside a 14B call vs alone, with clocks and power), quality (wan-shapes clips),
 # levers (issue 13: FP8/INT8 quantization levers on 17 wan-shapes clips at 20 steps, vs fp32; needs
 # build/lev/prompts.safetensors + prompts.text.safetensors from `python benchmarks/quality_levers.py --encode

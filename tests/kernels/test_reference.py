@@ -127,10 +127,10 @@ def test_vt_key_order_puts_each_lanes_p_operand_in_its_own_accumulator_registers
             assert order[operand].tolist() == acc, (base, q)
     g = torch.Generator().manual_seed(3)
     vt8 = ref.quantize(torch.randn(2, 3, 8, 48, generator=g), 0.01)
-    order = ref.vt_key_order(48)
+    order48 = ref.vt_key_order(48)
     nat = ref.vt_natural(vt8, 40)
     assert nat.shape == (2, 3, 40, 8)
-    assert torch.equal(nat.float(), vt8.float()[..., order.argsort()][..., :40].transpose(-1, -2))
+    assert torch.equal(nat.float(), vt8.float()[..., order48.argsort()][..., :40].transpose(-1, -2))
     p = torch.rand(5, 48, generator=g)  # P V over keys: the same sum in either order
-    keys = vt8.float()[0, 0][:, order.argsort()]
-    torch.testing.assert_close(p[:, order] @ vt8.float()[0, 0].T, p @ keys.T)
+    keys = vt8.float()[0, 0][:, order48.argsort()]
+    torch.testing.assert_close(p[:, order48] @ vt8.float()[0, 0].T, p @ keys.T)
