@@ -32,7 +32,10 @@ $(BIN)/.installed: pyproject.toml $(CONSTRAINTS)
 	$(BIN)/pip check
 	@touch $@
 
+# Lint first (ruff: pyflakes, pycodestyle, import order, bugbear, pyupgrade; pyproject.toml's
+# [tool.ruff]), then the suite: a lint failure fails `make test` and CI.
 test: install
+	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
 
 test-fast: install

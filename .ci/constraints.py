@@ -15,9 +15,9 @@ import argparse
 import importlib.metadata as md
 import re
 import sys
-import tomllib
 from pathlib import Path
 
+import tomllib
 from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -164,8 +164,8 @@ def main() -> None:
         cal = calibrate(adapter, cfg, Path(tmp) / "calib", model=model, preset=preset, report=False,
                         quant_config=qcfg, quant_format=QuantFormat(args.format))
         wr = cal.manifest["results"]["weight_rounding"]
-        result["calibration"] = {"preset": "%d prompts, %d steps, CFG %g, latent %s, text_len 16"
-                                 % (args.prompts, args.steps, cal.stats.metadata.guidance_scale, args.latent),
+        result["calibration"] = {"preset": (f"{args.prompts} prompts, {args.steps} steps, CFG "
+                                               f"{cal.stats.metadata.guidance_scale:g}, latent {args.latent}, text_len 16"),
                                  "include": args.include, "budget_gb": args.budget_gb,
                                  "seconds": round(time.perf_counter() - t0, 1),
                                  "forwards_per_pass": cal.manifest["results"]["num_forwards"],

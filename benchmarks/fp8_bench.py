@@ -468,7 +468,7 @@ def model_part(name: str, size: str, batch: int, iters: int, rungs: list[str], s
     torch.cuda.empty_cache()
     base = res["rungs"]["eager_bf16"]["s"]
     comp = res["rungs"].get("compile_bf16", {}).get("s")
-    for rung, v in res["rungs"].items():
+    for v in res["rungs"].values():
         v["speedup_vs_eager_bf16"] = base / v["s"]
         if comp:
             v["speedup_vs_compile_bf16"] = comp / v["s"]

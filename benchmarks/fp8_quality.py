@@ -72,9 +72,9 @@ def main(argv=None) -> None:
     from trt_sora.models import get_adapter
     from trt_sora.models.moving_shapes.data import parse_caption
     from trt_sora.models.moving_shapes.probe import probe_batch
-    from trt_sora.sampling import runner_call, sample
     from trt_sora.runners import TorchFakeQuantRunner, TorchRunner
     from trt_sora.runners.fp8_runner import AttentionPolicy, TorchFp8Runner
+    from trt_sora.sampling import runner_call, sample
 
     with safe_open(a.prompts, "pt") as f:
         prompts = json.loads(f.metadata()["prompts"])[:a.num]

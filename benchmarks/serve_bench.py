@@ -76,7 +76,7 @@ def run_mode(args, mode: str) -> dict:
             try:
                 if _get(base + "/readyz", 5)[0] == 200:
                     break
-            except (urllib.error.URLError, ConnectionError, socket.timeout):
+            except (TimeoutError, urllib.error.URLError, ConnectionError):
                 pass
             if time.monotonic() - t0 > 900:
                 raise SystemExit("server not ready after 900 s")

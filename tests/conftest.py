@@ -4,9 +4,14 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
-
-from run_folders import (base_run, checked_run, hunyuan_run, i2v_run, pair_run,  # noqa: F401  (session fixtures
-                         ti2v_run)                                                 # for every test folder)
+from run_folders import (  # noqa: F401  (session fixtures
+    base_run,
+    checked_run,
+    hunyuan_run,
+    i2v_run,
+    pair_run,
+    ti2v_run,  # for every test folder)
+)
 
 # The points where export parity is checked: non-square, odd latent frames, batch 1 and 2,
 # different text lengths; every dim differs between consecutive points.

@@ -174,7 +174,6 @@ def corrupt_scale(run: Path, site: str, factor: float) -> str:
     stage would have written it (the manifest records the changed file); returns the tensor."""
     import json
 
-    import numpy as np
     import onnx
     from onnx import numpy_helper
 

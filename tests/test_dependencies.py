@@ -14,16 +14,18 @@ import functools
 import importlib.metadata as md
 import re
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 #: Modules of declared distributions that are not installed on this machine (GPU-only or alternatives):
 #: the only facts this test takes on trust. Installed ones are read from their metadata.
 NOT_INSTALLED_HERE = {"tensorrt": {"tensorrt", "tensorrt_bindings"}, "tensorrt-cu12": {"tensorrt", "tensorrt_bindings"},
                       "onnxruntime-gpu": {"onnxruntime"}, "triton": {"triton"}}
+#: Distributions declared for the command they install, not for a module: `make test` runs each.
+COMMANDS = {"ruff"}
 
 
 def _norm(name: str) -> str:
@@ -83,7 +85,7 @@ def _module_owners() -> dict[str, set[str]]:
     return out
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def provides(dist: str) -> frozenset[str]:
     """Top-level modules a distribution makes importable: its own, plus those of the requirements that are
     parts of the same product (``tensorrt-rtx-cu13`` -> ``tensorrt-rtx-cu13-bindings``, ``-libs``)."""
@@ -121,8 +123,16 @@ def test_every_declared_distribution_is_used():
     from trt_sora.build.backend import MODULES
 
     used |= {n for names in MODULES.values() for n in names}
-    unused = {d: where for d, where in declared().items() if not provides(d) & used}
+    unused = {d: where for d, where in declared().items() if not provides(d) & used and d not in COMMANDS}
     assert not unused, f"declared in pyproject.toml but never imported: {unused}"
+
+
+def test_declared_commands_are_run():
+    """A distribution declared for its command, not for an import, is run by the Makefile's test target."""
+    test_target = re.search(r"^test:.*?(?=^\S)", (ROOT / "Makefile").read_text(), re.M | re.S).group(0)
+    for d in COMMANDS:
+        assert d in declared(), f"{d} is listed in COMMANDS but not declared in pyproject.toml"
+        assert f"$(BIN)/{d} " in test_target, f"{d} is declared for its command, but `make test` does not run it"
 
 
 def test_the_scan_sees_lazy_imports():

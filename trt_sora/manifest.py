@@ -30,8 +30,9 @@ import shutil
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any
 
 from trt_sora.errors import ArtifactError, TrtSoraError
 

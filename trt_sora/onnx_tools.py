@@ -14,8 +14,8 @@ Imports onnx / onnxruntime only inside the functions.
 from __future__ import annotations
 
 import ast
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from trt_sora.errors import require
 

@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from trt_sora.errors import ConfigError
 
@@ -51,7 +52,7 @@ class ParallelConfig:
         return self.cfg * self.ulysses
 
     @classmethod
-    def parse(cls, text: str) -> "ParallelConfig":
+    def parse(cls, text: str) -> ParallelConfig:
         """``"cfg=2,ulysses=4"`` (either part optional) -> config; typed error otherwise."""
         kw: dict[str, int] = {}
         for part in filter(None, (p.strip() for p in str(text).split(","))):

@@ -33,14 +33,13 @@ import hashlib
 import json
 import logging
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
 from trt_sora import __version__
 from trt_sora.config import Recipe, load_recipe, to_dict
 from trt_sora.errors import ArtifactError, ConfigError, ParityError
-from trt_sora.manifest import (MANIFEST, folder_lock, read_json, sha256_file, sweep_dead_temps, verify_folder,
-                               write_json)
+from trt_sora.manifest import MANIFEST, folder_lock, read_json, sha256_file, sweep_dead_temps, verify_folder, write_json
 
 log = logging.getLogger("trt_sora")
 

@@ -49,7 +49,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-from typing import TYPE_CHECKING, Any, Callable, ContextManager, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any
 
 from trt_sora.errors import ConfigError, ShapeError, TrtSoraError
 
@@ -138,7 +140,7 @@ class SamplingSettings:
         return ("cond", "uncond") if self.uses_cfg else ("cond",)
 
     def override(self, *, num_steps: int | None = None, guidance_scale: float | None = None,
-                 shift: float | None = None, guidance_scale_2: float | None = None) -> "SamplingSettings":
+                 shift: float | None = None, guidance_scale_2: float | None = None) -> SamplingSettings:
         """These settings with the given (non-None) values replaced. A new ``guidance_scale`` of a
         two-expert model also sets the low-noise expert's unless ``guidance_scale_2`` is given."""
         given = {"num_steps": num_steps, "guidance_scale": guidance_scale, "shift": shift,
@@ -208,7 +210,7 @@ class SampleResult:
 _KEEP = ("latents", "velocity")
 
 
-def gaussian_noise(shape: Sequence[int], seed: int, device: Any = "cpu") -> "torch.Tensor":
+def gaussian_noise(shape: Sequence[int], seed: int, device: Any = "cpu") -> torch.Tensor:
     """Seeded standard-normal latents ``shape`` fp32, drawn on the CPU (so every device gets the
     same numbers for a seed), then moved to ``device``."""
     import torch
@@ -276,7 +278,7 @@ def _sigma(scheduler, i: int) -> float:
 
 def sample(call: ModelCall | Mapping[str, ModelCall], noise, cond, uncond=None, *, scheduler,
            settings: SamplingSettings, cfg: str = "split", dtype=None,
-           hook: Callable[[CallInfo], ContextManager | None] | None = None, keep: Sequence[str] = (),
+           hook: Callable[[CallInfo], AbstractContextManager | None] | None = None, keep: Sequence[str] = (),
            label: str = "", start_step: int = 0, conditioner: Any = None) -> SampleResult:
     """Denoise ``noise`` over ``settings.num_steps`` steps with classifier-free guidance.
 

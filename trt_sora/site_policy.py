@@ -19,7 +19,7 @@ export wrapper's ``inner.`` prefix.
 from __future__ import annotations
 
 import fnmatch
-from typing import Mapping
+from collections.abc import Mapping
 
 from trt_sora.config.recipe import QuantConfig
 

@@ -7,12 +7,11 @@ import sys
 import time
 
 import pytest
+from conftest import bucket
 
 from trt_sora.build import INSTALL, build_engine, check_target, load_backend
 from trt_sora.config import Backend, BuildConfig, QuantFormat, load_recipe
 from trt_sora.errors import BackendMissingError, BuildError, ConfigError
-
-from conftest import bucket
 
 
 def _hide(monkeypatch, prefixes):
@@ -38,8 +37,9 @@ def test_install_commands_match_the_declared_extras():
     """The hints name exactly what pyproject's extras install (NVIDIA's PyPI packages: ``tensorrt`` = CUDA 13,
     ``tensorrt-cu12``; TensorRT-RTX's range), and no extra index: TensorRT 10.x/11.x wheels are on PyPI."""
     import re
-    import tomllib
     from pathlib import Path
+
+    import tomllib
 
     extras = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["project"][
         "optional-dependencies"]

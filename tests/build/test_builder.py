@@ -6,12 +6,11 @@ import json
 import logging
 
 import pytest
+from conftest import bucket
 
 from trt_sora.build import BuildTarget, build_engine
 from trt_sora.config import Backend, BuildConfig, BuildRequirements, QuantFormat, load_recipe
 from trt_sora.errors import BuildError
-
-from conftest import bucket
 
 pytestmark = pytest.mark.trt_rtx
 SM89_FP8 = BuildTarget(Backend.TENSORRT_RTX, "8.9", QuantFormat.FP8_E4M3)

@@ -10,10 +10,10 @@ import yaml
 
 from trt_sora.calibrate.data import (
     CalibPreset,
-    load_prompt_rows,
     calib_dir,
     list_presets,
     load_preset,
+    load_prompt_rows,
     load_prompts,
     prompts_for_preset,
     resolve_prompt_set,

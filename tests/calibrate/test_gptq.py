@@ -94,6 +94,8 @@ def test_plan_budget_and_smallest_workable_value():
 
 
 def test_calibrate_quantize_parity_use_the_rounded_weights(tiny_adapter, tiny_model, tiny_export, tmp_path):
+    import dataclasses
+
     import numpy as np
 
     from trt_sora.calibrate.run import calibrate
@@ -101,8 +103,6 @@ def test_calibrate_quantize_parity_use_the_rounded_weights(tiny_adapter, tiny_mo
     from trt_sora.config.recipe import CalibConfig, DType
     from trt_sora.quantize import quantize_onnx
     from trt_sora.runners import OrtRunner, TorchFakeQuantRunner
-
-    import dataclasses
 
     cal = calibrate(tiny_adapter, CalibConfig(method="minmax", weight_rounding="gptq", num_steps=2), tmp_path / "calib",
                     model=tiny_model, preset="tiny", report=False)

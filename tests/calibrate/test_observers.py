@@ -14,8 +14,14 @@ import pytest
 import torch
 from torch.ao.quantization import (
     MinMaxObserver as AoMinMax,
+)
+from torch.ao.quantization import (
     MovingAverageMinMaxObserver as AoEma,
+)
+from torch.ao.quantization import (
     MovingAveragePerChannelMinMaxObserver as AoEmaPerChannel,
+)
+from torch.ao.quantization import (
     PerChannelMinMaxObserver as AoPerChannel,
 )
 
@@ -352,7 +358,7 @@ def test_site_stats_per_step_grid_matches_reference_and_methods_match_standalone
     standalone = {"percentile": PercentileObserver("x", percentile=99.9, num_bins=512),
                   "minmax": MinMaxObserver("x"), "ema": EmaObserver("x", averaging_constant=0.1)}
     ref = np.zeros((5, 2))
-    for prompt in range(3):
+    for _prompt in range(3):
         for step in range(5):
             for b, branch in enumerate(("cond", "uncond")):
                 x = torch.randn(2, 7, generator=g) * (1 + step) * (1 + 3 * b)

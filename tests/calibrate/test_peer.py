@@ -12,7 +12,6 @@ from trt_sora.calibrate.run import ReportOptions, calibrate  # noqa: E402
 from trt_sora.config.recipe import CalibConfig, QuantConfig  # noqa: E402
 from trt_sora.errors import ConfigError  # noqa: E402
 
-
 SMALL = """description: "peer test: two prompts, two steps, one shape"
 prompt_set: video_prompts_v1
 split: calib

@@ -24,7 +24,7 @@ def _sites() -> dict[str, SiteStats]:
     }
     for step in range(4):
         for branch in ("cond", "uncond"):
-            for name, s in sites.items():
+            for s in sites.values():
                 if branch in s.branches:
                     s.collect(torch.randn(2, 8, 16, generator=g) * (step + 1), step=step, branch=branch)
     return sites

@@ -3,8 +3,17 @@ import dataclasses
 import pytest
 import yaml
 
-from trt_sora.config import (DimRange, QuantFormat, Recipe, ShapeProfile, check_point, dump_recipe,
-                             list_recipes, load_recipe, recipe_from_dict, recipe_to_dict)
+from trt_sora.config import (
+    DimRange,
+    QuantFormat,
+    ShapeProfile,
+    check_point,
+    dump_recipe,
+    list_recipes,
+    load_recipe,
+    recipe_from_dict,
+    recipe_to_dict,
+)
 from trt_sora.errors import ConfigError, ShapeError
 
 RECIPES = sorted(list_recipes())

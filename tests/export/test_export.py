@@ -1,7 +1,6 @@
 """Export of wan-tiny: ONNX Runtime vs PyTorch at several shapes, external data, bad input."""
 import json
 
-import numpy as np
 import onnx
 import pytest
 

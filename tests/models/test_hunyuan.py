@@ -9,12 +9,11 @@ import json
 
 import pytest
 import torch
+from run_folders import HUNYUAN_POINTS as POINTS  # three points that differ in every dim (text_len_2 too)
+from run_folders import assert_every_stage_passed
 
 from trt_sora.errors import ModelError
 from trt_sora.models import get_adapter, list_models, resolve
-
-from run_folders import HUNYUAN_POINTS as POINTS  # three points that differ in every dim (text_len_2 too)
-from run_folders import assert_every_stage_passed
 
 
 @pytest.fixture(scope="module")

@@ -7,12 +7,11 @@ import json
 
 import pytest
 import torch
+from run_folders import WAN_POINTS as POINTS  # three points that differ in every dynamic dim
+from run_folders import assert_every_stage_passed
 
 from trt_sora.errors import ModelError
 from trt_sora.models import get_adapter
-
-from run_folders import WAN_POINTS as POINTS  # three points that differ in every dynamic dim
-from run_folders import assert_every_stage_passed
 
 
 @pytest.mark.parametrize("name,params,linears", [

@@ -3,7 +3,6 @@ import json
 import shutil
 
 import pytest
-
 from run_folders import RECIPE, corrupt_scale
 
 

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import pytest
-
 from qhelpers import CALIB_POINTS, collect_stats
 
 

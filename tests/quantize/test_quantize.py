@@ -7,8 +7,8 @@ import logging
 
 import numpy as np
 import pytest
-
 from qhelpers import EVAL_POINT, run_ort, torch_fake_quant_run
+
 from trt_sora.errors import QuantizeError
 
 log = logging.getLogger(__name__)

@@ -25,7 +25,7 @@ def wide_stats(tmp_path_factory, wide_adapter):
 
 
 def _quantize(wide_export, stats, out, external):
-    from trt_sora.config.recipe import DType, ExternalData, QuantConfig, QuantFormat
+    from trt_sora.config.recipe import DType, QuantConfig, QuantFormat
     from trt_sora.quantize import quantize_onnx
 
     cfg = QuantConfig(format=QuantFormat.FP8_E4M3, graph_dtype=DType.FP16, external_data=external)

@@ -39,8 +39,9 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -63,7 +64,7 @@ class Case:
     group: str
     what: str
     want: str                      # expected outcome now: "typed" or "ok"
-    fn: Callable[["Env"], Outcome]
+    fn: Callable[[Env], Outcome]
     match: str = ""                # regex the typed message (or ok detail) must contain
     subprocess: bool = False       # starts trt-sora processes (kill, signals, concurrency, tmpfs)
 

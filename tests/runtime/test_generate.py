@@ -179,7 +179,8 @@ def test_ready_pipeline_for_the_default_model_needs_no_workarounds():
     import torch
 
     from trt_sora.models import get_adapter
-    from trt_sora.models.moving_shapes import sample as ms, text
+    from trt_sora.models.moving_shapes import sample as ms
+    from trt_sora.models.moving_shapes import text
     from trt_sora.sampling import gaussian_noise
 
     adapter = get_adapter("wan-shapes")

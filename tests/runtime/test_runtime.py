@@ -7,10 +7,9 @@ import threading
 
 import numpy as np
 import pytest
+from run_folders import RECIPE, corrupt_scale
 
 from trt_sora.errors import ArtifactError, ShapeError
-
-from run_folders import RECIPE, corrupt_scale
 
 
 def test_import_is_light():

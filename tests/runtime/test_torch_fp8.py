@@ -12,7 +12,6 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from trt_sora.calibrate.fake_quant import fake_quant_fp8_e4m3  # noqa: E402
-from trt_sora.kernels import reference as ref  # noqa: E402
 
 
 def _runner(run, device="cpu", **kw):

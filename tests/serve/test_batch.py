@@ -48,7 +48,7 @@ def test_outputs_manifest_and_recorded_failures(tiny_runner, tmp_path):
     assert rec["status"] == "done" and rec["metadata"]["sampling"]["guidance_scale"] == 1.0
     assert rec["frames"]["sha256"] == hashlib.sha256(want.tobytes()).hexdigest()
     np.testing.assert_array_equal(np.load(out / "clips" / "cat.npy"), want)
-    for fmt, o in rec["outputs"].items():
+    for o in rec["outputs"].values():
         assert hashlib.sha256((out / o["path"]).read_bytes()).hexdigest() == o["sha256"]
     assert "| 6 | 3 | 3 | 0 | 3 |" in (out / "summary.md").read_text()
     with pytest.raises(ConfigError, match="lines 1 and 2"):

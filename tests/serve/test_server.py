@@ -77,7 +77,7 @@ def server(checked_run, tmp_path_factory):
         try:
             if http("GET", "/readyz", timeout=5)[0] == 200:
                 break
-        except (urllib.error.URLError, ConnectionError, socket.timeout):
+        except (TimeoutError, urllib.error.URLError, ConnectionError):
             pass
         time.sleep(0.2)
     assert proc.poll() is None, proc.stderr.read().decode()[-2000:]

@@ -21,16 +21,24 @@ import shutil
 import tempfile
 import time
 import warnings
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from trt_sora.build import report as rep
 from trt_sora.build.backend import backend_version, check_target, is_rtx, load_backend
 from trt_sora.config.recipe import AttentionMode, Backend, BuildConfig, QuantFormat, Recipe
 from trt_sora.config.shapes import DIM_NAMES, ShapeProfile
 from trt_sora.errors import BuildError, ConfigError, ShapeError
-from trt_sora.manifest import (file_entry, load_onnx, read_manifest, staged_dir, verified_input, write_json,
-                               write_manifest)
+from trt_sora.manifest import (
+    file_entry,
+    load_onnx,
+    read_manifest,
+    staged_dir,
+    verified_input,
+    write_json,
+    write_manifest,
+)
 
 log = logging.getLogger("trt_sora")
 

@@ -26,8 +26,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 from trt_sora.errors import BuildError
 
@@ -382,7 +383,7 @@ def to_markdown(report: Mapping[str, Any]) -> str:
         "",
         f"- status: **{report['status']}**" + (f" ({'; '.join(report['failures'])})" if report.get("failures") else ""),
         f"- backend: {report['backend']} {report['backend_version']}, target SM{report['sm']}",
-        f"- engines: " + ", ".join(f"`{e['file']}` ({e['bytes'] / 1e6:.2f} MB)" for e in report["engines"]),
+        "- engines: " + ", ".join(f"`{e['file']}` ({e['bytes'] / 1e6:.2f} MB)" for e in report["engines"]),
         f"- profiles: {report['profiles']['built']} built, {report['profiles']['in_engine']} in the engine "
         f"({report['profiles']['evidence']})",
         f"- build time: {report['build_seconds']:.1f} s, peak RSS {report['peak_rss_mb']:.0f} MB",

@@ -18,8 +18,15 @@ from typing import Any
 
 from trt_sora.config.base import did_you_mean
 from trt_sora.errors import ConfigError
-from trt_sora.prompts import (SPLITS, Prompt, calib_dir, list_prompt_sets, load_prompt_rows,  # noqa: F401
-                              load_prompts, resolve_prompt_set)
+from trt_sora.prompts import (  # noqa: F401
+    SPLITS,
+    Prompt,
+    calib_dir,
+    list_prompt_sets,
+    load_prompt_rows,
+    load_prompts,
+    resolve_prompt_set,
+)
 
 log = logging.getLogger("trt_sora")
 

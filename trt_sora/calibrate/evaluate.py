@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 

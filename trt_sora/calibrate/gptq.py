@@ -35,8 +35,9 @@ import dataclasses
 import json
 import math
 import os
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -199,7 +200,7 @@ class HessianHooks:
         """Bytes of the Hessians held."""
         return sum(h.numel() * h.element_size() for h in self.hessians.values())
 
-    def __enter__(self) -> "HessianHooks":
+    def __enter__(self) -> HessianHooks:
         for s, m in self.mods.items():
             if self.leader[s] == s:
                 self.hessians[s] = torch.zeros(m.in_features, m.in_features, dtype=torch.float64,

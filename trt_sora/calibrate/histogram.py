@@ -21,7 +21,8 @@ the counts come from one CUDA kernel with the same bins
 from __future__ import annotations
 
 import functools
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -154,7 +155,7 @@ class Histogram:
         self.exponent = e
         self.absmax = torch.maximum(self.absmax, amax)
 
-    def merge(self, other: "Histogram") -> None:
+    def merge(self, other: Histogram) -> None:
         """Add ``other``'s data (same ``num_bins``): exact (see the module docstring)."""
         if other.num_bins != self.num_bins:
             raise CalibrationError(f"site {self.name!r}: cannot merge a {other.num_bins}-bin histogram into a "

@@ -28,9 +28,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import weakref
 import logging
-from typing import Any, Iterator, Mapping, Sequence
+import weakref
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -103,7 +104,7 @@ class CollectionHooks:
             self.sites[name] = s
         return s
 
-    def __enter__(self) -> "CollectionHooks":
+    def __enter__(self) -> CollectionHooks:
         # One pass in module order, so the stats file lists sites as the model declares them.
         for name, mod in self.model.named_modules():
             if isinstance(mod, torch.nn.Linear):

@@ -26,8 +26,8 @@ import json
 import logging
 import os
 import sys
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Callable, Mapping, Sequence
 
 from trt_sora.calibrate.shards import shard_folder
 

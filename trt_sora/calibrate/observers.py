@@ -48,7 +48,8 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, ClassVar, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -228,7 +229,7 @@ def _pad_rows(t: Tensor, rows: int) -> Tensor:
     return t if t.shape[0] >= rows else torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
 
 
-def check_finite(sites: Sequence["SiteStats"], where: str = "") -> None:
+def check_finite(sites: Sequence[SiteStats], where: str = "") -> None:
     """Raise CalibrationError naming the first site whose batches held NaN/inf; one host sync for all."""
     flags = [s._nonfinite for s in sites if s._nonfinite is not None]
     if flags and bool(torch.stack(flags).any()):
@@ -267,7 +268,7 @@ class MinMaxObserver(Observer):
     def _load_state_tensors(self, tensors: Mapping[str, Any]) -> None:
         self.min_val, self.max_val = tensors["min_val"], tensors["max_val"]
 
-    def merge(self, other: "MinMaxObserver") -> None:
+    def merge(self, other: MinMaxObserver) -> None:
         if other.min_val is None:
             return
         if self.min_val is None:
@@ -356,7 +357,7 @@ class EmaObserver(Observer):
                                    "older trt_sora); recalibrate")
         self._history = list(torch.as_tensor(h).float().unbind(0))
 
-    def merge(self, other: "EmaObserver") -> None:
+    def merge(self, other: EmaObserver) -> None:
         """Append ``other``'s batches after this one's (shard order = one-pass order)."""
         self._history += list(other.history.unbind(0))
 
@@ -422,7 +423,7 @@ class HistogramObserver(Observer):
     def _load_state_tensors(self, tensors: Mapping[str, Any]) -> None:
         self._h.load(tensors)
 
-    def merge(self, other: "HistogramObserver") -> None:
+    def merge(self, other: HistogramObserver) -> None:
         self._h.merge(other._h)
 
     def _amax(self) -> Tensor:  # pragma: no cover - abstract
@@ -778,7 +779,7 @@ class SiteStats:
                 "grid": self._grid, "count": self._count}
 
     @classmethod
-    def from_state_dict(cls, state: Mapping[str, Any]) -> "SiteStats":
+    def from_state_dict(cls, state: Mapping[str, Any]) -> SiteStats:
         """Inverse of :meth:`state_dict`."""
         obs = {m: observer_from_state_dict(s) for m, s in state["observers"].items()}
         site = cls(state["name"], obs, branches=state["branches"])
@@ -788,7 +789,7 @@ class SiteStats:
         site._grid, site._count = state["grid"], state["count"]
         return site
 
-    def merge(self, other: "SiteStats") -> None:
+    def merge(self, other: SiteStats) -> None:
         """Fold ``other`` (the same site, methods and settings, later batches) into this one, exactly:
         min/max by min/max, histograms re-binned and added, EMA histories appended, the per-step grid
         by max (counts added)."""

@@ -28,7 +28,8 @@ import dataclasses
 import logging
 import re
 import time
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from trt_sora.errors import ConfigError, require
 
@@ -127,7 +128,8 @@ def modelopt_peer(adapter, model, stats, preset, quant_config, *, encode: Callab
     from trt_sora.calibrate.fakequant_model import fake_quantized, quantized_sites
     from trt_sora.calibrate.run import _chunks, _noise, branch_inputs, calibration_sampling
     from trt_sora.metrics import compare
-    from trt_sora.sampling import adapter_call, sample as run_sampler
+    from trt_sora.sampling import adapter_call
+    from trt_sora.sampling import sample as run_sampler
 
     mtq = _modelopt()
     if getattr(quant_config.format, "value", quant_config.format) != "fp8_e4m3":

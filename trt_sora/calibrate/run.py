@@ -40,12 +40,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import math
 import os
 import tempfile
 import time
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 from trt_sora.calibrate.data import CalibPreset, CalibShape, load_preset, prompts_for_preset
 from trt_sora.calibrate.shards import shard_range

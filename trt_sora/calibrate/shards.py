@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from trt_sora.errors import CalibrationError, ConfigError
 

@@ -38,8 +38,9 @@ import math
 import os
 import re
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -98,7 +99,7 @@ class StatsMetadata:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any], *, where: str = "stats metadata") -> "StatsMetadata":
+    def from_dict(cls, data: Mapping[str, Any], *, where: str = "stats metadata") -> StatsMetadata:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
@@ -148,7 +149,7 @@ class CalibStats:
     # -- construction -----------------------------------------------------------------------------
     @classmethod
     def from_sites(cls, sites: Mapping[str, Any], metadata: StatsMetadata, *, keep_per_step: bool = True,
-                   keep_histograms: bool = True) -> "CalibStats":
+                   keep_histograms: bool = True) -> CalibStats:
         """Reduce ``{site: SiteStats}`` to stats: ``amax`` of ``metadata.method`` plus the rest.
 
         Every site must have collected ``metadata.method``. ``metadata.observers``
@@ -184,7 +185,7 @@ class CalibStats:
         return out
 
     # -- validation -------------------------------------------------------------------------------
-    def validate(self, path: Any = "stats") -> "CalibStats":
+    def validate(self, path: Any = "stats") -> CalibStats:
         """Check every amax is fp32, finite and > 0 and per-step arrays are finite and >= 0.
 
         Raises CalibrationError naming the site and the fix. Returns ``self``.
@@ -276,7 +277,7 @@ class CalibStats:
         return path
 
     @classmethod
-    def load(cls, path: str | os.PathLike, *, validate: bool = True) -> "CalibStats":
+    def load(cls, path: str | os.PathLike, *, validate: bool = True) -> CalibStats:
         """Read a ``stats.safetensors``; validates by default (see :meth:`validate`).
 
         Raises CalibrationError: missing/unreadable file, wrong format or version,

@@ -30,7 +30,8 @@ This module loads no torch at import time; the packing functions import it.
 """
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from trt_sora.config.recipe import QuantFormat
 from trt_sora.errors import ConfigError

@@ -58,8 +58,8 @@ def run(args) -> int:
         runner, ref = None, None
         kwargs["executor"] = executor
     else:
-        from trt_sora.cli.generate import load_runner
         import trt_sora.runtime as rt
+        from trt_sora.cli.generate import load_runner
 
         runner = load_runner(args)
         ref = rt.load(args.run, backend=gate.reference, force=args.force, device=args.device) if gate else None

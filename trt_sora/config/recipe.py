@@ -4,8 +4,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from pathlib import Path
-from typing import Mapping
+from collections.abc import Mapping
 
 from trt_sora.config.base import did_you_mean, from_dict, to_dict
 from trt_sora.config.shapes import DIM_NAMES, DimRange, ShapeProfile

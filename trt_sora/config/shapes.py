@@ -9,7 +9,7 @@ pixels (pixels / 8 for Wan's VAE), ``text_len`` counts text tokens. A model fami
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterator, Mapping
+from collections.abc import Iterator, Mapping
 
 from trt_sora.errors import ConfigError, ShapeError
 
@@ -36,7 +36,7 @@ class DimRange:
             )
 
     @classmethod
-    def from_yaml(cls, value, *, where: str = "") -> "DimRange":
+    def from_yaml(cls, value, *, where: str = "") -> DimRange:
         """Accept ``7`` (fixed), ``[min, max]`` (opt=max), ``[min, opt, max]`` or a mapping."""
         try:
             if isinstance(value, bool):
@@ -81,7 +81,7 @@ class ShapeProfile:
     extra: tuple[tuple[str, DimRange], ...] = ()
 
     @classmethod
-    def from_yaml(cls, value, *, where: str = "", extra_dims: tuple[str, ...] = ()) -> "ShapeProfile":
+    def from_yaml(cls, value, *, where: str = "", extra_dims: tuple[str, ...] = ()) -> ShapeProfile:
         """A bucket from YAML. ``extra_dims``: the model family's own dims it may name; any other key
         is an error. A ``to_yaml`` of a bucket with extra dims reads back (its extras are accepted)."""
         if not isinstance(value, Mapping):
@@ -126,7 +126,7 @@ class ShapeProfile:
                 return r
         raise ShapeError(f"bucket {self.name!r} has no dim {dim!r} (it has {[k for k, _ in self.dims()]})")
 
-    def with_extra(self, defaults: Mapping[str, DimRange]) -> "ShapeProfile":
+    def with_extra(self, defaults: Mapping[str, DimRange]) -> ShapeProfile:
         """This bucket with every dim of ``defaults`` it does not name yet (a family's own dims)."""
         have = {k for k, _ in self.extra}
         add = tuple((k, r) for k, r in defaults.items() if k not in have)
@@ -143,7 +143,7 @@ class ShapeProfile:
         carry is not checked: a model without it never sees it)."""
         return all(r.contains(int(point[k])) for k, r in self.dims() if k in DIM_NAMES or k in point)
 
-    def validate(self, patch_size: tuple[int, int, int]) -> "ShapeProfile":
+    def validate(self, patch_size: tuple[int, int, int]) -> ShapeProfile:
         """Check latent frames/height/width divisibility by the patch ``(t, h, w)``."""
         for dim, p in zip(("latent_frames", "latent_height", "latent_width"), patch_size):
             r = getattr(self, dim)

@@ -12,10 +12,11 @@ import dataclasses
 import logging
 import math
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
-from trt_sora.config import DIM_NAMES, DimRange, DType, ExportConfig, ExternalData
+from trt_sora.config import DimRange, DType, ExportConfig, ExternalData
 from trt_sora.errors import ExportError, require
 from trt_sora.manifest import file_entry, staged_dir, write_manifest
 from trt_sora.metrics import compare  # noqa: F401 (one metric implementation for every stage)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import re
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Mapping, Sequence
 
 import numpy as np
 

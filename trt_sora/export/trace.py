@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, Iterator, Mapping
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import numpy as np
 

@@ -13,8 +13,9 @@ import abc
 import dataclasses
 import hashlib
 import json
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from trt_sora.sampling import Conditioner, SamplingSettings
 
@@ -33,8 +34,8 @@ def torch_dtype(name: str):
         return name
     key = getattr(name, "value", name)
     if key not in DTYPES:
-        from trt_sora.errors import ConfigError
         from trt_sora.config.base import did_you_mean
+        from trt_sora.errors import ConfigError
 
         raise ConfigError(f"unknown dtype {key!r}{did_you_mean(key, DTYPES)}; use one of {list(DTYPES)}")
     return getattr(torch, DTYPES[key])
@@ -173,7 +174,7 @@ class ModelAdapter(Conditioner, abc.ABC):
         """``("high", "low")`` for a boundary-switched pair of transformers (Wan 2.2 A14B), else ``()``."""
         return ()
 
-    def expert(self, name: str) -> "ModelAdapter":
+    def expert(self, name: str) -> ModelAdapter:
         """The adapter of one expert (its own weights, same family facts)."""
         from trt_sora.errors import ModelError
 
@@ -222,14 +223,14 @@ class ModelAdapter(Conditioner, abc.ABC):
     # -- inputs ------------------------------------------------------------------------
     @abc.abstractmethod
     def example_inputs(self, point: Mapping[str, int], *, dtype: str = "fp32", device: str = "cpu",
-                       seed: int = 0) -> dict[str, "torch.Tensor"]:
+                       seed: int = 0) -> dict[str, torch.Tensor]:
         """Random inputs at a latent-space point ``{batch, latent_frames, ...}``."""
 
     @abc.abstractmethod
     def input_dims(self) -> dict[str, dict[int, str]]:
         """``{input_name: {axis: dim_name}}`` for the named dynamic dims (output too)."""
 
-    def point_of(self, inputs: Mapping[str, "torch.Tensor"]) -> dict[str, int]:
+    def point_of(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, int]:
         """The latent-space point of a set of inputs (inverse of ``example_inputs``)."""
         point = {}
         for name, axes in self.input_dims().items():
@@ -247,7 +248,7 @@ class ModelAdapter(Conditioner, abc.ABC):
     def export_module(self, model):
         """A module whose ``forward(*inputs in input_names order)`` returns the output tensor."""
 
-    def forward(self, model, inputs: Mapping[str, "torch.Tensor"]) -> "torch.Tensor":
+    def forward(self, model, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
         return self.export_module(model)(*[inputs[n] for n in self.input_names])
 
     def input_ranks(self) -> dict[str, int]:
@@ -361,7 +362,7 @@ class ModelAdapter(Conditioner, abc.ABC):
         fp32 in ``[-1, 1]`` (the family's latent decoder)."""
 
     @abc.abstractmethod
-    def text_encoder(self, source: str | None = None) -> Callable[[list[str], int], "torch.Tensor"]:
+    def text_encoder(self, source: str | None = None) -> Callable[[list[str], int], torch.Tensor]:
         """``encode(prompts, text_len) -> [B, text_len, text_dim] float32``."""
 
     def diffusers_pipeline(self, transformer, *, encode, scheduler, defaults: Mapping[str, Any]):

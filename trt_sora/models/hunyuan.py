@@ -31,8 +31,9 @@ pipeline). Masks are float (1 = token, 0 = padding), as the diffusers pipeline p
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from trt_sora.errors import ModelError, require
 from trt_sora.models.base import ModelAdapter, ModelSpec, torch_dtype, transformer_folder
@@ -170,7 +171,6 @@ def _rope(x, cos, sin):
 def _make_wrapper(model):
     """The export module: ``forward(<the seven inputs>) -> sample`` (see the module docstring)."""
     import torch
-
     from diffusers.models.embeddings import get_1d_rotary_pos_embed
 
     class HunyuanVideo15ForExport(torch.nn.Module):

@@ -13,8 +13,9 @@ latent decoder (Wan VAE; Wan 2.2's 48-channel VAE for TI2V).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from trt_sora.errors import ModelError, require
 from trt_sora.models.base import ModelAdapter, ModelSpec, torch_dtype, transformer_folder
@@ -292,7 +293,7 @@ class WanAdapter(ModelAdapter):
     def experts(self) -> tuple[str, ...]:
         return tuple(EXPERT_FOLDERS) if self.spec.defaults.get("boundary_ratio") is not None else ()
 
-    def expert(self, name: str) -> "WanAdapter":
+    def expert(self, name: str) -> WanAdapter:
         """One expert's adapter: the high-noise (``transformer/``) or low-noise (``transformer_2/``)
         transformer, with the pair's sampling settings and its own weights (seed or folder)."""
         if name not in self.experts:
@@ -324,7 +325,7 @@ class WanAdapter(ModelAdapter):
         self._one()
         tdtype = torch_dtype(dtype)
         if self.spec.source == "checkpoint":
-            diffusers = require("diffusers", extra="export")
+            require("diffusers", extra="export")
             require("accelerate", extra="export")
             from trt_sora.models import frame_embed
 

@@ -18,7 +18,8 @@ One block, top to bottom (``q8`` = FP8 E4M3; every quantize fused into the kerne
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.nn.functional as F

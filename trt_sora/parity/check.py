@@ -26,11 +26,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import re
 import math
+import re
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from trt_sora.errors import ArtifactError
 from trt_sora.metrics import compare, frame_metrics
@@ -422,9 +423,8 @@ def check_artifacts(run_dir: str | Path, recipe, *, model=None, backend: str = "
 
     from trt_sora.parity.loop import loop_inputs, parity_sampling
     from trt_sora.parity.trajectory import judge
-    from trt_sora.trajectory import measured_contribution, reference_with_candidate
-    from trt_sora.runners import OrtRunner, TorchFakeQuantRunner, TorchRunner
     from trt_sora.sampling import runner_call, sample
+    from trt_sora.trajectory import measured_contribution, reference_with_candidate
 
     buckets = effective_buckets(recipe, adapter)
     for side in sides.values():

@@ -4,7 +4,8 @@ decoded with the family's decoder (``adapter.decoder()``)."""
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 log = logging.getLogger("trt_sora")
 

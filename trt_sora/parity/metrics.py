@@ -3,8 +3,7 @@ from __future__ import annotations
 
 import math
 
-from trt_sora.metrics import (PEAK_PIXEL_RANGE, PEAK_REF_RANGE, compare, frame_metrics,  # noqa: F401 (re-exports)
-                              psnr_from_mse, ssim)
+from trt_sora.metrics import PEAK_PIXEL_RANGE, PEAK_REF_RANGE, compare, frame_metrics, psnr_from_mse, ssim  # noqa: F401 (re-exports)
 
 __all__ = ["PEAK_PIXEL_RANGE", "PEAK_REF_RANGE", "compare", "frame_metrics", "gate_check", "psnr_from_mse", "ssim"]
 

@@ -12,7 +12,8 @@ or - only when ``min_contribution_db`` is set - its step's measured contribution
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from trt_sora.trajectory import TrajectoryRun
 

@@ -5,7 +5,6 @@ import dataclasses
 import fnmatch
 import json
 import logging
-import math
 import os
 import re
 import time
@@ -16,8 +15,16 @@ import numpy as np
 
 from trt_sora.config.recipe import DType, ExternalData, QuantConfig, QuantFormat
 from trt_sora.errors import CalibrationError, QuantizeError, require
-from trt_sora.manifest import (file_entry, load_onnx, read_manifest, sha256_file, staged_dir, verified_input, write_json,
-                               write_manifest)
+from trt_sora.manifest import (
+    file_entry,
+    load_onnx,
+    read_manifest,
+    sha256_file,
+    staged_dir,
+    verified_input,
+    write_json,
+    write_manifest,
+)
 
 log = logging.getLogger("trt_sora")
 
@@ -160,8 +167,8 @@ def quantize_onnx(onnx_path: str | os.PathLike, stats, config: QuantConfig, out_
     gs = require("onnx_graphsurgeon", extra="export")
     from trt_sora.quantize import dtype as dtype_mod
     from trt_sora.quantize import fuse_qkv, qdq, tensors
-    from trt_sora.site_policy import site_policy
     from trt_sora.quantize.sites import find_attentions, find_linears, node_scopes
+    from trt_sora.site_policy import site_policy
 
     t0 = time.perf_counter()
     onnx_path = Path(onnx_path)
@@ -304,7 +311,6 @@ def quantize_onnx(onnx_path: str | os.PathLike, stats, config: QuantConfig, out_
     else:
         raise QuantizeError(f"{onnx_path.name} was exported in {src.value} but quantization.graph_dtype is "
                             f"{gdt.value}; export in fp32 (export.dtype: fp32) or set quantization.graph_dtype: {src.value}")
-    low = dtype_mod.np_dtype(gdt)
     by_tensor: dict[str, list[str]] = {}
     for s in quantized:
         by_tensor.setdefault(linears[s].node.inputs[0].name, []).append(s)

@@ -11,9 +11,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from trt_sora import onnx_tools
 import numpy as np
 
+from trt_sora import onnx_tools
 from trt_sora.errors import QuantizeError
 from trt_sora.quantize import tensors
 

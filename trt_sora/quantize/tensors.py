@@ -18,8 +18,8 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
 import numpy as np
 
@@ -73,13 +73,13 @@ def _make_deferred_class():
                                    f"{self.dtype}{self.shape}")
             return arr
 
-        def astype(self, dtype) -> "Deferred":
+        def astype(self, dtype) -> Deferred:
             dtype = np.dtype(dtype)
             if dtype == self.dtype:  # a new object: each constant gets its own proto when written
                 return Deferred(self.shape, dtype, self.load, self.what)
             return Deferred(self.shape, dtype, lambda: self.load().astype(dtype), f"{self.what}.astype({dtype})")
 
-        def map(self, fn: Callable[[np.ndarray], np.ndarray], dtype, what: str) -> "Deferred":
+        def map(self, fn: Callable[[np.ndarray], np.ndarray], dtype, what: str) -> Deferred:
             """``fn(values)`` (same shape, ``dtype``), computed on write."""
             return Deferred(self.shape, dtype, lambda: fn(self.load()), what)
 

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import abc
 import logging
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from trt_sora.errors import TrtSoraError
 from trt_sora.metrics import is_torch, to_numpy  # noqa: F401 (the runners' array helpers)
@@ -51,7 +52,7 @@ class Runner(abc.ABC):
     def is_active(self) -> bool:
         return self._active
 
-    def activate(self) -> "Runner":
+    def activate(self) -> Runner:
         """Load what ``infer`` needs (idempotent). Returns ``self``."""
         if not self._active:
             self._activate_impl()
@@ -66,7 +67,7 @@ class Runner(abc.ABC):
             finally:
                 self._active = False
 
-    def __enter__(self) -> "Runner":
+    def __enter__(self) -> Runner:
         return self.activate()
 
     def __exit__(self, *exc) -> None:

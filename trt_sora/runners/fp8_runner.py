@@ -18,7 +18,8 @@ import dataclasses
 import fnmatch
 import logging
 import threading
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from trt_sora.config.recipe import TorchFp8Config
 from trt_sora.errors import ArtifactError, BackendMissingError
@@ -76,7 +77,7 @@ class AttentionPolicy:
                 and not any(fnmatch.fnmatchcase(block, p) for p in self.exclude))
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any] | None) -> "AttentionPolicy":
+    def from_dict(cls, d: Mapping[str, Any] | None) -> AttentionPolicy:
         d = dict(d or {})
         return cls(enabled=bool(d.get("enabled", True)), exclude=tuple(d.get("exclude", ())),
                    timesteps=tuple(float(x) for x in d.get("timesteps", (0.0, 1000.0))))

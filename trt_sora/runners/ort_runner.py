@@ -5,8 +5,9 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from trt_sora.errors import ArtifactError, BackendMissingError, ConfigError
 from trt_sora.runners.base import Runner, is_torch, to_numpy

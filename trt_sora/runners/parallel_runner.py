@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from trt_sora.errors import ConfigError
 from trt_sora.runners.base import Runner, is_torch, to_numpy

@@ -4,8 +4,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from trt_sora.errors import ArtifactError, QuantizeError
 from trt_sora.runners.base import Runner, is_torch, to_numpy

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import logging
 import queue
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
 
 from trt_sora.errors import ArtifactError, BackendMissingError, ShapeError
 from trt_sora.runners.base import Runner, is_torch, to_numpy

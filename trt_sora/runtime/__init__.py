@@ -16,10 +16,10 @@ from __future__ import annotations
 import logging
 import math
 import queue
-import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from trt_sora.config.shapes import DIM_NAMES, ShapeProfile, check_point
 from trt_sora.errors import ArtifactError, BackendMissingError, NumericsError, ShapeError

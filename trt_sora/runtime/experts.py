@@ -10,7 +10,8 @@ No heavy imports: numpy, and torch only when given torch tensors.
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from trt_sora.errors import ShapeError
 
@@ -61,7 +62,7 @@ class ExpertsRunner:
 
     __call__ = infer
 
-    def activate(self) -> "ExpertsRunner":
+    def activate(self) -> ExpertsRunner:
         for r in self.runners.values():
             r.activate()
         return self

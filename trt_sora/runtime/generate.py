@@ -32,8 +32,9 @@ import os
 import threading
 import time
 import weakref
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -97,7 +98,7 @@ class ClipRequest:
                               f"or a uint8 array), got {type(self.image).__name__}")
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any], *, where: str = "request") -> "ClipRequest":
+    def from_dict(cls, d: Mapping[str, Any], *, where: str = "request") -> ClipRequest:
         """From a JSON object (a batch line, an HTTP body); unknown keys are a ConfigError."""
         from trt_sora.config.base import did_you_mean
 
@@ -479,7 +480,7 @@ def _checked(run: Path) -> dict:
     return {"passed": bool(d.get("passed")), "backend": d.get("backend"), "sampling": loop.get("sampling")}
 
 
-_GENERATORS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_GENERATORS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _GEN_LOCK = threading.Lock()
 
 

@@ -44,8 +44,9 @@ import os
 import re
 import socket
 import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -406,7 +407,7 @@ def _drive(gen, executor, jobs, jobs_path, out: _Out, config, progress, sleep, t
                 continue
             clips, ref_clips = result
             batches[len(group)] = batches.get(len(group), 0) + 1
-            for k, ((job, resolved, fp), clip) in enumerate(zip(grp, clips)):
+            for k, ((job, _resolved, fp), clip) in enumerate(zip(grp, clips)):
                 rec = _commit(out, job, fp, clip, ref_clips[k] if ref_clips else None, config, gate_bar,
                               attempts[job.id])
                 records[job.id] = rec

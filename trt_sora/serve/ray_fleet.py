@@ -17,8 +17,9 @@ from __future__ import annotations
 import logging
 import os
 import socket
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 from trt_sora.errors import require
 

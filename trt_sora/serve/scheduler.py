@@ -201,7 +201,7 @@ class Engine:
         self.failed: str | None = None
         self.memory: dict = {}
         self.warmup_seconds: float | None = None
-        self._jobs: "collections.OrderedDict[str, JobState]" = collections.OrderedDict()
+        self._jobs: collections.OrderedDict[str, JobState] = collections.OrderedDict()
         self._queue: list[JobState] = []
         self._running = 0
         self._cond = threading.Condition()

@@ -29,7 +29,7 @@ import signal
 import threading
 import time
 
-from trt_sora.errors import ConfigError, ShapeError, TrtSoraError, require
+from trt_sora.errors import ConfigError, ShapeError, require
 
 log = logging.getLogger("trt_sora")
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from trt_sora.errors import ModelError
 

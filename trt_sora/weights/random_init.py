@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import hashlib
 import math
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import nn
 
 from trt_sora.errors import ModelError
-
 from trt_sora.weights import RANDOM_INIT_VERSION  # noqa: F401 (re-exported)
 
 #: ``family_rule(param_name, shape, generator) -> fp32 tensor | None``.

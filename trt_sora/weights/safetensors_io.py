@@ -16,8 +16,8 @@ from __future__ import annotations
 import json
 import os
 import struct
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 

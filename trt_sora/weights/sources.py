@@ -19,8 +19,8 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Iterator, Mapping
 
 import torch
 from torch import nn

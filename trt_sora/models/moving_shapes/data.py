@@ -18,8 +18,9 @@ Only numpy at import time; torch is imported inside the batched renderer.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Iterable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -217,7 +218,7 @@ def sample_batch_specs(
     return [sample_clip_spec(specs[i], int(s)) for i, s in zip(idx, clip_seeds)]
 
 
-def render_batch(clips: Sequence[ClipSpec], device: "torch.device | str" = "cpu") -> "torch.Tensor":
+def render_batch(clips: Sequence[ClipSpec], device: torch.device | str = "cpu") -> torch.Tensor:
     """Render clips: float32 [B, 3, NUM_FRAMES, HEIGHT, WIDTH] in [-1, 1].
 
     Vectorised in torch so that training renders its batches on the GPU.
@@ -240,12 +241,12 @@ def render_batch(clips: Sequence[ClipSpec], device: "torch.device | str" = "cpu"
     ).reshape(b, 2, 3)
     colours = np.array([SHAPE_COLOURS[c.caption_spec.colour] for c in clips], dtype=np.float32).reshape(b, 3)
 
-    def dev(a: np.ndarray) -> "torch.Tensor":
+    def dev(a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(a)).to(device)
 
     p, dirs_t, tones_t, fg = dev(params), dev(dirs.reshape(b, 2)), dev(tones), dev(colours)
 
-    def per_clip(i: int) -> "torch.Tensor":
+    def per_clip(i: int) -> torch.Tensor:
         return p[:, i].view(b, 1, 1, 1)
 
     f = torch.arange(NUM_FRAMES, device=device, dtype=torch.float32).view(1, -1, 1, 1)
@@ -279,6 +280,6 @@ def render_batch(clips: Sequence[ClipSpec], device: "torch.device | str" = "cpu"
     return video * 2 - 1
 
 
-def render_clip(clip: ClipSpec) -> "torch.Tensor":
+def render_clip(clip: ClipSpec) -> torch.Tensor:
     """One clip: float32 [3, NUM_FRAMES, HEIGHT, WIDTH] in [-1, 1]."""
     return render_batch([clip])[0]

@@ -41,11 +41,11 @@ def make_scheduler(shift: float = DEFAULT_SHIFT):
 
 def sample(
     transformer,
-    text_embeds: "torch.Tensor",
+    text_embeds: torch.Tensor,
     config: SampleConfig = SampleConfig(),
-    negative_embeds: "torch.Tensor | None" = None,
-    dtype: "torch.dtype | None" = None,
-) -> "torch.Tensor":
+    negative_embeds: torch.Tensor | None = None,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
     """Generate one clip per prompt embedding.
 
     Args:
@@ -75,14 +75,14 @@ def sample(
     return res.latents.clamp(-1, 1)
 
 
-def _dtype_of(transformer) -> "torch.dtype":
+def _dtype_of(transformer) -> torch.dtype:
     """The compute dtype of a transformer: its ``dtype`` (diffusers models and the runtime's drop-in,
     which has no parameters of its own), else its first parameter's."""
     dt = getattr(transformer, "dtype", None)
     return dt if dt is not None else next(transformer.parameters()).dtype
 
 
-def load_transformer(folder=None, dtype: "torch.dtype | None" = None):
+def load_transformer(folder=None, dtype: torch.dtype | None = None):
     """``WanTransformer3DModel`` from ``folder`` (default: the shipped weights), eval mode."""
     import torch
 
@@ -93,7 +93,7 @@ def load_transformer(folder=None, dtype: "torch.dtype | None" = None):
     return frame_embed.load(folder or WEIGHTS_DIR, dtype or torch.float32).eval()
 
 
-def generate(prompts: list[str], config: SampleConfig = SampleConfig(), transformer=None) -> "torch.Tensor":
+def generate(prompts: list[str], config: SampleConfig = SampleConfig(), transformer=None) -> torch.Tensor:
     """Prompts -> clips, on the CPU: float32 [B, 3, NUM_FRAMES, HEIGHT, WIDTH] in [-1, 1]."""
     from . import text
 
@@ -101,7 +101,7 @@ def generate(prompts: list[str], config: SampleConfig = SampleConfig(), transfor
     return sample(transformer, text.encode(prompts, text.TEXT_LEN), config)
 
 
-def save_gif(clips: "torch.Tensor", path, columns: int = 4, scale: int = 4, gap: int = 2) -> None:
+def save_gif(clips: torch.Tensor, path, columns: int = 4, scale: int = 4, gap: int = 2) -> None:
     """Clips [B, 3, F, H, W] in [-1, 1] -> one animated GIF, clips tiled ``columns`` wide."""
     import numpy as np
     from PIL import Image

@@ -12,7 +12,8 @@ lazily.
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from trt_sora.errors import BackendMissingError, require
 
@@ -48,7 +49,7 @@ def _load():
     return tokenizer, model
 
 
-def encode(prompts: Sequence[str], text_len: int = TEXT_LEN) -> "torch.Tensor":
+def encode(prompts: Sequence[str], text_len: int = TEXT_LEN) -> torch.Tensor:
     """Encode prompts: float32 [len(prompts), text_len, 384] on the CPU.
 
     Tokens past ``text_len`` are cut ([CLS] ... with no [SEP] then); padding

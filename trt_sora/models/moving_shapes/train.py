@@ -133,7 +133,6 @@ def foreground_weights(x0, weight: float):
     The background is static, so the shape is where a frame differs from the
     clip's temporal median.
     """
-    import torch
 
     bg = x0.median(dim=2, keepdim=True).values
     fg = ((x0 - bg).abs().amax(dim=1, keepdim=True) > 0.2).float()  # [B, 1, F, H, W]
