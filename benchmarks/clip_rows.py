@@ -73,7 +73,8 @@ def main() -> None:
                       "per_call_relative_error": errs, "worst_rows": worst.tolist(),
                       "worst_rows_share_of_squared_error": float(rows[worst].sum() / rows.sum()),
                       "psnr_without_worst_rows_db": 10 * math.log10(4 / float(e[..., keep, :].mean())),
-                      "worst_rows_frame0_mean_fp32_vs_quantized": [[float(r[0, :, 0, k].mean()), float(g[0, :, 0, k].mean())]
+                      "worst_rows_frame0_mean_fp32_vs_quantized": [
+                          [float(r[0, :, 0, k].mean()), float(g[0, :, 0, k].mean())]
                                                                    for k in worst]}
             print(json.dumps({i: out[i]}, indent=1), flush=True)
 

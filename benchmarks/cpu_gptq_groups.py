@@ -7,7 +7,8 @@ What it does (``--model wan2.1-t2v-1.3b``, bf16 weights so the model fits in ~3 
 
 1. the whole model's plan: which linears share an input (probe forward), the fp64 Hessian bytes with
    and without sharing, and the passes :func:`plan_hessians` needs at several budgets - no solving;
-2. a real calibration (``--prompts`` prompts, ``--steps`` steps, CFG, latent ``--latent``, 16 text tokens) with GPTQ on the
+2. a real calibration (``--prompts`` prompts, ``--steps`` steps, CFG, latent ``--latent``, 16 text tokens) with
+   GPTQ on the
    linears matching ``--include`` under ``--budget-gb``, forcing several passes over the trajectories
    (each pass runs the full model; only the solve is restricted, because this repo's column-by-column
    solver takes ~10 s per 1536-wide linear and 5-7 min per 8960-wide FFN down on a shared 2-core CPU);
@@ -165,7 +166,8 @@ def main() -> None:
                         quant_config=qcfg, quant_format=QuantFormat(args.format))
         wr = cal.manifest["results"]["weight_rounding"]
         result["calibration"] = {"preset": (f"{args.prompts} prompts, {args.steps} steps, CFG "
-                                               f"{cal.stats.metadata.guidance_scale:g}, latent {args.latent}, text_len 16"),
+                                               f"{cal.stats.metadata.guidance_scale:g}, latent {args.latent}, "
+                                               "text_len 16"),
                                  "include": args.include, "budget_gb": args.budget_gb,
                                  "seconds": round(time.perf_counter() - t0, 1),
                                  "forwards_per_pass": cal.manifest["results"]["num_forwards"],
@@ -176,7 +178,8 @@ def main() -> None:
     result["heldout_error"] = errs
     gains = [e["gain_db"] for e in errs.values()]
     result["summary"] = {"passes": wr["passes"], "sites": wr["sites"],
-                         "pass_seconds": wr["pass_seconds"], "peak_hessian_gib": round(wr["peak_hessian_bytes"] / 2 ** 30, 4),
+                         "pass_seconds": wr["pass_seconds"],
+                         "peak_hessian_gib": round(wr["peak_hessian_bytes"] / 2 ** 30, 4),
                          "gptq_gain_db_mean": round(sum(gains) / len(gains), 2), "gptq_gain_db_min": min(gains),
                          "peak_rss_gib": round(_rss_gb(), 2)}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -454,7 +454,8 @@ def model_part(name: str, size: str, batch: int, iters: int, rungs: list[str], s
         rep = r.report()
         if profile and rung in ("fp8_fused", "fp8_fused_attn8"):
             rep["split_ms"] = profile_split(call)
-        rep.update({"s": t, "all_s": ts, "cosine_vs_eager_bf16": cos(y, y_ref), "expected_fp8_gemms": r.expected_gemms()})
+        rep.update({"s": t, "all_s": ts, "cosine_vs_eager_bf16": cos(y, y_ref),
+                    "expected_fp8_gemms": r.expected_gemms()})
         if not r.cuda_graphs and rep["fp8_gemms_per_call"] != rep["expected_fp8_gemms"]:
             raise SystemExit(f"{rung}: ran {rep['fp8_gemms_per_call']} FP8 GEMMs, the plan needs "
                              f"{rep['expected_fp8_gemms']}: a silent no-op")

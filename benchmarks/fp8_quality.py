@@ -123,7 +123,8 @@ def main(argv=None) -> None:
              "backend_report": reports[name]}
         for ref in ("bf16", "fp32"):
             m = clip_metrics(x, clips[ref])
-            v[f"vs_{ref}"] = {"mean_psnr_db": sum(e["psnr_db"] for e in m) / n, "worst_psnr_db": min(e["psnr_db"] for e in m),
+            v[f"vs_{ref}"] = {"mean_psnr_db": sum(e["psnr_db"] for e in m) / n,
+                              "worst_psnr_db": min(e["psnr_db"] for e in m),
                               "mean_cosine": sum(e["cosine"] for e in m) / n, "per_clip": m}
         out["variants"][name] = v
         print(f"{name:22s} probe {v['probe_pass']}/{n}  vs bf16: mean {v['vs_bf16']['mean_psnr_db']:.2f} dB worst "

@@ -32,7 +32,8 @@ def main() -> None:
                     help="ring slots,consumer registers,producer registers,ping-pong; semicolon-separated")
     ap.add_argument("--reps", type=int, default=3, help="timing rounds (each kernel once per round)")
     ap.add_argument("--variants", default="",
-                    help="NAME=PATH,...: other builds of the Gluon module (same operands), held to the same bits and timed")
+                    help="NAME=PATH,...: other builds of the Gluon module (same operands), held to the same "
+                         "bits and timed")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     cfgs = [tuple(int(x) for x in c.split(",")) for c in a.configs.split(";")]

@@ -163,7 +163,8 @@ def main() -> None:
     for dtype in (torch.float32, torch.float16):  # the other input dtypes, a ragged size: counts only
         t = wide[:1001, :777].to(dtype)
         et = exponent_of(t.float().abs().amax())
-        res[f"cuda_{str(dtype)[6:]}_equal"] = torch.equal(batch_counts(t, et, a.bins), batch_counts(t, et, a.bins, kernel=False))
+        res[f"cuda_{str(dtype)[6:]}_equal"] = torch.equal(batch_counts(t, et, a.bins),
+                                                          batch_counts(t, et, a.bins, kernel=False))
     if a.only_cuda:
         return _finish(res, x.numel(), a.out)
     histogram.CUDA_COPIES = None  # the Triton + histc variants below
@@ -181,7 +182,8 @@ def main() -> None:
         res[f"hot{hot}x{r}_equal"] = torch.equal(hot_counts(x, e, a.bins, hot, r), want)
     res["spread_torch_ms"] = bench(lambda: batch_counts(wide, ew, a.bins, kernel=False))
     res["spread_fused_ms"] = bench(lambda: batch_counts(wide, ew, a.bins))
-    res["spread_fused_equal"] = torch.equal(batch_counts(wide, ew, a.bins), batch_counts(wide, ew, a.bins, kernel=False))
+    res["spread_fused_equal"] = torch.equal(batch_counts(wide, ew, a.bins),
+                                            batch_counts(wide, ew, a.bins, kernel=False))
     try:
         res["tl_histogram_ms"] = bench(lambda: tl_histogram(x, scale, a.bins))
         res["tl_histogram_equal"] = torch.equal(tl_histogram(x, scale, a.bins), want)

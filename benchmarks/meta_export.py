@@ -6,7 +6,8 @@ tensors, no weights held or written) of each named real-size model, and what the
 
 Per model: parameters and linear layers of the module (meta), the traced graph's node count, MatMul /
 Gemm nodes, the linears that own one (by the nodes' module scopes: a linear whose output is unused has
-none), scaled-dot-product attentions (Softmax nodes), the exported dims, trace seconds and peak RSS. The full export (``trt-sora export``) adds the
+none), scaled-dot-product attentions (Softmax nodes), the exported dims, trace seconds and peak RSS. The full
+export (``trt-sora export``) adds the
 optimizer pass and streams the weights into ``model.onnx.data``; this measures that the real-size graph
 traces, without the hours of random-weight generation and tens of GB of disk.
 """

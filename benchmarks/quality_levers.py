@@ -368,7 +368,8 @@ def main(argv=None) -> None:
 
         caps = clip_captions(a.clips)
         enc = adapter.text_encoder()
-        cond, calib_cond = enc(caps, ms.TEXT_LEN).float().to(dev), enc(calibration_prompts(), ms.TEXT_LEN).float().to(dev)
+        cond = enc(caps, ms.TEXT_LEN).float().to(dev)
+        calib_cond = enc(calibration_prompts(), ms.TEXT_LEN).float().to(dev)
     index = list(range(len(caps)))
     if a.select:
         index = [int(i) for i in a.select.split(",")]
@@ -414,7 +415,8 @@ def main(argv=None) -> None:
         ps = [psnr(r, g) for r, g in zip(ref, got)]
         probe = [p.passes(s) for p, s in zip(probe_batch(got.clamp(-1, 1)), specs)]
         frac = sum(fl[s] for s in qsites) / sum(fl.values()) * (1 - len(fp32_steps) / st.num_steps)
-        results[variant] = {"clips": len(caps), "clip_index": index, "mean_psnr_db": sum(ps) / len(ps), "worst_psnr_db": min(ps),
+        results[variant] = {"clips": len(caps), "clip_index": index, "mean_psnr_db": sum(ps) / len(ps),
+                            "worst_psnr_db": min(ps),
                             "worst_clip": caps[ps.index(min(ps))], "per_clip_psnr_db": ps,
                             "probe_pass": sum(probe), "probe_pass_fp32": sum(probe_ref),
                             "quantized_linear_flop_fraction": frac, "calib": {k: v[2] for k, v in calib.items()},

@@ -45,7 +45,8 @@ def measure(runner, device, dtype, iters, threads) -> dict:
     import torch
 
     cfg = runner.model_config
-    out = {"load_s": round(runner.load_seconds, 3), "warmup_s": {k: round(v, 3) for k, v in runner.warmup_seconds.items()},
+    out = {"load_s": round(runner.load_seconds, 3),
+           "warmup_s": {k: round(v, 3) for k, v in runner.warmup_seconds.items()},
            "buckets": {}}
     for b in runner.buckets:
         p = b.point("opt")

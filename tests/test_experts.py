@@ -38,7 +38,8 @@ def test_boundary_step_runs_the_low_noise_expert_with_its_guidance():
     ts = [float(t) for t in s.timesteps]
     boundary = next(i for i, t in enumerate(ts) if t < 875.0)
     assert 0 < boundary < 6 and ts[boundary - 1] >= 875.0
-    assert [(st, e) for st, e, _, b in seen if b == "cond"] == [(i, "high" if i < boundary else "low") for i in range(6)]
+    assert [(st, e) for st, e, _, b in seen if b == "cond"] == [(i, "high" if i < boundary else "low")
+                                                               for i in range(6)]
     # the same loop written out: expert and guidance by timestep, diffusers' WanPipeline rule
     x = noise.double()
     for i, t in enumerate(ts):

@@ -350,7 +350,8 @@ def load_onnx(path: str | os.PathLike, *, load_external_data: bool = True, fix: 
 # -- writable output folders ----------------------------------------------------------------------------------
 #: Names trt_sora stages write. A folder holding anything else and no manifest is someone else's:
 #: a stage never replaces it (``--out .`` in a checkout must not delete the checkout).
-_OURS = re.compile(r"^(manifest\.json|experts\.json|model(\.qdq)?\.onnx(\.data)?|qdq_map\.json|stats\.safetensors|report\.(md|json)"
+_OURS = re.compile(r"^(manifest\.json|experts\.json|model(\.qdq)?\.onnx(\.data)?|qdq_map\.json|stats\.safetensors"
+                   r"|report\.(md|json)"
                    r"|figures|.+\.plan|build_report(\.failed)?\.(json|md)|build_log\.txt|timing\.cache(\.json)?)$")
 _FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 _DENIED = {errno.EROFS, errno.EACCES, errno.EPERM}

@@ -29,7 +29,8 @@ KGEN = ("Name: __myl_MulAdd_myl0_28, LayerType: kgen, Inputs: [ { Name: x, Dimen
         "StrideOrder: [1,0], Datatype: Half, Format: x }], Constants: [], Outputs: [], TacticName: t, StreamId: 0, "
         "Metadata: [ONNX Layer: MatMul_272]")
 IO = (" Name: hidden_states, IOMode: Input, DataType: Float, Dimensions: [-1,4,-1,-1,-1], Location: Device, "
-      "IsShapeInferenceIO: false, ProfileInfo: [ { MinShape: [1,4,1,1,1], OptShape: [2,4,2,2,2], MaxShape: [2,4,2,2,2], "
+      "IsShapeInferenceIO: false, ProfileInfo: [ { MinShape: [1,4,1,1,1], OptShape: [2,4,2,2,2], "
+      "MaxShape: [2,4,2,2,2], "
       "Format: x }, { MinShape: [1,4,2,2,2], OptShape: [2,4,4,4,4], MaxShape: [2,4,4,4,4], Format: x }]")
 
 

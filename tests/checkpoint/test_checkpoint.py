@@ -1,7 +1,8 @@
 """The checkpoint stage against NVIDIA ModelOpt: same tensors bit for bit, same config, and it loads back.
 
 Stats come from the real calibration stage (wan-tiny: two prompts, two steps; wan-shapes: one
-caption, two steps, at a small shape). ModelOpt is the independent reference twice: its own ``export_hf_checkpoint`` with
+caption, two steps, at a small shape). ModelOpt is the independent reference twice: its own
+``export_hf_checkpoint`` with
 our amax in its quantizers must write exactly our checkpoint, and its fake-quant quantizers
 running our checkpoint must reproduce our PyTorch fake-quant model.
 """
@@ -101,7 +102,8 @@ def test_matches_modelopt_export(calib_dirs, tmp_path, model, fmt, dtype):
         "keys_only_ours": [], "keys_only_theirs": [], "dtype_or_shape_differs": [], "value_differs": [],
         "config_differs": []}
     qc = res.quantization_config
-    assert qc["quant_method"] == "modelopt" and qc["quant_algo"] == {"fp8_e4m3": "FP8", "int8": "W8A8_SQ_PER_CHANNEL"}[fmt]
+    assert qc["quant_method"] == "modelopt"
+    assert qc["quant_algo"] == {"fp8_e4m3": "FP8", "int8": "W8A8_SQ_PER_CHANNEL"}[fmt]
     assert qc["ignore"] == ["condition_embedder*", "patch_embedding", "proj_out"]  # the default exclusions
     # the comparison can fail: one changed amax shows up as exactly that site's input_scale
     from trt_sora.calibrate.stats import CalibStats
@@ -192,7 +194,8 @@ def test_loads_back_through_modelopt(calib_dirs, tmp_path, model, fmt, dtype):
         w = fake_quant(lin.weight.float(), w_amax, fmt, axis=0 if fmt == "int8" else None).to(lin.weight.dtype)
         # inputs: ModelOpt quantizes x * (qmax / amax), we divide by the stored scale; the two agree up to float
         # rounding except at exact rounding ties, which may go either way
-        x_ours, x_theirs = fake_quant(x, torch.tensor(p["act_amax"]), fmt), loaded.get_submodule(site).input_quantizer(x)
+        x_ours = fake_quant(x, torch.tensor(p["act_amax"]), fmt)
+        x_theirs = loaded.get_submodule(site).input_quantizer(x)
         _assert_only_ties(x, x_ours, x_theirs, p["act_amax"] / {"fp8_e4m3": 448.0, "int8": 127.0}[fmt], site)
         # weights: on the same quantized input, ModelOpt's linear is ours
         assert compare(F.linear(x_theirs, w, lin.bias), y)["rel_l2"] < 1e-5, site
@@ -255,7 +258,8 @@ def test_cli_and_layout(calib_dirs, tmp_path):
                "--format", "int8", "--max-shard-size", "100KB"])
     assert rc == 0
     cfg = json.loads((out / "config.json").read_text())
-    assert cfg["_class_name"] == "WanTransformer3DModel" and cfg["quantization_config"]["quant_algo"] == "W8A8_SQ_PER_CHANNEL"
+    assert cfg["_class_name"] == "WanTransformer3DModel"
+    assert cfg["quantization_config"]["quant_algo"] == "W8A8_SQ_PER_CHANNEL"
     index = json.loads((out / "diffusion_pytorch_model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1
     man = json.loads((out / "manifest.json").read_text())

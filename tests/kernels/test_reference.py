@@ -131,6 +131,9 @@ def test_vt_key_order_puts_each_lanes_p_operand_in_its_own_accumulator_registers
     nat = ref.vt_natural(vt8, 40)
     assert nat.shape == (2, 3, 40, 8)
     assert torch.equal(nat.float(), vt8.float()[..., order48.argsort()][..., :40].transpose(-1, -2))
-    p = torch.rand(5, 48, generator=g)  # P V over keys: the same sum in either order
-    keys = vt8.float()[0, 0][:, order48.argsort()]
-    torch.testing.assert_close(p[:, order48] @ vt8.float()[0, 0].T, p @ keys.T)
+    # P V over keys: the same 48-term sum in either order. In float64 a reordered sum of terms below
+    # |p| * |v| <= 448 differs by at most 48 * 448 * 2^-52 ~ 5e-12; a wrong key order moves it by O(1).
+    p = torch.rand(5, 48, generator=g, dtype=torch.float64)
+    vt = vt8.double()[0, 0]
+    keys = vt[:, order48.argsort()]
+    torch.testing.assert_close(p[:, order48] @ vt.T, p @ keys.T, rtol=0, atol=1e-9)

@@ -43,7 +43,8 @@ def inputs():
 
 def _run(cand, inputs, cfg="batched"):
     noise, c, u = inputs
-    return reference_with_candidate(_ref, cand, noise, c, u, scheduler=_sched(), settings=ST, cfg=cfg, keep_inputs=(0, 5))
+    return reference_with_candidate(_ref, cand, noise, c, u, scheduler=_sched(), settings=ST, cfg=cfg,
+                                    keep_inputs=(0, 5))
 
 
 @pytest.mark.parametrize("cfg, calls", [("batched", 6), ("split", 12)])

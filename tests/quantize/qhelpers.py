@@ -84,7 +84,8 @@ def torch_fake_quant_run(adapter, model, inputs, stats_path, fmt, config=None):
     sites = quantized_sites(model, config or QuantConfig(format=QuantFormat(fmt)))
     modules = dict(model.named_modules())
     seen: dict[str, torch.Tensor] = {}  # kept alive during the forward: no address is reused
-    hooks = [modules[s].register_forward_pre_hook(lambda mod, args, s=s, seen=seen: seen.setdefault(s, args[0])) for s in sites]
+    hooks = [modules[s].register_forward_pre_hook(lambda mod, args, s=s, seen=seen: seen.setdefault(s, args[0]))
+             for s in sites]
     try:
         with torch.no_grad():
             adapter.forward(model, inputs)

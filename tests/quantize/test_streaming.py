@@ -45,7 +45,8 @@ def test_streamed_equals_materialized_and_torch_fp8(tmp_path, wide_export, wide_
     ib = {i.name: onnx.numpy_helper.to_array(i) for i in b.graph.initializer}
     assert set(ia) == set(ib)
     for k in ia:
-        assert ia[k].dtype == ib[k].dtype and np.array_equal(ia[k].reshape(-1).view(np.uint8), ib[k].reshape(-1).view(np.uint8)), k
+        assert ia[k].dtype == ib[k].dtype, k
+        assert np.array_equal(ia[k].reshape(-1).view(np.uint8), ib[k].reshape(-1).view(np.uint8)), k
 
     # independent check of one fused and one plain FP8 weight: torch's float8 cast of w / scale
     src = {i.name: onnx.numpy_helper.to_array(i) for i in onnx.load(str(wide_export.onnx_path)).graph.initializer}

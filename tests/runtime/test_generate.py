@@ -146,7 +146,8 @@ def _save_tiny_pipeline(root):
                            temperal_downsample=[False, True, True]).eval()
     tr = WanTransformer3DModel(**dict(adapter.spec.config))
     tr.load_state_dict(adapter.load("fp32", "cpu").state_dict())  # the weights the artifact was exported from
-    WanPipeline(tokenizer=fast, text_encoder=te, vae=vae, scheduler=adapter.scheduler(), transformer=tr).save_pretrained(root)
+    pipe = WanPipeline(tokenizer=fast, text_encoder=te, vae=vae, scheduler=adapter.scheduler(), transformer=tr)
+    pipe.save_pretrained(root)
     return root
 
 

@@ -52,7 +52,8 @@ def test_batch_on_ray_workers_resumes(cluster, checked_run, tiny_runner, tmp_pat
     assert main(argv) == 0
     s = json.loads((out / "summary.json").read_text())
     assert (s["skipped"], s["generated"], s["finished"]) == (2, 2, 4)
-    np.testing.assert_array_equal(np.load(out / "clips" / "r1.npy"), rt.generate(tiny_runner, "ray clip 1", seed=1)[0].frames)
+    np.testing.assert_array_equal(np.load(out / "clips" / "r1.npy"),
+                                  rt.generate(tiny_runner, "ray clip 1", seed=1)[0].frames)
 
 
 def test_ray_serve_deployment(cluster, checked_run, tiny_runner):
@@ -82,7 +83,8 @@ def test_ray_serve_deployment(cluster, checked_run, tiny_runner):
     [t.start() for t in threads]
     [t.join() for t in threads]
     for job, frames in zip(jobs, got):
-        np.testing.assert_array_equal(frames, rt.generate(tiny_runner, job["prompt"], seed=job["seed"], guidance=1.0)[0].frames)
+        want = rt.generate(tiny_runner, job["prompt"], seed=job["seed"], guidance=1.0)[0].frames
+        np.testing.assert_array_equal(frames, want)
     metrics = urllib.request.urlopen(base + "/metrics", timeout=30).read().decode()
     assert 'trt_sora_batches_total{clips="2"} 1.0' in metrics  # both requests in one batch inside the replica
     serve.delete("trt_sora")

@@ -34,7 +34,8 @@ def test_writer_roundtrip_through_safetensors_library(tmp_path):
     specs = [(k, tuple(v.shape), v.dtype) for k, v in tensors.items()]
     write_safetensors(tmp_path / "x.safetensors", specs, lambda n: tensors[n], metadata={"format": "pt"})
     back = load_file(str(tmp_path / "x.safetensors"))
-    assert all(back[k].dtype == v.dtype and torch.equal(back[k].reshape(-1).view(torch.uint8), v.reshape(-1).view(torch.uint8))
+    assert all(back[k].dtype == v.dtype
+               and torch.equal(back[k].reshape(-1).view(torch.uint8), v.reshape(-1).view(torch.uint8))
                for k, v in tensors.items())
     with pytest.raises(ModelError, match="produced shape"):
         write_safetensors(tmp_path / "y.safetensors", [("a.weight", (5, 3), torch.float32)], lambda n: tensors[n])

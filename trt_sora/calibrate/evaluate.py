@@ -227,7 +227,8 @@ def evaluate(adapter, model, stats, preset, quant_config, options, *, encode: Ca
 
     # -- per step: which steps' quantization reaches the clip, and what keeping them unquantized buys -------
     per_step = _per_step_view(adapter, model, feeds[0], settings, main_amax, fmt_main, candidates, stats, cache,
-                              model_dtype, count, weights[0] if weights is not None and weights[1] == fmt_main else None)
+                              model_dtype, count,
+                              weights[0] if weights is not None and weights[1] == fmt_main else None)
     linear_total = sum(flops.values()) or 1.0
     frac = lambda sites: sum(flops.get(s, 0) for s in sites) / linear_total  # noqa: E731
     window_rows = []

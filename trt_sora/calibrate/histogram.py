@@ -106,7 +106,8 @@ def _gpu_abs_scaled():
 #: pass + ``histc`` below (the benchmarks switch it to compare).
 CUDA_COPIES: int | None = cuda_hist.DEFAULT_COPIES
 
-#: Copies of each bin on the Triton + ``histc`` GPU path (see :func:`trt_sora.kernels.triton_ops.abs_scaled`): ``histc``'s
+#: Copies of each bin on the Triton + ``histc`` GPU path (see :func:`trt_sora.kernels.triton_ops.abs_scaled`):
+#: ``histc``'s
 #: shared-memory atomics on a crowded bin hit two addresses. Measured on the H200 (benchmarks/README.md):
 #: 1 / 2 / 4 / 8 copies, 4.19 / 3.24 / 4.68 / 25.8 ms for a 294M-element FFN input.
 REPLICAS = 2

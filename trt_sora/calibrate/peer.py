@@ -240,7 +240,8 @@ def modelopt_peer(adapter, model, stats, preset, quant_config, *, encode: Callab
     return {
         "setup": {"prompt_ids": [p.id for p in prompts], "num_steps": steps,
                   "deployment_steps": adapter.sampling.num_steps,
-                  "guidance_scale": eval_settings.guidance_scale, "shift": eval_settings.shift, "shape": shape.as_dict(),
+                  "guidance_scale": eval_settings.guidance_scale, "shift": eval_settings.shift,
+                  "shape": shape.as_dict(),
                   "psnr_peak": peak, "psnr_peak_def": "reference final sample max - min", "calib_preset": preset.name,
                   "calib_trajectories": len(calib_plan), "calib_steps": calib_settings.num_steps},
         "rows": rows, "replay_max_rel_diff": replay, "modelopt_version": importlib.metadata.version("nvidia-modelopt"),
@@ -278,7 +279,8 @@ def report_section(peer: Mapping[str, Any]) -> list[str]:
              *([f"Replay check: ModelOpt's max calibration on our sites found our minmax amax to a relative "
                 f"{peer['replay_max_rel_diff']:.1e} (the same activations).", ""]
                if peer.get("replay_max_rel_diff") is not None else []),
-             "| calibration | calibrator | weights | quantized linears | cosine | PSNR (dB) | rel L2 | calib time (s) |",
+             "| calibration | calibrator | weights | quantized linears | cosine | PSNR (dB) | rel L2 "
+             "| calib time (s) |",
              "|---|---|---|---|---|---|---|---|"]
     for r in peer["rows"]:
         lines.append(f"| {r['name']} | {r['calibrator']} | {r['weights']} | {r['sites']} | {r['cosine']:.6f} | "

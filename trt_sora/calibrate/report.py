@@ -335,7 +335,8 @@ def write_report(out_dir: str | Path, stats, evaluation: Mapping[str, Any] | Non
         ev = evaluation["eval"]
         L += ["## Calibrator comparison", "",
               f"Final latent of a {ev['num_steps']}-step trajectory{_steps_note(ev)} (guidance "
-              f"{ev['guidance_scale']}, shift {ev['shift']}) at latent shape {ev['shape']} on held-out prompts {', '.join(ev['prompt_ids'])}: "
+              f"{ev['guidance_scale']}, shift {ev['shift']}) at latent shape {ev['shape']} on held-out prompts "
+              f"{', '.join(ev['prompt_ids'])}: "
               "the fake-quantized model (PyTorch; every quantized linear's input per tensor at the method's "
               "amax, weights per output channel) against the unquantized model. "
               f"**PSNR peak = {ev['psnr_peak']:.4g} ({ev['psnr_peak_def']})**. "
@@ -388,7 +389,8 @@ def write_report(out_dir: str | Path, stats, evaluation: Mapping[str, Any] | Non
         _hist_figure(stats, outl, figs / "histograms.png")
         L += ["## Outlier layers", "", f"Largest max|x| / chosen amax ({md.method}); histograms of |x| "
               "(log counts) with each method's amax.", "",
-              "| site | minmax / chosen | clipped at chosen | FP8 SQNR (dB) | INT8 SQNR (dB) |", "|---|---|---|---|---|"]
+              "| site | minmax / chosen | clipped at chosen | FP8 SQNR (dB) | INT8 SQNR (dB) |",
+              "|---|---|---|---|---|"]
         L += [f"| `{r['site']}` | {r['outlier']:.3g} | {100 * r.get('clipped_fraction', 0):.4f}% | "
               f"{_f(r.get('sqnr_fp8_e4m3'), '.1f')} | {_f(r.get('sqnr_int8'), '.1f')} |" for r in outl]
         L += ["", "![histograms](figures/histograms.png)", ""]
@@ -405,7 +407,8 @@ def write_report(out_dir: str | Path, stats, evaluation: Mapping[str, Any] | Non
     L += ["## Per-layer summary", "",
           f"amax per method; clipped fraction and SQNR at the chosen amax ({md.method}) from the stored "
           "|x| histogram (to one bin). `q` = quantized by the recipe's policy.", "",
-          "| site | q | " + " | ".join(f"amax {m}" for m in methods) + " | clipped | FP8 SQNR (dB) | INT8 SQNR (dB) | drift | cond/uncond |",
+          "| site | q | " + " | ".join(f"amax {m}" for m in methods)
+          + " | clipped | FP8 SQNR (dB) | INT8 SQNR (dB) | drift | cond/uncond |",
           "|" + "---|" * (len(methods) + 7)]
     for r in rows:
         L.append(f"| `{r['site']}` | {'y' if r['quantized'] else ''} | "

@@ -95,7 +95,8 @@ def checkpoint_plan(model, stats, config: QuantConfig) -> dict[str, Any]:
         w = torch.as_tensor(w, dtype=torch.float32).reshape(-1)
         if w.numel() != mod.weight.shape[0]:
             raise QuantizeError(f"site {name!r}: weight amax has {w.numel()} values but the weight has "
-                                f"{mod.weight.shape[0]} output channels; the stats belong to another model - recalibrate")
+                                f"{mod.weight.shape[0]} output channels; the stats belong to another model - "
+                                "recalibrate")
         _positive(f"{name}.weight", w, "weight amax")
         sites[name] = {"act_amax": act, "weight_amax": w}
     if not sites:
@@ -156,7 +157,8 @@ def _rounded_weights(stats_path: Path | None, weights, fmt: QuantFormat):
         rounded_for = (f.metadata() or {}).get("quant_format")
     if fmt is QuantFormat.FP8_E4M3:
         raise QuantizeError(f"{path}: the calibration rounded its weights with GPTQ onto per-channel FP8 grids, which "
-                            "ModelOpt's FP8 checkpoint (one weight scale per tensor) cannot hold; pass --nearest-weights "
+                            "ModelOpt's FP8 checkpoint (one weight scale per tensor) cannot hold; pass "
+                            "--nearest-weights "
                             "(weights=False) to round the original weights to nearest as ModelOpt does, or export "
                             "--format int8 from an int8 GPTQ calibration")
     if rounded_for != fmt.value:
@@ -218,7 +220,8 @@ def export_checkpoint(stats, config: QuantConfig, out_dir: str | os.PathLike, *,
     adapter = _model_from_stats(stats_path, model)
     want, got = adapter.spec.model_hash(), calib.metadata.model_hash
     if got and got != want:
-        raise QuantizeError(f"the stats are for model hash {got} ({calib.metadata.model or '?'}) but {adapter.spec.ref} "
+        raise QuantizeError(f"the stats are for model hash {got} ({calib.metadata.model or '?'}) but "
+                            f"{adapter.spec.ref} "
                             f"is {want}; calibrate this model (trt-sora calibrate) or pass the matching --stats")
     require("diffusers", extra="export")
     from trt_sora.models.base import torch_dtype

@@ -78,9 +78,11 @@ def _read_yaml(path: Path) -> dict:
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except UnicodeDecodeError as exc:
-        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start}: {exc.reason}); save the recipe as UTF-8") from None
+        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start}: {exc.reason}); save the recipe as "
+                          "UTF-8") from None
     except OSError as exc:
-        raise ConfigError(f"{path}: cannot read the recipe ({exc.strerror}); check the path and its permissions") from None
+        raise ConfigError(f"{path}: cannot read the recipe ({exc.strerror}); check the path and its "
+                          "permissions") from None
     except yaml.YAMLError as exc:
         msg = " ".join(str(exc).split())
         raise ConfigError(f"{path}: not valid YAML ({msg}); fix the syntax") from None

@@ -2,7 +2,8 @@
 
 All dims are in *latent* space: ``latent_frames`` counts latent frames (Wan:
 ``(num_frames - 1) // 4 + 1``), ``latent_height``/``latent_width`` count latent
-pixels (pixels / 8 for Wan's VAE), ``text_len`` counts text tokens. A model family may add dims of its own (HunyuanVideo 1.5:
+pixels (pixels / 8 for Wan's VAE), ``text_len`` counts text tokens. A model family may add dims of its own
+(HunyuanVideo 1.5:
 ``text_len_2``, its second text encoder's tokens): a bucket carries them in ``extra``
 (see :meth:`ShapeProfile.with_extra`).
 """

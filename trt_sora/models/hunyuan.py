@@ -86,7 +86,8 @@ LAYER_KINDS: dict[str, str] = {
 }
 
 #: The video stream's Q/K/V read one tensor, the text stream's Q/K/V another: one GEMM each.
-FUSABLE_PROJECTIONS = ((("to_q", "to_k", "to_v"), "to_qkv"), (("add_q_proj", "add_k_proj", "add_v_proj"), "to_added_qkv"))
+FUSABLE_PROJECTIONS = ((("to_q", "to_k", "to_v"), "to_qkv"),
+                       (("add_q_proj", "add_k_proj", "add_v_proj"), "to_added_qkv"))
 
 #: Layers kept in high precision beyond the shared defaults, with the reason (the quantize stage,
 #: the calibration report and the fake-quant runners all apply them).

@@ -752,7 +752,8 @@ def _random_vae(z_dim: int, wan22: bool):
     with torch.random.fork_rng():
         torch.manual_seed(0)
         vae = diffusers.AutoencoderKLWan(**kw)
-    return vae, f"random tiny AutoencoderKLWan{' (Wan 2.2 layout)' if wan22 else ''} (seed 0; no VAE weights with this model)"
+    layout = " (Wan 2.2 layout)" if wan22 else ""
+    return vae, f"random tiny AutoencoderKLWan{layout} (seed 0; no VAE weights with this model)"
 
 
 def standin_image_tokens(images, image_len: int, image_dim: int, seed: int = 0):

@@ -246,8 +246,10 @@ def _trajectory_level(traj, gate, measured, settings, note, ref_name: str, cand_
     return {"level": "trajectory",
             "what": f"every transformer call of the deployed loop ({settings.num_steps} steps, CFG "
                     f"{settings.guidance_scale:g}; {note}): the candidate on the reference trajectory's inputs",
-            "reference": ref_name, "candidate": cand_name, "point": lp, "sampling": {**settings.to_dict(), "note": note},
-            "metrics": {"cosine": min(c["cosine"] for c in traj.calls), "psnr_db": min(c["psnr_db"] for c in traj.calls),
+            "reference": ref_name, "candidate": cand_name, "point": lp,
+            "sampling": {**settings.to_dict(), "note": note},
+            "metrics": {"cosine": min(c["cosine"] for c in traj.calls),
+                        "psnr_db": min(c["psnr_db"] for c in traj.calls),
                         "worst_step": min(traj.calls, key=lambda c: c["cosine"])["step"],
                         "psnr_peak_def": "reference output max - min (per call); contribution: final latents "
                                          "max - min", "contribution_peak": traj.peak},
@@ -587,7 +589,8 @@ def _single_call_levels(side: _Side, samples, pc, comparisons: list, localizatio
     if fq is not None:
         with _without_8bit_attention(cand):
             run_level("qdq", fq, cand, pc.qdq, "Q/DQ correctness: PyTorch fake-quant (same stats) vs the Q/DQ "
-                      "candidate" + (" (its GEMMs: 8-bit attention off at this level)" if backend == "torch-fp8" else ""),
+                      "candidate" + (" (its GEMMs: 8-bit attention off at this level)"
+                                     if backend == "torch-fp8" else ""),
                       floor_ref=side.fq_floor)
         if side.fq_floor is not None:  # only the qdq level needs it: free its model copy now
             side.fq_floor.deactivate()
@@ -695,7 +698,8 @@ def render_markdown(report: dict) -> str:
             f"{k} {_fmt(m[k])}" for k in ("cosine", "rel_l2", "max_abs", "psnr_db", "mean_psnr_db", "worst_psnr_db",
                                           "mean_ssim", "worst_ssim") if k in m))
         if c["level"] == "loop":
-            lines.append("  - per step: " + "; ".join(f"{s['step']}: PSNR {_fmt(s['psnr_db'])} dB" for s in c["per_step"]))
+            lines.append("  - per step: "
+                         + "; ".join(f"{s['step']}: PSNR {_fmt(s['psnr_db'])} dB" for s in c["per_step"]))
     levels = {c["level"]: c for c in report["comparisons"]}
     if "trajectory" in levels:
         from trt_sora.parity.trajectory import step_table

@@ -310,7 +310,8 @@ def quantize_onnx(onnx_path: str | os.PathLike, stats, config: QuantConfig, out_
         dcounts = {"fp32_nodes": 0, "low_nodes": 0, "casts": 0}
     else:
         raise QuantizeError(f"{onnx_path.name} was exported in {src.value} but quantization.graph_dtype is "
-                            f"{gdt.value}; export in fp32 (export.dtype: fp32) or set quantization.graph_dtype: {src.value}")
+                            f"{gdt.value}; export in fp32 (export.dtype: fp32) or set quantization.graph_dtype: "
+                            f"{src.value}")
     by_tensor: dict[str, list[str]] = {}
     for s in quantized:
         by_tensor.setdefault(linears[s].node.inputs[0].name, []).append(s)

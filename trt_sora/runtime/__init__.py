@@ -27,7 +27,8 @@ from trt_sora.manifest import read_manifest
 
 log = logging.getLogger("trt_sora")
 
-__all__ = ["Clip", "ClipRequest", "Generator", "InputError", "NumericsError", "ServingRunner", "as_diffusers_transformer",
+__all__ = ["Clip", "ClipRequest", "Generator", "InputError", "NumericsError", "ServingRunner",
+           "as_diffusers_transformer",
            "buckets_of", "diffusers_pipeline", "generate", "load", "mismatch", "read_report"]
 
 BACKENDS = ("auto", "trt", "ort", "torch", "torch-fp8")
@@ -40,7 +41,8 @@ class InputError(ShapeError):
 # -- what was verified ---------------------------------------------------------------------------------
 def _fix(run: Path, backend: str) -> str:
     dev = "" if backend in ("ort", "torch") else " on this GPU"
-    return f"run `trt-sora check --run {run} --recipe <recipe> --backend {backend if backend != 'torch' else 'ort'}`{dev}"
+    check_backend = backend if backend != 'torch' else 'ort'
+    return f"run `trt-sora check --run {run} --recipe <recipe> --backend {check_backend}`{dev}"
 
 
 def read_report(run: Path) -> dict | None:

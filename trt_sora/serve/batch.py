@@ -308,7 +308,8 @@ def _artifact_identity(generator) -> dict:
     run = generator.run_dir
     rep = run / "parity" / "report.json"
     cand = (json.loads(rep.read_text()).get("candidate") or {}) if rep.is_file() else {}
-    return {"run": str(run), "backend": getattr(generator.runner, "backend", "?"), "candidate_sha256": cand.get("sha256"),
+    return {"run": str(run), "backend": getattr(generator.runner, "backend", "?"),
+            "candidate_sha256": cand.get("sha256"),
             "model_hash": generator.adapter.spec.model_hash(), "text_encoder": generator.text_encoder_source}
 
 

@@ -157,7 +157,8 @@ def make_app(engine, metrics):
     @app.get("/readyz")
     def readyz():
         if engine.ready and not engine.draining:
-            return {"status": "ready", "backend": engine.generator.runner.backend, "batch_cap": engine.memory.get("cap")}
+            return {"status": "ready", "backend": engine.generator.runner.backend,
+                    "batch_cap": engine.memory.get("cap")}
         why = ("failed: " + engine.failed) if engine.failed else "draining" if engine.draining else "warming up"
         return error(503, why)
 

@@ -225,7 +225,8 @@ def main(argv=None) -> int:
     p.add_argument("--eval-limit", type=int, default=None, help="held-out captions to evaluate (default all)")
     p.add_argument("--save-every", type=float, default=120.0, help="seconds between checkpoints")
     p.add_argument("--frame-embed", action="store_true",
-                   help="add the absolute frame-index embedding (frame_embed.py); zero-initialised when --init lacks one")
+                   help="add the absolute frame-index embedding (frame_embed.py); zero-initialised when "
+                        "--init lacks one")
     p.add_argument("--hi-sigma", type=float, default=0.0,
                    help=f"fraction of each batch drawn from sigma in {HI_SIGMA_BAND} (see sample_sigmas)")
     p.add_argument("--fg-weight", type=float, default=1.0, help="loss weight of the moving shape's pixels")
@@ -268,7 +269,8 @@ def main(argv=None) -> int:
     if args.init:
         model = frame_embed.load(args.init, torch.float32)
         cfg = {k: model.config[k] for k in cfg}
-        prior = json.loads((args.init / "train_log.json").read_text()) if (args.init / "train_log.json").exists() else {}
+        log_path = args.init / "train_log.json"
+        prior = json.loads(log_path.read_text()) if log_path.exists() else {}
     else:
         model = WanTransformer3DModel(**cfg)
         prior = {}
@@ -284,7 +286,8 @@ def main(argv=None) -> int:
     log.info("params %.2fM, device %s, train captions %d", n_params / 1e6, device, cap_ids.numel())
     frame_params = [p for n, p in model.named_parameters() if n == frame_embed.PARAM_NAME]
     other_params = [p for n, p in model.named_parameters() if n != frame_embed.PARAM_NAME]
-    groups = [{"params": other_params, "mult": 1.0}] + ([{"params": frame_params, "mult": args.frame_lr_mult}] if frame_params else [])
+    groups = [{"params": other_params, "mult": 1.0}]
+    groups += [{"params": frame_params, "mult": args.frame_lr_mult}] if frame_params else []
     opt = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.99), weight_decay=0.01, fused=device.type == "cuda")
     gen = torch.Generator().manual_seed(args.seed)
     budget = args.minutes * 60
@@ -361,9 +364,11 @@ def main(argv=None) -> int:
         if step % 25 == 0:
             mean = torch.stack(window).mean().item()
             window.clear()
-            curve.append({"step": step, "loss": mean, "lr": lr, "grad_norm": float(gnorm), "t": round(time.time() - t_loop, 1)})
+            curve.append({"step": step, "loss": mean, "lr": lr, "grad_norm": float(gnorm),
+                          "t": round(time.time() - t_loop, 1)})
             if step % 200 == 0:
-                log.info("step %d loss %.4f lr %.2e gnorm %.2f %.1fs", step, mean, lr, float(gnorm), time.time() - t_loop)
+                log.info("step %d loss %.4f lr %.2e gnorm %.2f %.1fs", step, mean, lr, float(gnorm),
+                         time.time() - t_loop)
         if time.time() - last_save > args.save_every:
             save(f"step {step}")
             last_save = time.time()
@@ -387,7 +392,8 @@ def main(argv=None) -> int:
         "loss_curve": curve,
     }
     if prior and not args.eval_only:  # a continued run: keep the earlier run's record
-        run["previous_runs"] = prior.get("previous_runs", []) + [{k: v for k, v in prior.items() if k != "previous_runs"}]
+        earlier = {k: v for k, v in prior.items() if k != "previous_runs"}
+        run["previous_runs"] = prior.get("previous_runs", []) + [earlier]
         run["steps_total"] = prior.get("steps_total", prior.get("steps", 0)) + step
     if not args.no_eval:
         model_eval = (model if args.eval_only else ema).eval().to(torch.float32)
@@ -398,17 +404,21 @@ def main(argv=None) -> int:
             run["eval_train"] = evaluate(model_eval, cap_index, emb_table, device, amp, quick, n_seeds=2,
                                          limit=args.eval_limit, split="train")
         else:
-            settings = [(args.eval_steps, g, sh) for sh in (1.0, 2.0, 3.0) for g in (3.0, 5.0)] + [(max(2, args.eval_steps // 2), 4.0, 2.0)]
-            run["eval_heldout"] = evaluate(model_eval, cap_index, emb_table, device, amp, settings, n_seeds=2, limit=args.eval_limit)
+            settings = [(args.eval_steps, g, sh) for sh in (1.0, 2.0, 3.0) for g in (3.0, 5.0)]
+            settings += [(max(2, args.eval_steps // 2), 4.0, 2.0)]
+            run["eval_heldout"] = evaluate(model_eval, cap_index, emb_table, device, amp, settings, n_seeds=2,
+                                           limit=args.eval_limit)
             run["eval_heldout_template"] = evaluate(
-                model_eval, cap_index, emb_table, device, amp, [(args.eval_steps, 4.0, 2.0)], n_seeds=2, template=data.HELDOUT_TEMPLATE, limit=args.eval_limit
+                model_eval, cap_index, emb_table, device, amp, [(args.eval_steps, 4.0, 2.0)], n_seeds=2,
+                template=data.HELDOUT_TEMPLATE, limit=args.eval_limit
             )
         from .sample import SampleConfig, sample
 
         specs = data.all_caption_specs("heldout")[::11][: min(8, args.eval_limit or 8)]
         caps = [s.caption() for s in specs]
         with torch.autocast(device.type, dtype=amp, enabled=amp != torch.float32):
-            clips = sample(model_eval, emb_table[[cap_index[c] for c in caps]].float(), SampleConfig(steps=args.eval_steps, seed=7), dtype=torch.float32)
+            clips = sample(model_eval, emb_table[[cap_index[c] for c in caps]].float(),
+                           SampleConfig(steps=args.eval_steps, seed=7), dtype=torch.float32)
         save_frames_png(clips, caps, args.out / "samples.png")
     run["total_seconds"] = round(time.time() - t_start, 1)
     (args.out / "train_log.json").write_text(json.dumps(run, indent=1))
