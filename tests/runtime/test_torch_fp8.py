@@ -67,6 +67,51 @@ def test_backend_quantizes_exactly_the_qdq_map_sites(base_run):
     assert rep["fp8_attention_layers"] == len(r.blocks) and rep["bf16_attention_layers"] == 0
 
 
+#: Each GEMM of a fused block and the diffusers linears it computes (stacked on N when several).
+GEMM_SITES = {"qkv": ("attn1.to_q", "attn1.to_k", "attn1.to_v"), "out1": ("attn1.to_out.0",),
+              "q2": ("attn2.to_q",), "kv2": ("attn2.to_k", "attn2.to_v"), "out2": ("attn2.to_out.0",),
+              "ff1": ("ffn.net.0.proj",), "ff2": ("ffn.net.2",)}
+
+
+def test_every_gemm_reads_its_input_at_the_plans_scale(base_run):
+    """Every FP8 GEMM of every block: its input scale is the calibration's (max stats amax over the
+    linears it computes, / 448), and the FP8 codes its fused producer wrote dequantize, at that
+    scale, to the input the fake-quant model gives the same linear. A producer that quantizes with
+    another GEMM's scale (e.g. GELU's output at the FFN-up input's) keeps the scale table right but
+    rescales the codes by the ratio of the two scales."""
+    from trt_sora.calibrate.stats import CalibStats
+    from trt_sora.runners import TorchFakeQuantRunner
+
+    stats = CalibStats.load(base_run / "calib" / "stats.safetensors")
+    fq = TorchFakeQuantRunner("wan-tiny", base_run / "quant" / "qdq_map.json", stats)
+    fq.activate()
+    r = _runner(base_run)
+    want_in, got_in = {}, {}
+    fq_mods = dict(fq.model.named_modules())
+    for blk in r.blocks:
+        for attr, sites in GEMM_SITES.items():
+            gemm, names = getattr(blk, attr), [f"{blk.name}.{s}" for s in sites]
+            assert gemm.fp8, f"{blk.name}.{attr} runs in BF16"
+            want_scale = max(float(stats.amax[n].max()) for n in names) / 448.0
+            assert gemm.act_scale.item() == pytest.approx(want_scale, rel=1e-6), f"{blk.name}.{attr}"
+            gemm.register_forward_pre_hook(lambda m, a, k=names[0]: got_in.__setitem__(k, (a[0], m.act_scale)))
+            fq_mods[names[0]].register_forward_pre_hook(lambda m, a, k=names[0]: want_in.__setitem__(k, a[0]))
+    feeds = _feeds(seed=3)
+    fq.infer(feeds)
+    r.infer(feeds)
+    assert set(got_in) == set(want_in) == {f"{b.name}.{s[0]}" for b in r.blocks for s in GEMM_SITES.values()}
+    for k, (x, scale) in got_in.items():
+        assert x.dtype == torch.float8_e4m3fn, f"{k}: the producer did not quantize its output"
+        got = x.double() * scale.double()
+        # the fake-quant model's input as that linear's Q/DQ sees it (clipped and rounded at its scale)
+        want = fake_quant_fp8_e4m3(want_in[k].float(), scale.float() * 448.0).double().reshape(got.shape)
+        # E4M3 rounds each value to within 2^-4 of itself (3 mantissa bits) and bf16 activations add
+        # 2^-8: the relative L2 error of a correctly scaled input stays well below 0.1, while a code
+        # written at another GEMM's scale is off by |1 - ratio of the scales| (0.54 on wan-tiny's FFN).
+        rel = float((got - want).norm() / want.norm())
+        assert rel < 0.1, f"{k}: FP8 input off the fake-quant model's by {rel:.3f} (relative L2)"
+
+
 def test_fast_accumulation_reaches_every_fp8_gemm(base_run):
     from trt_sora.models.wan_fp8 import Gemm
 
