@@ -298,3 +298,35 @@ def test_trt_rtx_int8(quantized, record_property):
     log.warning("TensorRT-RTX SM89 INT8: built=%s, gemm input types of quantized linears: %s", built, kinds)
     record_property("trt_rtx_int8", f"built={built} types={kinds}")
     assert built
+
+
+def test_shared_input_takes_the_largest_members_amax(tiny_export, tiny_stats_path, tmp_path):
+    """Linears reading one tensor share one Q/DQ: its scale is the largest amax among them (a smaller
+    one would clip the others' range). Unfused, Q, K and V read one tensor; their stats are equal
+    (the same activations), so K's and V's are raised here to make the members differ: the first
+    member's amax (Q) or the last's (V) must not be the one used."""
+    import onnx
+    from onnx import numpy_helper
+
+    from trt_sora.calibrate.stats import CalibStats
+    from trt_sora.config.recipe import DType, QuantConfig, QuantFormat
+    from trt_sora.quantize import quantize_onnx
+
+    stats = CalibStats.load(tiny_stats_path)
+    q, k, v = (f"blocks.0.attn1.to_{x}" for x in "qkv")
+    base = float(stats.amax[q].max())
+    assert {float(stats.amax[s].max()) for s in (q, k, v)} == {base}
+    stats.amax[k], stats.amax[v] = stats.amax[k] * 1.5, stats.amax[v] * 1.25
+    stats.save(tmp_path / "stats.safetensors")
+    cfg = QuantConfig(format=QuantFormat.FP8_E4M3, graph_dtype=DType.FP32, fused_qkv=False)
+    res = quantize_onnx(tiny_export.onnx_path, tmp_path / "stats.safetensors", cfg, tmp_path / "quant")
+    want = float(np.float32(base) * np.float32(1.5))
+    entries = {e["site"]: e for e in res.qdq_map if e["site"] in (q, k, v)}
+    for s, e in entries.items():
+        assert e["amax"] == pytest.approx(want, rel=1e-6), s
+        assert sorted(e["shared_with"]) == sorted({q, k, v} - {s})
+    m = onnx.load(str(res.onnx_path))
+    inits = {i.name: numpy_helper.to_array(i) for i in m.graph.initializer}
+    qs = [n for n in m.graph.node if n.op_type == "QuantizeLinear" and n.input[0] == entries[q]["tensor"]]
+    assert len(qs) == 1
+    assert float(inits[qs[0].input[1]]) == pytest.approx(want / 448.0, rel=1e-6)
