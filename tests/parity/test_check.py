@@ -127,3 +127,33 @@ def test_quality_level_exempts_a_trajectory_call_only_on_its_measured_contributi
     assert not _single_call(_Const("ref", {}), cand, samples, gate, "quality", "q", exempt={})["passed"]
     assert not _single_call(_Const("ref", {}), _Const("cand", {1: 0.5, 2: 0.5}), samples, gate, "quality", "q",
                             exempt={2: (19, 50.0, 45.0)})["passed"]  # sample 1 has no measurement
+
+
+@pytest.mark.parametrize("with_floor", [False, True])
+@pytest.mark.parametrize("metric, key", [("max_abs", "max_abs"), ("max_rel_l2", "rel_l2")])
+def test_max_abs_and_max_rel_l2_gates_fail_past_their_threshold(metric, key, with_floor):
+    """A recipe's ``max_abs`` / ``max_rel_l2`` gate judges the worst sample: just above the measured
+    error the level passes, just below it fails (also beside the Q/DQ level's rounding-floor cosine
+    rule, which replaces only the cosine gate). The expected errors are computed here from the
+    perturbation itself, not by the checker's metrics."""
+    import numpy as np
+
+    from trt_sora.config.recipe import ParityGate
+    from trt_sora.parity.check import _single_call
+
+    rng = np.random.default_rng(1)
+    samples = [({"batch": 1}, {"x": rng.standard_normal((4, 64)).astype(np.float32), "i": np.array([i])})
+               for i in range(3)]
+    amp = {0: 0.01, 1: 0.03}
+    pert = {i: a * np.cos(np.arange(256, dtype=np.float64)) for i, a in amp.items()}
+    x = {i: samples[i][1]["x"].astype(np.float64).ravel() for i in amp}
+    want = max(np.abs(pert[i]).max() for i in amp) if key == "max_abs" else \
+        max(np.linalg.norm(pert[i]) / np.linalg.norm(x[i]) for i in amp)
+    for factor, passes in ((1.01, True), (0.99, False)):
+        kw = {metric: want * factor}
+        gate = ParityGate(min_cosine=0.9, max_floor_ratio=4.0, **kw) if with_floor else ParityGate(**kw)
+        res = _single_call(_Const("ref", {}), _Const("cand", amp), samples, gate, "qdq", "q",
+                           floor_ref=_Const("floor", {}) if with_floor else None)
+        check = next(c for c in res["checks"] if c["metric"] == key)
+        assert check["value"] == pytest.approx(want, rel=1e-5)
+        assert check["passed"] is passes and res["passed"] is passes, (factor, res["checks"])
