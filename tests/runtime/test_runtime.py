@@ -43,6 +43,47 @@ def test_refuses_unchecked_and_failed(base_run, tmp_path, caplog):
         rt.load(run, backend="ort")
 
 
+def _rescale_a_qdq_scale(path, factor=0.5):
+    """Edit one activation scale of a Q/DQ graph in place, behind the manifests' back (the graph stays valid)."""
+    import onnx
+    from onnx import numpy_helper
+
+    m = onnx.load(str(path))
+    q = next(n for n in m.graph.node if n.op_type == "QuantizeLinear")
+    init = next(i for i in m.graph.initializer if i.name == q.input[1])
+    a = numpy_helper.to_array(init)
+    init.CopyFrom(numpy_helper.from_array((a * factor).astype(a.dtype), init.name))
+    onnx.save(m, str(path))
+
+
+@pytest.mark.parametrize("how", ["in-place", "copied-folder", "symlink"])
+def test_refuses_a_checked_file_changed_after_the_check(checked_run, tmp_path, how):
+    """Every file the check ran is re-hashed at load: a Q/DQ graph edited after the check (still a valid
+    graph) is refused with a typed error naming the file, whether the run folder is the checked one, a
+    copy, or reached through a symlink; ``force=True`` loads it, marked unverified."""
+    import trt_sora.runtime as rt
+
+    run = tmp_path / "run"
+    shutil.copytree(checked_run, run)
+    files = json.loads((run / "parity" / "report.json").read_text())["candidate"]["files"]
+    assert "quant/model.qdq.onnx" in files
+    rt.load(run, backend="ort", warmup=False).close()  # the untouched copy verifies
+    _rescale_a_qdq_scale(run / "quant" / "model.qdq.onnx")
+    target = run
+    if how == "copied-folder":
+        target = tmp_path / "copy"
+        shutil.copytree(run, target)
+    elif how == "symlink":
+        target = tmp_path / "link"
+        target.symlink_to(run, target_is_directory=True)
+    with pytest.raises(ArtifactError, match=r"model\.qdq\.onnx.*(sha256|changed|differs)") as exc:
+        rt.load(target, backend="ort", warmup=False)
+    assert "re-run" in str(exc.value)
+    r = rt.load(target, backend="ort", warmup=False, force=True)
+    assert not r.verified
+    r.close()
+
+
 def _feeds(b=2, f=3, h=4, w=6, l=16, dtype=np.float32):
     g = np.random.default_rng(0)
     return {"hidden_states": g.standard_normal((b, 16, f, h, w)).astype(dtype),
