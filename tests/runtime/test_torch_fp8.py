@@ -12,6 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from trt_sora.calibrate.fake_quant import fake_quant_fp8_e4m3  # noqa: E402
+from trt_sora.sm import parse_sm  # noqa: E402
 
 
 def _runner(run, device="cpu", **kw):
@@ -229,7 +230,7 @@ def test_gpu_check_on_torch_fp8_then_auto_serves_it(base_run, tmp_path):
     assert rep["passed"], rep["failed"]
     ran = rep["candidate"]["device"]
     assert rep["candidate"]["executed"] and rep["backend"] == "torch-fp8"
-    assert ran["fp8_gemms_per_call"] > 0 and ran["fp8_attention_layers"] == 2 and ran["sm"] >= "8.9"
+    assert ran["fp8_gemms_per_call"] > 0 and ran["fp8_attention_layers"] == 2 and parse_sm(ran["sm"]) >= (8, 9)
     sr = rt.load(run, backend="auto")
     assert sr.backend == "torch-fp8"
     # the runtime runs the GEMM accumulation the check ran (the recipe's torch_fp8.gemm_fast_accum)

@@ -11,6 +11,8 @@ import shutil
 import numpy as np
 import pytest
 
+from trt_sora.sm import sm_int
+
 pytestmark = pytest.mark.gpu
 
 RTX_SMS = (75, 86, 89, 120)  # what TensorRT-RTX 1.7 targets (no Hopper / datacenter SMs)
@@ -50,7 +52,7 @@ def test_engine_checked_on_this_gpu_is_served_and_matches_ort(flavor, base_run, 
     assert rep["passed"], rep["failed"]
     cand = rep["candidate"]
     assert cand["backend"] == "trt" and cand["executed"] and rep["engine"]["executed"]
-    assert int(cand["device"]["sm"].replace(".", "")) == sm and cand["device"]["runtime"] == flavor
+    assert sm_int(cand["device"]["sm"]) == sm and cand["device"]["runtime"] == flavor
     assert list(cand["files"]) == [rep["engine"]["path"]]
 
     served = rt.load(run, backend="trt")

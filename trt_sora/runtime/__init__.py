@@ -22,8 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from trt_sora.config.shapes import DIM_NAMES, ShapeProfile, check_point
-from trt_sora.errors import ArtifactError, BackendMissingError, NumericsError, ShapeError
+from trt_sora.errors import ArtifactError, BackendMissingError, ConfigError, NumericsError, ShapeError
 from trt_sora.manifest import read_manifest
+from trt_sora.sm import sm_int
 
 log = logging.getLogger("trt_sora")
 
@@ -75,8 +76,8 @@ def _gpu_sm(device: str | None = None) -> int | None:
 
 def _sm_int(sm) -> int | None:
     try:
-        return int(str(sm).replace(".", "")) if sm is not None else None
-    except ValueError:
+        return sm_int(sm) if sm is not None else None
+    except ConfigError:
         return None
 
 
@@ -192,7 +193,7 @@ def _gpu_check(run: Path) -> None:
     here = major * 10 + minor
     sm = res.get("sm") or res.get("compute_capability") or man.get("config", {}).get("compute_capability")
     if sm is not None:
-        want = int(str(sm).replace(".", "")) if not isinstance(sm, int) else sm
+        want = sm_int(sm)
         if want != here:
             raise ArtifactError(f"the engine was built for SM{want} but this GPU is SM{here} "
                                 f"({torch.cuda.get_device_name()}); rebuild with a recipe for compute_capability "
@@ -454,7 +455,6 @@ def load(artifact_dir, backend: str = "auto", *, force: bool = False, concurrenc
     run = Path(artifact_dir)
     if backend not in BACKENDS:
         from trt_sora.config.base import did_you_mean
-        from trt_sora.errors import ConfigError
 
         raise ConfigError(f"unknown backend {backend!r}{did_you_mean(backend, BACKENDS)}; use one of {BACKENDS}")
     pair = _read_pair(run)  # a pair of experts (Wan 2.2 A14B): high/ and low/ expert folders
@@ -528,7 +528,6 @@ def _read_pair(run: Path) -> dict | None:
 
 def _parallel(runners: list, backend: str, parallel, concurrency: int) -> list:
     """The backend runner under CFG-parallel x Ulysses, rank 0 leading (see ServingRunner.follow)."""
-    from trt_sora.errors import ConfigError
     from trt_sora.runners.parallel_runner import ParallelRunner
 
     if backend not in ("torch", "torch-fp8"):
