@@ -416,6 +416,7 @@ def _drive(gen, executor, jobs, jobs_path, out: _Out, config, progress, sleep, t
                 state["generated"] += 1
                 state["done"] += 1
                 state["gate_failed"] += rec["status"] == GATE_FAILED
+                log.info("batch: %s %s (%d of %d)", job.id, rec["status"], state["done"], state["total"])
             _report(progress, state)
             _write_manifest(out, gen, jobs, jobs_path, records, config, artifact)
         groups = retry
