@@ -299,13 +299,8 @@ def test_serve_runs_the_expert_pair_over_http(pair_run):
     """A request on the pair through `trt-sora serve`'s app on 127.0.0.1: the clip switched experts at the
     boundary and is bit-identical to generate()'s; an image for this text-to-video model is a 400."""
     import io
-    import socket
-    import threading
-    import time
-    import urllib.error
-    import urllib.request
 
-    import uvicorn
+    from http_helpers import HANG, http_server
 
     import trt_sora.runtime as rt
     from trt_sora.serve.metrics import ServerMetrics
@@ -315,49 +310,17 @@ def test_serve_runs_the_expert_pair_over_http(pair_run):
     runner = _load(pair_run)
     metrics = ServerMetrics()
     engine = Engine(runner, ServeConfig(warmup_steps=1, max_wait_s=0.05), metrics=metrics)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(make_app(engine, metrics), host="127.0.0.1", port=port,
-                                           log_level="warning", lifespan="off"))
-    engine.start()
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-
-    def http(method, path, body=None):
-        req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", method=method,
-                                     data=None if body is None else json.dumps(body).encode())
-        try:
-            with urllib.request.urlopen(req, timeout=120) as r:
-                return r.status, r.read()
-        except urllib.error.HTTPError as e:
-            return e.code, e.read()
-
-    try:
-        end = time.monotonic() + 120
-        while time.monotonic() < end:
-            try:
-                if http("GET", "/readyz")[0] == 200:
-                    break
-            except (urllib.error.URLError, ConnectionError):
-                pass
-            time.sleep(0.1)
-        status, raw = http("POST", "/v1/jobs", {"prompt": PROMPT, "seed": 9})
-        assert status == 202, raw
-        job = json.loads(raw)["id"]
-        status, raw = http("GET", f"/v1/jobs/{job}")
-        while json.loads(raw)["status"] not in ("done", "failed"):
-            time.sleep(0.05)
-            status, raw = http("GET", f"/v1/jobs/{job}")
-        view = json.loads(raw)
+    engine.start(block=True)
+    with http_server(make_app(engine, metrics)) as http:
+        status, body = http.json("POST", "/v1/jobs", {"prompt": PROMPT, "seed": 9})
+        assert status == 202, body
+        view = http.wait_done(body["id"])
         assert view["status"] == "done", view
         assert view["metadata"]["experts"]["steps"] == {"high": [0, 1, 2, 3], "low": [4, 5]}
-        status, raw = http("GET", f"/v1/jobs/{job}/result?format=npy")
+        status, raw, _ = http("GET", f"/v1/jobs/{body['id']}/result?format=npy")
         assert status == 200
         np.testing.assert_array_equal(np.load(io.BytesIO(raw)), rt.generate(runner, PROMPT, seed=9)[0].frames)
-        status, raw = http("POST", "/v1/jobs", {"prompt": PROMPT, "image": "/etc/passwd"})
+        status, raw, _ = http("POST", "/v1/jobs", {"prompt": PROMPT, "image": "/etc/passwd"})
         assert status == 400 and b"data URL" in raw
-    finally:
-        server.should_exit = True
-        engine.drain(30)
-        thread.join(30)
+    assert engine.drain(HANG)
+    engine.close()

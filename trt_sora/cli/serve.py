@@ -11,7 +11,8 @@ def add_parser(sub) -> None:
                                    "/readyz, /metrics. Compatible requests are batched; SIGTERM drains.")
     add_runtime_args(p)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0: any free port, printed "
+                   "on the 'serving ... on http://HOST:PORT' line)")
     p.add_argument("--max-queue", type=int, default=64, help="waiting jobs before 429 (default 64)")
     p.add_argument("--max-wait-ms", type=float, default=50.0, help="how long a job waits for others to join its "
                    "batch (default 50 ms; 0: only what is already queued)")
@@ -64,5 +65,10 @@ def run(args) -> int:
             atexit.register(runner.close)  # releases the followers however the server stops
         return runner
 
-    print(f"serving {args.run} on http://{args.host}:{args.port} (ready when /readyz answers 200)", flush=True)
-    return serve(load, config, http, text_encoder=args.text_encoder)
+    def listening(engine, host, port):
+        print(f"serving {args.run} on http://{host}:{port} (ready when /readyz answers 200)", flush=True)
+
+    def ready(engine):
+        print(f"ready: {engine.generator.runner.backend} backend, batch cap {engine.memory.get('cap')}", flush=True)
+
+    return serve(load, config, http, text_encoder=args.text_encoder, on_listen=listening, on_ready=ready)

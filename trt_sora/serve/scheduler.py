@@ -188,10 +188,16 @@ class Engine:
         config: :class:`ServeConfig`.
         metrics: a :class:`~trt_sora.serve.metrics.ServerMetrics` (optional).
         text_encoder: override the recorded text encoder.
+        clock: ``() -> seconds`` for job times and the batching wait budget (default ``time.time``).
+            A test clock that jumps calls :meth:`wake` after each jump, so the batcher re-reads it.
+        on_ready: called with the engine once it is warm and taking jobs (e.g. the CLI's "ready" line).
     """
 
-    def __init__(self, load, config: ServeConfig = ServeConfig(), *, metrics=None, text_encoder: str | None = None):
+    def __init__(self, load, config: ServeConfig = ServeConfig(), *, metrics=None, text_encoder: str | None = None,
+                 clock=time.time, on_ready=None):
         self._load = load if callable(load) and not hasattr(load, "infer") else (lambda: load)
+        self._clock = clock
+        self._on_ready = on_ready
         self.config = config
         self.metrics = metrics
         self.text_encoder = text_encoder
@@ -248,6 +254,8 @@ class Engine:
             self.metrics.batch_cap.set(self.cap_for(self.generator.resolve(_probe_request(self.generator))))
         log.info("serve: ready (%s backend, batch cap %s, warm-up %.1f s)", self.generator.runner.backend,
                  self.memory.get("cap"), self.warmup_seconds or 0)
+        if self._on_ready is not None:
+            self._on_ready(self)
 
     def _warm_up(self) -> None:
         """One clip, then a full batch, at the default size and ``warmup_steps`` steps; measures the
@@ -306,13 +314,18 @@ class Engine:
             cap = min(cap, max(1, int(budget // per)))
         return max(1, cap)
 
-    def drain(self, timeout: float | None = None) -> bool:
-        """Refuse new jobs and wait until every accepted job finished; False on timeout."""
+    def begin_drain(self) -> None:
+        """Refuse new jobs from now on (Draining, HTTP 503); the queued and running ones go on."""
         with self._cond:
             self.draining = True
             if self.metrics:
                 self.metrics.ready.set(0)
             self._cond.notify_all()
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Refuse new jobs and wait until every accepted job finished; False on timeout."""
+        self.begin_drain()
+        with self._cond:
             end = None if timeout is None else time.monotonic() + timeout
             while self._queue or self._running:
                 left = None if end is None else end - time.monotonic()
@@ -320,6 +333,11 @@ class Engine:
                     return False
                 self._cond.wait(left if left is not None else 1.0)
         return True
+
+    def wake(self) -> None:
+        """Make the batcher re-read the clock (after a test clock moved)."""
+        with self._cond:
+            self._cond.notify_all()
 
     def close(self) -> None:
         with self._cond:
@@ -347,7 +365,7 @@ class Engine:
                                "replica")
             if len(self._queue) >= self.config.max_queue:
                 raise QueueFull(f"the queue is full ({len(self._queue)} jobs waiting); retry later")
-            job = JobState(id=uuid.uuid4().hex[:16], request=request, resolved=resolved)
+            job = JobState(id=uuid.uuid4().hex[:16], request=request, resolved=resolved, submitted=self._clock())
             self._jobs[job.id] = job
             self._queue.append(job)
             self._gauges()
@@ -395,12 +413,13 @@ class Engine:
                     first = self._queue[0]
                     cap = self.cap_for(first.resolved)
                     same = [j for j in self._queue if j.resolved.key == first.resolved.key]
-                    wait = first.submitted + self.config.max_wait_s - time.time()
+                    wait = first.submitted + self.config.max_wait_s - self._clock()
                     if len(same) >= cap or wait <= 0 or self.draining:
                         batch = same[:cap]
+                        now = self._clock()
                         for j in batch:
                             self._queue.remove(j)
-                            j.status, j.started = RUNNING, time.time()
+                            j.status, j.started = RUNNING, now
                         self._running += len(batch)
                         self._gauges()
                         return batch
@@ -447,7 +466,7 @@ class Engine:
         self._finish(batch)
 
     def _finish(self, batch: list[JobState], error: str | None = None) -> None:
-        now = time.time()
+        now = self._clock()
         with self._cond:
             for j in batch:
                 j.status, j.finished, j.error = (FAILED if error else DONE), now, error

@@ -4,6 +4,7 @@
 
     POST /v1/jobs                 {"prompt": ..., "seed": 1, "steps": ..., ...}  -> 202 {"id", "status", ...}
     GET  /v1/jobs/{id}            status: queued / running / done / failed, timings, metadata
+                                  (?wait=S: answer once the job is done or failed, or after S <= 60 s)
     GET  /v1/jobs/{id}/result     ?format=mp4|gif|png|npy&scale=N  -> the clip (409 until done)
     POST /v1/generate             same body, waits, returns the clip (?format=, ?timeout=)
     GET  /v1/info                 artifact, backend, buckets, sampling defaults, batch cap, memory
@@ -36,6 +37,7 @@ log = logging.getLogger("trt_sora")
 __all__ = ["make_app", "serve"]
 
 MEDIA = {"mp4": "video/mp4", "gif": "image/gif", "png": "image/png", "npy": "application/octet-stream"}
+MAX_POLL_WAIT_S = 60.0  # longest long-poll of GET /v1/jobs/{id}?wait=
 
 
 def make_app(engine, metrics):
@@ -104,10 +106,17 @@ def make_app(engine, metrics):
                                                      "result": f"/v1/jobs/{job.id}/result"}}, status_code=202)
 
     @app.get("/v1/jobs/{job_id}")
-    def status(job_id: str):
+    async def status(job_id: str, wait: float = 0.0):
+        import anyio
+
+        if not 0 <= wait <= MAX_POLL_WAIT_S:
+            return error(400, f"wait={wait} must be seconds in [0, {MAX_POLL_WAIT_S:g}]")
         job = engine.get(job_id)
-        return error(404, f"no job {job_id!r} (unknown, or dropped after keep_results newer jobs)") if job is None \
-            else job.view()
+        if job is None:
+            return error(404, f"no job {job_id!r} (unknown, or dropped after keep_results newer jobs)")
+        if wait > 0:
+            await anyio.to_thread.run_sync(job.done_event.wait, wait)
+        return job.view()
 
     def result_response(job, fmt: str, scale: int):
         if fmt not in MEDIA:
@@ -220,18 +229,20 @@ class HttpConfig:
 
 
 def serve(load, config, http: HttpConfig = HttpConfig(), *, text_encoder: str | None = None,
-          on_listen=None) -> int:
+          on_listen=None, on_ready=None) -> int:
     """Run the server until a signal drains it; returns the exit code (0 after a clean drain).
 
     ``load``: ``() -> runner`` (loading and warm-up happen after the port is open, so ``/healthz``
     answers at once and ``/readyz`` turns 200 when the engine is warm).
+    ``on_listen(engine, host, port)``: called once the socket is bound (``http.port`` 0 binds a free
+    port: this is where its number is known). ``on_ready(engine)``: called once the engine is warm.
     """
     uvicorn = require("uvicorn", extra="serve")
     from trt_sora.serve.metrics import ServerMetrics
     from trt_sora.serve.scheduler import Engine
 
     metrics = ServerMetrics()
-    engine = Engine(load, config, metrics=metrics, text_encoder=text_encoder)
+    engine = Engine(load, config, metrics=metrics, text_encoder=text_encoder, on_ready=on_ready)
     app = make_app(engine, metrics)
     outcome = {"code": 0}
 
@@ -243,6 +254,7 @@ def serve(load, config, http: HttpConfig = HttpConfig(), *, text_encoder: str | 
                 outcome["code"] = 128 + int(sig)
                 self.force_exit = self.should_exit = True
                 return
+            engine.begin_drain()  # /readyz and new submissions answer 503 from here on
             log.warning("serve: signal %s: draining (%d queued)", signal.Signals(sig).name, engine.queue_depth)
             threading.Thread(target=self._drain, daemon=True).start()
 
@@ -254,11 +266,31 @@ def serve(load, config, http: HttpConfig = HttpConfig(), *, text_encoder: str | 
             time.sleep(http.drain_grace_s)  # let clients fetch the last results
             self.should_exit = True
 
-    server = DrainingServer(uvicorn.Config(app, host=http.host, port=http.port, log_level=http.log_level,
+    sock = _bind(http.host, http.port)
+    host, port = sock.getsockname()[:2]
+    server = DrainingServer(uvicorn.Config(app, host=host, port=port, log_level=http.log_level,
                                            lifespan="off", timeout_graceful_shutdown=5))
-    engine.start()
     if on_listen:
-        on_listen(engine)
-    server.run()
+        on_listen(engine, host, port)
+    engine.start()
+    server.run(sockets=[sock])
     engine.close()
     return outcome["code"]
+
+
+def _bind(host: str, port: int):
+    """A listening TCP socket on ``host:port`` (port 0: a free one, read back by the caller)."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port} ({exc.strerror}); pick another --port (0: any free "
+                          "port) or --host") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
