@@ -1,0 +1,195 @@
+"""The torch-fp8 backend's Triton kernels on the CPU, through Triton's interpreter, against their
+pure-torch references (:mod:`trt_sora.kernels.reference`) at small shapes.
+
+The GPU tests (test_triton_gpu.py) hold the compiled kernels to the same references; these run
+the kernels' own index and masking arithmetic, ragged tiles included, where no GPU is. The
+interpreter must be chosen before Triton is imported (its language library is decorated at
+import), so :func:`test_kernels_under_the_interpreter` runs this file again in a fresh process with
+``TRITON_INTERPRET=1``; there, the ``interp`` tests below run and the runner is skipped.
+
+One fix of the interpreter's own: it rounds fp32 -> FP8 E4M3 half-up on the truncated mantissa
+and lets a mantissa carry spill into the exponent (31.6 becomes 16), where the GPU's
+``cvt.rn.satfinite`` rounds to nearest even. The ``t`` fixture swaps that conversion for ml_dtypes'
+(round to nearest even, as the GPU and torch do), so FP8 outputs compare bit for bit.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+ml_dtypes = pytest.importorskip("ml_dtypes")
+
+from trt_sora.kernels import reference as ref  # noqa: E402
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+interp = pytest.mark.skipif(not INTERPRETED, reason="runs in test_kernels_under_the_interpreter's process")
+
+
+@pytest.mark.skipif(INTERPRETED, reason="this is the interpreted run")
+def test_kernels_under_the_interpreter():
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+                         cwd=Path(__file__).resolve().parents[2], env=env, capture_output=True, text=True,
+                         timeout=600)
+    tail = res.stdout[-3000:] + res.stderr[-2000:]
+    assert res.returncode == 0, tail
+    assert " passed" in res.stdout and " failed" not in res.stdout and " error" not in res.stdout, tail
+
+
+@pytest.fixture(scope="module")
+def t():
+    """``triton_ops`` with the interpreter's FP8 conversion fixed (see the module docstring)."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    from trt_sora.kernels import triton_ops
+
+    original = interpreter._convert_float
+    dtypes = {tl.float32: np.float32, tl.float16: np.float16, tl.bfloat16: ml_dtypes.bfloat16}
+
+    def convert(input, input_dtype, output_dtype, rounding_mode):
+        if output_dtype == tl.float8e4nv and input_dtype in dtypes:
+            x = np.frombuffer(input.tobytes(), dtype=dtypes[input_dtype]).astype(np.float32)
+            return x.astype(ml_dtypes.float8_e4m3fn).view(np.uint8).reshape(input.shape)
+        return original(input, input_dtype, output_dtype, rounding_mode)
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(interpreter, "_convert_float", convert)
+    yield triton_ops
+    mp.undo()
+
+
+def _bits(x):
+    return x.view(torch.uint8) if x.element_size() == 1 else x.view(torch.int16) if x.element_size() == 2 else x
+
+
+def _bf16_close(a, b):
+    """At most one bf16 step (2^-7 relative at the bottom of a binade), or within 2^-8 of the largest
+    reference value: an error that scales with the largest terms, as a reordered sum's does."""
+    b = b.float()
+    torch.testing.assert_close(a.float(), b, rtol=2 ** -7, atol=2 ** -8 * b.abs().max().item())
+
+
+def _fp8_close(a, b, scale, max_mismatch):
+    """FP8 codes at ``scale``: at most one E4M3 step (2^-3 relative) apart, or within 2^-6 of the
+    largest value, and different in at most ``max_mismatch`` of the elements."""
+    da, db = a.float() * scale, b.float() * scale
+    torch.testing.assert_close(da, db, rtol=2 ** -3, atol=2 ** -6 * db.abs().max().item())
+    assert (_bits(a) != _bits(b)).float().mean().item() <= max_mismatch
+
+
+@interp
+def test_interpreter_fp8_rounding_is_the_gpus(t):
+    """The fixed conversion: torch's E4M3 rounding at ties and mantissa carries."""
+    x = torch.tensor([168.0, 176.0, 31.6458, -31.7917, 127.75, 0.0013, -448.0, 1000.0]).to(torch.bfloat16)
+    sc = torch.tensor(1.0)
+    assert torch.equal(_bits(t.quantize(x, sc)), _bits(ref.quantize(x, sc)))
+
+
+# Tolerances: the interpreter takes each reduction (LayerNorm and RMS statistics) in numpy's order
+# and rounds a*b+c twice where the GPU fuses it; the reference takes torch's order. That moves an
+# fp32 value by a few ulps of the largest terms, which can move its bf16 or FP8 rounding by one step
+# at a boundary: outputs are held to one step of their format (see _bf16_close, _fp8_close).
+@interp
+@pytest.mark.parametrize("variant", ["mod", "residual_gate_affine", "residual_mod", "bf16_out"])
+def test_residual_norm_quant(t, variant):
+    g = torch.Generator().manual_seed(3)
+    b, s, c = 2, 37, 64  # C and the rows not powers of two: the masked tail of each row
+    x = torch.randn(b, s, c, generator=g).to(torch.bfloat16)
+    r = torch.randn(b, s, c, generator=g).to(torch.bfloat16)
+    gate, ms, mh = (torch.randn(b, c, generator=g) * 0.3 for _ in range(3))
+    w, bi = torch.randn(c, generator=g), torch.randn(c, generator=g)
+    sc = torch.tensor(6.0 / 448)
+    kw = {"mod": dict(mod_scale=ms, mod_shift=mh, act_scale=sc),
+          "residual_gate_affine": dict(branch=r, gate=gate, weight=w, bias=bi, act_scale=sc),
+          "residual_mod": dict(branch=r, mod_scale=ms, mod_shift=mh, act_scale=sc),
+          "bf16_out": dict(branch=r, gate=gate, mod_scale=ms, mod_shift=mh)}[variant]
+    xa, ya = t.residual_norm_quant(x, **kw)
+    xb, yb = ref.residual_norm_quant(x, **kw)
+    _bf16_close(xa, xb)
+    if "act_scale" in kw:
+        _fp8_close(ya, yb, sc, max_mismatch=0.08)
+    else:
+        _bf16_close(ya, yb)
+
+
+@interp
+def test_elementwise_kernels(t):
+    g = torch.Generator().manual_seed(0)
+    h = (torch.randn(3, 50, 64, generator=g) * 3).to(torch.bfloat16)
+    sc = torch.tensor(9.0 / 448)
+    _fp8_close(t.gelu_quant(h, sc), ref.gelu_quant(h, sc), sc, max_mismatch=0.05)
+    _bf16_close(t.gelu_quant(h, None), ref.gelu_quant(h, None))
+    assert torch.equal(_bits(t.quantize(h, sc)), _bits(ref.quantize(h, sc)))  # one division, one rounding
+    gate = torch.randn(3, 64, generator=g)
+    want = (h.float() + (h * 0.5).float() * gate[:, None]).to(torch.bfloat16)
+    _bf16_close(t.gated_add(h, h * 0.5, gate), want)
+    o = torch.randn(2, 4, 37, 32, generator=g).transpose(1, 2).contiguous().transpose(1, 2).to(torch.bfloat16)
+    assert torch.equal(t.heads_to_tokens(o), ref.heads_to_tokens(o))  # a copy
+    assert torch.equal(_bits(t.heads_to_tokens(o, sc)), _bits(ref.heads_to_tokens(o, sc)))
+    x = torch.randn(5000, generator=g).to(torch.bfloat16)
+    assert torch.equal(t.abs_scaled(x, torch.tensor(0.25)), x.float().abs() * 0.25)  # a power of two: exact
+
+
+@pytest.fixture(scope="module")
+def qkv_case():
+    """150 tokens (a full 128-token tile and a ragged one), 2 heads of 64."""
+    qkv, wq, wk, cos, sin = ref.example_qkv(1, 150, 2, 64, seed=1, device="cpu")
+    return qkv, wq, wk, cos, sin, 2
+
+
+@interp
+def test_qkv_epilogue_bf16_and_8bit(t, qkv_case):
+    qkv, wq, wk, cos, sin, h = qkv_case
+    torch.testing.assert_close(t.rms_stats(qkv), ref.rms_stats(qkv), rtol=1e-5, atol=0)  # 128-term sums
+    for got, want in zip(t.qkv_rmsnorm_rope(qkv, wq, wk, cos, sin, h, fp8=False),
+                         ref.qkv_rmsnorm_rope(qkv, wq, wk, cos, sin, h, fp8=False)):
+        # norm, weight and the RoPE rotation round in turn (two bf16 steps): the GPU test's bound
+        torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=2e-2)
+    q8, qs, k8, ks, vt8, vs = t.qkv_rmsnorm_rope(qkv, wq, wk, cos, sin, h, fp8=True)
+    rq8, rqs, rk8, rks, rv8, rvs, _ = ref.qkv_rmsnorm_rope(qkv, wq, wk, cos, sin, h, fp8=True)
+    s = qkv.shape[1]
+    # the GPU test's bounds: block scales from the fp32 tile vs the reference's bf16 tensor
+    torch.testing.assert_close(qs, rqs, rtol=2e-2, atol=0)
+    torch.testing.assert_close(ks, rks, rtol=2e-2, atol=0)
+    torch.testing.assert_close(vs, rvs, rtol=1e-6, atol=0)
+    assert (q8.int() - rq8.int()).abs().max() <= 2 and (k8.int() - rk8.int()).abs().max() <= 2
+    assert torch.equal(_bits(ref.vt_natural(vt8, s)), _bits(rv8))  # V^T in the key order, bit for bit
+    assert not vt8[..., ref.vt_key_order(vt8.shape[-1]) >= s].float().any()  # the padding: zeros
+
+
+@interp
+def test_attention_configs_match_fp32_attention_and_each_other(t, qkv_case):
+    """Both autotuner configs (64-row and 128-row query tiles, PIPE): the same bits, bf16 and FP8
+    output, and cosine >= 0.999 against fp32 softmax attention (a per-channel K bias in the inputs)."""
+    import triton
+
+    qkv, wq, wk, cos, sin, h = qkv_case
+    q, k, v = ref.qkv_rmsnorm_rope(qkv, wq, wk, cos, sin, h, fp8=False)
+    want = ref.heads_to_tokens(ref.attention(q, k, v)).float()
+    q8, qs, k8, ks, vt8, vs = t.qkv_rmsnorm_rope(qkv, wq, wk, cos, sin, h, fp8=True)
+    b, _, s, d = q8.shape
+    osc = torch.tensor(float(want.abs().max()) / 448)
+    outs = {}
+    for fp8 in (False, True):
+        for cfg in t._attn_configs():
+            o = torch.full((b, s, h * d), float("nan")).to(ref.FP8 if fp8 else torch.bfloat16)
+            grid = (triton.cdiv(s, cfg.kwargs["BLOCK_M"]), b * h)
+            # .fn: the kernel without its autotuner, which would time configs on a GPU
+            t._attn_fp8_kernel.fn[grid](q8, qs, k8, ks, vt8, vs, o, osc if fp8 else o, s, vt8.shape[-1], h,
+                                        qs.shape[-1], 1.4426950408889634 / d ** 0.5, s.bit_length(), D=d,
+                                        OUT_FP8=fp8, BLOCK_N=t.SCALE_BLOCK, TMA=False, **cfg.kwargs)
+            outs.setdefault(fp8, []).append(o)
+    for fp8, (a, b_) in outs.items():
+        assert torch.equal(_bits(a), _bits(b_)), fp8
+    o = outs[False][0].float()
+    assert not o.isnan().any()
+    assert torch.nn.functional.cosine_similarity(o.flatten(), want.flatten(), dim=0).item() >= 0.999
+    _fp8_close(outs[True][0], ref.quantize(outs[False][0], osc), osc, max_mismatch=0.05)
