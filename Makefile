@@ -33,10 +33,12 @@ $(BIN)/.installed: pyproject.toml $(CONSTRAINTS)
 	@touch $@
 
 # Lint first (ruff: pyflakes, pycodestyle, import order, bugbear, pyupgrade; pyproject.toml's
-# [tool.ruff]), then the suite: a lint failure fails `make test` and CI.
+# [tool.ruff]), then the suite, then the fast mutation check (each deliberate bug of
+# tests/mutations.py --fast must fail the tests that guard it): any failure fails `make test` and CI.
 test: install
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
+	$(BIN)/python tests/mutations.py --fast
 
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow"

@@ -34,9 +34,10 @@ interp = pytest.mark.skipif(not INTERPRETED, reason="runs in test_kernels_under_
 @pytest.mark.skipif(INTERPRETED, reason="this is the interpreted run")
 def test_kernels_under_the_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    # started in this folder, not the checkout's root (which -m would put first on sys.path): the
+    # package comes from the environment, as in this process (tests/mutations.py relies on it)
     res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                         cwd=Path(__file__).resolve().parents[2], env=env, capture_output=True, text=True,
-                         timeout=600)
+                         cwd=Path(__file__).resolve().parent, env=env, capture_output=True, text=True, timeout=600)
     tail = res.stdout[-3000:] + res.stderr[-2000:]
     assert res.returncode == 0, tail
     assert " passed" in res.stdout and " failed" not in res.stdout and " error" not in res.stdout, tail

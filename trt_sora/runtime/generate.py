@@ -80,8 +80,13 @@ class ClipRequest:
     def __post_init__(self) -> None:
         if not isinstance(self.prompt, str):
             raise ConfigError(f"prompt must be a string, got {type(self.prompt).__name__}")
+        if not self.prompt.strip():
+            raise ConfigError("prompt is empty; describe the clip, e.g. \"a red circle moving right\"")
         if self.negative_prompt is not None and not isinstance(self.negative_prompt, str):
             raise ConfigError(f"negative_prompt must be a string, got {type(self.negative_prompt).__name__}")
+        for k in ("prompt", "negative_prompt"):
+            if "\x00" in (getattr(self, k) or ""):
+                raise ConfigError(f"{k} contains a NUL character; send plain text")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2 ** 63:
             raise ConfigError(f"seed={self.seed!r} must be an integer in [0, 2**63)")
         for k in ("steps", "num_frames", "height", "width"):

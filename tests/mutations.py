@@ -1,0 +1,227 @@
+"""Mutation smoke check: make one small deliberate bug at a time in a copy of ``trt_sora/`` and run
+the tests that claim to guard that behaviour; each bug must make them fail.
+
+    python tests/mutations.py             # every mutation (about 15 minutes on 2 cores)
+    python tests/mutations.py --fast      # the ones whose tests need no run folder (CI: about a minute)
+    python tests/mutations.py --only gate-max-abs --only manifest-sha256
+    python tests/mutations.py --list
+
+A mutation is a literal ``old -> new`` replacement that must match exactly once in its file: when a
+refactor moves the code, the mutation reports ``stale`` (and fails the run) instead of passing
+silently. The copy is put first on ``PYTHONPATH``, so the tests import it, not the checkout (each run
+checks that). Tests that start ``python -m trt_sora`` themselves point it at the checkout, so the
+guarding tests listed here run in-process. Exit status: 0 when every mutation is caught.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclasses.dataclass(frozen=True)
+class Mutation:
+    name: str
+    guards: str  # the behaviour the tests claim to guard
+    file: str  # relative to trt_sora/
+    old: str
+    new: str
+    tests: tuple[str, ...]  # pytest node ids, relative to the checkout
+    fast: bool = False  # the tests need no run folder (export, calibration, check)
+
+
+MUTATIONS = (
+    # -- observers ---------------------------------------------------------------------------------------------
+    Mutation("observer-minmax-forgets", "MinMax keeps the running max over batches", "calibrate/observers.py",
+             "            self.max_val = torch.maximum(self.max_val, mx)", "            self.max_val = mx",
+             ("tests/calibrate/test_observers.py::test_minmax_equals_torch_ao",), fast=True),
+    Mutation("observer-ema-weight", "EMA moves by averaging_constant toward each batch", "calibrate/observers.py",
+             "            s = s + c * (b - s)", "            s = s + (1 - c) * (b - s)",
+             ("tests/calibrate/test_observers.py::test_ema_amax_track_equals_float64_reference",), fast=True),
+    Mutation("observer-percentile-rank", "percentile amax at the requested rank", "calibrate/observers.py",
+             "    rank = (n - 1) * percentile / 100.0", "    rank = (n - 1) * (100.0 - percentile) / 100.0",
+             ("tests/calibrate/test_observers.py::test_percentile_within_one_bin_of_numpy",), fast=True),
+    # -- scale math --------------------------------------------------------------------------------------------
+    Mutation("scale-qmax", "Q/DQ scale = amax / qmax of the format", "calibrate/fake_quant.py",
+             "    s = a / qmax(fmt)", "    s = a / 127.0",
+             ("tests/calibrate/test_fake_quant.py::test_fp8_per_tensor_matches_onnxruntime",), fast=True),
+    Mutation("scale-kernel-reference", "the kernels' FP8 scale = amax / 448", "kernels/reference.py",
+             "    s = amax.float() / FP8_MAX", "    s = amax.float() / 224.0",
+             ("tests/kernels/test_reference.py::test_quantize_matches_the_qdq_fake_quant_bit_for_bit",), fast=True),
+    Mutation("kernel-layernorm", "the fused LayerNorm kernel normalizes by C", "kernels/triton_ops.py",
+             "    y = d * tl.rsqrt(tl.sum(d * d, 0) / C + eps)",
+             "    y = d * tl.rsqrt(tl.sum(d * d, 0) / (C + 1) + eps)",
+             ("tests/kernels/test_triton_interpret.py",), fast=True),
+    # -- gates -------------------------------------------------------------------------------------------------
+    Mutation("gate-max-abs", "a max_abs gate fails past its threshold", "parity/metrics.py",
+             '    add("max_abs", metrics.get("max_abs"), gate.max_abs, "<=")',
+             '    add("max_abs", metrics.get("max_abs"), gate.max_abs, ">=")',
+             ("tests/parity/test_check.py::test_max_abs_and_max_rel_l2_gates_fail_past_their_threshold",), fast=True),
+    Mutation("gate-max-rel-l2", "a max_rel_l2 gate is applied", "parity/metrics.py",
+             '    add("rel_l2", metrics.get("rel_l2"), gate.max_rel_l2, "<=")', "    pass",
+             ("tests/parity/test_check.py::test_max_abs_and_max_rel_l2_gates_fail_past_their_threshold",), fast=True),
+    Mutation("gate-cosine", "a min_cosine gate fails below its threshold", "parity/metrics.py",
+             '    add("cosine", metrics.get("cosine"), gate.min_cosine, ">=")',
+             '    add("cosine", metrics.get("cosine"), gate.min_cosine, "<=")',
+             ("tests/parity/test_check.py::test_quality_level_exempts_a_trajectory_call_only_on_its_measured_"
+              "contribution",), fast=True),
+    # -- manifests, requests, SM values ------------------------------------------------------------------------
+    Mutation("manifest-sha256", "a file whose sha256 changed is refused", "manifest.py",
+             "    if not sha256 or got != sha256:", "    if not sha256:",
+             ("tests/test_manifest.py",), fast=True),
+    Mutation("request-empty-prompt", "an empty prompt is refused before any work", "runtime/generate.py",
+             "        if not self.prompt.strip():", "        if False:",
+             ("tests/runtime/test_requests.py",), fast=True),
+    Mutation("sm-order", "compute capabilities order as numbers", "sm.py",
+             "    return major * 10 + minor", "    return major + minor * 10",
+             ("tests/test_sm.py",), fast=True),
+    # -- need run folders (export + calibration + quantize [+ check]) ------------------------------------------
+    Mutation("torch-fp8-gelu-scale", "GELU output quantized at the FFN-down input's scale", "models/wan_fp8.py",
+             "        h = ops.gelu_quant(self.ff1(y), self.ff2.act_scale)",
+             "        h = ops.gelu_quant(self.ff1(y), self.ff1.act_scale)",
+             ("tests/runtime/test_torch_fp8.py::test_every_gemm_reads_its_input_at_the_plans_scale",)),
+    Mutation("quantize-shared-amax", "a shared input takes its members' largest amax", "quantize/api.py",
+             "        amax = max(act_amax[s] for s in sites)", "        amax = act_amax[sites[0]]",
+             ("tests/quantize/test_quantize.py::test_shared_input_takes_the_largest_members_amax",)),
+    Mutation("quantize-site-dropped", "every quantized linear gets its Q/DQ", "quantize/api.py",
+             "    quantized = [s for s in linears if decisions[s][0]]",
+             "    quantized = [s for s in linears if decisions[s][0]][1:]",
+             ("tests/quantize/test_quantize.py::test_structure",)),
+    Mutation("batch-resume-sha256", "resume re-checks a finished clip's sha256", "serve/batch.py",
+             '            if not p.is_file() or p.stat().st_size != o["bytes"] or sha256_file(p) != o["sha256"]:',
+             '            if not p.is_file() or p.stat().st_size != o["bytes"]:',
+             ("tests/serve/test_batch.py::test_resume_rechecks_finished_clips",)),
+    Mutation("batch-resume-failed", "resume retries failed jobs", "serve/batch.py",
+             'rec.get("status") not in (DONE, GATE_FAILED)', 'rec.get("status") not in (DONE, GATE_FAILED, FAILED)',
+             ("tests/serve/test_batch.py::test_resume_retries_failed_jobs",)),
+    Mutation("runtime-sha256", "the runtime re-hashes every checked file", "runtime/__init__.py",
+             '    if rep is not None and backend != "torch" and verified:', "    if False:",
+             ("tests/runtime/test_runtime.py::test_refuses_a_checked_file_changed_after_the_check",)),
+    Mutation("runtime-failed-gate", "the runtime refuses an artifact that failed its gates", "runtime/__init__.py",
+             '    if not rep.get("passed"):\n        return f"failed its parity gates',
+             '    if False:\n        return f"',
+             ("tests/runtime/test_runtime.py::test_refuses_unchecked_and_failed",)),
+    Mutation("serve-wait-budget", "the batcher waits its budget for compatible jobs", "serve/scheduler.py",
+             "                    if len(same) >= cap or wait <= 0 or self.draining:",
+             "                    if len(same) >= cap or wait <= 2.0 or self.draining:",
+             ("tests/serve/test_server.py::test_dynamic_batching_waits_for_compatible_jobs",)),
+)
+
+
+@dataclasses.dataclass
+class Outcome:
+    mutation: Mutation
+    verdict: str  # caught / SURVIVED / STALE / ERROR
+    seconds: float
+    detail: str = ""
+
+
+def _copy_package(dest: Path) -> Path:
+    shutil.copytree(ROOT / "trt_sora", dest / "trt_sora", symlinks=True,
+                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    return dest
+
+
+def _env(src: Path) -> dict:
+    path = os.pathsep.join(p for p in (str(src), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+
+
+#: Where the test processes start: not the checkout's root, which Python would put first on sys.path
+#: (``-c`` / ``-m`` prepend the working folder) and so import the unmutated package from.
+CWD = ROOT / "tests"
+
+
+def _check_import_path(src: Path) -> None:
+    """The tests must import the copy: a setuptools editable finder or a stray install would hide it."""
+    got = subprocess.run([sys.executable, "-c", "import trt_sora; print(trt_sora.__file__)"], env=_env(src),
+                         cwd=CWD, capture_output=True, text=True, check=True).stdout.strip()
+    if not Path(got).resolve().is_relative_to(src.resolve()):
+        sys.exit(f"mutations: trt_sora imports from {got}, not from the mutated copy in {src}")
+
+
+def _pytest(tests, src: Path, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *extra,
+                           *(str(ROOT / t) for t in tests)],
+                          env=_env(src), cwd=CWD, capture_output=True, text=True, timeout=1800)
+
+
+def _baseline(chosen, src: Path) -> None:
+    """Every guarding test passes on the unmutated copy (else a failure would prove nothing)."""
+    tests = sorted({t for m in chosen for t in m.tests})
+    res = _pytest(tests, src)
+    if res.returncode != 0:
+        sys.exit(f"mutations: the guarding tests fail without any mutation:\n{res.stdout[-3000:]}")
+    print(f"baseline: {(res.stdout.strip().splitlines() or [''])[-1]}", flush=True)
+
+
+def run_one(m: Mutation, src: Path) -> Outcome:
+    path = src / "trt_sora" / m.file
+    text = path.read_text()
+    if text.count(m.old) != 1:
+        return Outcome(m, "STALE", 0.0, f"{m.file}: the text to mutate occurs {text.count(m.old)} times, not once")
+    path.write_text(text.replace(m.old, m.new))
+    t0 = time.perf_counter()
+    try:
+        res = _pytest(m.tests, src, "-x")
+    finally:
+        path.write_text(text)
+    dt = time.perf_counter() - t0
+    last = (res.stdout.strip().splitlines() or [""])[-1]
+    if res.returncode == 1:
+        return Outcome(m, "caught", dt, last)
+    if res.returncode == 0:
+        return Outcome(m, "SURVIVED", dt, last)
+    return Outcome(m, "ERROR", dt, f"pytest exit {res.returncode}: {last or res.stderr.strip()[-300:]}")
+
+
+def _table(outcomes: list[Outcome]) -> str:
+    rows = ["| mutation | guards | tests run | caught | s |", "|---|---|---|---|---|"]
+    for o in outcomes:
+        tests = ", ".join(t.split("::")[-1] if "::" in t else t for t in o.mutation.tests)
+        rows.append(f"| {o.mutation.name} | {o.mutation.guards} | {tests} | {o.verdict} | {o.seconds:.0f} |")
+    return "\n".join(rows)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--fast", action="store_true", help="only the mutations whose tests need no run folder")
+    p.add_argument("--only", action="append", default=[], help="run this mutation (repeatable)")
+    p.add_argument("--list", action="store_true", help="list the mutations and exit")
+    args = p.parse_args(argv)
+    names = {m.name for m in MUTATIONS}
+    unknown = [n for n in args.only if n not in names]
+    if unknown:
+        p.error(f"unknown mutation {unknown[0]!r}; --list shows them")
+    chosen = [m for m in MUTATIONS if (not args.only or m.name in args.only) and (m.fast or not args.fast)]
+    if args.list:
+        for m in chosen:
+            print(f"{m.name:26s} {'fast' if m.fast else 'slow'}  {m.guards}")
+        return 0
+    with tempfile.TemporaryDirectory(prefix="trt_sora_mutations_") as tmp:
+        src = _copy_package(Path(tmp))
+        _check_import_path(src)
+        _baseline(chosen, src)
+        outcomes = []
+        for m in chosen:
+            o = run_one(m, src)
+            print(f"{o.verdict:8s} {m.name} ({o.seconds:.0f} s) {o.detail}", flush=True)
+            outcomes.append(o)
+    print()
+    print(_table(outcomes))
+    bad = [o for o in outcomes if o.verdict != "caught"]
+    print(f"\n{len(outcomes) - len(bad)} of {len(outcomes)} mutations caught" +
+          (f"; not caught: {', '.join(o.mutation.name for o in bad)}" if bad else ""))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
