@@ -125,8 +125,8 @@ class Outcome:
 
 
 def _copy_package(dest: Path) -> Path:
-    shutil.copytree(ROOT / "trt_sora", dest / "trt_sora", symlinks=True,
-                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    # symlinks followed: trt_sora/_recipes and _calib point at the checkout's recipes/ and calib/
+    shutil.copytree(ROOT / "trt_sora", dest / "trt_sora", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     return dest
 
 
