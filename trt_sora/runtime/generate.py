@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import threading
 import time
@@ -42,9 +43,18 @@ from trt_sora.errors import ConfigError, ShapeError
 
 log = logging.getLogger("trt_sora")
 
-__all__ = ["Clip", "ClipRequest", "Generator", "generate", "to_uint8"]
+__all__ = ["Clip", "ClipRequest", "Generator", "check_bounds", "clip_requests", "generate", "to_uint8"]
 
 CFG_CHOICES = ("auto", "batched", "split")
+#: Request bounds, checked before any work. Steps: flow matching trains on 1000 timesteps, more steps
+#: only repeat them. Guidance: every family's default lies in 1-10 (Wan 5, HunyuanVideo 6); far past
+#: that CFG only saturates the clip, and 1e30-sized scales overflow the latents. Shift: the families'
+#: defaults are single digits (Wan 3-5); a bound of 100 leaves room and refuses infinities.
+MAX_STEPS = 1000
+MAX_GUIDANCE = 50.0
+MAX_SHIFT = 100.0
+#: Pixel-repeat upscaling of written clips (``--scale``): past this it only multiplies the file size.
+MAX_SCALE = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,6 +130,21 @@ class ClipRequest:
             return cls(**dict(d))
         except ConfigError as exc:
             raise ConfigError(f"{where}: {exc}") from None
+
+
+def check_bounds(req: ClipRequest, *, where: str = "request") -> ClipRequest:
+    """``req`` when its settings lie in :data:`MAX_STEPS` / :data:`MAX_GUIDANCE` / :data:`MAX_SHIFT`'s
+    ranges (finite); else a ConfigError naming the field and the range. Checked by :func:`clip_requests`
+    (``generate``) and batch lines before any work."""
+    if req.steps is not None and req.steps > MAX_STEPS:
+        raise ConfigError(f"{where}: steps={req.steps} is more than {MAX_STEPS} (the scheduler's train timesteps); "
+                          "ask for fewer")
+    for k, lo, hi, lo_text in (("guidance", 0.0, MAX_GUIDANCE, "0 (<= 1: no CFG)"),
+                               ("shift", 0.0, MAX_SHIFT, "just above 0")):
+        v = getattr(req, k)
+        if v is not None and (not math.isfinite(v) or not lo <= v <= hi or (k == "shift" and v == lo)):
+            raise ConfigError(f"{where}: {k}={v!r} is out of range: give a finite number from {lo_text} to {hi:g}")
+    return req
 
 
 @dataclasses.dataclass
@@ -524,6 +549,15 @@ def generate(runner, prompts: str | Sequence[str], *, steps: int | None = None, 
     Returns:
         one :class:`Clip` per prompt, in order (uint8 frames ``[F, H, W, 3]`` + metadata).
     """
+    reqs = clip_requests(prompts, seed=seed, negative_prompt=negative_prompt, steps=steps, guidance=guidance,
+                         shift=shift, num_frames=num_frames, height=height, width=width, image=image)
+    return generator_for(runner, text_encoder=text_encoder).run(reqs, cfg=cfg, max_batch=max_batch, hook=hook)
+
+
+def clip_requests(prompts: str | Sequence[str], *, seed: int | Sequence[int] = 0, image: Any = None,
+                  **settings) -> list[ClipRequest]:
+    """The :class:`ClipRequest` of each prompt (arguments as :func:`generate`'s), checked: ConfigError for
+    a bad prompt, seed, setting or count before anything loads."""
     prompts = [prompts] if isinstance(prompts, str) else list(prompts)
     if not prompts:
         raise ConfigError("generate: no prompts given")
@@ -534,7 +568,5 @@ def generate(runner, prompts: str | Sequence[str], *, steps: int | None = None, 
     images = list(image) if isinstance(image, (list, tuple)) else [image] * len(prompts)
     if len(images) != len(prompts):
         raise ConfigError(f"generate: {len(prompts)} prompts but {len(images)} images; pass one image per prompt")
-    reqs = [ClipRequest(prompt=p, seed=s, negative_prompt=negative_prompt, steps=steps, guidance=guidance, shift=shift,
-                        num_frames=num_frames, height=height, width=width, image=im)
+    return [check_bounds(ClipRequest(prompt=p, seed=s, image=im, **settings), where="generate")
             for p, s, im in zip(prompts, seeds, images)]
-    return generator_for(runner, text_encoder=text_encoder).run(reqs, cfg=cfg, max_batch=max_batch, hook=hook)
