@@ -95,11 +95,12 @@ def _npy(out: Path, jid: str) -> Path:
     return out / "clips" / f"{jid}.npy"
 
 
-@pytest.mark.parametrize("damage", ["same-size-flip", "truncate", "delete"])
+@pytest.mark.parametrize("damage", ["same-size-flip", "truncate", "delete", "record-points-outside"])
 def test_resume_rechecks_finished_clips(tiny_runner, tmp_path, damage):
-    """A rerun skips a finished clip only while its outputs still have the recorded size and sha256:
-    a clip changed in place (same size), cut short or deleted is generated again; the intact one
-    is left untouched."""
+    """A rerun skips a finished clip only while its outputs still have the recorded size and sha256
+    inside the output folder: a clip changed in place (same size), cut short, deleted, or whose
+    record names an intact copy outside the folder is generated again; the intact one is left
+    untouched."""
     import trt_sora.runtime as rt
     from trt_sora.serve.batch import BatchConfig, run_batch
 
@@ -115,8 +116,14 @@ def test_resume_rechecks_finished_clips(tiny_runner, tmp_path, damage):
         p.write_bytes(bytes(data))
     elif damage == "truncate":
         p.write_bytes(p.read_bytes()[:-7])
-    else:
+    elif damage == "delete":
         p.unlink()
+    else:  # the file moved out of the folder, the record edited to follow it: same bytes, size and sha256
+        rec_path = out / "clips" / "c0.json"
+        rec = json.loads(rec_path.read_text())
+        p.rename(tmp_path / "c0.npy")
+        rec["outputs"]["npy"]["path"] = "../c0.npy"
+        rec_path.write_text(json.dumps(rec))
     s = run_batch(tiny_runner, jobs, out, cfg)
     assert s.ok and (s.data["skipped"], s.data["generated"], s.data["finished"]) == (1, 1, 2)
     want = rt.generate(tiny_runner, ["clip 0"], seed=0, guidance=1.0)[0].frames
@@ -144,6 +151,89 @@ def test_resume_retries_failed_jobs(tiny_runner, tmp_path):
         want = rt.generate(tiny_runner, [f"clip {i}"], seed=i, guidance=1.0)[0].frames
         np.testing.assert_array_equal(np.load(_npy(out, f"c{i}")), want)
         assert json.loads((out / "clips" / f"c{i}.json").read_text())["status"] == "done"
+
+
+BAD_IDS = [("", "is empty"), ("../../victim", "path separator"), ("a\\b", "path separator"), ("..", "'..'"),
+           ("a\x00b", "NUL"), ("x" * 129, "129 characters"), ("a b", "other than letters"),
+           ("a\n", "other than letters"), ([1], "JSON list")]
+
+
+@pytest.mark.parametrize(("bad", "why"), BAD_IDS, ids=["empty", "dotdot-sep", "backslash", "dotdot", "nul", "long",
+                                                        "space", "newline", "list"])
+def test_bad_ids_are_refused_before_anything_is_written(tiny_runner, tmp_path, bad, why):
+    """An id that cannot name a file inside the output folder stops the batch with a ConfigError
+    naming the line, before the output folder exists: no record lands at ``clips/../../victim.json``
+    (issue 31) or ``clips/.json``."""
+    from trt_sora.serve.batch import run_batch
+
+    jobs = _write_jobs(tmp_path / "jobs.jsonl", [{"id": "fine", "prompt": "a cat"}, {"id": bad, "prompt": ""}])
+    out = tmp_path / "a" / "out"
+    with pytest.raises(ConfigError, match=f"jobs.jsonl:2: id .*{why}"):
+        run_batch(tiny_runner, jobs, out)
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")) == ["jobs.jsonl"]
+
+
+def test_repeated_and_unchecked_ids_are_refused(tiny_runner, tmp_path):
+    """Duplicates name both lines; jobs handed over as a list (not read from a file) are checked
+    too, before the output folder is made."""
+    from trt_sora.runtime.generate import ClipRequest
+    from trt_sora.serve.batch import Job, run_batch
+
+    dup = _write_jobs(tmp_path / "dup.jsonl", [{"id": "a", "prompt": "x"}, {"prompt": "y"}, {"id": "a", "prompt": "z"}])
+    with pytest.raises(ConfigError, match="'a' appears on lines 1 and 3"):
+        run_batch(tiny_runner, dup, tmp_path / "out")
+    jobs = [Job("ok", 1, ClipRequest("a cat")), Job("../../victim", 2, error="bad line")]
+    with pytest.raises(ConfigError, match="line 2: id '../../victim' holds a path separator"):
+        run_batch(tiny_runner, jobs, tmp_path / "sub" / "out")
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["dup.jsonl"]
+
+
+def test_writes_stay_in_the_output_folder_without_the_id_check(tiny_runner, tmp_path, monkeypatch):
+    """The second line of defence: with the id check switched off, the one path helper every write
+    goes through still refuses a record outside the output folder, and a ``clips`` folder that is a
+    link to another folder."""
+    import trt_sora.serve.batch as batch
+
+    monkeypatch.setattr(batch, "_check_id", lambda jid, where: str(jid))
+    jobs = _write_jobs(tmp_path / "jobs.jsonl", [{"id": "../../victim", "prompt": ""}])
+    with pytest.raises(ConfigError, match="outside the batch output folder"):
+        batch.run_batch(tiny_runner, jobs, tmp_path / "a" / "out")
+    monkeypatch.undo()
+    elsewhere, out = tmp_path / "elsewhere", tmp_path / "b"
+    elsewhere.mkdir()
+    out.mkdir()
+    (out / "clips").symlink_to(elsewhere, target_is_directory=True)
+    jobs = _write_jobs(tmp_path / "jobs.jsonl", [{"id": "empty", "prompt": ""}])
+    with pytest.raises(ConfigError, match="outside the batch output folder"):
+        batch.run_batch(tiny_runner, jobs, out)
+    assert not list(elsewhere.iterdir()) and not list(tmp_path.rglob("victim*"))
+
+
+def test_bad_requests_are_recorded_failed_in_the_output_folder(tiny_runner, tmp_path):
+    """Empty, blank or NUL prompts and non-finite or absurd floats fail their own job with the reason
+    (recorded under ``clips/``), and nothing is generated for them."""
+    from trt_sora.serve.batch import BatchConfig, run_batch
+
+    bad = {"empty": {"prompt": ""}, "blank": {"prompt": " \t "}, "nul": {"prompt": "a\x00b"},
+           "huge": {"prompt": "x", "guidance": 1e308}, "nan": {"prompt": "x", "shift": float("nan")},
+           "steps": {"prompt": "x", "steps": 10 ** 6}}
+    jobs = _write_jobs(tmp_path / "jobs.jsonl", [{"id": k, **v} for k, v in bad.items()])
+    s = run_batch(tiny_runner, jobs, tmp_path / "out", BatchConfig(formats=("npy",)))
+    assert (s.data["failed"], s.data["generated"], s.data["finished"]) == (6, 0, 0)
+    errors = {f["id"]: f["error"] for f in s.data["failures"]}
+    assert "prompt is empty" in errors["empty"] and "prompt is empty" in errors["blank"]
+    assert "NUL" in errors["nul"] and "guidance=1e+308 is out of range" in errors["huge"]
+    assert "shift=nan is out of range" in errors["nan"] and "more than 1000" in errors["steps"]
+    assert sorted(p.name for p in (tmp_path / "out" / "clips").iterdir()) == sorted(f"{k}.json" for k in bad)
+
+
+def test_batch_config_refuses_bad_numbers():
+    from trt_sora.serve.batch import BatchConfig
+
+    for bad in ({"scale": 0}, {"scale": 65}, {"retry_wait": float("nan")}, {"retry_wait": -1}, {"retries": -1},
+                {"max_batch": 0}):
+        with pytest.raises(ConfigError):
+            BatchConfig(**bad)
 
 
 def test_quality_gate_against_the_pytorch_model(tiny_runner, checked_run, tmp_path):

@@ -7,10 +7,11 @@
 
 ``prompts.jsonl``: one JSON object a line, the fields of :class:`~trt_sora.runtime.ClipRequest`
 (``prompt`` required; ``seed``, ``steps``, ``guidance``, ``shift``, ``negative_prompt``,
-``num_frames``, ``height``, ``width``, ``image``) plus an optional ``id`` (letters, digits, ``-``, ``_``;
-default ``line-<n>``). Blank lines and lines starting with ``#`` are skipped. ``image`` (the
-conditioning image of an image-to-video model) is a path relative to the jobs file's folder, an
-absolute path or a ``data:image/...;base64,`` URL; a changed image file redoes its clip on resume.
+``num_frames``, ``height``, ``width``, ``image``) plus an optional ``id`` (1-128 letters, digits, ``-``,
+``_``; it names the job's files; default ``line-<n>``). Blank lines and lines starting with ``#``
+are skipped. ``image`` (the conditioning image of an image-to-video model) is a path relative to the
+jobs file's folder, an absolute path or a ``data:image/...;base64,`` URL; a changed image file redoes
+its clip on resume.
 
 The output folder::
 
@@ -26,6 +27,10 @@ written last and is its commit mark. On a rerun, a job whose record says done, w
 recorded sha256 is skipped; anything else of that job (a partial clip, a stale record) is removed
 and the job redone. Job ids are unique, so no clip is ever written twice. One batch process at a
 time per output folder (a lock file).
+
+Containment: job ids are checked before anything is written (a bad or repeated id is a ConfigError
+naming its line), and every path the batch writes or removes goes through one helper
+(``_Out.path``) that resolves it, symlinks followed, and refuses anything outside the output folder.
 
 Failures: errors that look transient (out of memory, timeouts, lost workers, I/O errors) are retried
 with backoff (an out-of-memory error also halves the batch); a job that fails for good is recorded
@@ -52,14 +57,17 @@ import numpy as np
 
 from trt_sora.errors import ConfigError, TrtSoraError
 from trt_sora.manifest import sha256_file, write_json, write_manifest
+from trt_sora.runtime.generate import MAX_SCALE, ClipRequest, check_bounds
 
 log = logging.getLogger("trt_sora")
 
-__all__ = ["BatchConfig", "BatchSummary", "GateConfig", "Job", "LocalExecutor", "is_transient", "read_jobs",
-           "run_batch"]
+__all__ = ["BatchConfig", "BatchSummary", "GateConfig", "Job", "LocalExecutor", "check_jobs", "is_transient",
+           "read_jobs", "run_batch"]
 
 FORMATS = ("mp4", "gif", "png", "npy")
-_ID = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
+_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
+_ID_FIX = "an id names the job's files: use 1-128 letters, digits, '-' or '_' (or leave it out: line-<n>)"
+MAX_RETRY_WAIT = 3600.0  # the first backoff; it doubles per retry
 DONE, FAILED, GATE_FAILED = "done", "failed", "gate_failed"
 
 
@@ -108,8 +116,12 @@ class BatchConfig:
         if bad or not self.formats:
             raise ConfigError(f"formats={list(self.formats)}: {'unknown ' + repr(bad[0]) if bad else 'none given'}; "
                               f"use any of {', '.join(FORMATS)}")
-        if self.retries < 0 or self.retry_wait < 0 or self.scale < 1:
-            raise ConfigError("retries and retry_wait must be >= 0 and scale >= 1")
+        if self.retries < 0 or not (0 <= self.retry_wait <= MAX_RETRY_WAIT) or not 1 <= self.scale <= MAX_SCALE:
+            raise ConfigError(f"retries={self.retries}, retry_wait={self.retry_wait}, scale={self.scale}: retries must "
+                              f"be >= 0, retry_wait a number of seconds in [0, {MAX_RETRY_WAIT:g}] and scale an "
+                              f"integer in [1, {MAX_SCALE}]")
+        if self.max_batch is not None and self.max_batch < 1:
+            raise ConfigError(f"max_batch={self.max_batch} must be >= 1 (or None: what the buckets allow)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,9 +150,8 @@ class BatchSummary:
 # -- jobs ------------------------------------------------------------------------------------------
 def read_jobs(path) -> list[Job]:
     """Parse a JSONL jobs file. A bad line becomes a Job with ``error`` set (recorded as failed,
-    the rest still run); duplicate ids are a ConfigError (they would overwrite each other)."""
-    from trt_sora.runtime.generate import ClipRequest
-
+    the rest still run); a bad or duplicate id is a ConfigError naming the line (its files would have
+    no safe name or would overwrite each other)."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"jobs file {path} does not exist; write one JSON object per line, e.g. "
@@ -154,18 +165,13 @@ def read_jobs(path) -> list[Job]:
         jid, req, err = f"line-{n}", None, None
         try:
             d = json.loads(text)
-            if isinstance(d, Mapping) and "id" in d:
-                d = dict(d)
-                jid = str(d.pop("id"))
-                if not _ID.match(jid):
-                    raise ConfigError(f"id {jid!r} must be 1-128 letters, digits, '-' or '_' (it names the files)")
-            if isinstance(d, Mapping) and isinstance(d.get("image"), str) and not d["image"].startswith("data:"):
-                d = {**d, "image": str(path.parent / d["image"])}  # relative to the jobs file (absolute stays)
-            req = ClipRequest.from_dict(d, where=f"{path.name}:{n}")
         except json.JSONDecodeError as exc:
-            err = f"{path.name}:{n}: not JSON ({exc.msg} at column {exc.colno})"
-        except ConfigError as exc:
-            err = str(exc) if str(exc).startswith(path.name) else f"{path.name}:{n}: {exc}"
+            d, err = None, f"{path.name}:{n}: not JSON ({exc.msg} at column {exc.colno})"
+        if isinstance(d, Mapping) and "id" in d:
+            d = dict(d)
+            jid = _check_id(d.pop("id"), f"{path.name}:{n}")
+        if err is None:
+            req, err = _request(d, path, n)
         if jid in seen:
             raise ConfigError(f"{path.name}: id {jid!r} appears on lines {seen[jid]} and {n}; ids must be unique")
         seen[jid] = n
@@ -173,6 +179,51 @@ def read_jobs(path) -> list[Job]:
     if not jobs:
         raise ConfigError(f"{path} holds no jobs (one JSON object per line)")
     return jobs
+
+
+def _request(d, path: Path, n: int):
+    """``(ClipRequest, None)`` for line ``n``'s object, or ``(None, error)``."""
+    if isinstance(d, Mapping) and isinstance(d.get("image"), str) and not d["image"].startswith("data:"):
+        d = {**d, "image": str(path.parent / d["image"])}  # relative to the jobs file (absolute stays)
+    try:
+        return check_bounds(ClipRequest.from_dict(d, where=f"{path.name}:{n}"), where=f"{path.name}:{n}"), None
+    except ConfigError as exc:
+        return None, str(exc) if str(exc).startswith(path.name) else f"{path.name}:{n}: {exc}"
+
+
+def _check_id(jid, where: str) -> str:
+    """``jid`` as a string; ConfigError naming ``where`` unless it is 1-128 letters, digits, '-' or '_'
+    (it names the job's files: a separator, '..' or NUL could put them outside the output folder)."""
+    if isinstance(jid, bool) or not isinstance(jid, (str, int)):
+        raise ConfigError(f"{where}: id {jid!r} is a JSON {type(jid).__name__}; {_ID_FIX}")
+    jid = str(jid)
+    if _ID.fullmatch(jid):  # fullmatch: "$" alone lets a trailing newline through
+        return jid
+    if not jid:
+        why = "is empty"
+    elif "\x00" in jid:
+        why = "holds a NUL character"
+    elif "/" in jid or "\\" in jid or os.sep in jid:
+        why = "holds a path separator"
+    elif ".." in jid:
+        why = "holds '..'"
+    elif len(jid) > 128:
+        why = f"is {len(jid)} characters long"
+    else:
+        why = "holds characters other than letters, digits, '-' and '_'"
+    shown = repr(jid) if len(repr(jid)) <= 60 else repr(jid)[:57] + "..."
+    raise ConfigError(f"{where}: id {shown} {why}; {_ID_FIX}")
+
+
+def check_jobs(jobs: Sequence[Job]) -> None:
+    """ConfigError unless every job's id is a safe file name and no id repeats (checked before the
+    output folder is touched)."""
+    seen: dict[str, int] = {}
+    for job in jobs:
+        _check_id(job.id, f"line {job.line}")
+        if job.id in seen:
+            raise ConfigError(f"id {job.id!r} appears on lines {seen[job.id]} and {job.line}; ids must be unique")
+        seen[job.id] = job.line
 
 
 def is_transient(exc: BaseException) -> bool:
@@ -222,18 +273,32 @@ class LocalExecutor:
 
 # -- the driver ------------------------------------------------------------------------------------
 class _Out:
-    """The output folder: paths, records, the lock."""
+    """The output folder: paths, records, the lock. Every path written or removed comes from :meth:`path`."""
 
     def __init__(self, root: Path):
         self.root = Path(root)
-        self.clips = self.root / "clips"
-        self.clips.mkdir(parents=True, exist_ok=True)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._real = self.root.resolve()
+        self.clips = self.path("clips")
+        self.clips.mkdir(exist_ok=True)
         self._lock_fh = None
+
+    def path(self, *parts: str) -> Path:
+        """``root/parts``, proven to stay inside the output folder once resolved (symlinks followed);
+        ConfigError otherwise (a record naming a path elsewhere, a ``clips`` link to another folder)."""
+        p = self.root.joinpath(*parts)
+        if "\x00" in str(p):
+            raise ConfigError(f"{str(p)!r} holds a NUL character; batch writes only plain names under --out")
+        real = p.resolve()
+        if not real.is_relative_to(self._real):
+            raise ConfigError(f"{p} resolves to {real}, outside the batch output folder {self._real}; batch writes "
+                              "only under --out: remove the link or use another --out")
+        return p
 
     def lock(self) -> None:
         import fcntl
 
-        fh = open(self.root / ".batch.lock", "a+")
+        fh = open(self.path(".batch.lock"), "a+")
         try:
             fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
@@ -254,10 +319,10 @@ class _Out:
             self._lock_fh = None
 
     def record_path(self, jid: str) -> Path:
-        return self.clips / f"{jid}.json"
+        return self.path("clips", f"{jid}.json")
 
     def output_path(self, jid: str, fmt: str) -> Path:
-        return self.clips / f"{jid}.{fmt}"
+        return self.path("clips", f"{jid}.{fmt}")
 
     def read_record(self, jid: str) -> dict | None:
         p = self.record_path(jid)
@@ -272,7 +337,10 @@ class _Out:
         if not rec or rec.get("status") not in (DONE, GATE_FAILED) or rec.get("fingerprint") != fingerprint:
             return None
         for o in rec.get("outputs", {}).values():
-            p = self.root / o["path"]
+            try:
+                p = self.path(o["path"])
+            except (ConfigError, TypeError, KeyError):  # a record naming a file elsewhere is not intact
+                return None
             if not p.is_file() or p.stat().st_size != o["bytes"] or sha256_file(p) != o["sha256"]:
                 return None
         return rec
@@ -282,7 +350,7 @@ class _Out:
         gone = []
         for p in list(self.clips.glob(f"{jid}.*")) + list(self.clips.glob(f".{jid}.tmp*")):
             if p.stem == jid or p.name.startswith(f".{jid}.tmp"):
-                p.unlink(missing_ok=True)
+                self.path("clips", p.name).unlink(missing_ok=True)
                 gone.append(p.name)
         return gone
 
@@ -352,6 +420,7 @@ def run_batch(runner, jobs, out_dir, config: BatchConfig = BatchConfig(), *, ref
             raise ConfigError("a quality gate needs the reference runner (reference_runner=)")
         executor = LocalExecutor(gen, ref, cfg=config.cfg)
     gen = executor.generator
+    check_jobs(jobs)  # before the output folder is touched
     out = _Out(Path(out_dir))
     out.lock()
     try:
@@ -541,6 +610,7 @@ def _write_manifest(out: _Out, gen, jobs, jobs_path, records, config: BatchConfi
                          "seconds": rec.get("seconds"), "error": rec.get("error"),
                          "gate": (rec.get("gate") or {}).get("passed")}
     inputs = {"run": artifact, **({"jobs": file_entry(jobs_path)} if jobs_path else {})}
+    out.path("manifest.json")  # write_manifest writes there
     write_manifest(out.root, stage="batch", inputs=inputs, config=config,
                    results={"jobs": len(jobs), "finished": sum(c["status"] != FAILED for c in clips.values()),
                             "clips": clips})
@@ -563,8 +633,8 @@ def _summarize(out: _Out, gen, jobs, records, state, batches, latencies, config,
         if lat is not None else None,
         "gate": _gate_summary(gates, config) if config.gate else None,
     }
-    write_json(out.root / "summary.json", data)
-    _atomic_text(out.root / "summary.md", _markdown(data))
+    write_json(out.path("summary.json"), data)
+    _atomic_text(out.path("summary.md"), _markdown(data))
     return BatchSummary(data)
 
 
