@@ -1,5 +1,6 @@
 """CLI: generate (MP4 + sidecar metadata + contact sheet), ls, and the recipe a run folder records."""
 import json
+import re
 import shutil
 
 import numpy as np
@@ -25,6 +26,71 @@ def test_generate_writes_clip_metadata_and_sheet(checked_run, tmp_path, capsys):
 
     assert np.asarray(Image.open(tmp_path / "sheet.png")).shape == (2 * 64 + 2, 9 * 96 + 8 * 2, 3)
     assert main(["generate", "--run", str(checked_run), "x", "-o", str(tmp_path / "x.avi")]) == 2  # typed error
+
+
+BAD_GENERATE = {
+    "avi": (["x", "-o", "{tmp}/clip.avi"], "-o .*clip.avi: unknown suffix"),
+    "scale-0": (["x", "--scale", "0"], "--scale 0: give an integer from 1 to 64"),
+    "scale-huge": (["x", "--scale", "1000"], "--scale 1000"),
+    "sheet-jpg": (["x", "--sheet", "{tmp}/s.jpg"], "--sheet .*s.jpg: a contact sheet is a PNG"),
+    "out-under-a-file": (["x", "-o", "{tmp}/jobs.txt/clip.mp4"], "jobs.txt is a file"),
+    "threads-0": (["x", "--threads", "0"], "--threads 0"),
+    "steps-0": (["x", "--steps", "0"], "steps=0 must be an integer >= 1"),
+    "steps-huge": (["x", "--steps", "5000"], "steps=5000 is more than 1000"),
+    "guidance-nan": (["x", "--guidance", "nan"], "guidance=nan is out of range"),
+    "guidance-1e308": (["x", "--guidance", "1e308"], "guidance=1e\\+308 is out of range"),
+    "guidance-negative": (["x", "--guidance", "-1"], "guidance=-1.0 is out of range"),
+    "shift-0": (["x", "--shift", "0"], "shift=0.0 is out of range"),
+    "shift-inf": (["x", "--shift", "inf"], "shift=inf is out of range"),
+    "frames-0": (["x", "--frames", "0"], "num_frames=0"),
+    "seed": (["x", "--seed", "-1"], "seed=-1"),
+    "empty": ([""], "prompt is empty"),
+    "blank": (["x", " \t"], "prompt is empty"),
+    "image-missing": (["x", "--image", "{tmp}/none.png"], "none.png' is not a file"),
+    "images-count": (["x", "y", "--image", "a.png", "--image", "b.png", "--image", "c.png"], "given 3 times"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_GENERATE))
+def test_generate_checks_arguments_before_the_model_loads(tmp_path, monkeypatch, capsys, case):
+    """A bad argument fails at once with a typed error (exit 2) naming it: the loader is never
+    called (it would take seconds to minutes), the run folder is never read, nothing is written."""
+    import trt_sora.cli.generate as gen_cli
+    import trt_sora.runtime as rt
+    from trt_sora.cli import main
+
+    def never(*a, **k):
+        raise AssertionError("the model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(gen_cli, "load_runner", never)
+    monkeypatch.setattr(rt, "load", never)
+    (tmp_path / "jobs.txt").write_text("a file, not a folder")
+    args, message = BAD_GENERATE[case]
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    if "-o" not in args:
+        args += ["-o", str(tmp_path / "clip.mp4")]
+    assert main(["generate", "--run", str(tmp_path / "no-run-folder"), *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("trt-sora generate: error: ") and re.search(message, err), err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["jobs.txt"]
+
+
+def test_batch_checks_ids_and_numbers_before_the_model_loads(tmp_path, monkeypatch, capsys):
+    import trt_sora.cli.generate as gen_cli
+    from trt_sora.cli import main
+
+    def never(*a, **k):
+        raise AssertionError("the model was loaded before the jobs file was checked")
+
+    monkeypatch.setattr(gen_cli, "load_runner", never)
+    jobs = tmp_path / "jobs.jsonl"
+    jobs.write_text(json.dumps({"id": "ok", "prompt": "a cat"}) + "\n" + json.dumps({"id": "../../x", "prompt": "a"}))
+    run = ["batch", "--run", str(tmp_path / "no-run-folder"), "--prompts", str(jobs), "--out", str(tmp_path / "out")]
+    assert main(run) == 2
+    assert "jobs.jsonl:2: id '../../x' holds a path separator" in capsys.readouterr().err
+    jobs.write_text(json.dumps({"prompt": "a cat"}))
+    assert main([*run, "--retry-wait", "nan"]) == 2 and "retry_wait=nan" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["jobs.jsonl"]
 
 
 def test_ls_shows_gates_backends_and_sizes(checked_run, base_run, capsys):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 
 def add_runtime_args(p) -> None:
@@ -115,28 +116,49 @@ def _images(args):
 
 
 def outputs_for(out: str, n: int) -> list:
-    from pathlib import Path
-
     path = Path(out)
     return [path] if n == 1 else [path.with_name(f"{path.stem}-{i}{path.suffix}") for i in range(n)]
 
 
+def check_args(args) -> list:
+    """Every argument ``generate`` can judge without the model: the clips' requests (captions, seeds,
+    sampling floats, sizes, images) and the files to write. Returns the requests; ConfigError names the
+    argument and the fix."""
+    from trt_sora.errors import ConfigError
+    from trt_sora.runtime import video
+    from trt_sora.runtime.generate import MAX_SCALE, clip_requests
+
+    paths = outputs_for(args.out, len(args.captions))
+    if paths[0].suffix.lower() not in video.FORMATS:
+        raise ConfigError(f"-o {args.out}: unknown suffix; use one of {', '.join(video.FORMATS)}")
+    if args.sheet is not None and not args.sheet.lower().endswith(".png"):
+        raise ConfigError(f"--sheet {args.sheet}: a contact sheet is a PNG; name it *.png")
+    if not 1 <= args.scale <= MAX_SCALE:
+        raise ConfigError(f"--scale {args.scale}: give an integer from 1 to {MAX_SCALE} (pixel repetition)")
+    if args.threads is not None and args.threads < 1:
+        raise ConfigError(f"--threads {args.threads}: give 1 or more (or leave it out)")
+    for p in [*paths, *([args.sheet] if args.sheet else [])]:
+        parent = Path(p).parent
+        if parent.exists() and not parent.is_dir():
+            raise ConfigError(f"cannot write {p}: {parent} is a file, not a folder; pick another -o/--sheet")
+    reqs = clip_requests(args.captions, seed=args.seed, image=_images(args), negative_prompt=args.negative_prompt,
+                         steps=args.steps, guidance=args.guidance, shift=args.shift, num_frames=args.frames,
+                         height=args.height, width=args.width)
+    for r in reqs:
+        if isinstance(r.image, str) and not r.image.startswith("data:"):
+            video.check_image_path(r.image)
+    return reqs
+
+
 def run(args) -> int:
-    import trt_sora.runtime as rt
     from trt_sora.manifest import write_json
     from trt_sora.runtime import video
     from trt_sora.runtime.generate import generator_for
 
+    reqs = check_args(args)  # before the model loads (seconds to minutes)
     paths = outputs_for(args.out, len(args.captions))
-    if paths[0].suffix.lower() not in video.FORMATS:
-        from trt_sora.errors import ConfigError
-
-        raise ConfigError(f"-o {args.out}: unknown suffix; use one of {', '.join(video.FORMATS)}")
     runner = load_runner(args)
-    clips = rt.generate(runner, args.captions, seed=args.seed, steps=args.steps, guidance=args.guidance,
-                        shift=args.shift, negative_prompt=args.negative_prompt, num_frames=args.frames,
-                        height=args.height, width=args.width, cfg=args.cfg, text_encoder=args.text_encoder,
-                        image=_images(args))
+    clips = generator_for(runner, text_encoder=args.text_encoder).run(reqs, cfg=args.cfg)
     probe = generator_for(runner).adapter.caption_probe() if args.probe else None
     passed = 0
     for clip, path in zip(clips, paths):
