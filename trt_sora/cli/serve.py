@@ -29,6 +29,8 @@ def add_parser(sub) -> None:
                    "250; more: 400)")
     p.add_argument("--drain-timeout", type=float, default=600.0, help="longest drain on SIGTERM (s)")
     p.add_argument("--drain-grace", type=float, default=2.0, help="seconds results stay fetchable after the drain")
+    p.add_argument("--max-body-bytes", type=int, default=64 * 1024, help="largest request body (default 64 KiB; "
+                   "larger: 413 before it is parsed; raise it for data-URL images)")
     p.add_argument("--log-level", default="warning", help="uvicorn log level")
     p.set_defaults(func=run)
 
@@ -44,7 +46,7 @@ def run(args) -> int:
                          keep_results=args.keep, results_dir=args.results, warmup_steps=args.warmup_steps,
                          cfg=args.cfg, max_steps=args.max_steps)
     http = HttpConfig(host=args.host, port=args.port, drain_timeout_s=args.drain_timeout,
-                      drain_grace_s=args.drain_grace, log_level=args.log_level)
+                      drain_grace_s=args.drain_grace, log_level=args.log_level, max_body_bytes=args.max_body_bytes)
 
     from trt_sora.cli.generate import _parallel
 

@@ -38,10 +38,17 @@ __all__ = ["make_app", "serve"]
 
 MEDIA = {"mp4": "video/mp4", "gif": "image/gif", "png": "image/png", "npy": "application/octet-stream"}
 MAX_POLL_WAIT_S = 60.0  # longest long-poll of GET /v1/jobs/{id}?wait=
+MAX_BODY_BYTES = 64 * 1024  # default request body limit (--max-body-bytes); a data-URL image needs more
+MAX_JSON_DEPTH = 8  # a request is one flat object; deeper nesting is refused before it is walked
 
 
-def make_app(engine, metrics):
-    """The FastAPI app over ``engine`` (shared by ``trt-sora serve`` and the Ray Serve deployment)."""
+class BodyTooLarge(ConfigError):
+    """The request body is larger than ``--max-body-bytes`` (HTTP 413)."""
+
+
+def make_app(engine, metrics, *, max_body_bytes: int = MAX_BODY_BYTES):
+    """The FastAPI app over ``engine`` (shared by ``trt-sora serve`` and the Ray Serve deployment).
+    ``max_body_bytes``: larger request bodies get 413, read no further than the limit."""
     fastapi = require("fastapi", extra="serve")
     from fastapi import Request
     from fastapi.responses import FileResponse, JSONResponse, Response
@@ -63,14 +70,37 @@ def make_app(engine, metrics):
         metrics.http_seconds.labels(route=path).observe(time.perf_counter() - t0)
         return response
 
+    async def read_body(request: Request) -> bytes:
+        """The body, refused (BodyTooLarge) as soon as it is known to pass ``max_body_bytes``: by its
+        Content-Length, else while it streams in."""
+        fix = (f"the limit is {max_body_bytes} bytes (`trt-sora serve --max-body-bytes`); a request is a "
+               "small JSON object")
+        declared = request.headers.get("content-length")
+        if declared and declared.isdigit() and int(declared) > max_body_bytes:
+            raise BodyTooLarge(f"the body has {declared} bytes; {fix}")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_body_bytes:
+                raise BodyTooLarge(f"the body passed {max_body_bytes} bytes; {fix}")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
     async def parse(request: Request):
         from trt_sora.runtime.generate import ClipRequest
 
+        raw = await read_body(request)
         try:
-            body = json.loads(await request.body() or b"null")
+            body = json.loads(raw.decode("utf-8") or "null")
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"the body is not UTF-8 (byte {exc.start}: {exc.reason}); send UTF-8 JSON") from None
+        except RecursionError:
+            raise ConfigError(f"the body nests deeper than {MAX_JSON_DEPTH} levels; send one flat JSON object") \
+                from None
         except json.JSONDecodeError as exc:
             raise ConfigError(f"the body is not JSON ({exc.msg}); send a JSON object such as "
                               '{"prompt": "a red circle moving right", "seed": 1}') from None
+        _check_json(body)
         if isinstance(body, dict) and body.get("image") is not None and not str(body["image"]).startswith("data:"):
             # a path would read files of the server's machine: images travel in the request
             raise ConfigError('request body: "image" must be the image itself as a data URL '
@@ -92,13 +122,17 @@ def make_app(engine, metrics):
             metrics.rejected.labels(reason="bad_request").inc()
             return None, error(400, str(exc))
 
+    def refused(exc: ConfigError):
+        too_large = isinstance(exc, BodyTooLarge)
+        metrics.rejected.labels(reason="body_too_large" if too_large else "bad_request").inc()
+        return error(413 if too_large else 400, str(exc))
+
     @app.post("/v1/jobs", status_code=202)
     async def submit(request: Request):
         try:
             req = await parse(request)
         except ConfigError as exc:
-            metrics.rejected.labels(reason="bad_request").inc()
-            return error(400, str(exc))
+            return refused(exc)
         job, err = submit_or_error(req)
         if err is not None:
             return err
@@ -145,8 +179,7 @@ def make_app(engine, metrics):
         try:
             req = await parse(request)
         except ConfigError as exc:
-            metrics.rejected.labels(reason="bad_request").inc()
-            return error(400, str(exc))
+            return refused(exc)
         if not 0 < timeout < float("inf"):
             return error(400, f"timeout={timeout} must be a number of seconds > 0")
         job, err = submit_or_error(req)
@@ -177,6 +210,26 @@ def make_app(engine, metrics):
         return Response(body, media_type=ctype)
 
     return app
+
+
+def _check_json(body, depth: int = 0) -> None:
+    """ConfigError for nesting past :data:`MAX_JSON_DEPTH` or a string that is not valid Unicode (a lone
+    surrogate escape such as ``"\\ud800"`` parses, then fails wherever the text is encoded)."""
+    if depth > MAX_JSON_DEPTH:
+        raise ConfigError(f"the body nests deeper than {MAX_JSON_DEPTH} levels; send one flat JSON object")
+    if isinstance(body, str):
+        try:
+            body.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ConfigError("the body holds a lone UTF-16 surrogate escape (\\ud800-\\udfff); send valid "
+                              "Unicode text") from None
+    elif isinstance(body, dict):
+        for k, v in body.items():
+            _check_json(k, depth + 1)
+            _check_json(v, depth + 1)
+    elif isinstance(body, list):
+        for v in body:
+            _check_json(v, depth + 1)
 
 
 def _json_errors(app, error) -> None:
@@ -226,6 +279,7 @@ class HttpConfig:
     drain_timeout_s: float = 600.0
     drain_grace_s: float = 2.0
     log_level: str = "warning"
+    max_body_bytes: int = MAX_BODY_BYTES
 
 
 def serve(load, config, http: HttpConfig = HttpConfig(), *, text_encoder: str | None = None,
@@ -243,7 +297,7 @@ def serve(load, config, http: HttpConfig = HttpConfig(), *, text_encoder: str | 
 
     metrics = ServerMetrics()
     engine = Engine(load, config, metrics=metrics, text_encoder=text_encoder, on_ready=on_ready)
-    app = make_app(engine, metrics)
+    app = make_app(engine, metrics, max_body_bytes=http.max_body_bytes)
     outcome = {"code": 0}
 
     class DrainingServer(uvicorn.Server):

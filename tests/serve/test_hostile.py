@@ -1,0 +1,84 @@
+"""Hostile request bodies answered before any work: 413 past the body limit (by Content-Length or
+while a chunked body streams in), 400 for invalid UTF-8, lone surrogate escapes and deep nesting;
+small one-line answers that never echo the body; every refusal counted in /metrics.
+
+The app runs in-process on 127.0.0.1 over an engine that was never started: each case must be
+refused while the body is read and parsed, before the engine is asked for anything (a request
+that got that far would answer 503, not ready)."""
+import json
+from http import client
+
+import pytest
+from http_helpers import http_server
+
+from trt_sora.serve.metrics import ServerMetrics
+from trt_sora.serve.scheduler import Engine, ServeConfig
+from trt_sora.serve.server import MAX_JSON_DEPTH, make_app
+
+LIMIT = 300_000  # above the 100k-deep body below, so that one reaches the parser
+
+
+class _NoRunner:
+    """Stands for the runner of an engine that is never started (no model is loaded)."""
+
+
+@pytest.fixture(scope="module")
+def hostile():
+    metrics = ServerMetrics()
+    engine = Engine(_NoRunner(), ServeConfig(), metrics=metrics)  # not started: nothing gets past parsing
+    with http_server(make_app(engine, metrics, max_body_bytes=LIMIT)) as http:
+        yield http, engine
+
+
+@pytest.mark.parametrize("body, status, fragment", [
+    (b'{"prompt": "a \xff cat"}', 400, "not UTF-8 (byte 14: invalid start byte)"),
+    (b'{"prompt": "\\ud800"}', 400, "lone UTF-16 surrogate"),
+    (b"[" * 100_000 + b"]" * 100_000, 400, f"nests deeper than {MAX_JSON_DEPTH} levels"),
+    (json.dumps({"prompt": "x", "seed": [[[[[[[[[[1]]]]]]]]]]}).encode(), 400, "nests deeper"),
+    (b'{"prompt": "a cat", "seed": 1', 400, "not JSON"),
+    (b'{"prompt": "   "}', 400, "prompt is empty"),
+])
+def test_bad_bodies_are_refused_before_any_work(hostile, body, status, fragment):
+    http, engine = hostile
+    got, raw, _ = http("POST", "/v1/jobs", body)
+    assert got == status and fragment in json.loads(raw)["error"], raw[:300]
+    assert len(raw) < 600  # one line, the body not echoed
+    assert engine.queue_depth == 0
+
+
+def _connect(http):
+    host, port = http.base.removeprefix("http://").split(":")
+    return client.HTTPConnection(host, int(port), timeout=60)
+
+
+def test_a_declared_size_past_the_limit_is_refused_before_the_body_is_sent(hostile):
+    """20 MB announced, nothing sent: the 413 comes from the Content-Length alone."""
+    http, _ = hostile
+    conn = _connect(http)
+    conn.putrequest("POST", "/v1/jobs")
+    conn.putheader("Content-Type", "application/json")
+    conn.putheader("Content-Length", str(20_000_000))
+    conn.endheaders()
+    r = conn.getresponse()
+    assert r.status == 413 and "the body has 20000000 bytes; the limit is 300000 bytes" in json.loads(r.read())["error"]
+    conn.close()
+
+
+def test_a_chunked_body_is_cut_off_at_the_limit(hostile):
+    """No Content-Length: the server counts the bytes as they stream in and answers 413 past the limit."""
+    http, _ = hostile
+    conn = _connect(http)
+    conn.request("POST", "/v1/jobs", body=(b"x" * 8192 for _ in range(64)), encode_chunked=True,
+                 headers={"Content-Type": "application/json"})
+    r = conn.getresponse()
+    assert r.status == 413 and "passed 300000 bytes" in json.loads(r.read())["error"]
+    conn.close()
+
+
+def test_refusals_are_counted_by_route_and_code(hostile):
+    http, _ = hostile
+    before = http.metric("trt_sora_rejected_total", reason="body_too_large")
+    assert http("POST", "/v1/generate", b"y" * (LIMIT + 1))[0] == 413
+    assert http.metric("trt_sora_rejected_total", reason="body_too_large") == before + 1
+    assert http.metric("trt_sora_http_requests_total", method="POST", route="/v1/generate", status="413") >= 1
+    assert http.metric("trt_sora_http_requests_total", method="POST", route="/v1/jobs", status="400") >= 1
