@@ -2,7 +2,7 @@
 
 Below every stage: export verification, the calibration report, the parity checker and the
 benchmarks all judge with these. PSNR's peak is part of every result: ``psnr_peak`` with ``psnr_peak_def``. Tensor-level
-comparisons use the reference's ``max - min`` (DESIGN.md); decoded frames in ``[-1, 1]``
+comparisons use the reference's ``max - min``; decoded frames in ``[-1, 1]``
 use the pixel range ``2.0``.
 """
 from __future__ import annotations

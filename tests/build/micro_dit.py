@@ -4,7 +4,7 @@ Inputs follow the Wan adapter: ``hidden_states [batch, C, latent_frames, latent_
 latent_width]``, ``timestep [batch]`` (fp32), ``encoder_hidden_states [batch, text_len, D]``.
 One block: patch-in linear, time MLP, self-attention with a fused QKV linear (width 3*d),
 cross-attention, GELU FFN, patch-out linear. Quantization follows the placement that
-TensorRT-RTX turns into real low-precision GEMMs (DESIGN.md): a per-tensor
+TensorRT-RTX turns into real low-precision GEMMs: a per-tensor
 Quantize+Dequantize on each linear's input, weights stored quantized with a
 per-output-channel DequantizeLinear only, on an fp16 graph, scales in fp16.
 Attention matmuls stay fp16 (FP8 Q/DQ there breaks the fused attention kernel).

@@ -2,7 +2,7 @@
 
 Polygraphy (>= 0.53) judges outputs by cosine similarity and PSNR with thresholds, as our gates do. Its
 cosine is ours; its PSNR takes the reference's *max* as the peak (1.0 when that is <= 0), ours the
-reference's max - min and says so in every report (DESIGN.md): for signed tensors such as latents and
+reference's max - min and says so in every report: for signed tensors such as latents and
 velocities Polygraphy's peak depends on the sign of the data, so we keep ours and check both agree
 when given the same peak.
 """

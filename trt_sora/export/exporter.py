@@ -1,6 +1,6 @@
 """torch -> ONNX (dynamo exporter), named dynamic axes, external data, ORT verification.
 
-Lessons baked in (see DESIGN.md): the TorchScript exporter silently bakes shapes,
+Lessons baked in: the TorchScript exporter silently bakes shapes,
 torch.export specialises size-1 dims (so we trace at a point where every dynamic
 dim is >= 2), and ``timestep`` stays fp32. Every export is checked by
 ``onnx.checker`` and by ONNX Runtime against PyTorch at two points that differ in
