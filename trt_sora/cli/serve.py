@@ -22,7 +22,20 @@ def add_parser(sub) -> None:
     p.add_argument("--memory-budget-mb", type=float, default=None, help="size the batch cap for this much memory "
                    "instead of the measured free memory")
     p.add_argument("--keep", type=int, default=1000, help="finished jobs kept for fetching (default 1000)")
-    p.add_argument("--results", default=None, help="folder for the clips (default: a temp folder)")
+    p.add_argument("--results", default=None, help="folder for the clips (default: a temp folder; with --state-dir: "
+                   "STATE_DIR/results)")
+    p.add_argument("--state-dir", default=None, help="durable job store (SQLite + clips by sha256): jobs are committed "
+                   "before the 202, resumed after a restart or kill -9, results served by ID across restarts")
+    p.add_argument("--retention-hours", type=float, default=None, help="drop finished jobs and their clips from "
+                   "the store this many hours after they finished (default: only --keep limits them)")
+    p.add_argument("--sweep-interval", type=float, default=60.0, help="seconds between retention sweeps")
+    p.add_argument("--api-keys-file", default=None, help="API keys, one a line (`KEY` or `ID KEY`); clients send "
+                   "`Authorization: Bearer KEY`; reloaded on SIGHUP")
+    p.add_argument("--metrics-open", action="store_true", help="serve /metrics without a key")
+    p.add_argument("--insecure-no-auth", action="store_true", help="allow a non-loopback --host without "
+                   "--api-keys-file")
+    p.add_argument("--max-jobs-per-key", type=int, default=None, help="most jobs one key may have queued or "
+                   "running (429 past it)")
     p.add_argument("--warmup-steps", type=int, default=1)
     p.add_argument("--cfg", default="auto", choices=["auto", "batched", "split"])
     p.add_argument("--max-steps", type=int, default=250, help="most denoising steps a request may ask for (default "
@@ -44,9 +57,14 @@ def run(args) -> int:
                          workers=args.workers, memory_headroom=args.memory_headroom,
                          memory_budget_bytes=int(args.memory_budget_mb * 2**20) if args.memory_budget_mb else None,
                          keep_results=args.keep, results_dir=args.results, warmup_steps=args.warmup_steps,
-                         cfg=args.cfg, max_steps=args.max_steps)
+                         cfg=args.cfg, max_steps=args.max_steps, state_dir=args.state_dir,
+                         retention_s=None if args.retention_hours is None else args.retention_hours * 3600,
+                         sweep_interval_s=args.sweep_interval, max_jobs_per_key=args.max_jobs_per_key)
     http = HttpConfig(host=args.host, port=args.port, drain_timeout_s=args.drain_timeout,
-                      drain_grace_s=args.drain_grace, log_level=args.log_level, max_body_bytes=args.max_body_bytes)
+                      drain_grace_s=args.drain_grace, log_level=args.log_level, max_body_bytes=args.max_body_bytes,
+                      api_keys_file=args.api_keys_file, metrics_open=args.metrics_open,
+                      insecure_no_auth=args.insecure_no_auth)
+    http.keys()  # a bad keys file or a public host without keys: refused before the model loads
 
     from trt_sora.cli.generate import _parallel
 
@@ -73,4 +91,5 @@ def run(args) -> int:
     def ready(engine):
         print(f"ready: {engine.generator.runner.backend} backend, batch cap {engine.memory.get('cap')}", flush=True)
 
-    return serve(load, config, http, text_encoder=args.text_encoder, on_listen=listening, on_ready=ready)
+    return serve(load, config, http, text_encoder=args.text_encoder, on_listen=listening, on_ready=ready,
+                 hard_exit=True)

@@ -41,13 +41,18 @@ from trt_sora.errors import ConfigError, TrtSoraError
 
 log = logging.getLogger("trt_sora")
 
-__all__ = ["Draining", "Engine", "JobState", "NotReady", "QueueFull", "ServeConfig", "memory_cap"]
+__all__ = ["Draining", "Engine", "JobState", "NotReady", "QueueFull", "QuotaExceeded", "ServeConfig", "memory_cap",
+           "retry_after_seconds"]
 
 QUEUED, RUNNING, DONE, FAILED = "queued", "running", "done", "failed"
 
 
 class QueueFull(TrtSoraError):
     """The queue holds ``max_queue`` jobs; retry later (HTTP 429)."""
+
+
+class QuotaExceeded(TrtSoraError):
+    """The calling key has its most concurrent jobs queued or running (HTTP 429)."""
 
 
 class Draining(TrtSoraError):
@@ -76,6 +81,13 @@ class ServeConfig:
         cfg: ``auto`` / ``batched`` / ``split``.
         max_steps: most denoising steps one request may ask for (more: refused with a ConfigError,
             HTTP 400), so one request cannot hold the workers for hours.
+        state_dir: the durable job store's folder (:class:`~trt_sora.serve.store.JobStore`): jobs are
+            committed there before they are accepted and resumed by the next start; results live in
+            its ``results/`` (``results_dir`` must then be unset). None: jobs live in memory only.
+        retention_s: finished jobs older than this are dropped from the store with their clips
+            (None: kept until ``keep_results`` newer ones push them out).
+        sweep_interval_s: how often the store's retention sweep runs.
+        max_jobs_per_key: most jobs one API key may have queued or running (None: no quota).
     """
 
     max_queue: int = 64
@@ -89,6 +101,10 @@ class ServeConfig:
     warmup_steps: int = 1
     cfg: str = "auto"
     max_steps: int = 250
+    state_dir: str | None = None
+    retention_s: float | None = None
+    sweep_interval_s: float = 60.0
+    max_jobs_per_key: int | None = None
 
     def __post_init__(self) -> None:
         if min(self.max_queue, self.workers, self.keep_results, self.warmup_steps, self.max_steps) < 1:
@@ -97,6 +113,15 @@ class ServeConfig:
             raise ConfigError("max_wait_s must be >= 0 and memory_headroom in [0, 1)")
         if self.max_batch is not None and self.max_batch < 1:
             raise ConfigError(f"max_batch={self.max_batch} must be >= 1")
+        if self.state_dir and self.results_dir:
+            raise ConfigError("give --state-dir or --results, not both: the job store keeps its clips in "
+                              "STATE_DIR/results")
+        if self.retention_s is not None and not 0 < self.retention_s < float("inf"):
+            raise ConfigError(f"retention_s={self.retention_s} must be a number of seconds > 0")
+        if not 0 < self.sweep_interval_s < float("inf"):
+            raise ConfigError(f"sweep_interval_s={self.sweep_interval_s} must be a number of seconds > 0")
+        if self.max_jobs_per_key is not None and self.max_jobs_per_key < 1:
+            raise ConfigError(f"max_jobs_per_key={self.max_jobs_per_key} must be >= 1")
 
 
 @dataclasses.dataclass
@@ -105,7 +130,7 @@ class JobState:
 
     id: str
     request: Any  # ClipRequest
-    resolved: Any  # _Resolved
+    resolved: Any  # _Resolved (None for a job resumed from the store until the engine is warm)
     status: str = QUEUED
     submitted: float = dataclasses.field(default_factory=time.time)
     started: float | None = None
@@ -113,12 +138,22 @@ class JobState:
     error: str | None = None
     metadata: dict | None = None
     result_path: Path | None = None
+    result_sha256: str | None = None
+    key_id: str | None = None
+    attempts: int = 0
     done_event: threading.Event = dataclasses.field(default_factory=threading.Event, repr=False)
 
     def view(self) -> dict:
         """JSON-safe status."""
-        d = {"id": self.id, "status": self.status, "request": dataclasses.asdict(self.request),
+        r = dataclasses.asdict(self.request) if dataclasses.is_dataclass(self.request) else self.request
+        d = {"id": self.id, "status": self.status, "request": r,
              "submitted": self.submitted, "started": self.started, "finished": self.finished}
+        if self.key_id:
+            d["key_id"] = self.key_id
+        if self.attempts:
+            d["attempts"] = self.attempts + 1  # runs begun, the resumed one included
+        if self.result_sha256:
+            d["result_sha256"] = self.result_sha256
         if self.finished and self.started:
             d["seconds"] = {"queued": round(self.started - self.submitted, 4),
                             "generate": round(self.finished - self.started, 4),
@@ -214,7 +249,17 @@ class Engine:
         self._threads: list[threading.Thread] = []
         self._stop = False
         self._tmp = None
-        if config.results_dir:
+        self._finishes: collections.deque[float] = collections.deque(maxlen=32)  # finish times: the drain rate
+        self._warm_clip_s: float | None = None
+        self._resumed: list[JobState] = []
+        self.store = None
+        if config.state_dir:
+            from trt_sora.serve.store import JobStore
+
+            self.store = JobStore(config.state_dir)
+            self.results = self.store.results
+            self._load_unfinished()
+        elif config.results_dir:
             self.results = Path(config.results_dir)
         else:
             import tempfile
@@ -244,8 +289,13 @@ class Engine:
             self.failed = f"{type(exc).__name__}: {exc}"
             log.error("serve: start-up failed: %s", self.failed)
             return
+        self._resume()
         for i in range(self.config.workers):
             t = threading.Thread(target=self._work, name=f"trt-sora-worker-{i}", daemon=True)
+            t.start()
+            self._threads.append(t)
+        if self.store is not None:
+            t = threading.Thread(target=self._sweeper, name="trt-sora-sweep", daemon=True)
             t.start()
             self._threads.append(t)
         self.ready = True
@@ -272,9 +322,12 @@ class Engine:
         for n in sorted({1, bucket_cap}):
             reqs = [ClipRequest("warm-up", seed=i, steps=self.config.warmup_steps, image=image) for i in range(n)]
             gen.run(reqs, cfg=self.config.cfg, max_batch=n)  # first call: allocations, kernels, caches
+            t1 = time.perf_counter()
             with _PeakSampler(gpu) as s:
                 gen.run(reqs, cfg=self.config.cfg, max_batch=n)
             peaks[n] = s.peak
+            if n == 1:  # a warm clip's seconds per step: Retry-After before any job has finished
+                self._warm_clip_s = (time.perf_counter() - t1) / self.config.warmup_steps
         if self.config.memory_budget_bytes is not None:
             available, source = int(self.config.memory_budget_bytes), "memory_budget_bytes"
         elif gpu:
@@ -334,6 +387,24 @@ class Engine:
                 self._cond.wait(left if left is not None else 1.0)
         return True
 
+    def stop_workers(self) -> list[str]:
+        """Take no more batches (the running ones finish); returns the ids left queued. With a store
+        they stay queued there, for the next start."""
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+            return [j.id for j in self._queue]
+
+    @property
+    def running(self) -> int:
+        return self._running
+
+    @property
+    def busy(self) -> bool:
+        """A thread is inside the model: a batch runs, or the warm-up has not ended."""
+        warming = self._threads and self._threads[0].is_alive() and self._threads[0].name == "trt-sora-warmup"
+        return bool(self._running or warming)
+
     def wake(self) -> None:
         """Make the batcher re-read the clock (after a test clock moved)."""
         with self._cond:
@@ -345,11 +416,95 @@ class Engine:
             self._cond.notify_all()
         if self._tmp is not None:
             self._tmp.cleanup()
+        if self.store is not None and not self._running:
+            self.store.close()
+
+    # -- the store --------------------------------------------------------------------------------
+    def _load_unfinished(self) -> None:
+        """The store's queued and running jobs of the last process, back in memory as queued (their
+        requests are resolved once the engine is warm: :meth:`_resume`)."""
+        from trt_sora.runtime.generate import ClipRequest
+
+        rows = self.store.unfinished()
+        self.store.requeue([r.id for r in rows if r.status == RUNNING])
+        for r in rows:
+            job = JobState(id=r.id, request=None, resolved=None, submitted=r.submitted, key_id=r.key_id,
+                           attempts=r.attempts + (r.status == RUNNING))
+            try:
+                job.request = ClipRequest.from_dict(r.request, where=f"stored job {r.id}")
+            except ConfigError as exc:
+                job.request = r.request
+                self._fail_resumed(job, exc)
+                continue
+            self._jobs[job.id] = job
+            self._resumed.append(job)
+        if rows:
+            log.warning("serve: %d job(s) from %s resume once warm (%d were running)", len(self._resumed),
+                        self.store.path, sum(r.status == RUNNING for r in rows))
+
+    def _resume(self) -> None:
+        """Queue the resumed jobs (oldest first) ahead of new ones; a job this artifact can no longer
+        make fails with the reason."""
+        with self._cond:
+            for job in self._resumed:
+                try:
+                    job.resolved = self.generator.resolve(job.request)
+                    self.generator.max_clips(job.resolved, self.config.cfg)
+                except TrtSoraError as exc:
+                    self._fail_resumed(job, exc)
+                    continue
+                self._queue.append(job)
+            self._resumed = []
+            self._gauges()
+
+    def _fail_resumed(self, job: JobState, exc: Exception) -> None:
+        now = self._clock()
+        job.status, job.finished, job.error = FAILED, now, f"could not be resumed: {exc}"
+        self.store.finished(job.id, now, error=job.error)
+        job.done_event.set()
+
+    def _from_store(self, job_id: str) -> JobState | None:
+        """A finished job of an earlier process (or one evicted from memory), from the store."""
+        from trt_sora.runtime.generate import ClipRequest
+
+        row = self.store.get(job_id)
+        if row is None or row.status not in (DONE, FAILED):
+            return None
+        try:
+            request = ClipRequest.from_dict(row.request)
+        except ConfigError:
+            request = row.request
+        job = JobState(id=row.id, request=request, resolved=None, status=row.status, submitted=row.submitted,
+                       started=row.started, finished=row.finished, error=row.error, metadata=row.metadata,
+                       result_path=self.store.result_path(row), result_sha256=row.result, key_id=row.key_id,
+                       attempts=row.attempts)
+        job.done_event.set()
+        return job
+
+    def sweep(self) -> list[str]:
+        """Apply the retention (``retention_s``, ``keep_results``) to the store; returns dropped ids."""
+        dropped = self.store.sweep(self._clock(), max_age_s=self.config.retention_s, keep=self.config.keep_results)
+        with self._cond:
+            for i in dropped:
+                self._jobs.pop(i, None)
+        if dropped:
+            log.info("serve: retention dropped %d finished job(s)", len(dropped))
+        return dropped
+
+    def _sweeper(self) -> None:
+        stop = threading.Event()
+        while not self._stop and not stop.wait(self.config.sweep_interval_s):
+            try:
+                self.sweep()
+            except Exception as exc:  # a failed sweep must not stop serving; the next one retries
+                log.error("serve: retention sweep failed: %s", exc)
 
     # -- jobs -------------------------------------------------------------------------------------
-    def submit(self, request) -> JobState:
-        """Queue a :class:`~trt_sora.runtime.ClipRequest`. Raises NotReady, Draining, QueueFull, and
-        ConfigError / ShapeError for a request the artifact cannot make (checked now, not later)."""
+    def submit(self, request, *, key_id: str | None = None) -> JobState:
+        """Queue a :class:`~trt_sora.runtime.ClipRequest` (committed to the store first, when there is
+        one). ``key_id``: the caller's API key id (quota, job record). Raises NotReady, Draining,
+        QueueFull, QuotaExceeded, and ConfigError / ShapeError for a request the artifact cannot make
+        (checked now, not later)."""
         if self.failed:
             raise NotReady(f"the server failed to start: {self.failed}")
         if not self.ready:
@@ -365,7 +520,11 @@ class Engine:
                                "replica")
             if len(self._queue) >= self.config.max_queue:
                 raise QueueFull(f"the queue is full ({len(self._queue)} jobs waiting); retry later")
-            job = JobState(id=uuid.uuid4().hex[:16], request=request, resolved=resolved, submitted=self._clock())
+            self._check_quota(key_id)
+            job = JobState(id=uuid.uuid4().hex[:16], request=request, resolved=resolved, submitted=self._clock(),
+                           key_id=key_id)
+            if self.store is not None:
+                self.store.add(job.id, _stored_request(request), job.submitted, key_id)
             self._jobs[job.id] = job
             self._queue.append(job)
             self._gauges()
@@ -373,11 +532,23 @@ class Engine:
         self._evict()
         return job
 
+    def _check_quota(self, key_id: str | None) -> None:
+        limit = self.config.max_jobs_per_key
+        if limit is None or key_id is None:
+            return
+        mine = sum(1 for j in self._jobs.values() if j.key_id == key_id and j.status in (QUEUED, RUNNING))
+        if mine >= limit:
+            raise QuotaExceeded(f"key {key_id} has {mine} jobs queued or running, its limit "
+                                "(`trt-sora serve --max-jobs-per-key`); wait for one to finish")
+
     def get(self, job_id: str) -> JobState | None:
-        return self._jobs.get(job_id)
+        job = self._jobs.get(job_id)
+        if job is None and self.store is not None:
+            job = self._from_store(job_id)
+        return job
 
     def wait(self, job_id: str, timeout: float | None = None) -> JobState | None:
-        job = self._jobs.get(job_id)
+        job = self.get(job_id)
         if job is not None:
             job.done_event.wait(timeout)
         return job
@@ -387,10 +558,14 @@ class Engine:
         return len(self._queue)
 
     def retry_after(self) -> int:
-        """Seconds a refused client should wait: about one batch's time."""
-        done = [j for j in self._jobs.values() if j.finished and j.started]
-        per = np.mean([j.finished - j.started for j in done[-16:]]) if done else 1.0
-        return max(1, int(math.ceil(per)))
+        """Seconds a client refused for a full queue should wait: until one queued job leaves, at the
+        queue's measured drain rate (see :func:`retry_after_seconds`)."""
+        with self._cond:
+            now = self._clock()
+            running = [now - j.started for j in self._jobs.values() if j.status == RUNNING and j.started]
+            steps = self.generator.settings.num_steps if self.generator is not None else 1
+            fallback = (self._warm_clip_s or 1.0) * steps
+            return retry_after_seconds(list(self._finishes), running, fallback)
 
     def _gauges(self) -> None:
         if self.metrics:
@@ -398,12 +573,15 @@ class Engine:
             self.metrics.running.set(self._running)
 
     def _evict(self) -> None:
+        """Keep at most ``keep_results`` jobs in memory; without a store their clips go too (with one,
+        the retention sweep decides)."""
         with self._cond:
             done = [j for j in self._jobs.values() if j.status in (DONE, FAILED)]
             for j in done[: max(0, len(self._jobs) - self.config.keep_results)]:
                 self._jobs.pop(j.id, None)
-                for p in self.results.glob(f"{j.id}.*"):
-                    p.unlink(missing_ok=True)
+                if self.store is None:
+                    for p in self.results.glob(f"{j.id}.*"):
+                        p.unlink(missing_ok=True)
 
     # -- the batcher ------------------------------------------------------------------------------
     def _next_batch(self) -> list[JobState] | None:
@@ -420,6 +598,8 @@ class Engine:
                         for j in batch:
                             self._queue.remove(j)
                             j.status, j.started = RUNNING, now
+                        if self.store is not None:
+                            self.store.started([j.id for j in batch], now)
                         self._running += len(batch)
                         self._gauges()
                         return batch
@@ -457,11 +637,14 @@ class Engine:
             self.metrics.batch_clips.observe(len(batch))
             self.metrics.batches.labels(clips=str(len(batch))).inc()
         for job, clip in zip(batch, clips):
-            path = self.results / f"{job.id}.npy"
-            tmp = path.with_name(f".{job.id}.tmp{os.getpid()}.npy")
-            np.save(tmp, clip.frames)
-            os.replace(tmp, path)
-            job.result_path = path
+            if self.store is not None:
+                job.result_sha256, job.result_path = self.store.put_result(clip.frames)
+            else:
+                path = self.results / f"{job.id}.npy"
+                tmp = path.with_name(f".{job.id}.tmp{os.getpid()}.npy")
+                np.save(tmp, clip.frames)
+                os.replace(tmp, path)
+                job.result_path = path
             job.metadata = clip.metadata
         self._finish(batch)
 
@@ -470,6 +653,9 @@ class Engine:
         with self._cond:
             for j in batch:
                 j.status, j.finished, j.error = (FAILED if error else DONE), now, error
+                if self.store is not None:
+                    self.store.finished(j.id, now, error=error, metadata=j.metadata, result=j.result_sha256)
+                self._finishes.append(now)
                 if self.metrics:
                     self.metrics.jobs.labels(status=j.status).inc()
                     self.metrics.job_seconds.observe(now - j.submitted)
@@ -492,6 +678,27 @@ class Engine:
                       "buckets": [b.to_yaml() for b in g.runner.buckets], "memory": self.memory,
                       "warmup_seconds": self.warmup_seconds, "checked": g.checked})
         return d
+
+
+def retry_after_seconds(finishes: list[float], running: list[float], fallback: float) -> int:
+    """Whole seconds until the queue next moves: ``1 / rate`` for the drain rate measured over the
+    recent finish times ``finishes`` (ascending clock readings; jobs per second over their span);
+    with fewer than two finishes, a clip's expected time ``fallback`` less what the longest-running
+    job has already spent (``running``: seconds each running job has run). At least 1, at most 3600."""
+    if len(finishes) >= 2 and finishes[-1] > finishes[0]:
+        wait = (finishes[-1] - finishes[0]) / (len(finishes) - 1)
+    else:
+        wait = fallback - max(running, default=0.0)
+    return int(min(3600, max(1, math.ceil(wait))))
+
+
+def _stored_request(request) -> dict:
+    """The request as JSON for the store; an in-process image (array, PIL) cannot be stored."""
+    d = dataclasses.asdict(request)
+    if d.get("image") is not None and not isinstance(d["image"], str):
+        raise ConfigError("a server with a job store takes the image as a data URL or a path string, not a "
+                          f"{type(d['image']).__name__}")
+    return d
 
 
 def _probe_request(generator):

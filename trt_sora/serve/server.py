@@ -1,6 +1,6 @@
 """The reference HTTP server: FastAPI on uvicorn over :class:`~trt_sora.serve.scheduler.Engine`.
 
-``trt-sora serve --run DIR [--host 127.0.0.1 --port 8000]``::
+``trt-sora serve --run DIR [--host 127.0.0.1 --port 8000] [--state-dir S] [--api-keys-file K]``::
 
     POST /v1/jobs                 {"prompt": ..., "seed": 1, "steps": ..., ...}  -> 202 {"id", "status", ...}
     GET  /v1/jobs/{id}            status: queued / running / done / failed, timings, metadata
@@ -13,20 +13,31 @@
     GET  /metrics                 Prometheus text format (see trt_sora.serve.metrics)
 
 Errors are JSON ``{"error": "one line naming the problem and the fix"}``: 400 for a bad request
-(not JSON, unknown key, bad or non-finite value, more steps than ``--max-steps``, a size no bucket
-takes, a query parameter of the wrong type), 404 unknown job or route, 405 wrong method, 409 result
-not ready, 429 queue full (``Retry-After``), 503 not ready / draining, 500 a failed job.
+(not JSON or not UTF-8, nested too deep, unknown key, bad or non-finite value, more steps than
+``--max-steps``, a size no bucket takes, a query parameter of the wrong type), 401 without a valid
+key, 404 unknown job (or another key's) or route, 405 wrong method, 409 result not ready, 413 body
+past ``--max-body-bytes``, 429 queue full or the key's quota reached (``Retry-After`` from the
+queue's measured drain rate), 503 not ready / draining, 500 a failed job. Every answer is counted
+in ``/metrics`` by route and code.
 
-SIGTERM (or SIGINT) drains: ``/readyz`` turns 503, new submissions get 503, every accepted job
-finishes, results stay fetchable for ``drain_grace_s``, then the process exits 0. A second signal
-exits at once.
+Jobs: with ``--state-dir`` each accepted job is committed to the store
+(:class:`~trt_sora.serve.store.JobStore`) before the 202, and a restart resumes what was queued or
+running (kill -9 included). Keys: with ``--api-keys-file`` every route but ``/healthz`` and
+``/readyz`` (and ``/metrics`` with ``--metrics-open``) needs ``Authorization: Bearer KEY``; a
+non-loopback ``--host`` without keys is refused unless ``--insecure-no-auth``.
+
+SIGTERM (or SIGINT) drains: ``/readyz`` turns 503, new submissions get 503, accepted jobs finish
+within ``--drain-timeout``; what does not fit stays in the store and the process exits 0 (see
+:func:`serve`). SIGHUP reloads the keys.
 """
 # no `from __future__ import annotations`: FastAPI reads the endpoints' annotations (Request) at runtime
 
 import dataclasses
 import json
 import logging
+import os
 import signal
+import sys
 import threading
 import time
 
@@ -46,29 +57,56 @@ class BodyTooLarge(ConfigError):
     """The request body is larger than ``--max-body-bytes`` (HTTP 413)."""
 
 
-def make_app(engine, metrics, *, max_body_bytes: int = MAX_BODY_BYTES):
+def make_app(engine, metrics, *, max_body_bytes: int = MAX_BODY_BYTES, keys=None, metrics_open: bool = False):
     """The FastAPI app over ``engine`` (shared by ``trt-sora serve`` and the Ray Serve deployment).
-    ``max_body_bytes``: larger request bodies get 413, read no further than the limit."""
+    ``max_body_bytes``: larger request bodies get 413, read no further than the limit.
+    ``keys``: an :class:`~trt_sora.serve.auth.ApiKeys`; every route but ``/healthz`` and ``/readyz``
+    (and ``/metrics`` when ``metrics_open``) then needs ``Authorization: Bearer KEY`` (401 without),
+    and a key sees only its own jobs."""
     fastapi = require("fastapi", extra="serve")
     from fastapi import Request
     from fastapi.responses import FileResponse, JSONResponse, Response
 
     app = fastapi.FastAPI(title="trt_sora", version="1", docs_url="/docs")
+    open_paths = {"/healthz", "/readyz"} | ({"/metrics"} if metrics_open else set())
 
     def error(status: int, message: str, headers: dict | None = None):
         return JSONResponse({"error": message}, status_code=status, headers=headers)
 
     _json_errors(app, error)
 
+    if keys is not None:
+        @app.middleware("http")
+        async def authenticate(request: Request, call_next):
+            if request.url.path in open_paths:
+                return await call_next(request)
+            key_id = keys.identify(request.headers.get("authorization"))
+            if key_id is None:
+                metrics.rejected.labels(reason="unauthorized").inc()
+                had = "an unknown key" if request.headers.get("authorization") else "no key"
+                return error(401, f"{had}: send `Authorization: Bearer KEY` with a key of this server's "
+                                  "--api-keys-file", {"WWW-Authenticate": "Bearer"})
+            request.state.key_id = key_id
+            return await call_next(request)
+
     @app.middleware("http")
     async def measure(request: Request, call_next):
         t0 = time.perf_counter()
         response = await call_next(request)
-        route = request.scope.get("route")
-        path = getattr(route, "path", "unmatched")
+        path = _route_of(app, request.scope)
         metrics.http_requests.labels(route=path, method=request.method, status=str(response.status_code)).inc()
         metrics.http_seconds.labels(route=path).observe(time.perf_counter() - t0)
         return response
+
+    def caller(request: Request) -> str | None:
+        return getattr(request.state, "key_id", None)
+
+    def lookup(request: Request, job_id: str):
+        """The job, or None when it is unknown or another key's (a key sees only its own jobs)."""
+        job = engine.get(job_id)
+        if job is None or (keys is not None and job.key_id != caller(request)):
+            return None
+        return job
 
     async def read_body(request: Request) -> bytes:
         """The body, refused (BodyTooLarge) as soon as it is known to pass ``max_body_bytes``: by its
@@ -107,13 +145,18 @@ def make_app(engine, metrics, *, max_body_bytes: int = MAX_BODY_BYTES):
                               '("data:image/png;base64,..."), not a path')
         return ClipRequest.from_dict(body, where="request body")
 
-    def submit_or_error(req):
-        from trt_sora.serve.scheduler import Draining, NotReady, QueueFull
+    def submit_or_error(req, key_id):
+        from trt_sora.serve.scheduler import Draining, NotReady, QueueFull, QuotaExceeded
 
         try:
-            return engine.submit(req), None
+            job = engine.submit(req, key_id=key_id)
+            log.info("serve: job %s accepted%s", job.id, f" for key {key_id}" if key_id else "")
+            return job, None
         except QueueFull as exc:
             metrics.rejected.labels(reason="queue_full").inc()
+            return None, error(429, str(exc), {"Retry-After": str(engine.retry_after())})
+        except QuotaExceeded as exc:
+            metrics.rejected.labels(reason="quota").inc()
             return None, error(429, str(exc), {"Retry-After": str(engine.retry_after())})
         except (Draining, NotReady) as exc:
             metrics.rejected.labels(reason="draining" if isinstance(exc, Draining) else "not_ready").inc()
@@ -133,30 +176,36 @@ def make_app(engine, metrics, *, max_body_bytes: int = MAX_BODY_BYTES):
             req = await parse(request)
         except ConfigError as exc:
             return refused(exc)
-        job, err = submit_or_error(req)
+        job, err = submit_or_error(req, caller(request))
         if err is not None:
             return err
         return JSONResponse({**job.view(), "links": {"status": f"/v1/jobs/{job.id}",
                                                      "result": f"/v1/jobs/{job.id}/result"}}, status_code=202)
 
     @app.get("/v1/jobs/{job_id}")
-    async def status(job_id: str, wait: float = 0.0):
+    async def status(request: Request, job_id: str, wait: float = 0.0):
         import anyio
 
         if not 0 <= wait <= MAX_POLL_WAIT_S:
             return error(400, f"wait={wait} must be seconds in [0, {MAX_POLL_WAIT_S:g}]")
-        job = engine.get(job_id)
+        job = lookup(request, job_id)
         if job is None:
             return error(404, f"no job {job_id!r} (unknown, or dropped after keep_results newer jobs)")
         if wait > 0:
             await anyio.to_thread.run_sync(job.done_event.wait, wait)
         return job.view()
 
-    def result_response(job, fmt: str, scale: int):
+    def bad_output(fmt: str, scale: int):
         if fmt not in MEDIA:
             return error(400, f"format={fmt!r}; use one of {', '.join(MEDIA)}")
         if scale < 1 or scale > 16:
             return error(400, f"scale={scale} must be in 1..16")
+        return None
+
+    def result_response(job, fmt: str, scale: int):
+        bad = bad_output(fmt, scale)
+        if bad is not None:
+            return bad
         if job.status == "failed":
             return error(500, f"job {job.id} failed: {job.error}")
         if job.status != "done":
@@ -166,8 +215,8 @@ def make_app(engine, metrics, *, max_body_bytes: int = MAX_BODY_BYTES):
                             headers={"X-Trt-Sora-Seed": str(job.request.seed)})
 
     @app.get("/v1/jobs/{job_id}/result")
-    def result(job_id: str, format: str = "mp4", scale: int = 1):
-        job = engine.get(job_id)
+    def result(request: Request, job_id: str, format: str = "mp4", scale: int = 1):
+        job = lookup(request, job_id)
         if job is None:
             return error(404, f"no job {job_id!r}")
         return result_response(job, format, scale)
@@ -182,7 +231,10 @@ def make_app(engine, metrics, *, max_body_bytes: int = MAX_BODY_BYTES):
             return refused(exc)
         if not 0 < timeout < float("inf"):
             return error(400, f"timeout={timeout} must be a number of seconds > 0")
-        job, err = submit_or_error(req)
+        bad = bad_output(format, scale)  # before any work, not after the clip is made
+        if bad is not None:
+            return bad
+        job, err = submit_or_error(req, caller(request))
         if err is not None:
             return err
         await anyio.to_thread.run_sync(job.done_event.wait, timeout)
@@ -210,6 +262,20 @@ def make_app(engine, metrics, *, max_body_bytes: int = MAX_BODY_BYTES):
         return Response(body, media_type=ctype)
 
     return app
+
+
+def _route_of(app, scope) -> str:
+    """The route template a request matched (``/v1/jobs/{job_id}``), also for one answered before
+    routing (a 401 from the auth middleware); ``unmatched`` for paths no route takes."""
+    route = scope.get("route")
+    if route is not None:
+        return route.path
+    from starlette.routing import Match
+
+    for r in app.routes:
+        if r.matches(scope)[0] == Match.FULL:
+            return r.path
+    return "unmatched"
 
 
 def _check_json(body, depth: int = 0) -> None:
@@ -280,56 +346,111 @@ class HttpConfig:
     drain_grace_s: float = 2.0
     log_level: str = "warning"
     max_body_bytes: int = MAX_BODY_BYTES
+    api_keys_file: str | None = None
+    metrics_open: bool = False
+    insecure_no_auth: bool = False
+
+    def keys(self):
+        """The API keys (None without a keys file); ConfigError for a public address without keys."""
+        from trt_sora.serve.auth import ApiKeys, is_loopback
+
+        if self.api_keys_file:
+            return ApiKeys(self.api_keys_file)
+        if not is_loopback(self.host) and not self.insecure_no_auth:
+            raise ConfigError(f"--host {self.host} reaches beyond this machine and no --api-keys-file is given: "
+                              "anyone could submit jobs; give --api-keys-file PATH (one key a line), or "
+                              "--insecure-no-auth to serve without keys on purpose")
+        return None
 
 
 def serve(load, config, http: HttpConfig = HttpConfig(), *, text_encoder: str | None = None,
-          on_listen=None, on_ready=None) -> int:
-    """Run the server until a signal drains it; returns the exit code (0 after a clean drain).
+          on_listen=None, on_ready=None, hard_exit: bool = False) -> int:
+    """Run the server until a signal drains it; returns the exit code.
 
     ``load``: ``() -> runner`` (loading and warm-up happen after the port is open, so ``/healthz``
     answers at once and ``/readyz`` turns 200 when the engine is warm).
     ``on_listen(engine, host, port)``: called once the socket is bound (``http.port`` 0 binds a free
     port: this is where its number is known). ``on_ready(engine)``: called once the engine is warm.
+
+    The first SIGTERM/SIGINT drains: running and queued jobs finish within ``drain_timeout_s``. If
+    they do not (or a second signal comes), the workers take no more batches; with a job store
+    (``config.state_dir``) the jobs left stay queued there for the next start and the exit code is
+    0, without one they are lost and it is 1. ``hard_exit``: when a batch is still inside the model
+    at that point, end the process with ``os._exit`` (a native call cannot be interrupted, and
+    finalizing the interpreter under it aborts); the store has every job already.
+    SIGHUP reloads ``--api-keys-file``.
     """
     uvicorn = require("uvicorn", extra="serve")
     from trt_sora.serve.metrics import ServerMetrics
     from trt_sora.serve.scheduler import Engine
 
+    keys = http.keys()
     metrics = ServerMetrics()
     engine = Engine(load, config, metrics=metrics, text_encoder=text_encoder, on_ready=on_ready)
-    app = make_app(engine, metrics, max_body_bytes=http.max_body_bytes)
+    app = make_app(engine, metrics, max_body_bytes=http.max_body_bytes, keys=keys, metrics_open=http.metrics_open)
     outcome = {"code": 0}
+
+    def stop_now(why: str) -> None:
+        left = engine.stop_workers()
+        if engine.store is not None:
+            log.warning("serve: %s: %d queued job(s) stay in %s for the next start; %d running", why, len(left),
+                        engine.store.path, engine.running)
+        elif left or engine.running:
+            outcome["code"] = 1
+            log.error("serve: %s: %d queued and %d running job(s) are lost (no --state-dir)", why, len(left),
+                      engine.running)
 
     class DrainingServer(uvicorn.Server):
         """uvicorn's server whose first SIGTERM/SIGINT drains the engine before shutting down."""
 
         def handle_exit(self, sig, frame):  # noqa: ARG002 (signal handler signature)
+            name = signal.Signals(sig).name
             if engine.draining:  # a second signal: stop now
-                outcome["code"] = 128 + int(sig)
+                stop_now(f"second {name}")
                 self.force_exit = self.should_exit = True
                 return
             engine.begin_drain()  # /readyz and new submissions answer 503 from here on
-            log.warning("serve: signal %s: draining (%d queued)", signal.Signals(sig).name, engine.queue_depth)
+            log.warning("serve: signal %s: draining (%d queued)", name, engine.queue_depth)
             threading.Thread(target=self._drain, daemon=True).start()
 
         def _drain(self):
-            drained = engine.drain(http.drain_timeout_s)
-            if not drained:
-                outcome["code"] = 1
-                log.error("serve: drain timed out after %.0f s", http.drain_timeout_s)
-            time.sleep(http.drain_grace_s)  # let clients fetch the last results
+            if engine.drain(http.drain_timeout_s):
+                time.sleep(http.drain_grace_s)  # let clients fetch the last results
+            else:
+                stop_now(f"drain timed out after {http.drain_timeout_s:g} s")
             self.should_exit = True
 
     sock = _bind(http.host, http.port)
     host, port = sock.getsockname()[:2]
     server = DrainingServer(uvicorn.Config(app, host=host, port=port, log_level=http.log_level,
                                            lifespan="off", timeout_graceful_shutdown=5))
+    if keys is not None:
+        _reload_on_sighup(keys)
     if on_listen:
         on_listen(engine, host, port)
     engine.start()
     server.run(sockets=[sock])
+    busy = engine.busy
     engine.close()
+    if busy and hard_exit:
+        log.warning("serve: exiting while the model runs (%d clip(s), warm-up %s)", engine.running,
+                    "done" if engine.ready else "unfinished")
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(outcome["code"])
     return outcome["code"]
+
+
+def _reload_on_sighup(keys) -> None:
+    def reload(sig, frame):  # noqa: ARG001 (signal handler signature)
+        try:
+            log.warning("serve: SIGHUP: %d API key(s) loaded from %s", keys.reload(), keys.path)
+        except ConfigError as exc:
+            log.error("serve: SIGHUP: keeping the %d key(s) in use: %s", len(keys), exc)
+
+    if hasattr(signal, "SIGHUP"):
+        signal.signal(signal.SIGHUP, reload)
 
 
 def _bind(host: str, port: int):
