@@ -2,6 +2,7 @@
 import hashlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -251,6 +252,96 @@ def test_quality_gate_against_the_pytorch_model(tiny_runner, checked_run, tmp_pa
     s = run_batch(tiny_runner, jobs, tmp_path / "b", BatchConfig(formats=("npy",), gate=GateConfig(min_psnr_db=99)),
                   reference_runner=ref)
     assert not s.ok and s.data["gate_failed"] == 1 and s.data["gate_failures"][0]["id"] == "kite"
+
+
+def _vmaf_by_hand(ref: np.ndarray, dis: np.ndarray, tmp: Path) -> float:
+    """Mean VMAF of ``dis`` against ``ref`` by a separately written ffmpeg call: the streams labelled
+    by role in a filter graph, the model named explicitly (libvmaf's default, vmaf_v0.6.1), the mean
+    taken here over the per-frame scores of libvmaf's XML log (that log's own pooled mean is not the
+    mean of its frames' scores, which are clipped at 100); frames upscaled (nearest) to at least 256
+    rows as the batch documents."""
+    from trt_sora.runtime.video import ffmpeg_exe
+
+    _, h, w, _ = ref.shape
+    k = -(-256 // h)
+    (tmp / "ref.rgb").write_bytes(ref.tobytes())
+    (tmp / "dis.rgb").write_bytes(dis.tobytes())
+    raw = ["-f", "rawvideo", "-pix_fmt", "rgb24", "-video_size", f"{w}x{h}", "-framerate", "16"]
+    up = f"scale={w * k}:{h * k}:flags=neighbor,format=yuv420p"
+    graph = (f"[0:v]{up}[ref];[1:v]{up}[dis];"
+             f"[dis][ref]libvmaf=model=version=vmaf_v0.6.1:log_fmt=xml:log_path={tmp / 'vmaf.xml'}")
+    subprocess.run([ffmpeg_exe(), "-hide_banner", "-loglevel", "error", *raw, "-i", str(tmp / "ref.rgb"), *raw, "-i",
+                    str(tmp / "dis.rgb"), "-filter_complex", graph, "-f", "null", "-"], check=True)
+    frames = [float(v) for v in re.findall(r'<frame [^>]*vmaf="([\d.]+)"', (tmp / "vmaf.xml").read_text())]
+    assert len(frames) == len(ref)
+    return float(np.mean(frames))
+
+
+def test_psnr_and_vmaf_thresholds_fail_the_clip_and_the_command(checked_run, tmp_path, capsys):
+    """``batch --psnr-threshold DB --vmaf-threshold S`` against the PyTorch model (the default
+    reference): each clip's record keeps its per-frame PSNR and its VMAF, equal to numpy's PSNR and
+    to a separate ffmpeg/libvmaf call on the same frames; a bar exactly at a clip's score passes, the
+    next float above it fails that clip (status gate_failed, the missed bar named) and exits 1."""
+    import trt_sora.runtime as rt
+    from trt_sora.cli import main
+    from trt_sora.runtime.video import has_ffmpeg_filter
+
+    if not has_ffmpeg_filter("libvmaf"):
+        pytest.skip("this ffmpeg has no libvmaf (the imageio-ffmpeg wheel's has it)")
+    jobs = _write_jobs(tmp_path / "jobs.jsonl", [{"id": "kite", "prompt": "a red kite", "seed": 1}])
+
+    def batch(out: str, *bars: str) -> tuple[int, dict, str]:
+        rc = main(["batch", "--run", str(checked_run), "--backend", "ort", "--prompts", str(jobs), "--out",
+                   str(tmp_path / out), "--formats", "npy", "--threads", "1", "--no-progress", *bars])
+        rec = json.loads((tmp_path / out / "clips" / "kite.json").read_text())
+        return rc, rec, capsys.readouterr().err
+
+    rc, rec, _ = batch("loose", "--psnr-threshold", "30", "--vmaf-threshold", "50")
+    g = rec["gate"]
+    assert rc == 0 and rec["status"] == "done" and g["below"] == [] and (g["min_psnr_db"], g["min_vmaf"]) == (30, 50)
+    got = np.load(tmp_path / "loose" / "clips" / "kite.npy")
+    want = rt.generate(rt.load(checked_run, backend="torch", warmup=False), ["a red kite"], seed=1)[0].frames
+    mse = ((got.astype(np.float64) - want.astype(np.float64)) ** 2).mean(axis=(1, 2, 3))
+    np.testing.assert_allclose(g["psnr_db"], 10 * np.log10(255.0 ** 2 / mse), rtol=1e-12)
+    assert g["worst_psnr_db"] == min(g["psnr_db"]) and 30 < g["worst_psnr_db"] < 100
+    assert g["vmaf"] == pytest.approx(_vmaf_by_hand(want, got, tmp_path), abs=1e-5) and 50 < g["vmaf"] < 100
+    man = json.loads((tmp_path / "loose" / "manifest.json").read_text())["results"]["clips"]["kite"]
+    assert man["gate"] is True and man["quality"]["vmaf"] == g["vmaf"]
+
+    vmaf, worst = g["vmaf"], g["worst_psnr_db"]
+    rc, rec, _ = batch("at-bar", "--psnr-threshold", repr(worst), "--vmaf-threshold", repr(vmaf))
+    assert rc == 0 and rec["status"] == "done" and rec["gate"]["vmaf"] == vmaf  # a score equal to its bar passes
+    rc, rec, err = batch("vmaf-above", "--vmaf-threshold", repr(float(np.nextafter(vmaf, 101.0))))
+    assert rc == 1 and rec["status"] == "gate_failed" and rec["gate"]["below"] == ["vmaf"]
+    assert f"below the gate kite (vmaf): worst-frame PSNR {worst:.2f} dB" in err and f"VMAF {vmaf:.2f}" in err
+    rc, rec, err = batch("psnr-above", "--psnr-threshold", repr(float(np.nextafter(worst, np.inf))))
+    assert rc == 1 and rec["status"] == "gate_failed" and rec["gate"]["below"] == ["psnr"]
+    assert rec["gate"]["vmaf"] is None and "below the gate kite (psnr)" in err  # VMAF not asked: not computed
+    summary = json.loads((tmp_path / "psnr-above" / "summary.json").read_text())
+    assert summary["gate_failed"] == 1 and summary["gate_failures"][0]["below"] == ["psnr"]
+
+
+def test_vmaf_without_libvmaf_is_refused_before_anything_is_written(tiny_runner, tmp_path, monkeypatch):
+    """run_batch asked for VMAF by an ffmpeg without the libvmaf filter (one that has vmafmotion, a
+    name that merely contains 'vmaf'): a typed error naming the filter and the fix, no output folder."""
+    from trt_sora.serve.batch import BatchConfig, GateConfig, run_batch
+    from trt_sora.serve.quality import VmafUnavailableError
+
+    monkeypatch.setenv("IMAGEIO_FFMPEG_EXE", str(_ffmpeg_without_libvmaf(tmp_path)))
+    jobs = _write_jobs(tmp_path / "jobs.jsonl", [{"id": "kite", "prompt": "a red kite"}])
+    for gate, flag in ((GateConfig(min_vmaf=80.0), "--vmaf-threshold"), (GateConfig(vmaf=True), "--vmaf")):
+        with pytest.raises(VmafUnavailableError, match=f"{flag} needs ffmpeg's 'libvmaf' filter.*imageio-ffmpeg"):
+            run_batch(tiny_runner, jobs, tmp_path / "out", BatchConfig(gate=gate), reference_runner=tiny_runner)
+    assert not (tmp_path / "out").exists()
+
+
+def _ffmpeg_without_libvmaf(tmp_path: Path) -> Path:
+    """A stand-in ffmpeg whose ``-filters`` lists scale and vmafmotion but not libvmaf."""
+    exe = tmp_path / "ffmpeg-no-vmaf"
+    exe.write_text("#!/bin/sh\nprintf 'Filters:\\n ... scale V->V Scale the input video size.\\n"
+                   " .. vmafmotion V->V Calculate the VMAF Motion score.\\n'\n")
+    exe.chmod(0o755)
+    return exe
 
 
 def _cli(*args):

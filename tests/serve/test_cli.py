@@ -92,6 +92,45 @@ def test_batch_checks_ids_and_numbers_before_the_model_loads(tmp_path, monkeypat
     assert main([*run, "--retry-wait", "nan"]) == 2 and "retry_wait=nan" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["jobs.jsonl"]
 
+BAD_GATE = {
+    "vmaf-150": (["--vmaf-threshold", "150"], r"min_vmaf \(--vmaf-threshold\) = 150.0 is outside \[0, 100\]"),
+    "vmaf-nan": (["--vmaf-threshold", "nan"], r"min_vmaf \(--vmaf-threshold\) = nan is outside"),
+    "psnr-negative": (["--psnr-threshold", "-1"], r"min_psnr_db \(--psnr-threshold\) = -1.0 is outside \[0, 200\]"),
+    "min-psnr-alias": (["--min-psnr", "inf"], r"min_psnr_db \(--psnr-threshold\) = inf is outside"),
+    "no-libvmaf": (["--vmaf-threshold", "80"], r"--vmaf-threshold needs ffmpeg's 'libvmaf' filter, and this ffmpeg "
+                   r"\(.*ffmpeg-no-vmaf\) was built without it .*fix: pip install -U imageio-ffmpeg"),
+    "no-libvmaf-report": (["--gate-against", "ort", "--vmaf"], r"--vmaf needs ffmpeg's 'libvmaf' filter"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_GATE))
+def test_batch_checks_quality_bars_and_libvmaf_before_the_model_loads(tmp_path, monkeypatch, capsys, case):
+    """A bar out of range, or VMAF asked of an ffmpeg whose -filters lists no libvmaf (a stand-in
+    that lists vmafmotion, whose name merely contains 'vmaf'): exit 2 with a typed error naming the
+    option and the fix; neither model is loaded and nothing is written."""
+    import trt_sora.cli.generate as gen_cli
+    import trt_sora.runtime as rt
+    from trt_sora.cli import main
+
+    def never(*a, **k):
+        raise AssertionError("a model was loaded before the quality bars were checked")
+
+    monkeypatch.setattr(gen_cli, "load_runner", never)
+    monkeypatch.setattr(rt, "load", never)
+    exe = tmp_path / "ffmpeg-no-vmaf"
+    exe.write_text("#!/bin/sh\nprintf 'Filters:\\n ... scale V->V Scale the input video size.\\n"
+                   " .. vmafmotion V->V Calculate the VMAF Motion score.\\n'\n")
+    exe.chmod(0o755)
+    monkeypatch.setenv("IMAGEIO_FFMPEG_EXE", str(exe))
+    jobs = tmp_path / "jobs.jsonl"
+    jobs.write_text(json.dumps({"id": "kite", "prompt": "a red kite"}) + "\n")
+    args, message = BAD_GATE[case]
+    assert main(["batch", "--run", str(tmp_path / "no-run-folder"), "--prompts", str(jobs), "--out",
+                 str(tmp_path / "out"), *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("trt-sora batch: error: ") and re.search(message, err), err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ffmpeg-no-vmaf", "jobs.jsonl"]
+
 
 def test_ls_shows_gates_backends_and_sizes(checked_run, base_run, capsys):
     from trt_sora.cli import main

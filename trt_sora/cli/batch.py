@@ -23,13 +23,16 @@ def add_parser(sub) -> None:
     p.add_argument("--retry-wait", type=float, default=1.0, help="first backoff in seconds (doubles)")
     p.add_argument("--max-batch", type=int, default=None, help="at most N clips per transformer call group")
     p.add_argument("--cfg", default="auto", choices=["auto", "batched", "split"])
-    g = p.add_argument_group("quality gate (each clip made again by a reference backend and compared)")
+    g = p.add_argument_group("quality gate (each clip made again by a reference backend and compared; any of these "
+                             "options turns it on; a clip under a bar is a failed job and the command exits 1)")
     g.add_argument("--gate-against", default=None, choices=["torch", "ort"],
-                   help="reference backend (torch: the PyTorch model; ort: the unquantized ONNX export)")
-    g.add_argument("--min-psnr", type=float, default=None, help="worst-frame PSNR bar in dB (default: the run "
-                   "folder's parity.frames gate)")
+                   help="reference backend (torch: the PyTorch model, the default; ort: the unquantized ONNX export)")
+    g.add_argument("--psnr-threshold", "--min-psnr", dest="min_psnr", type=float, default=None, metavar="DB",
+                   help="worst-frame PSNR bar in dB (default: the run folder's parity.frames gate, else 25)")
+    g.add_argument("--vmaf-threshold", type=float, default=None, metavar="SCORE",
+                   help="mean VMAF bar, 0-100 (ffmpeg's libvmaf, default model; needs an ffmpeg with libvmaf)")
     g.add_argument("--min-ssim", type=float, default=None, help="mean SSIM bar (default: reported only)")
-    g.add_argument("--vmaf", action="store_true", help="also report VMAF (needs an ffmpeg with libvmaf)")
+    g.add_argument("--vmaf", action="store_true", help="also report VMAF without gating on it (needs libvmaf)")
     r = p.add_argument_group("Ray (spread the jobs over a cluster's workers; pip install 'trt_sora[ray]')")
     r.add_argument("--ray", action="store_true", help="run the clip groups on Ray workers")
     r.add_argument("--ray-address", default=None, help="cluster address (default: start a local Ray)")
@@ -41,13 +44,18 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from trt_sora.serve.batch import BatchConfig, GateConfig, read_jobs, run_batch
+    from trt_sora.serve.quality import require_vmaf
 
-    gate = GateConfig(reference=args.gate_against, min_psnr_db=args.min_psnr, min_ssim=args.min_ssim,
-                      vmaf=args.vmaf) if args.gate_against else None
+    gated = args.gate_against or args.vmaf or any(v is not None for v in (args.min_psnr, args.min_ssim,
+                                                                          args.vmaf_threshold))
+    gate = GateConfig(reference=args.gate_against or "torch", min_psnr_db=args.min_psnr, min_ssim=args.min_ssim,
+                      vmaf=args.vmaf, min_vmaf=args.vmaf_threshold) if gated else None
     config = BatchConfig(formats=tuple(f.strip() for f in args.formats.split(",") if f.strip()), scale=args.scale,
                          retries=args.retries, retry_wait=args.retry_wait, max_batch=args.max_batch, cfg=args.cfg,
                          gate=gate)
     jobs = read_jobs(args.prompts)  # a bad jobs file fails before anything loads
+    if gate and gate.wants_vmaf:  # so does an ffmpeg without libvmaf
+        require_vmaf("--vmaf-threshold" if gate.min_vmaf is not None else "--vmaf")
     kwargs = {}
     if args.ray:
         from trt_sora.serve.ray_fleet import RayExecutor
@@ -78,8 +86,10 @@ def run(args) -> int:
           f"{args.out}/summary.md")
     for f in d["failures"]:
         print(f"  failed {f['id']} (line {f['line']}): {f['error']}", file=sys.stderr)
-    if d.get("gate") and isinstance(d["gate"].get("vmaf"), str) and args.vmaf:
-        print(f"  {d['gate']['vmaf']}", file=sys.stderr)
+    for f in d["gate_failures"]:
+        vmaf = "-" if f["vmaf"] is None else f"{f['vmaf']:.2f}"
+        print(f"  below the gate {f['id']} ({', '.join(f['below'] or [])}): worst-frame PSNR "
+              f"{f['worst_psnr_db']:.2f} dB, mean SSIM {f['mean_ssim']:.4f}, VMAF {vmaf}", file=sys.stderr)
     return 0 if summary.ok else 1
 
 

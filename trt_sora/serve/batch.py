@@ -35,8 +35,10 @@ naming its line), and every path the batch writes or removes goes through one he
 Failures: errors that look transient (out of memory, timeouts, lost workers, I/O errors) are retried
 with backoff (an out-of-memory error also halves the batch); a job that fails for good is recorded
 (``status: failed`` with the error) and the batch goes on. Optional quality gate: each clip is also
-made by a reference backend and compared (worst-frame PSNR, mean SSIM; VMAF when this ffmpeg has
-libvmaf); clips under the bar are recorded ``gate_failed`` and the batch exits non-zero.
+made by a reference backend and compared (worst-frame PSNR, mean SSIM, VMAF through ffmpeg's
+libvmaf: a batch asking for VMAF from an ffmpeg without it is refused before anything runs); each
+clip's record keeps its scores and the bars, a clip under any bar is recorded ``gate_failed`` and the
+batch exits non-zero.
 """
 from __future__ import annotations
 
@@ -58,6 +60,7 @@ import numpy as np
 from trt_sora.errors import ConfigError, TrtSoraError
 from trt_sora.manifest import sha256_file, write_json, write_manifest
 from trt_sora.runtime.generate import MAX_SCALE, ClipRequest, check_bounds
+from trt_sora.serve.quality import compare_clips, require_vmaf
 
 log = logging.getLogger("trt_sora")
 
@@ -69,6 +72,7 @@ _ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
 _ID_FIX = "an id names the job's files: use 1-128 letters, digits, '-' or '_' (or leave it out: line-<n>)"
 MAX_RETRY_WAIT = 3600.0  # the first backoff; it doubles per retry
 DONE, FAILED, GATE_FAILED = "done", "failed", "gate_failed"
+GATE_REFERENCES = ("torch", "ort")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,13 +85,34 @@ class GateConfig:
         min_psnr_db: worst-frame PSNR bar in dB (peak 255 on uint8 frames); None = the run folder's
             ``parity.frames.min_psnr_db`` gate (else 25).
         min_ssim: mean-SSIM bar (None: not gated, only reported).
-        vmaf: also compute VMAF (needs an ffmpeg with libvmaf; reported, not gated).
+        vmaf: also compute VMAF (needs an ffmpeg with libvmaf); reported, gated only by ``min_vmaf``.
+        min_vmaf: mean-VMAF bar, 0-100 (None: not gated); setting it computes VMAF whatever ``vmaf`` says.
     """
 
     reference: str = "torch"
     min_psnr_db: float | None = None
     min_ssim: float | None = None
     vmaf: bool = False
+    min_vmaf: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.reference not in GATE_REFERENCES:
+            raise ConfigError(f"gate reference {self.reference!r} is not a reference backend; use one of "
+                              f"{', '.join(GATE_REFERENCES)} (--gate-against)")
+        for name, flag, value, lo, hi, what in (
+                ("min_psnr_db", "--psnr-threshold", self.min_psnr_db, 0.0, 200.0, "dB, peak 255"),
+                ("min_ssim", "--min-ssim", self.min_ssim, -1.0, 1.0, "mean SSIM"),
+                ("min_vmaf", "--vmaf-threshold", self.min_vmaf, 0.0, 100.0, "VMAF score")):
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi:  # NaN fails
+                raise ConfigError(f"{name} ({flag}) = {value!r} is outside [{lo:g}, {hi:g}] ({what}); give a number "
+                                  "in that range, or leave it out")
+
+    @property
+    def wants_vmaf(self) -> bool:
+        """Whether each clip's VMAF is computed (asked for, or gated)."""
+        return self.vmaf or self.min_vmaf is not None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -421,6 +446,8 @@ def run_batch(runner, jobs, out_dir, config: BatchConfig = BatchConfig(), *, ref
         executor = LocalExecutor(gen, ref, cfg=config.cfg)
     gen = executor.generator
     check_jobs(jobs)  # before the output folder is touched
+    if config.gate and config.gate.wants_vmaf:
+        require_vmaf("--vmaf-threshold" if config.gate.min_vmaf is not None else "--vmaf")
     out = _Out(Path(out_dir))
     out.lock()
     try:
@@ -564,12 +591,10 @@ def _commit(out: _Out, job: Job, fp: str, clip, ref_clip, config: BatchConfig, g
         outputs[fmt] = {"path": str(p.relative_to(out.root)), "sha256": sha256_file(p), "bytes": p.stat().st_size}
     status, gate = DONE, None
     if ref_clip is not None:
-        from trt_sora.serve.quality import compare_clips
-
-        gate = compare_clips(ref_clip.frames, clip.frames, vmaf=config.gate.vmaf)
+        gate = compare_clips(ref_clip.frames, clip.frames, vmaf=config.gate.wants_vmaf)
         gate.update(gate_bar)
-        gate["passed"] = gate["worst_psnr_db"] >= gate_bar["min_psnr_db"] and (
-            gate_bar["min_ssim"] is None or gate["mean_ssim"] >= gate_bar["min_ssim"])
+        gate["below"] = _below(gate, gate_bar)
+        gate["passed"] = not gate["below"]
         status = DONE if gate["passed"] else GATE_FAILED
     rec = {"id": job.id, "line": job.line, "status": status, "fingerprint": fp,
            "request": dataclasses.asdict(job.request), "outputs": outputs,
@@ -579,6 +604,19 @@ def _commit(out: _Out, job: Job, fp: str, clip, ref_clip, config: BatchConfig, g
            "finished": _now(), "worker": clip.metadata.get("worker", f"{socket.gethostname()}:{os.getpid()}")}
     write_json(out.record_path(job.id), rec)
     return rec
+
+
+def _below(scores: dict, bar: dict) -> list[str]:
+    """The bars a clip's scores miss, of ``psnr``, ``ssim``, ``vmaf`` (a VMAF that could not be
+    computed misses its bar: an unmeasured clip never passes)."""
+    below = []
+    if not scores["worst_psnr_db"] >= bar["min_psnr_db"]:
+        below.append("psnr")
+    if bar["min_ssim"] is not None and not scores["mean_ssim"] >= bar["min_ssim"]:
+        below.append("ssim")
+    if bar["min_vmaf"] is not None and not (isinstance(scores["vmaf"], float) and scores["vmaf"] >= bar["min_vmaf"]):
+        below.append("vmaf")
+    return below
 
 
 def _gate_bar(run: Path, gate: GateConfig) -> dict:
@@ -592,7 +630,8 @@ def _gate_bar(run: Path, gate: GateConfig) -> dict:
             source = f"{run}/parity manifest (parity.frames.min_psnr_db)"
         except (TrtSoraError, KeyError, TypeError, ValueError):
             bar, source = 25.0, "default 25 dB (no parity.frames gate recorded)"
-    return {"reference": gate.reference, "min_psnr_db": bar, "min_psnr_source": source, "min_ssim": gate.min_ssim}
+    return {"reference": gate.reference, "min_psnr_db": bar, "min_psnr_source": source, "min_ssim": gate.min_ssim,
+            "min_vmaf": gate.min_vmaf}
 
 
 def _write_manifest(out: _Out, gen, jobs, jobs_path, records, config: BatchConfig, artifact) -> None:
@@ -608,7 +647,7 @@ def _write_manifest(out: _Out, gen, jobs, jobs_path, records, config: BatchConfi
                          "outputs": rec.get("outputs", {}), "frames_sha256": (rec.get("frames") or {}).get("sha256"),
                          "settings": (rec.get("metadata") or {}).get("sampling"),
                          "seconds": rec.get("seconds"), "error": rec.get("error"),
-                         "gate": (rec.get("gate") or {}).get("passed")}
+                         "gate": (rec.get("gate") or {}).get("passed"), "quality": _scores(rec.get("gate"))}
     inputs = {"run": artifact, **({"jobs": file_entry(jobs_path)} if jobs_path else {})}
     out.path("manifest.json")  # write_manifest writes there
     write_manifest(out.root, stage="batch", inputs=inputs, config=config,
@@ -616,10 +655,18 @@ def _write_manifest(out: _Out, gen, jobs, jobs_path, records, config: BatchConfi
                             "clips": clips})
 
 
+def _scores(gate: dict | None) -> dict | None:
+    """A clip's gate scores for the manifest (None without a gate)."""
+    if not gate:
+        return None
+    return {k: gate.get(k) for k in ("worst_psnr_db", "mean_psnr_db", "mean_ssim", "vmaf", "below")}
+
+
 def _summarize(out: _Out, gen, jobs, records, state, batches, latencies, config, wall) -> BatchSummary:
     failures = [{"id": j.id, "line": j.line, "error": records[j.id]["error"]["message"]}
                 for j in jobs if j.id in records and records[j.id]["status"] == FAILED]
-    gate_failures = [{"id": j.id, **{k: records[j.id]["gate"][k] for k in ("worst_psnr_db", "mean_ssim")}}
+    gate_failures = [{"id": j.id, **{k: records[j.id]["gate"].get(k) for k in ("worst_psnr_db", "mean_ssim", "vmaf",
+                                                                             "below")}}
                      for j in jobs if j.id in records and records[j.id]["status"] == GATE_FAILED]
     lat = np.asarray(latencies) if latencies else None
     gates = [r["gate"] for r in records.values() if r.get("gate")]
@@ -644,6 +691,7 @@ def _gate_summary(gates: list[dict], config: BatchConfig) -> dict:
         d["worst_psnr_db"] = min(g["worst_psnr_db"] for g in gates)
         d["worst_mean_ssim"] = min(g["mean_ssim"] for g in gates)
         d["min_psnr_db"] = gates[0]["min_psnr_db"]
+        d["min_vmaf"] = gates[0].get("min_vmaf")
         vm = [g["vmaf"] for g in gates if isinstance(g.get("vmaf"), (int, float))]
         d["vmaf"] = {"min": min(vm), "mean": float(np.mean(vm))} if vm else (gates[0].get("vmaf_note") or "not asked")
     return d
@@ -653,6 +701,12 @@ def _atomic_text(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     tmp.write_text(text)
     os.replace(tmp, path)
+
+
+def _vmaf_text(g: dict) -> str:
+    v = g["vmaf"]
+    text = f"min {v['min']:.2f}, mean {v['mean']:.2f}" if isinstance(v, dict) else str(v)
+    return text + (f" (bar {g['min_vmaf']:g})" if g.get("min_vmaf") is not None else "")
 
 
 def _markdown(d: dict) -> str:
@@ -670,11 +724,14 @@ def _markdown(d: dict) -> str:
         g = d["gate"]
         lines += [f"Quality gate against `{g['reference']}`: {g['clips']} clips" +
                   (f", worst-frame PSNR {g['worst_psnr_db']:.2f} dB (bar {g['min_psnr_db']} dB), worst mean SSIM "
-                   f"{g['worst_mean_ssim']:.4f}; VMAF: {g['vmaf']}" if g["clips"] else ""), ""]
+                   f"{g['worst_mean_ssim']:.4f}; VMAF: {_vmaf_text(g)}" if g["clips"] else ""), ""]
     if d["failures"]:
         lines += ["## Failed", "", "| id | line | error |", "|---|---|---|"]
         lines += [f"| {f['id']} | {f['line']} | {f['error'].replace('|', '/')} |" for f in d["failures"]] + [""]
     if d["gate_failures"]:
-        lines += ["## Below the quality gate", "", "| id | worst PSNR dB | mean SSIM |", "|---|---|---|"]
-        lines += [f"| {f['id']} | {f['worst_psnr_db']:.2f} | {f['mean_ssim']:.4f} |" for f in d["gate_failures"]] + [""]
+        lines += ["## Below the quality gate", "", "| id | worst PSNR dB | mean SSIM | VMAF | below |",
+                  "|---|---|---|---|---|"]
+        lines += [f"| {f['id']} | {f['worst_psnr_db']:.2f} | {f['mean_ssim']:.4f} | "
+                  f"{'-' if f['vmaf'] is None else format(f['vmaf'], '.2f')} | {', '.join(f['below'] or [])} |"
+                  for f in d["gate_failures"]] + [""]
     return "\n".join(lines)

@@ -1,5 +1,6 @@
 """Per-clip quality against a reference clip: worst-frame PSNR and SSIM on the uint8 frames, VMAF
-through ffmpeg's libvmaf filter when this ffmpeg build has it (the imageio-ffmpeg wheel's does)."""
+through ffmpeg's libvmaf filter when this ffmpeg build has it (the imageio-ffmpeg wheel's does;
+:func:`require_vmaf` refuses a build without it before any work)."""
 from __future__ import annotations
 
 import json
@@ -11,11 +12,30 @@ from pathlib import Path
 import numpy as np
 
 from trt_sora.metrics import psnr_from_mse, ssim
+from trt_sora.runtime.video import VideoError, ffmpeg_exe, has_ffmpeg_filter
 
-__all__ = ["compare_clips", "vmaf"]
+__all__ = ["VmafUnavailableError", "compare_clips", "require_vmaf", "vmaf"]
 
 #: VMAF's models are trained on large frames; tiny clips are upscaled (nearest) to this height first.
 VMAF_MIN_HEIGHT = 256
+
+
+class VmafUnavailableError(VideoError):
+    """VMAF was asked for, and this ffmpeg build has no ``libvmaf`` filter."""
+
+
+def require_vmaf(asked_by: str = "VMAF") -> str:
+    """The ffmpeg binary's path when it has the ``libvmaf`` filter; :class:`VmafUnavailableError`
+    naming the filter and the fix otherwise (cheap: one ``ffmpeg -filters``, so callers run it before
+    any model loads). ``asked_by`` names the option that wants VMAF in the message."""
+    exe = ffmpeg_exe()
+    if not has_ffmpeg_filter("libvmaf"):
+        raise VmafUnavailableError(
+            f"{asked_by} needs ffmpeg's 'libvmaf' filter, and this ffmpeg ({exe}) was built without it "
+            f"(`ffmpeg -filters` does not list libvmaf); fix: pip install -U imageio-ffmpeg (its wheel's ffmpeg "
+            "has libvmaf), or point IMAGEIO_FFMPEG_EXE at an ffmpeg configured with --enable-libvmaf, or leave "
+            "VMAF out (the PSNR and SSIM bars need no ffmpeg)")
+    return exe
 
 
 def compare_clips(ref, got, *, vmaf: bool = False) -> dict:
@@ -45,8 +65,6 @@ def compare_clips(ref, got, *, vmaf: bool = False) -> dict:
 def vmaf(ref, got, fps: float = 16.0) -> tuple[float | None, str]:
     """``(mean VMAF, note)`` of ``got`` against ``ref`` (uint8 ``[F, H, W, 3]``) with ffmpeg's libvmaf
     (default model), or ``(None, why not)`` when this ffmpeg has no libvmaf."""
-    from trt_sora.runtime.video import ffmpeg_exe, has_ffmpeg_filter
-
     if not has_ffmpeg_filter("libvmaf"):
         return None, f"VMAF not computed: this ffmpeg ({ffmpeg_exe()}) was built without libvmaf"
     r, g = np.ascontiguousarray(ref), np.ascontiguousarray(got)
