@@ -194,3 +194,42 @@ def test_ready_pipeline_for_the_default_model_needs_no_workarounds():
     got = pipe(caption, latents=noise, output_type="pt").frames  # [B, F, C, H, W] in [0, 1]
     want = ms.sample(model, text.encode([caption]), ms.SampleConfig(steps=1, seed=5))  # [B, C, F, H, W] in [-1, 1]
     torch.testing.assert_close(got.permute(0, 2, 1, 3, 4) * 2 - 1, want, rtol=0, atol=2e-5)
+
+
+def test_a_prompt_longer_than_the_text_dims_is_refused_or_cut_on_request(runner):
+    """The hash encoder keeps ``text_len`` words: one word more is refused naming the limit; with
+    ``truncate`` the clip is the clip of the first ``text_len`` words, and its metadata says so."""
+    import trt_sora.runtime as rt
+    from trt_sora.runtime.generate import ClipRequest, generator_for
+
+    gen = generator_for(runner)
+    limit = gen.default_point["text_len"]
+    words = [f"w{i}" for i in range(limit + 1)]
+    assert gen.resolve(ClipRequest(" ".join(words[:-1]))).truncated == {}
+    with pytest.raises(ConfigError, match=rf"prompt has {limit + 1} tokens; hash's text_len at this size is "
+                                          rf"{limit}: shorten it, or ask to cut it"):
+        rt.generate(runner, " ".join(words), steps=1)
+    with pytest.raises(ConfigError, match=rf"negative_prompt has {limit + 1} tokens"):
+        gen.resolve(ClipRequest("a cat", negative_prompt=" ".join(words)))
+    cut = rt.generate(runner, " ".join(words), steps=2, seed=4, truncate=True)[0]
+    kept = rt.generate(runner, " ".join(words[:-1]), steps=2, seed=4)[0]
+    assert cut.metadata["truncated"] == {"text_len": [limit + 1, limit]} and "truncated" not in kept.metadata
+    np.testing.assert_array_equal(cut.frames, kept.frames)
+
+
+def test_token_counts_are_what_the_encoders_keep():
+    """Each encoder's count is the number of positions it fills when nothing is cut (HunyuanVideo 1.5's
+    stand-in: both streams, read from its masks)."""
+    from trt_sora.models.hunyuan import HunyuanTextEncoder
+    from trt_sora.models.text import HashTextEncoder
+
+    prompts = ["a cat, walking.", 'a sign saying "OPEN 24h" at night', "x"]
+    h = HashTextEncoder(8)
+    for p, n in zip(prompts, h.token_counts(prompts)):
+        assert int((h([p], 32).abs().sum(-1) > 0).sum()) == n["text_len"]
+    hy = HunyuanTextEncoder(8, 4)
+    out = hy(prompts, 32, 32)
+    for i, n in enumerate(hy.token_counts(prompts)):
+        assert int(out["encoder_attention_mask_2"][i].sum()) == n["text_len_2"]
+        assert n["text_len"] >= int(out["encoder_attention_mask"][i].sum())
+    assert [n["text_len_2"] for n in hy.token_counts(prompts)] == [0, 9, 0]

@@ -82,3 +82,22 @@ def test_refusals_are_counted_by_route_and_code(hostile):
     assert http.metric("trt_sora_rejected_total", reason="body_too_large") == before + 1
     assert http.metric("trt_sora_http_requests_total", method="POST", route="/v1/generate", status="413") >= 1
     assert http.metric("trt_sora_http_requests_total", method="POST", route="/v1/jobs", status="400") >= 1
+
+
+def test_output_format_and_scale_are_refused_before_the_job_is_made(hostile):
+    """A valid body with ?format=avi: 400 from the query, not 503 (the engine was never asked)."""
+    http, engine = hostile
+    for query, fragment in (("format=avi", "format='avi'; use one of mp4"), ("scale=0", "scale=0 must be in 1..16")):
+        status, raw, _ = http("POST", f"/v1/generate?{query}", {"prompt": "a cat", "seed": 1})
+        assert status == 400 and fragment in json.loads(raw)["error"], raw
+    assert engine.queue_depth == 0
+
+
+def test_retry_after_follows_the_measured_drain_rate():
+    from trt_sora.serve.scheduler import retry_after_seconds
+
+    assert retry_after_seconds([100.0, 110.0, 120.0, 130.0], [], 5.0) == 10  # one job leaves every 10 s
+    assert retry_after_seconds([100.0, 100.0, 100.5], [], 5.0) == 1  # a batch of 3, then one: 0.25 s -> 1
+    assert retry_after_seconds([100.0], [4.0, 1.0], 30.0) == 26  # before a rate: a clip's time less the oldest run
+    assert retry_after_seconds([], [], 2.2) == 3 and retry_after_seconds([], [50.0], 30.0) == 1
+    assert retry_after_seconds([0.0, 1e6], [], 1.0) == 3600

@@ -141,6 +141,17 @@ def test_429_when_the_queue_is_full(tiny_runner):
         engine.close()
 
 
+def test_a_long_prompt_is_refused_unless_the_request_accepts_a_cut(server):
+    _, http, _, _ = server
+    long = " ".join(f"w{i}" for i in range(200))
+    status, err = http.json("POST", "/v1/jobs", {"prompt": long})
+    assert status == 400 and "prompt has 200 tokens; hash's text_len at this size is" in err["error"]
+    assert '"truncate": true' in err["error"]
+    status, job = http.json("POST", "/v1/jobs", {"prompt": long, "truncate": True, "steps": 1})
+    assert status == 202 and job["truncated"]["text_len"][0] == 200
+    assert http.wait_done(job["id"])["metadata"]["truncated"] == job["truncated"]
+
+
 def test_sigterm_drains_then_exits_0(server):
     """Last in the module: it ends the server."""
     proc, http, results, err = server

@@ -45,6 +45,8 @@ def add_parser(sub) -> None:
     p.add_argument("-o", "--out", required=True, help="output file: .mp4, .gif, .png (contact sheet) or .npy; with "
                    "several captions, clip.mp4 becomes clip-0.mp4, clip-1.mp4, ...")
     p.add_argument("--seed", type=int, default=0, help="noise seed of the first caption (caption i: seed + i)")
+    p.add_argument("--truncate", action="store_true", help="cut a caption longer than the text encoder's tokens "
+                   "(default: refuse it; the clip's metadata says what was cut)")
     p.add_argument("--image", action="append", default=None, metavar="PATH",
                    help="conditioning image of an image-to-video model (Wan 2.1 I2V: required; Wan 2.2 TI2V: "
                         "optional): one for every caption, or repeat it once per caption; resized to the clip's size")
@@ -143,7 +145,7 @@ def check_args(args) -> list:
             raise ConfigError(f"cannot write {p}: {parent} is a file, not a folder; pick another -o/--sheet")
     reqs = clip_requests(args.captions, seed=args.seed, image=_images(args), negative_prompt=args.negative_prompt,
                          steps=args.steps, guidance=args.guidance, shift=args.shift, num_frames=args.frames,
-                         height=args.height, width=args.width)
+                         height=args.height, width=args.width, truncate=args.truncate)
     for r in reqs:
         if isinstance(r.image, str) and not r.image.startswith("data:"):
             video.check_image_path(r.image)

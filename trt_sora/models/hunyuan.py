@@ -251,6 +251,11 @@ class HunyuanTextEncoder:
         """The quoted text of a prompt (the pipeline's ``extract_glyph_texts``: "..." and '...')."""
         return " ".join(m.group(1) or m.group(2) for m in re.finditer(r'"([^"]*)"|\u201c([^\u201d]*)\u201d', prompt))
 
+    def token_counts(self, prompts: list[str]) -> list[dict[str, int]]:
+        """Tokens each prompt needs in each stream, uncut: its words, and its quoted characters + 1."""
+        return [{"text_len": max(1, n["text_len"]), "text_len_2": len(g) + 1 if g else 0}
+                for n, g in zip(self.mllm.token_counts(prompts), map(self.glyph_text, prompts))]
+
     def __call__(self, prompts: list[str], text_len: int, text_len_2: int) -> dict[str, Any]:
         import torch
 

@@ -7,7 +7,10 @@ Three sources, all local:
   the prompts in its metadata; for servers/CI that must not load a 5B encoder.
 - ``T5TextEncoder``: the pipeline's own UMT5/T5 encoder from a local folder.
 
-Every encoder zero-pads after the prompt's tokens, as Wan's pipeline does.
+Every encoder zero-pads after the prompt's tokens, as Wan's pipeline does. Encoders that can count
+a prompt's tokens have ``token_counts(prompts) -> [{text dim: tokens}]`` (the runtime refuses a
+prompt longer than the clip's text dims unless the request asks to truncate it); a precomputed
+file cannot, and cuts silently.
 """
 from __future__ import annotations
 
@@ -33,6 +36,10 @@ class HashTextEncoder:
     def _ids(self, prompt: str) -> list[int]:
         words = re.findall(r"\w+|[^\w\s]", prompt.lower())
         return [int.from_bytes(hashlib.sha1(w.encode()).digest()[:4], "little") % self.vocab for w in words]
+
+    def token_counts(self, prompts: list[str]) -> list[dict[str, int]]:
+        """Tokens each prompt needs, uncut (``{"text_len": n}``)."""
+        return [{"text_len": len(self._ids(p))} for p in prompts]
 
     def __call__(self, prompts: list[str], text_len: int):
         import torch
@@ -100,6 +107,10 @@ class T5TextEncoder:
         self.tokenizer = transformers.AutoTokenizer.from_pretrained(str(tok_dir))
         self.model = transformers.UMT5EncoderModel.from_pretrained(str(enc_dir)).to(device).eval()
         self.device = device
+
+    def token_counts(self, prompts: list[str]) -> list[dict[str, int]]:
+        """Tokens each prompt needs, uncut, with the end token (``{"text_len": n}``)."""
+        return [{"text_len": len(ids)} for ids in self.tokenizer(list(prompts), add_special_tokens=True).input_ids]
 
     def __call__(self, prompts: list[str], text_len: int):
         import torch

@@ -665,9 +665,9 @@ class WanAdapter(ModelAdapter):
         if source == "hash":
             return text.HashTextEncoder(self.text_dim, seed=self.spec.seed)
         if source == "minilm":
-            from trt_sora.models.moving_shapes.text import encode
+            from trt_sora.models.moving_shapes.text import MiniLMEncoder
 
-            return encode
+            return MiniLMEncoder()
         if str(source).endswith(".safetensors"):
             return text.PrecomputedTextEncoder(source)
         return text.T5TextEncoder(source)

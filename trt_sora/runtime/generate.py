@@ -74,6 +74,9 @@ class ClipRequest:
             ``data:image/...;base64,`` URL (JSONL lines and HTTP bodies), or in Python a PIL image or
             a uint8 array ``[H, W, 3]``; resized to the clip's size (:func:`trt_sora.runtime.video.read_image`)
             and encoded as the model family says (``adapter.image_conditioning``).
+        truncate: accept a prompt longer than the text encoder's tokens at this size by cutting it
+            (the clip's metadata then says so under ``truncated``); False: such a prompt is refused
+            with a ConfigError naming the limit.
     """
 
     prompt: str
@@ -86,6 +89,7 @@ class ClipRequest:
     height: int | None = None
     width: int | None = None
     image: Any = None
+    truncate: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.prompt, str):
@@ -97,6 +101,8 @@ class ClipRequest:
         for k in ("prompt", "negative_prompt"):
             if "\x00" in (getattr(self, k) or ""):
                 raise ConfigError(f"{k} contains a NUL character; send plain text")
+        if not isinstance(self.truncate, bool):
+            raise ConfigError(f"truncate={self.truncate!r} must be true or false")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2 ** 63:
             raise ConfigError(f"seed={self.seed!r} must be an integer in [0, 2**63)")
         for k in ("steps", "num_frames", "height", "width"):
@@ -173,6 +179,7 @@ class _Resolved:
     settings: Any  # SamplingSettings
     point: dict  # latent point without batch: latent_frames/height/width, text_len
     size: tuple[int, int, int]  # num_frames, height, width
+    truncated: dict = dataclasses.field(default_factory=dict)  # text dim -> [tokens, kept] of a cut prompt
 
     @property
     def key(self) -> tuple:
@@ -249,7 +256,29 @@ class Generator:
         size = (req.num_frames or f0, req.height or h0, req.width or w0)
         lat = self.adapter.latent_size(*size)
         self._check_image(req)
-        return _Resolved(req, settings, {**lat, **self._text_dims(lat, size)}, size)
+        point = {**lat, **self._text_dims(lat, size)}
+        return _Resolved(req, settings, point, size, self._check_length(req, point))
+
+    def _check_length(self, req: ClipRequest, point: Mapping[str, int]) -> dict:
+        """``{text dim: [tokens, kept]}`` for each dim a prompt (or negative prompt) of ``req`` needs
+        more tokens of than ``point`` holds; a ConfigError naming the limit unless ``req.truncate``.
+        An encoder that cannot count tokens (a precomputed embedding file) is not checked."""
+        counts = getattr(self._parts()[0], "token_counts", None)
+        if counts is None:
+            return {}
+        texts = [("prompt", req.prompt)] + ([("negative_prompt", req.negative_prompt)] if req.negative_prompt else [])
+        cut: dict = {}
+        for (field, _), need in zip(texts, counts([t for _, t in texts])):
+            for dim, n in need.items():
+                limit = int(point.get(dim, n))
+                if n <= limit:
+                    continue
+                if not req.truncate:
+                    raise ConfigError(f"{field} has {n} tokens; {self.text_encoder_source}'s {dim} at this size is "
+                                      f"{limit}: shorten it, or ask to cut it (\"truncate\": true, `trt-sora "
+                                      "generate --truncate`)")
+                cut[f"{field}.{dim}" if field != "prompt" else dim] = [n, limit]
+        return cut
 
     def _check_image(self, req: ClipRequest) -> None:
         need = self.adapter.image_input
@@ -412,6 +441,7 @@ class Generator:
                                "unconditional": self.negative_description(g.request.negative_prompt)
                                if settings.uses_cfg else "none (no CFG)", "seed": g.request.seed,
                                "image": self._image_record(g.request.image), **common,
+                               **({"truncated": g.truncated} if g.truncated else {}),
                                "batch": {**common["batch"], "index": i}})
                 for i, g in enumerate(group)]
 
@@ -527,7 +557,7 @@ def generate(runner, prompts: str | Sequence[str], *, steps: int | None = None, 
              seed: int | Sequence[int] = 0, negative_prompt: str | None = None, shift: float | None = None,
              num_frames: int | None = None, height: int | None = None, width: int | None = None,
              cfg: str = "auto", max_batch: int | None = None, text_encoder: str | None = None,
-             hook: Callable | None = None, image: Any = None) -> list[Clip]:
+             hook: Callable | None = None, image: Any = None, truncate: bool = False) -> list[Clip]:
     """Generate one clip per prompt with a loaded artifact (``trt_sora.runtime.load``).
 
     Args:
@@ -545,12 +575,14 @@ def generate(runner, prompts: str | Sequence[str], *, steps: int | None = None, 
         hook: per-call hook of :func:`trt_sora.sampling.sample`.
         image: the conditioning image of an image-to-video model (one for every prompt, or a list with
             one per prompt): a path, a data URL, a PIL image or a uint8 array (see :class:`ClipRequest`).
+        truncate: cut prompts longer than the text encoder's tokens (default: ConfigError naming the limit).
 
     Returns:
         one :class:`Clip` per prompt, in order (uint8 frames ``[F, H, W, 3]`` + metadata).
     """
     reqs = clip_requests(prompts, seed=seed, negative_prompt=negative_prompt, steps=steps, guidance=guidance,
-                         shift=shift, num_frames=num_frames, height=height, width=width, image=image)
+                         shift=shift, num_frames=num_frames, height=height, width=width, image=image,
+                         truncate=truncate)
     return generator_for(runner, text_encoder=text_encoder).run(reqs, cfg=cfg, max_batch=max_batch, hook=hook)
 
 

@@ -150,6 +150,8 @@ class JobState:
              "submitted": self.submitted, "started": self.started, "finished": self.finished}
         if self.key_id:
             d["key_id"] = self.key_id
+        if self.resolved is not None and self.resolved.truncated:
+            d["truncated"] = self.resolved.truncated  # {text dim: [tokens, kept]}: the prompt was cut
         if self.attempts:
             d["attempts"] = self.attempts + 1  # runs begun, the resumed one included
         if self.result_sha256:

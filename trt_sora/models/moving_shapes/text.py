@@ -76,3 +76,13 @@ def token_counts(prompts: Sequence[str]) -> list[int]:
     """Number of tokens (with [CLS] and [SEP]) of each prompt, uncut."""
     tokenizer, _ = _load()
     return [len(ids) for ids in tokenizer(list(prompts))["input_ids"]]
+
+
+class MiniLMEncoder:
+    """``encode`` with ``token_counts`` (the runtime's text-encoder interface)."""
+
+    def __call__(self, prompts: Sequence[str], text_len: int = TEXT_LEN) -> torch.Tensor:
+        return encode(prompts, text_len)
+
+    def token_counts(self, prompts: Sequence[str]) -> list[dict[str, int]]:
+        return [{"text_len": n} for n in token_counts(prompts)]
