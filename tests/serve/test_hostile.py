@@ -9,7 +9,7 @@ import json
 from http import client
 
 import pytest
-from http_helpers import http_server
+from http_helpers import HANG, http_server
 
 from trt_sora.serve.metrics import ServerMetrics
 from trt_sora.serve.scheduler import Engine, ServeConfig
@@ -101,3 +101,66 @@ def test_retry_after_follows_the_measured_drain_rate():
     assert retry_after_seconds([100.0], [4.0, 1.0], 30.0) == 26  # before a rate: a clip's time less the oldest run
     assert retry_after_seconds([], [], 2.2) == 3 and retry_after_seconds([], [50.0], 30.0) == 1
     assert retry_after_seconds([0.0, 1e6], [], 1.0) == 3600
+
+
+@pytest.fixture(scope="module")
+def impatient(tiny_runner):
+    """A started engine on the tiny runner held at a gate, served with a 0.3 s body timeout."""
+    from http_helpers import Gated
+
+    gated, metrics = Gated(tiny_runner), ServerMetrics()
+    engine = Engine(gated, ServeConfig(max_wait_s=0.0), metrics=metrics)
+    engine.start(block=True)
+    try:
+        with http_server(make_app(engine, metrics, body_timeout_s=0.3)) as http:
+            yield http, gated, engine
+    finally:
+        gated.release.set()
+        engine.close()
+
+
+def _partial(http, sent: bytes, declared: int):
+    conn = _connect(http)
+    conn.putrequest("POST", "/v1/jobs")
+    conn.putheader("Content-Type", "application/json")
+    conn.putheader("Content-Length", str(declared))
+    conn.endheaders()
+    conn.send(sent)
+    return conn
+
+
+def test_a_stalled_body_gets_408_and_holds_nothing(impatient):
+    """10 of 100 announced bytes, then silence: the body timeout answers 408; nothing is queued."""
+    http, _, engine = impatient
+    conn = _partial(http, b'{"prompt":', 100)
+    r = conn.getresponse()
+    assert r.status == 408 and "not complete 0.3 s after the headers (10 bytes came)" in json.loads(r.read())["error"]
+    conn.close()
+    assert engine.queue_depth == 0 and http.metric("trt_sora_rejected_total", reason="body_timeout") == 1
+
+
+def test_a_client_that_hangs_up_mid_body_is_counted_not_crashed(impatient):
+    http, _, engine = impatient
+    _partial(http, b'{"prompt": "a ca', 100).close()
+    for _ in range(100_000):  # the server sees the hang-up when its event loop next reads the socket
+        if http.metric("trt_sora_rejected_total", reason="client_gone") == 1:
+            break
+    assert http.metric("trt_sora_rejected_total", reason="client_gone") == 1
+    assert http.metric("trt_sora_http_requests_total", method="POST", route="/v1/jobs", status="499") == 1
+    assert engine.queue_depth == 0 and http("GET", "/healthz")[0] == 200
+
+
+def test_a_client_that_leaves_while_its_clip_is_made_still_gets_a_job_done(impatient):
+    """POST /v1/generate, then the client hangs up while the job is inside the model: the job was
+    accepted, so it finishes and is fetchable by its id; the server goes on answering."""
+    http, gated, engine = impatient
+    gated.arm()
+    conn = _connect(http)
+    conn.request("POST", "/v1/generate", body=json.dumps({"prompt": "a cat", "seed": 9}),
+                 headers={"Content-Type": "application/json"})
+    assert gated.entered.wait(HANG)
+    conn.close()
+    (job,) = [j for j in engine._jobs.values() if j.request.seed == 9]
+    gated.release.set()
+    assert engine.wait(job.id, HANG).status == "done"
+    assert http("GET", f"/v1/jobs/{job.id}/result?format=npy")[0] == 200

@@ -44,6 +44,10 @@ def add_parser(sub) -> None:
     p.add_argument("--drain-grace", type=float, default=2.0, help="seconds results stay fetchable after the drain")
     p.add_argument("--max-body-bytes", type=int, default=64 * 1024, help="largest request body (default 64 KiB; "
                    "larger: 413 before it is parsed; raise it for data-URL images)")
+    p.add_argument("--body-timeout", type=float, default=30.0, help="seconds from a request's headers to its "
+                   "body's last byte (default 30; slower: 408)")
+    p.add_argument("--max-connections", type=int, default=1024, help="open connections and requests at once "
+                   "(default 1024; more: 503)")
     p.add_argument("--log-level", default="warning", help="uvicorn log level")
     p.set_defaults(func=run)
 
@@ -62,6 +66,7 @@ def run(args) -> int:
                          sweep_interval_s=args.sweep_interval, max_jobs_per_key=args.max_jobs_per_key)
     http = HttpConfig(host=args.host, port=args.port, drain_timeout_s=args.drain_timeout,
                       drain_grace_s=args.drain_grace, log_level=args.log_level, max_body_bytes=args.max_body_bytes,
+                      body_timeout_s=args.body_timeout, max_connections=args.max_connections,
                       api_keys_file=args.api_keys_file, metrics_open=args.metrics_open,
                       insecure_no_auth=args.insecure_no_auth)
     http.keys()  # a bad keys file or a public host without keys: refused before the model loads

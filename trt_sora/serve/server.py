@@ -51,15 +51,28 @@ MEDIA = {"mp4": "video/mp4", "gif": "image/gif", "png": "image/png", "npy": "app
 MAX_POLL_WAIT_S = 60.0  # longest long-poll of GET /v1/jobs/{id}?wait=
 MAX_BODY_BYTES = 64 * 1024  # default request body limit (--max-body-bytes); a data-URL image needs more
 MAX_JSON_DEPTH = 8  # a request is one flat object; deeper nesting is refused before it is walked
+BODY_TIMEOUT_S = 30.0  # default --body-timeout: headers to the body's last byte
+MAX_CONNECTIONS = 1024  # default --max-connections (uvicorn answers 503 past it)
 
 
 class BodyTooLarge(ConfigError):
     """The request body is larger than ``--max-body-bytes`` (HTTP 413)."""
 
 
-def make_app(engine, metrics, *, max_body_bytes: int = MAX_BODY_BYTES, keys=None, metrics_open: bool = False):
+class BodyTimeout(ConfigError):
+    """The request body did not arrive within ``--body-timeout`` (HTTP 408): a slow or stalled client."""
+
+
+class ClientGone(ConfigError):
+    """The client closed the connection before its request was read (logged as 499, never sent)."""
+
+
+def make_app(engine, metrics, *, max_body_bytes: int = MAX_BODY_BYTES, keys=None, metrics_open: bool = False,
+             body_timeout_s: float = BODY_TIMEOUT_S):
     """The FastAPI app over ``engine`` (shared by ``trt-sora serve`` and the Ray Serve deployment).
     ``max_body_bytes``: larger request bodies get 413, read no further than the limit.
+    ``body_timeout_s``: a body not complete this long after the headers gets 408 (a stalled client
+    holds no connection for longer).
     ``keys``: an :class:`~trt_sora.serve.auth.ApiKeys`; every route but ``/healthz`` and ``/readyz``
     (and ``/metrics`` when ``metrics_open``) then needs ``Authorization: Bearer KEY`` (401 without),
     and a key sees only its own jobs."""
@@ -110,18 +123,29 @@ def make_app(engine, metrics, *, max_body_bytes: int = MAX_BODY_BYTES, keys=None
 
     async def read_body(request: Request) -> bytes:
         """The body, refused (BodyTooLarge) as soon as it is known to pass ``max_body_bytes``: by its
-        Content-Length, else while it streams in."""
+        Content-Length, else while it streams in; BodyTimeout when it takes past ``body_timeout_s``,
+        ClientGone when the client hangs up first."""
+        import anyio
+        from starlette.requests import ClientDisconnect
+
         fix = (f"the limit is {max_body_bytes} bytes (`trt-sora serve --max-body-bytes`); a request is a "
                "small JSON object")
         declared = request.headers.get("content-length")
         if declared and declared.isdigit() and int(declared) > max_body_bytes:
             raise BodyTooLarge(f"the body has {declared} bytes; {fix}")
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > max_body_bytes:
-                raise BodyTooLarge(f"the body passed {max_body_bytes} bytes; {fix}")
-            chunks.append(chunk)
+        try:
+            with anyio.fail_after(body_timeout_s):
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > max_body_bytes:
+                        raise BodyTooLarge(f"the body passed {max_body_bytes} bytes; {fix}")
+                    chunks.append(chunk)
+        except TimeoutError:
+            raise BodyTimeout(f"the body was not complete {body_timeout_s:g} s after the headers ({size} bytes "
+                              "came); send the whole request at once (`trt-sora serve --body-timeout`)") from None
+        except ClientDisconnect:
+            raise ClientGone(f"the client closed the connection after {size} bytes of the body") from None
         return b"".join(chunks)
 
     async def parse(request: Request):
@@ -166,9 +190,10 @@ def make_app(engine, metrics, *, max_body_bytes: int = MAX_BODY_BYTES, keys=None
             return None, error(400, str(exc))
 
     def refused(exc: ConfigError):
-        too_large = isinstance(exc, BodyTooLarge)
-        metrics.rejected.labels(reason="body_too_large" if too_large else "bad_request").inc()
-        return error(413 if too_large else 400, str(exc))
+        reason, status = {BodyTooLarge: ("body_too_large", 413), BodyTimeout: ("body_timeout", 408),
+                          ClientGone: ("client_gone", 499)}.get(type(exc), ("bad_request", 400))
+        metrics.rejected.labels(reason=reason).inc()
+        return error(status, str(exc))
 
     @app.post("/v1/jobs", status_code=202)
     async def submit(request: Request):
@@ -346,9 +371,20 @@ class HttpConfig:
     drain_grace_s: float = 2.0
     log_level: str = "warning"
     max_body_bytes: int = MAX_BODY_BYTES
+    body_timeout_s: float = BODY_TIMEOUT_S
+    max_connections: int = MAX_CONNECTIONS
     api_keys_file: str | None = None
     metrics_open: bool = False
     insecure_no_auth: bool = False
+
+    def __post_init__(self) -> None:
+        if not 0 < self.body_timeout_s < float("inf") or not 0 <= self.drain_timeout_s < float("inf") or \
+                not 0 <= self.drain_grace_s < float("inf"):
+            raise ConfigError(f"--body-timeout {self.body_timeout_s} must be > 0, --drain-timeout "
+                              f"{self.drain_timeout_s} and --drain-grace {self.drain_grace_s} >= 0 seconds")
+        if self.max_connections < 1 or self.max_body_bytes < 1 or not 0 <= self.port < 65536:
+            raise ConfigError(f"--max-connections {self.max_connections} and --max-body-bytes "
+                              f"{self.max_body_bytes} must be >= 1, --port {self.port} in 0..65535")
 
     def keys(self):
         """The API keys (None without a keys file); ConfigError for a public address without keys."""
@@ -387,7 +423,8 @@ def serve(load, config, http: HttpConfig = HttpConfig(), *, text_encoder: str | 
     keys = http.keys()
     metrics = ServerMetrics()
     engine = Engine(load, config, metrics=metrics, text_encoder=text_encoder, on_ready=on_ready)
-    app = make_app(engine, metrics, max_body_bytes=http.max_body_bytes, keys=keys, metrics_open=http.metrics_open)
+    app = make_app(engine, metrics, max_body_bytes=http.max_body_bytes, keys=keys, metrics_open=http.metrics_open,
+                   body_timeout_s=http.body_timeout_s)
     outcome = {"code": 0}
 
     def stop_now(why: str) -> None:
@@ -423,7 +460,8 @@ def serve(load, config, http: HttpConfig = HttpConfig(), *, text_encoder: str | 
     sock = _bind(http.host, http.port)
     host, port = sock.getsockname()[:2]
     server = DrainingServer(uvicorn.Config(app, host=host, port=port, log_level=http.log_level,
-                                           lifespan="off", timeout_graceful_shutdown=5))
+                                           lifespan="off", timeout_graceful_shutdown=5,
+                                           limit_concurrency=http.max_connections))
     if keys is not None:
         _reload_on_sighup(keys)
     if on_listen:
