@@ -42,6 +42,11 @@ with ``call.step`` / ``call.branches`` this way). :class:`CallInfo` names the st
 the number of steps, the timestep, sigma and the CFG branch of each batch row group
 (``("cond",)``, ``("uncond",)`` or ``("cond", "uncond")`` for a batched call).
 
+Step caching: ``cache`` (:mod:`trt_sora.caching`) is asked ``cache.reuse(step, branch)`` before each
+step's calls; a reused branch gets its last computed output instead of a call (a batched step whose
+one branch is reused calls the other alone), and ``cache.observe(step, branch, output, timestep)``
+sees every output computed. ``StepRecord.reused`` names the reused branches.
+
 No heavy imports at module load: torch is imported inside the functions.
 """
 from __future__ import annotations
@@ -188,7 +193,8 @@ class CallInfo:
 class StepRecord:
     """One denoising step: ``step``, ``timestep``, ``sigma`` (input latents) and ``sigma_next``
     (after the update; the Euler update is ``x + (sigma_next - sigma) v``), plus, when asked for
-    with ``keep``: ``latents`` after the step and the guided ``velocity`` (fp32, the latents' device)."""
+    with ``keep``: ``latents`` after the step and the guided ``velocity`` (fp32, the latents' device);
+    ``reused``: the CFG branches whose output a step cache supplied instead of a call."""
 
     step: int
     timestep: float
@@ -196,6 +202,7 @@ class StepRecord:
     sigma_next: float
     latents: Any = None
     velocity: Any = None
+    reused: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass
@@ -279,7 +286,7 @@ def _sigma(scheduler, i: int) -> float:
 def sample(call: ModelCall | Mapping[str, ModelCall], noise, cond, uncond=None, *, scheduler,
            settings: SamplingSettings, cfg: str = "split", dtype=None,
            hook: Callable[[CallInfo], AbstractContextManager | None] | None = None, keep: Sequence[str] = (),
-           label: str = "", start_step: int = 0, conditioner: Any = None) -> SampleResult:
+           label: str = "", start_step: int = 0, conditioner: Any = None, cache: Any = None) -> SampleResult:
     """Denoise ``noise`` over ``settings.num_steps`` steps with classifier-free guidance.
 
     Args:
@@ -306,12 +313,15 @@ def sample(call: ModelCall | Mapping[str, ModelCall], noise, cond, uncond=None, 
             only steps ``start_step .. num_steps - 1`` run (records keep their schedule indices).
         conditioner: builds the model's inputs from latents + conditioning (the family adapter;
             see :class:`Conditioner`); None = text-to-video inputs.
+        cache: a step cache (``reuse(step, branch)``, ``observe(step, branch, output, timestep)``;
+            :mod:`trt_sora.caching`); None = every step calls the model for every branch.
 
     Returns:
         :class:`SampleResult` (final latents fp32, per-step records).
 
     Raises:
-        ConfigError: unknown ``cfg`` / ``keep`` entry, CFG without ``uncond``, a missing expert.
+        ConfigError: unknown ``cfg`` / ``keep`` entry, CFG without ``uncond``, a missing expert, a
+            cache reusing a branch that has no computed output yet.
         ShapeError: the model's output shape differs from the latents'.
         TrtSoraError: an error from inside the call (e.g. an observer rejecting NaN), re-raised as
             its own type with the step, timestep and branch appended.
@@ -339,24 +349,41 @@ def sample(call: ModelCall | Mapping[str, ModelCall], noise, cond, uncond=None, 
         scheduler.set_begin_index(start_step)  # diffusers schedulers: step() continues from there
     latents = noise.float().clone()
     records: list[StepRecord] = []
+    last: dict[str, torch.Tensor] = {}  # a step cache's outputs to reuse, per branch
     with torch.inference_mode():
         for i, t in enumerate(scheduler.timesteps[start_step:], start_step):
             sigma = _sigma(scheduler, i)
             expert = settings.expert_at(float(t))
             g = settings.guidance_at(float(t))
             branches = ("cond", "uncond") if g > 1.0 else ("cond",)
-            groups = [branches] if cfg == "batched" and len(branches) == 2 else [(b,) for b in branches]
+            reused = tuple(b for b in branches if cache is not None and cache.reuse(i, b))
+            todo = tuple(b for b in branches if b not in reused)
+            groups = [todo] if cfg == "batched" and len(todo) == 2 else [(b,) for b in todo]
             out: dict[str, torch.Tensor] = {}
             for group in groups:
                 out.update(_call(calls[expert], latents, t, conds, group, dtype, hook,
                                  (i, settings.num_steps, sigma, expert), label, conditioner))
+            if cache is not None:
+                out.update(_cached(last, reused, i))
+                for b in todo:
+                    cache.observe(i, b, out[b], float(t))
+                last.update(out)
             v = out["cond"] if len(branches) == 1 else out["uncond"] + g * (out["cond"] - out["uncond"])
             latents = scheduler.step(v, t, latents, return_dict=False)[0]
             records.append(StepRecord(step=i, timestep=float(t), sigma=sigma, sigma_next=_sigma(scheduler, i + 1),
                                       latents=latents.clone() if "latents" in keep else None,
-                                      velocity=v if "velocity" in keep else None))
+                                      velocity=v if "velocity" in keep else None, reused=reused))
         latents = conditioner.final_latents(latents, conds["cond"])
     return SampleResult(latents=latents, steps=records)
+
+
+def _cached(last: Mapping[str, Any], reused: tuple[str, ...], step: int) -> dict[str, Any]:
+    """The last computed output of each reused branch; ConfigError when a branch has none yet."""
+    missing = [b for b in reused if b not in last]
+    if missing:
+        raise ConfigError(f"the step cache reuses branch {missing[0]!r} at step {step}, which has no computed output "
+                          "yet; a schedule must compute a branch before reusing it (caching.warmup_steps >= 1)")
+    return {b: last[b] for b in reused}
 
 
 def _expert_calls(call, settings: SamplingSettings) -> dict:

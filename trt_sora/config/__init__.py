@@ -10,6 +10,8 @@ from trt_sora.config.recipe import (
     Backend,
     BuildConfig,
     BuildRequirements,
+    CacheMethod,
+    CachingConfig,
     CalibConfig,
     CalibMethod,
     DType,
@@ -29,7 +31,8 @@ from trt_sora.config.shapes import DIM_NAMES, DimRange, ShapeProfile, check_poin
 from trt_sora.errors import ConfigError
 
 __all__ = [
-    "AttentionMode", "Backend", "BuildConfig", "BuildRequirements", "CalibConfig", "CalibMethod",
+    "AttentionMode", "Backend", "BuildConfig", "BuildRequirements", "CacheMethod", "CachingConfig", "CalibConfig",
+    "CalibMethod",
     "DIM_NAMES", "DType", "DimRange", "ExportConfig", "ExternalData", "ModelConfig", "ParityConfig",
     "ParityGate", "QuantConfig", "QuantFormat", "Recipe", "ShapeProfile", "TorchFp8Config", "check_point",
     "from_dict", "to_dict", "load_recipe", "dump_recipe", "recipe_dirs", "list_recipes",

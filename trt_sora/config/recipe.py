@@ -50,6 +50,11 @@ class CalibMethod(str, enum.Enum):
     MSE = "mse"
 
 
+class CacheMethod(str, enum.Enum):
+    NONE = "none"
+    MAGCACHE = "magcache"
+
+
 class AttentionMode(str, enum.Enum):
     NATIVE = "native"
     PLUGIN = "plugin"
@@ -237,6 +242,54 @@ class TorchFp8Config:
                 "timesteps": list(self.attention_timesteps)}
 
 
+#: The CFG branches a caching schedule decides for (the sampler's labels).
+CACHE_BRANCHES = ("cond", "uncond")
+
+
+@dataclasses.dataclass(frozen=True)
+class CachingConfig:
+    """Step caching: which denoising steps reuse a branch's last transformer output instead of a call.
+
+    ``method: magcache``: per step and CFG branch, the calibrated magnitude ratio of the transformer
+    output to the previous step's (``calib/step_ratios.safetensors``, written by the calibrate stage)
+    is multiplied up since the branch's last computed step; the step reuses that output while the
+    accumulated error ``sum |1 - prod ratio|`` stays <= ``threshold`` and at most ``max_skips`` steps
+    in a row reuse. The first ``warmup_steps``, the last ``final_steps`` and the first step of each
+    expert of a pair always compute; only the ``branches`` listed may reuse. ``check`` gates the
+    cached clip (``parity.loop`` / ``parity.frames``) and records the curve over ``sweep``; the
+    runtime serves only the setting its check passed. ``method: none`` (the default) is off.
+    """
+
+    method: CacheMethod = CacheMethod.NONE
+    threshold: float = 0.1
+    max_skips: int = 2
+    warmup_steps: int = 2
+    final_steps: int = 1
+    branches: tuple[str, ...] = CACHE_BRANCHES
+    sweep: tuple[float, ...] = ()
+
+    def __post_init__(self) -> None:
+        _in_range("caching.threshold", self.threshold, 0.0, 10.0, lo_open=True,
+                  meaning=" (the accumulated magnitude error a reuse may reach)")
+        for v in self.sweep:
+            _in_range("caching.sweep[]", v, 0.0, 10.0, lo_open=True, meaning=" (thresholds of the check's curve)")
+        if self.max_skips < 1:
+            raise ConfigError(f"caching.max_skips={self.max_skips} must be >= 1 (consecutive steps that may reuse); "
+                              "switch caching off with method: none")
+        if self.warmup_steps < 1 or self.final_steps < 0:
+            raise ConfigError(f"caching.warmup_steps={self.warmup_steps} must be >= 1 (the first step computes) and "
+                              f"final_steps={self.final_steps} >= 0")
+        bad = [b for b in self.branches if b not in CACHE_BRANCHES]
+        if bad or not self.branches or len(set(self.branches)) != len(self.branches):
+            hint = did_you_mean(bad[0], CACHE_BRANCHES) if bad else ""
+            raise ConfigError(f"caching.branches={list(self.branches)}{hint}: list each CFG branch that may reuse "
+                              f"once, from {list(CACHE_BRANCHES)}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method is not CacheMethod.NONE
+
+
 @dataclasses.dataclass(frozen=True)
 class ParityGate:
     """Thresholds for one comparison; ``None`` disables that metric's gate."""
@@ -314,6 +367,7 @@ class Recipe:
     build: BuildConfig = BuildConfig()
     parity: ParityConfig = ParityConfig()
     torch_fp8: TorchFp8Config = TorchFp8Config()
+    caching: CachingConfig = CachingConfig()
 
     def __post_init__(self) -> None:
         if self.format_version != RECIPE_FORMAT_VERSION:

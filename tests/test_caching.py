@@ -1,0 +1,227 @@
+"""Step caching (trt_sora.caching): the schedule rule on hand-worked ratio sequences, per CFG branch and
+across a pair's expert switch; the sampler reusing exactly the scheduled outputs (against a loop written
+out); the calibrated magnitude ratios against an independent computation from a recorded trajectory."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from trt_sora.caching import (  # noqa: E402
+    CacheSchedule,
+    MagnitudeRecorder,
+    StepRatios,
+    plan_schedule,
+    schedule_for,
+    step_experts,
+)
+from trt_sora.config import CachingConfig, load_recipe, recipe_from_dict, recipe_to_dict  # noqa: E402
+from trt_sora.errors import ArtifactError, ConfigError  # noqa: E402
+from trt_sora.sampling import SamplingSettings, gaussian_noise, sample  # noqa: E402
+
+ON = CachingConfig(method="magcache", threshold=0.1, max_skips=2, warmup_steps=2, final_steps=1)
+
+
+def _scheduler(shift=3.0):
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    return FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=shift)
+
+
+def _toy(inputs):
+    """A velocity that depends on x, t and the text embedding, per row (so branches differ)."""
+    x, t, e = inputs["hidden_states"], inputs["timestep"], inputs["encoder_hidden_states"]
+    return 0.3 * x + (t / 1000.0).view(-1, 1, 1, 1, 1) + e.mean(dim=(1, 2)).view(-1, 1, 1, 1, 1)
+
+
+# -- the rule -----------------------------------------------------------------------------------------
+def test_schedule_on_hand_worked_ratios_per_branch():
+    """Worked by hand: cond 2: err .02; 3: acc .9506, err .0694; 4: err .1283 > .1 -> compute; 5: .12 ->
+    compute; 6: .01; 7: .0299; 8: a third skip -> compute; 9: final. uncond 2: .15 -> compute; 3, 4
+    reuse; 5: third skip; 6, 7 reuse; 8: third skip; 9 final."""
+    cond = [1.0, 0.5, 0.98, 0.97, 0.99, 0.88, 0.99, 0.99, 0.99, 0.99]
+    uncond = [1.0, 1.0, 0.85, 0.99, 0.99, 0.99, 0.99, 0.99, 0.99, 0.99]
+    got = plan_schedule({"cond": cond, "uncond": uncond}, [None] * 10, ON)
+    assert got == {"cond": (2, 3, 6, 7), "uncond": (3, 4, 6, 7)}
+    # per-branch decisions: a branch the recipe keeps computing never reuses
+    only = plan_schedule({"cond": cond, "uncond": uncond}, [None] * 10,
+                         CachingConfig(method="magcache", threshold=0.1, branches=("uncond",)))
+    assert only == {"cond": (), "uncond": (3, 4, 6, 7)}
+    # a larger budget reuses more; a tiny one nothing
+    assert plan_schedule({"cond": cond}, [None] * 10, ON, threshold=0.2)["cond"] == (2, 3, 5, 7, 8)
+    assert plan_schedule({"cond": cond}, [None] * 10, ON, threshold=0.005)["cond"] == ()
+
+
+def test_warmup_final_and_max_skips():
+    flat = [1.0] * 10
+    cfg = CachingConfig(method="magcache", threshold=0.1, max_skips=3, warmup_steps=3, final_steps=2)
+    assert plan_schedule({"cond": flat}, [None] * 10, cfg)["cond"] == (3, 4, 5, 7)
+    # NaN (the branch did not run there in calibration): that step computes
+    assert plan_schedule({"cond": [1.0, 1.0, 1.0, math.nan, 1.0, 1.0]}, [None] * 6, ON)["cond"] == (2, 4)
+
+
+def test_expert_switch_forces_a_compute():
+    """Without a switch steps 2-4 and 6-8 reuse (max_skips 3); the low-noise expert's first step (4)
+    computes, because the cached output is the high-noise expert's."""
+    flat = [1.0] * 10
+    cfg = CachingConfig(method="magcache", threshold=0.1, max_skips=3, warmup_steps=2, final_steps=1)
+    assert plan_schedule({"cond": flat}, [None] * 10, cfg)["cond"] == (2, 3, 4, 6, 7, 8)
+    pair = ["high"] * 4 + ["low"] * 6
+    assert plan_schedule({"cond": flat, "uncond": flat}, pair, cfg) == {"cond": (2, 3, 5, 6, 7),
+                                                                        "uncond": (2, 3, 5, 6, 7)}
+
+
+# -- the sampler -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("cfg", ["split", "batched"])
+def test_sampler_reuses_exactly_the_scheduled_outputs(cfg):
+    noise = gaussian_noise((2, 3, 2, 4, 4), seed=5)
+    e_c, e_u = torch.randn(2, 5, 8), torch.randn(2, 5, 8)
+    settings = SamplingSettings(num_steps=8, guidance_scale=4.0, shift=3.0)
+    schedule = CacheSchedule(8, {"cond": (2, 3, 5), "uncond": (3, 4, 6)})
+    seen = []
+    res = sample(_toy, noise, e_c, e_u, scheduler=_scheduler(), settings=settings, cfg=cfg, cache=schedule,
+                 hook=lambda c: seen.append((c.step, c.branches)))
+    calls = {(s, b) for s, bs in seen for b in bs}
+    assert calls == {(s, b) for s in range(8) for b in ("cond", "uncond") if not schedule.reuse(s, b)}
+    if cfg == "batched":  # both branches computing share one call; a lone branch calls alone
+        assert (0, ("cond", "uncond")) in seen and (2, ("uncond",)) in seen and (3, ("cond", "uncond")) not in seen
+    assert [r.reused for r in res.steps] == [(), (), ("cond",), ("cond", "uncond"), ("uncond",), ("cond",),
+                                             ("uncond",), ()]
+    assert schedule.calls([("cond", "uncond")] * 8) == (10, 16)
+    # the loop written out: a reused branch's velocity is its last computed one
+    s = _scheduler()
+    s.set_timesteps(8)
+    x, last = noise.double(), {}
+    for i, t in enumerate(s.timesteps):
+        ts = t.double().expand(2)
+        for b, e in (("cond", e_c), ("uncond", e_u)):
+            if not schedule.reuse(i, b):
+                last[b] = _toy({"hidden_states": x, "timestep": ts, "encoder_hidden_states": e.double()})
+        x = x + (float(s.sigmas[i + 1]) - float(s.sigmas[i])) * (last["uncond"] + 4.0 * (last["cond"] - last["uncond"]))
+    torch.testing.assert_close(res.latents.double(), x, rtol=1e-5, atol=1e-6)
+
+
+def test_a_schedule_reusing_before_any_compute_is_refused():
+    with pytest.raises(ConfigError, match="no computed output yet"):
+        sample(_toy, gaussian_noise((1, 3, 2, 4, 4), 0), torch.ones(1, 5, 8), torch.zeros(1, 5, 8),
+               scheduler=_scheduler(), settings=SamplingSettings(4, 4.0, 3.0), cache=CacheSchedule(4, {"cond": (0,)}))
+    with pytest.raises(ArtifactError, match="outside"):
+        CacheSchedule.from_dict({"num_steps": 4, "reused": {"cond": [0]}})
+
+
+def test_pair_switch_computes_the_low_expert_first_step():
+    """wan-a14b-style pair: the boundary step calls the low-noise expert for both branches even where
+    the ratios would let it reuse, and the clip matches the loop written out with that schedule."""
+    pair = SamplingSettings(num_steps=6, guidance_scale=4.0, shift=12.0, boundary_ratio=0.875, guidance_scale_2=3.0)
+    sched = _scheduler(12.0)
+    sched.set_timesteps(6)
+    experts = step_experts(pair, sched.timesteps)
+    boundary = experts.index("low")
+    assert 1 < boundary < 5
+    cfg = CachingConfig(method="magcache", threshold=1.0, max_skips=5, warmup_steps=1, final_steps=0)
+    ratios = StepRatios(tuple(range(6)), tuple(float(t) for t in sched.timesteps),
+                        {"cond": np.ones((2, 6)), "uncond": np.ones((2, 6))})
+    schedule = schedule_for(cfg, ratios, pair, sched.timesteps)
+    assert schedule.reused == {b: tuple(i for i in range(1, 6) if i != boundary) for b in ("cond", "uncond")}
+    high, low = (lambda inp: 0.5 * _toy(inp)), (lambda inp: -0.25 * _toy(inp))
+    seen = []
+    noise, e_c, e_u = gaussian_noise((1, 2, 2, 2, 2), seed=0), torch.ones(1, 3, 4), -torch.ones(1, 3, 4)
+    res = sample({"high": high, "low": low}, noise, e_c, e_u, scheduler=_scheduler(12.0), settings=pair,
+                 cache=schedule, hook=lambda c: seen.append((c.step, c.expert, c.branch)))
+    assert seen == [(0, "high", "cond"), (0, "high", "uncond"), (boundary, "low", "cond"), (boundary, "low", "uncond")]
+    x, last = noise.double(), {}
+    for i, t in enumerate(sched.timesteps):
+        f, g = (high, 4.0) if experts[i] == "high" else (low, 3.0)
+        if i in (0, boundary):
+            ts = t.double().expand(1)
+            last = {b: f({"hidden_states": x, "timestep": ts, "encoder_hidden_states": e.double()})
+                    for b, e in (("cond", e_c), ("uncond", e_u))}
+        v = last["uncond"] + g * (last["cond"] - last["uncond"])
+        x = x + (float(sched.sigmas[i + 1]) - float(sched.sigmas[i])) * v
+    torch.testing.assert_close(res.latents.double(), x, rtol=1e-5, atol=1e-6)
+
+
+# -- the statistics ---------------------------------------------------------------------------------
+def test_recorded_ratios_match_an_independent_computation(tmp_path):
+    """The recorder's ratios vs numpy on the outputs recomputed from a recorded trajectory's latents."""
+    settings = SamplingSettings(num_steps=5, guidance_scale=4.0, shift=3.0)
+    rec = MagnitudeRecorder(5)
+    rows = []
+    for seed in (1, 2):  # two trajectories of two prompts each: four rows
+        noise = gaussian_noise((2, 3, 2, 4, 4), seed=seed)
+        e_c, e_u = torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(seed)), torch.zeros(2, 5, 8)
+        res = sample(_toy, noise, e_c, e_u, scheduler=_scheduler(), settings=settings, cfg="batched",
+                     keep=("latents",), cache=rec)
+        plain = sample(_toy, noise, e_c, e_u, scheduler=_scheduler(), settings=settings, cfg="batched")
+        torch.testing.assert_close(res.latents, plain.latents, rtol=0, atol=0)  # recording changes nothing
+        entering = [noise] + [r.latents for r in res.steps[:-1]]
+        for b, e in (("cond", e_c), ("uncond", e_u)):
+            mags = []
+            for x, r in zip(entering, res.steps):
+                v = _toy({"hidden_states": x, "timestep": torch.full((2,), r.timestep),
+                          "encoder_hidden_states": e}).numpy().astype(np.float64)
+                mags.append(np.sqrt((v ** 2).sum(axis=1)).reshape(2, -1).mean(axis=1))
+            rows.append((b, np.stack([np.ones(2)] + [mags[i] / mags[i - 1] for i in range(1, 5)], axis=1)))
+    got = rec.ratios()
+    for b in ("cond", "uncond"):
+        want = np.concatenate([r for bb, r in rows if bb == b])
+        np.testing.assert_allclose(got.ratios[b], want, rtol=1e-5)
+        np.testing.assert_allclose(got.mean(b), want.mean(axis=0), rtol=1e-5)
+        np.testing.assert_allclose(got.std(b), want.std(axis=0), rtol=1e-4, atol=1e-7)
+    got.save(tmp_path / "r.safetensors")
+    back = StepRatios.load(tmp_path / "r.safetensors")
+    assert back.steps == tuple(range(5)) and np.array_equal(back.ratios["cond"], got.ratios["cond"])
+    both = StepRatios.merged([back, back])
+    assert both.ratios["uncond"].shape == (8, 5)
+    np.testing.assert_allclose(both.mean("uncond"), got.mean("uncond"))
+
+
+def test_experts_files_join_into_one_trajectory():
+    high = StepRatios((0, 1), (999.0, 950.0), {"cond": np.array([[1.0, 0.9]])})
+    low = StepRatios((2, 3, 4), (800.0, 500.0, 100.0), {"cond": np.array([[1.1, 0.95, 0.8]])})
+    j = StepRatios.joined([low, high])
+    assert j.steps == (0, 1, 2, 3, 4) and j.timesteps == (999.0, 950.0, 800.0, 500.0, 100.0)
+    np.testing.assert_array_equal(j.ratios["cond"], [[1.0, 0.9, 1.1, 0.95, 0.8]])
+    with pytest.raises(ConfigError, match="runs 4 steps"):
+        schedule_for(ON, high, SamplingSettings(4, 4.0, 3.0), [999.0, 800.0, 500.0, 100.0])
+
+
+def test_missing_ratios_file_names_the_fix(tmp_path):
+    with pytest.raises(ArtifactError, match="trt-sora calibrate"):
+        StepRatios.load(tmp_path / "step_ratios.safetensors")
+
+
+# -- the recipe section -----------------------------------------------------------------------------
+def test_caching_is_off_by_default_in_every_recipe():
+    from trt_sora.config import list_recipes
+
+    for name in list_recipes():
+        assert not load_recipe(name).caching.enabled
+
+
+@pytest.mark.parametrize("section,match", [
+    ({"method": "magcash"}, "did you mean 'magcache'"),
+    ({"treshold": 0.1}, "did you mean 'threshold'"),
+    ({"threshold": 0.0}, r"caching.threshold=0.0 is outside \(0, 10\]"),
+    ({"max_skips": 0}, "max_skips=0 must be >= 1"),
+    ({"warmup_steps": 0}, "warmup_steps=0 must be >= 1"),
+    ({"branches": ["cnd"]}, "did you mean 'cond'"),
+    ({"branches": ["cond", "cond"]}, "once"),
+    ({"sweep": [0.1, -1]}, "caching.sweep"),
+])
+def test_bad_caching_section_is_a_typed_error(section, match):
+    raw = recipe_to_dict(load_recipe("rtx4090-fp8"))
+    raw["caching"] = {**raw["caching"], **section}
+    with pytest.raises(ConfigError, match=match):
+        recipe_from_dict(raw)
+
+
+def test_caching_section_round_trips():
+    raw = recipe_to_dict(load_recipe("rtx4090-fp8"))
+    raw["caching"] = {"method": "magcache", "threshold": 0.2, "branches": ["uncond"], "sweep": [0.05, 0.4]}
+    r = recipe_from_dict(raw)
+    assert r.caching.enabled and r.caching.branches == ("uncond",) and r.caching.sweep == (0.05, 0.4)
+    assert recipe_from_dict(recipe_to_dict(r)) == r

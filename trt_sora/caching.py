@@ -1,0 +1,274 @@
+"""Step caching: which denoising steps reuse a CFG branch's last transformer output, and the
+calibrated statistics that decide it. The one sampler (:func:`trt_sora.sampling.sample`) asks a
+*step cache* two things per call, through its ``cache=`` argument::
+
+    cache.reuse(step, branch) -> bool      # True: skip the call, reuse the branch's last output
+    cache.observe(step, branch, output)    # every output the sampler computed ([B, C, F, H, W] fp32)
+
+Two step caches live here:
+
+* :class:`MagnitudeRecorder` (calibration): never reuses; records, per trajectory row, step and
+  branch, the magnitude ratio ``r_i = m_i / m_{i-1}`` of the transformer output, with ``m`` the
+  mean over latent positions of the output's L2 norm over channels (``r_0 = 1``). The calibrate
+  stage saves them as :class:`StepRatios` (``calib/step_ratios.safetensors``).
+* :class:`CacheSchedule` (check, runtime): a fixed set of reused steps per branch, planned by
+  :func:`plan_schedule` from the calibrated mean ratios (MagCache's rule, below), so a schedule is
+  a fact of the model and its sampling settings that ``check`` verifies and the runtime replays.
+
+The rule, per branch, over steps ``i = 0 .. n-1`` (:func:`plan_schedule`): a step computes when it is
+one of the first ``warmup_steps`` or the last ``final_steps``, the first step of an expert (a pair
+switching at its boundary: the cached output is the other expert's), or the branch may not reuse;
+every other step multiplies ``acc *= r_i``, adds ``err += |1 - acc|``, counts ``k += 1`` and reuses
+while ``err <= threshold`` and ``k <= max_skips``; a computing step resets ``acc = 1, err = 0, k = 0``.
+
+No heavy imports at module load: numpy here, torch and safetensors inside the functions.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from trt_sora.config.recipe import CACHE_BRANCHES, CachingConfig
+from trt_sora.errors import ArtifactError, ConfigError
+
+__all__ = ["RATIOS_FILE", "CacheSchedule", "MagnitudeRecorder", "StepRatios", "caching_record", "plan_schedule",
+           "schedule_for"]
+
+#: The calibrate stage's file of per-step magnitude ratios (beside ``stats.safetensors``).
+RATIOS_FILE = "step_ratios.safetensors"
+_FORMAT = "trt_sora.step_ratios/1"
+MAGNITUDE = "mean over latent positions of the transformer output's L2 norm over channels"
+
+
+# -- the statistics ----------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class StepRatios:
+    """Magnitude ratios of the transformer output, step over previous step, per CFG branch.
+
+    Attributes:
+        steps: the schedule indices covered (a pair's expert covers the steps it served).
+        timesteps: each covered step's timestep.
+        ratios: ``{branch: [rows, len(steps)] float64}``, one row per trajectory row (prompt);
+            NaN where a row's branch did not run at that step (no CFG there).
+    """
+
+    steps: tuple[int, ...]
+    timesteps: tuple[float, ...]
+    ratios: Mapping[str, np.ndarray]
+
+    def mean(self, branch: str) -> np.ndarray:
+        """``[len(steps)]`` mean over rows (NaN where no row ran)."""
+        return _nan_stat(self.ratios[branch], np.nanmean)
+
+    def std(self, branch: str) -> np.ndarray:
+        """``[len(steps)]`` population standard deviation over rows."""
+        return _nan_stat(self.ratios[branch], np.nanstd)
+
+    def mean_by_step(self, branch: str) -> dict[int, float]:
+        return dict(zip(self.steps, (float(x) for x in self.mean(branch))))
+
+    def summary(self) -> dict[str, Any]:
+        """JSON-safe per-branch mean and std per step (the calibration manifest's record)."""
+        return {"steps": list(self.steps), "magnitude": MAGNITUDE,
+                "rows": {b: int(r.shape[0]) for b, r in self.ratios.items()},
+                **{b: {"mean": _floats(self.mean(b)), "std": _floats(self.std(b))} for b in self.ratios}}
+
+    def save(self, path: str | Path) -> None:
+        from safetensors.numpy import save_file
+
+        tensors = {"steps": np.asarray(self.steps, np.int64), "timesteps": np.asarray(self.timesteps, np.float64)}
+        for b, r in self.ratios.items():
+            tensors[f"{b}.ratios"] = np.ascontiguousarray(r, dtype=np.float64)
+            tensors[f"{b}.mean"], tensors[f"{b}.std"] = self.mean(b), self.std(b)
+        save_file(tensors, str(path), metadata={"format": _FORMAT, "magnitude": MAGNITUDE,
+                                                "branches": json.dumps(list(self.ratios))})
+
+    @classmethod
+    def load(cls, path: str | Path) -> StepRatios:
+        from safetensors import safe_open
+
+        fix = "re-run `trt-sora calibrate` (it records the step ratios step caching needs)"
+        if not Path(path).is_file():
+            raise ArtifactError(f"{path} does not exist: the calibration predates step caching; {fix}")
+        with safe_open(str(path), framework="numpy") as f:
+            meta = f.metadata() or {}
+            if meta.get("format") != _FORMAT:
+                raise ArtifactError(f"{path} is not a step-ratios file of this trt_sora "
+                                    f"({meta.get('format')!r}); {fix}")
+            branches = json.loads(meta["branches"])
+            return cls(steps=tuple(int(s) for s in f.get_tensor("steps")),
+                       timesteps=tuple(float(t) for t in f.get_tensor("timesteps")),
+                       ratios={b: f.get_tensor(f"{b}.ratios") for b in branches})
+
+    @classmethod
+    def merged(cls, parts: Sequence[StepRatios]) -> StepRatios:
+        """One file's rows after another's (shards, in shard order): the same steps, rows concatenated."""
+        first = parts[0]
+        if any(p.steps != first.steps or set(p.ratios) != set(first.ratios) for p in parts):
+            raise ArtifactError("step-ratio shards cover different steps or branches; merge the shards of one "
+                                "calibration")
+        rows = {b: np.concatenate([p.ratios[b] for p in parts]) for b in first.ratios}
+        return cls(first.steps, first.timesteps, rows)
+
+    @classmethod
+    def joined(cls, parts: Sequence[StepRatios]) -> StepRatios:
+        """The experts' files of a pair as one trajectory: their steps side by side, in step order."""
+        if len(parts) == 1:
+            return parts[0]
+        order = sorted((s, i, j) for i, p in enumerate(parts) for j, s in enumerate(p.steps))
+        rows = {p.ratios[b].shape[0] for p in parts for b in p.ratios}
+        if len(rows) != 1 or len({s for s, _, _ in order}) != len(order):
+            raise ArtifactError("the experts' step ratios do not come from one calibration pass (their rows or "
+                                "steps differ); re-run `trt-sora calibrate` for the pair")
+        branches = [b for b in parts[0].ratios if all(b in p.ratios for p in parts)]
+        return cls(tuple(s for s, _, _ in order), tuple(parts[i].timesteps[j] for _, i, j in order),
+                   {b: np.stack([parts[i].ratios[b][:, j] for _, i, j in order], axis=1) for b in branches})
+
+
+def _nan_stat(a: np.ndarray, fn) -> np.ndarray:
+    out = np.full(a.shape[1], np.nan)
+    seen = ~np.isnan(a).all(axis=0)
+    out[seen] = fn(a[:, seen], axis=0)
+    return out
+
+
+def _floats(a: np.ndarray) -> list:
+    return [None if math.isnan(x) else round(float(x), 6) for x in a]
+
+
+class MagnitudeRecorder:
+    """The sampler's step cache during calibration: computes every call and records the magnitude
+    ratio of each row's output per step and branch (see the module docstring). One recorder
+    follows any number of trajectories of ``num_steps`` steps; :meth:`ratios` returns them."""
+
+    def __init__(self, num_steps: int):
+        self.num_steps = int(num_steps)
+        self._rows: dict[str, list[np.ndarray]] = {}
+        self._prev: dict[str, tuple[int, Any]] = {}
+        self._timesteps: dict[int, float] = {}
+
+    def reuse(self, step: int, branch: str) -> bool:
+        return False
+
+    def observe(self, step: int, branch: str, output, timestep: float | None = None) -> None:
+        mag = output.detach().float().norm(dim=1).flatten(1).mean(dim=1).double().cpu().numpy()
+        rows = self._rows.setdefault(branch, [])
+        prev = self._prev.get(branch)
+        if prev is None or step <= prev[0] or not rows or rows[-1].shape[0] != mag.shape[0]:
+            rows.append(np.full((mag.shape[0], self.num_steps), np.nan))  # a new trajectory
+            prev = None
+        if prev is not None and prev[0] == step - 1:
+            rows[-1][:, step] = mag / prev[1]
+        elif step == 0:
+            rows[-1][:, step] = 1.0
+        self._prev[branch] = (step, mag)
+        if timestep is not None:
+            self._timesteps.setdefault(step, float(timestep))
+
+    def ratios(self, steps: Sequence[int] | None = None) -> StepRatios:
+        """The recorded ratios over ``steps`` (default: every step), one row per trajectory row."""
+        steps = tuple(range(self.num_steps)) if steps is None else tuple(int(s) for s in steps)
+        return StepRatios(steps=steps, timesteps=tuple(self._timesteps.get(s, math.nan) for s in steps),
+                          ratios={b: np.concatenate(r)[:, list(steps)] for b, r in self._rows.items()})
+
+
+# -- the policy ---------------------------------------------------------------------------------------
+def plan_schedule(ratios: Mapping[str, Sequence[float]], experts: Sequence[str | None], config: CachingConfig,
+                  threshold: float | None = None) -> dict[str, tuple[int, ...]]:
+    """``{branch: reused steps}`` by the rule of the module docstring.
+
+    Args:
+        ratios: ``{branch: [r_0 .. r_{n-1}]}`` (the calibrated mean per step; NaN: the step computes).
+        experts: the expert serving each step (``None`` for one model): a change forces a compute.
+        config: warm-up / final steps, ``max_skips``, the branches that may reuse.
+        threshold: the accumulated-error budget (default ``config.threshold``).
+    """
+    budget = config.threshold if threshold is None else float(threshold)
+    n = len(experts)
+    out = {}
+    for branch, r in ratios.items():
+        if len(r) != n:
+            raise ConfigError(f"caching: {len(r)} ratios for branch {branch!r} but the schedule has {n} steps")
+        acc, err, k, reused = 1.0, 0.0, 0, []
+        for i in range(n):
+            forced = (i < config.warmup_steps or i >= n - config.final_steps or experts[i] != experts[i - 1]
+                      or branch not in config.branches or not math.isfinite(r[i]))
+            if not forced:
+                acc *= float(r[i])
+                err += abs(1.0 - acc)
+                k += 1
+                if err <= budget and k <= config.max_skips:
+                    reused.append(i)
+                    continue
+            acc, err, k = 1.0, 0.0, 0
+        out[branch] = tuple(reused)
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheSchedule:
+    """The sampler's step cache when serving: ``reused[branch]`` lists the steps that reuse that
+    branch's last output; it holds only for ``num_steps``-step trajectories."""
+
+    num_steps: int
+    reused: Mapping[str, tuple[int, ...]]
+
+    def reuse(self, step: int, branch: str) -> bool:
+        return step in self.reused.get(branch, ())
+
+    def observe(self, step: int, branch: str, output, timestep: float | None = None) -> None:
+        return None
+
+    def calls(self, branches_per_step: Sequence[Sequence[str]]) -> tuple[int, int]:
+        """``(computed, uncached)`` branch evaluations over steps running ``branches_per_step[i]``."""
+        total = sum(len(bs) for bs in branches_per_step)
+        return total - sum(1 for i, bs in enumerate(branches_per_step) for b in bs if self.reuse(i, b)), total
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"num_steps": self.num_steps, "reused": {b: list(s) for b, s in self.reused.items()}}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], *, where: str = "caching schedule") -> CacheSchedule:
+        try:
+            reused = {str(b): tuple(int(s) for s in steps) for b, steps in d["reused"].items()}
+            num_steps = int(d["num_steps"])
+        except (KeyError, TypeError, ValueError, AttributeError):
+            raise ArtifactError(f"{where} is not a step schedule of this trt_sora; re-run `trt-sora check`") from None
+        if any(b not in CACHE_BRANCHES or any(not 0 < s < num_steps for s in st) for b, st in reused.items()):
+            raise ArtifactError(f"{where} names an unknown branch or a step outside 1..{num_steps - 1}; re-run "
+                                "`trt-sora check`")
+        return cls(num_steps, reused)
+
+
+def step_experts(settings, timesteps: Sequence[float]) -> list[str | None]:
+    """The expert serving each timestep (``None`` for one model)."""
+    return [settings.expert_at(float(t)) for t in timesteps]
+
+
+def schedule_for(config: CachingConfig, ratios: StepRatios, settings, timesteps: Sequence[float],
+                 threshold: float | None = None) -> CacheSchedule:
+    """The schedule of ``settings``' trajectory (``timesteps``: the scheduler's) from calibrated ratios.
+
+    ConfigError when the ratios were calibrated over another step count: a schedule is planned from
+    this model's statistics at the steps users run, never extrapolated."""
+    n = settings.num_steps
+    if ratios.steps != tuple(range(n)):
+        raise ConfigError(f"caching: the calibrated step ratios cover steps {list(ratios.steps)[:3]}.. of a "
+                          f"{len(ratios.steps)}-step trajectory but this loop runs {n} steps; calibrate at the "
+                          "sampling settings the check runs (calibration.num_steps / parity.loop_steps)")
+    means = {b: list(ratios.mean(b)) for b in ratios.ratios}
+    return CacheSchedule(n, plan_schedule(means, step_experts(settings, timesteps), config, threshold))
+
+
+def caching_record(config: CachingConfig, schedule: CacheSchedule, settings, computed: int, total: int) -> dict:
+    """What a report or a clip's metadata says of a cached trajectory."""
+    from trt_sora.config.base import to_dict
+
+    return {"setting": to_dict(config), "sampling": settings.to_dict(), "schedule": schedule.to_dict(),
+            "calls": computed, "calls_uncached": total, "saved_fraction": round(1.0 - computed / max(total, 1), 6)}
