@@ -88,6 +88,7 @@ def keyed(tiny_runner, tmp_path_factory):
             yield http, gated, engine
     finally:
         gated.release.set()
+        engine.drain(HANG)  # no thread left inside the model when the interpreter exits
         engine.close()
 
 

@@ -116,6 +116,7 @@ def impatient(tiny_runner):
             yield http, gated, engine
     finally:
         gated.release.set()
+        engine.drain(HANG)  # no thread left inside the model when the interpreter exits
         engine.close()
 
 
