@@ -93,6 +93,52 @@ def test_stats_round_trip_and_per_step(e2e, tiny_adapter, tiny_model):
         assert float(loaded.method_amax[site]["minmax"]) >= float(loaded.amax[site]) > 0
 
 
+def test_step_ratios_match_the_recorded_trajectories(e2e, tiny_adapter, tiny_model):
+    """Step caching's statistics: the calibration's per-row magnitude ratios (and their mean / std over
+    rows) against numpy on the transformer outputs recomputed from each calibration trajectory's
+    recorded latents (the same prompts, noise and conditioning the stage ran)."""
+    import numpy as np
+
+    from trt_sora.caching import StepRatios
+    from trt_sora.calibrate.data import load_preset, prompts_for_preset
+    from trt_sora.calibrate.run import _chunks, _noise, branch_inputs, calibration_sampling
+    from trt_sora.sampling import adapter_call, sample
+
+    res, _ = e2e
+    out = res.stats_path.parent
+    assert res.manifest["outputs"]["step_ratios"] == "step_ratios.safetensors"
+    got = StepRatios.load(out / "step_ratios.safetensors")
+    preset = load_preset(str(out.parent / "p.yaml"))
+    settings, _ = calibration_sampling(tiny_adapter, preset)
+    prompts, encode = prompts_for_preset(preset), tiny_adapter.text_encoder(None)
+    plan = [(shape, chunk) for shape in preset.shapes for chunk in _chunks(prompts, shape.batch)]
+    want: dict = {"cond": [], "uncond": []}
+    for k, (shape, chunk) in enumerate(plan):
+        seed = preset.seed * 1_000_003 + k
+        cond, uncond = branch_inputs(tiny_adapter, encode, preset, [p.prompt for p in chunk], shape, uses_cfg=True,
+                                     seed=seed, device="cpu")
+        noise = _noise(tiny_adapter, shape, seed, "cpu")
+        traj = sample(adapter_call(tiny_adapter, tiny_model), noise, cond, uncond,
+                      scheduler=tiny_adapter.scheduler(settings.shift), settings=settings, keep=("latents",),
+                      conditioner=tiny_adapter)
+        entering = [noise] + [r.latents for r in traj.steps[:-1]]
+        for b, c in (("cond", cond), ("uncond", uncond)):
+            mags = []
+            for x, r in zip(entering, traj.steps):
+                with torch.no_grad():
+                    v = tiny_adapter.forward(tiny_model, tiny_adapter.model_inputs(
+                        x, torch.full((x.shape[0],), r.timestep), c)).double().numpy()
+                mags.append(np.sqrt((v ** 2).sum(axis=1)).reshape(v.shape[0], -1).mean(axis=1))
+            want[b].append(np.stack([np.ones_like(mags[0])] + [mags[i] / mags[i - 1] for i in range(1, len(mags))], 1))
+    for b in ("cond", "uncond"):
+        w = np.concatenate(want[b])
+        assert w.shape == (4, NUM_STEPS) and not np.allclose(w[:, 1], 1.0)
+        np.testing.assert_allclose(got.ratios[b], w, rtol=1e-4)
+        np.testing.assert_allclose(got.mean(b), w.mean(axis=0), rtol=1e-4)
+        np.testing.assert_allclose(got.std(b), w.std(axis=0), rtol=1e-3, atol=1e-6)
+        assert res.manifest["results"]["step_ratios"][b]["mean"] == pytest.approx(list(w.mean(axis=0)), rel=1e-4)
+
+
 def test_hooks_removed(e2e, tiny_model):
     from trt_sora.models.wan import WanExportAttnProcessor
 

@@ -47,6 +47,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from trt_sora.caching import RATIOS_FILE, MagnitudeRecorder, StepRatios
 from trt_sora.calibrate.data import CalibPreset, CalibShape, load_preset, prompts_for_preset
 from trt_sora.calibrate.shards import shard_range
 from trt_sora.config.recipe import CalibConfig, CalibMethod, QuantConfig, QuantFormat
@@ -294,11 +295,12 @@ def _resolve_preset(adapter, config: CalibConfig, preset) -> CalibPreset:
 
 def _collect(sides, models, lead, preset: CalibPreset, settings, plan, todo: range, *, encode, methods, okw,
              cfg: str, model_dtype, timesteps: dict, forwards: dict, progress: Progress, total: int,
-             hessians: Mapping[Any, Any] | None = None, phase: str = "calibrate") -> dict | None:
+             hessians: Mapping[Any, Any] | None = None, phase: str = "calibrate", recorder=None) -> dict | None:
     """Run the trajectories ``plan[k] for k in todo`` with the observers installed on every model
     (``sides``: ``{None: adapter}``, or ``{expert: adapter}`` for a pair switched at its boundary, each
     observing exactly the steps it serves); ``{side: {site: SiteStats}}``. ``hessians``: ``{side:
-    HessianHooks}`` (:mod:`trt_sora.calibrate.gptq`) open over the same forwards (GPTQ). Another
+    HessianHooks}`` (:mod:`trt_sora.calibrate.gptq`) open over the same forwards (GPTQ). ``recorder``: the
+    sampler's step cache recording the transformer output's magnitude ratios (step caching). Another
     ``phase`` (``"gptq pass 2/3"``): a later GPTQ pass - the same trajectories (prompts, seeds, steps)
     with only the Hessian hooks; returns None."""
     from trt_sora.calibrate.hooks import CollectionHooks
@@ -335,7 +337,7 @@ def _collect(sides, models, lead, preset: CalibPreset, settings, plan, todo: ran
             label = f"shape {shape.as_dict()}, prompts {[p.id for p in chunk]}"
             sample(call, noise, cond, uncond, scheduler=lead.scheduler(settings.shift), settings=settings,
                    cfg=cfg if settings.uses_cfg else "split", dtype=model_dtype, hook=on_call, label=label,
-                   conditioner=lead)
+                   conditioner=lead, cache=recorder if observe else None)
         if not observe:
             return None
         sites = {k: h.used_sites() for k, h in hooks.items()}
@@ -532,6 +534,7 @@ def _calibrate(sides: Mapping[Any, Any], config: CalibConfig, out_dirs: Mapping[
             for k, a in sides.items()}
     plans = {k: p for k, (p, _) in gptq.items() if p is not None}
     stats: dict[Any, Any] = {}
+    recorder = MagnitudeRecorder(settings.num_steps)
     t_collect = 0.0
     if from_shards:
         stats = {k: _merged(from_shards[k], a, preset, settings, method, config) for k, a in sides.items()}
@@ -552,7 +555,7 @@ def _calibrate(sides: Mapping[Any, Any], config: CalibConfig, out_dirs: Mapping[
             n = max(pl.passes for pl in plans.values())
             _collect(sides, models, lead, preset, settings, plan, todo, phase=f"gptq pass {group + 1}/{n}", **kw)
             return
-        sites = _collect(sides, models, lead, preset, settings, plan, todo, **kw)
+        sites = _collect(sides, models, lead, preset, settings, plan, todo, recorder=recorder, **kw)
         stats.update({k: _reduce(models[k], sites[k], _metadata(a, settings, sampling_note, plan, todo, timesteps[k],
                                                                 t_start=t_start, **ctx)) for k, a in sides.items()})
         t_collect = time.perf_counter() - t_start
@@ -561,7 +564,9 @@ def _calibrate(sides: Mapping[Any, Any], config: CalibConfig, out_dirs: Mapping[
         shard_tmp = _hessian_dirs(stack, plans, out_dirs) if shard is not None and plans else None
         rounded, record = _gptq_passes(plans, models, trajectories, stats, config, qfmt.value,
                                        shard_tmp=shard_tmp, from_shards=from_shards)
+        ratios = {k: _step_ratios(recorder, timesteps[k], from_shards[k] if from_shards else None) for k in sides}
         return {k: _write(a, models[k], stats[k], out_dirs[k], rounded=rounded.get(k) if shard is None else None,
+                          ratios=ratios[k],
                           rounding=(gptq[k][0], gptq[k][1], record.get(k)), config=config, settings=settings,
                           sampling_note=sampling_note, progress=progress, report=report, quant_config=quant_config,
                           report_options=report_options, text_encoder=text_encoder, t_start=t_start,
@@ -570,6 +575,18 @@ def _calibrate(sides: Mapping[Any, Any], config: CalibConfig, out_dirs: Mapping[
                           steps=sorted(timesteps[k]), timesteps=[timesteps[k][i] for i in sorted(timesteps[k])],
                           **ctx)
                 for k, a in sides.items()}
+
+
+def _step_ratios(recorder: MagnitudeRecorder, served: Mapping[int, float], from_shards) -> StepRatios | None:
+    """The output magnitude ratios over the steps a side served (step caching's statistics): this pass's,
+    or the shards' rows in shard order (None, with a warning, when a shard predates recording them)."""
+    if not from_shards:
+        return recorder.ratios(sorted(served))
+    files = [Path(f) / RATIOS_FILE for f in from_shards]
+    if not all(f.is_file() for f in files):
+        log.warning("calibration: a shard has no %s (it predates step caching): no step ratios recorded", RATIOS_FILE)
+        return None
+    return StepRatios.merged([StepRatios.load(f) for f in files])
 
 
 def _hessian_dirs(stack: contextlib.ExitStack, plans: Mapping[Any, Any], out_dirs: Mapping[Any, Any]) -> dict:
@@ -700,12 +717,12 @@ def _report(tmp, adapter, model, stats, rounded, rounding_note, *, config, setti
                                     quant_format=qcfg.format.value, weight_rounding=rounding_note)
 
 
-def _write(adapter, model, stats, out_dir, *, rounded, rounding, config, settings, sampling_note, progress,
+def _write(adapter, model, stats, out_dir, *, rounded, ratios, rounding, config, settings, sampling_note, progress,
            report, quant_config, report_options, text_encoder, t_start, t_collect, forwards, from_shards, steps,
            timesteps, method, methods, preset, model_dtype, qfmt, encode, cfg, shard, pair, **_) -> CalibResult:
-    """Write one calibration folder (stats, GPTQ-rounded weights when ``rounded``, a shard's Hessians,
-    report, manifest) atomically. ``rounding``: ``(HessianPlan or None, note, record)`` of
-    :func:`_gptq_plan` and :func:`_gptq_passes`."""
+    """Write one calibration folder (stats, GPTQ-rounded weights when ``rounded``, the step caching's
+    output magnitude ratios ``ratios``, a shard's Hessians, report, manifest) atomically. ``rounding``:
+    ``(HessianPlan or None, note, record)`` of :func:`_gptq_plan` and :func:`_gptq_passes`."""
     from trt_sora.calibrate.gptq import WEIGHTS_FILE, save_rounded_weights
     from trt_sora.config.base import to_dict
     from trt_sora.manifest import file_entry, staged_dir, write_manifest
@@ -749,6 +766,10 @@ def _write(adapter, model, stats, out_dir, *, rounded, rounding, config, setting
                                       "sites": len(rounded or ()), "note": rounding[1], **record}
         if rounded is not None:
             outputs["weights"] = WEIGHTS_FILE
+        if ratios is not None:
+            ratios.save(tmp / RATIOS_FILE)
+            outputs["step_ratios"] = RATIOS_FILE
+            results["step_ratios"] = ratios.summary()
         if hessian_files:
             outputs["hessians"] = [f.name for f in hessian_files]
         if report_path is not None:

@@ -269,6 +269,14 @@ class CachingConfig:
     sweep: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
+        if not isinstance(self.method, CacheMethod):  # built in Python with a string
+            choices = [m.value for m in CacheMethod]
+            if self.method not in choices:
+                raise ConfigError(f"caching.method={self.method!r} is not one of {choices}"
+                                  f"{did_you_mean(self.method, choices)}")
+            object.__setattr__(self, "method", CacheMethod(self.method))
+        object.__setattr__(self, "branches", tuple(self.branches))
+        object.__setattr__(self, "sweep", tuple(self.sweep))
         _in_range("caching.threshold", self.threshold, 0.0, 10.0, lo_open=True,
                   meaning=" (the accumulated magnitude error a reuse may reach)")
         for v in self.sweep:
