@@ -373,6 +373,19 @@ def _sides(run: Path, adapter, recipe) -> dict:
     return out
 
 
+def _plan_caching(recipe, adapter, settings, sides: dict):
+    """The recipe's cache schedules at the loop's settings (None when caching is off), planned before the
+    trajectories run so a calibration without step ratios is refused first."""
+    if not recipe.caching.enabled:
+        return None
+    from trt_sora.parity.caching import plan_caching
+
+    sched = adapter.scheduler(settings.shift)
+    sched.set_timesteps(settings.num_steps)
+    return plan_caching(recipe.caching, settings, [float(t) for t in sched.timesteps],
+                        {side.rel("step_ratios"): side.root / "calib" for side in sides.values()})
+
+
 def _expert_steps(adapter, settings) -> dict:
     """``{expert or None: [steps it serves]}`` of the sampling loop."""
     sched = adapter.scheduler(settings.shift)
@@ -423,6 +436,7 @@ def check_artifacts(run_dir: str | Path, recipe, *, model=None, backend: str = "
     adapter = _adapter_for(run, model)
     sides = _sides(run, adapter, recipe)
 
+    from trt_sora.parity.caching import caching_level
     from trt_sora.parity.loop import loop_inputs, parity_sampling
     from trt_sora.parity.trajectory import judge
     from trt_sora.sampling import runner_call, sample
@@ -441,6 +455,7 @@ def check_artifacts(run_dir: str | Path, recipe, *, model=None, backend: str = "
 
     # the deployed trajectory once: the reference loop with the candidate on every call's inputs
     settings, sampling_note = parity_sampling(adapter, pc)
+    caching = _plan_caching(recipe, adapter, settings, sides)
     lp, batched = _loop_point(buckets)
     cfg = "batched" if batched else "split"
     noise, cond, uncond = loop_inputs(adapter, lp, seed=seed, text_encoder=text_encoder)
@@ -494,7 +509,8 @@ def check_artifacts(run_dir: str | Path, recipe, *, model=None, backend: str = "
     if settings.experts:
         comparisons[-1]["experts"] = {e: {"steps": served.get(e, [])} for e in settings.experts}
     decode, ddesc = adapter.decoder()
-    fr = frame_metrics(decode(lat_ref), decode(lat_c))
+    ref_frames = decode(lat_ref)
+    fr = frame_metrics(ref_frames, decode(lat_c))
     fm = {**fr, "psnr_db": fr["worst_psnr_db"], "worst_frame_ssim": fr["worst_ssim"]}
     checks = gate_check(fm, pc.frames, ssim_key="worst_frame_ssim")
     for c in checks:
@@ -511,6 +527,15 @@ def check_artifacts(run_dir: str | Path, recipe, *, model=None, backend: str = "
             localization["loop"] = localize(side.fq or side.ref, side.cand, feeds, side.probes,
                                             jump_factor=pc.jump_factor)
 
+    caching_rec = None
+    if caching is not None:  # the served loop: the candidate with the recipe's cache schedule
+        def run_loop(schedule):
+            return sample(cand_calls, noise, cond, uncond, scheduler=adapter.scheduler(settings.shift),
+                          settings=settings, cfg=cfg, conditioner=adapter, cache=schedule).latents
+
+        level, caching_rec = caching_level(caching, run_loop, lat_ref, ref_frames, decode, pc)
+        comparisons.append({**level, "reference": ref_name, "candidate": cand_name + " (cached)", "point": lp})
+
     executed = _executed_on(backend, lead.cand)
     for side in sides.values():
         for r in {id(x): x for x in side.runners()}.values():
@@ -518,6 +543,8 @@ def check_artifacts(run_dir: str | Path, recipe, *, model=None, backend: str = "
     passed = all(c["passed"] for c in comparisons)
     inputs = {side.rel(k): file_entry(v, run) for side in sides.values() for k, v in side.arts.items()
               if v is not None}
+    if caching is not None:
+        inputs.update({name: file_entry(path, run) for name, path in caching.files.items()})
     candidate = _merge_candidates({e: _candidate_entry(backend, s.cand.name, s.cand_onnx, s.arts,
                                                        {k: file_entry(v, run) for k, v in s.arts.items()
                                                         if v is not None}, executed)
@@ -541,6 +568,8 @@ def check_artifacts(run_dir: str | Path, recipe, *, model=None, backend: str = "
         report["experts"] = {e: {"model_hash": s.adapter.spec.model_hash(), "steps": served.get(e, []),
                                  "engine": _engine_status(s.arts["engine"], backend, run)} for e, s in sides.items()}
         report["boundary_ratio"] = settings.boundary_ratio
+    if caching_rec is not None:
+        report["caching"] = caching_rec
     if write:
         from trt_sora.config import recipe_to_dict
 
@@ -711,6 +740,10 @@ def render_markdown(report: dict) -> str:
                   "the reference re-run from there with the candidate at that step only), PSNR against the final "
                   f"latents' peak {_fmt(t['metrics']['contribution_peak'])}. Figure: `figures/trajectory.png`.", ""]
         lines += step_table(t, levels.get("loop"))
+    if report.get("caching"):
+        from trt_sora.parity.caching import render
+
+        lines += render(report["caching"])
     for level, loc in report.get("localization", {}).items():
         lines += ["", f"## Where the error starts ({level})", "",
                   f"First layer where the error jumps: **{loc['first_jump']}** (block {loc['block']}); "

@@ -28,8 +28,8 @@ from trt_sora.sm import sm_int
 
 log = logging.getLogger("trt_sora")
 
-__all__ = ["Clip", "ClipRequest", "Generator", "InputError", "NumericsError", "ServingRunner",
-           "as_diffusers_transformer",
+__all__ = ["Clip", "ClipRequest", "Generator", "InputError", "NumericsError", "ServedCache", "ServingRunner",
+           "as_diffusers_transformer", "caching_mismatch",
            "buckets_of", "diffusers_pipeline", "generate", "load", "mismatch", "read_report"]
 
 BACKENDS = ("auto", "trt", "ort", "torch", "torch-fp8")
@@ -220,7 +220,8 @@ class ServingRunner:
 
     Attributes: ``backend``, ``buckets``, ``load_seconds``, ``warmup_seconds`` ({bucket: s}),
     ``model_config`` (the transformer's diffusers config), ``run_dir``, ``check_finite``,
-    ``verified`` (False when loaded with ``force=True`` past a failed verification).
+    ``verified`` (False when loaded with ``force=True`` past a failed verification), ``caching``
+    (the :class:`ServedCache` its check passed, which generation replays; None: every step computes).
     """
 
     def __init__(self, runners: list, *, backend: str, buckets, model_config: Mapping[str, Any], run_dir: Path,
@@ -248,6 +249,7 @@ class ServingRunner:
         self.input_names = tuple(input_ranks)
         self.load_seconds = 0.0
         self.warmup_seconds: dict[str, float] = {}
+        self.caching: ServedCache | None = None
         self._closed = False
 
     # -- validation -------------------------------------------------------------------------------
@@ -415,7 +417,7 @@ def _non_finite(x) -> int:
 
 def load(artifact_dir, backend: str = "auto", *, force: bool = False, concurrency: int = 1,
          device: str | None = None, dtype: str = "fp32", warmup: bool = True, compile: bool = False,
-         threads: int | None = None, check_finite: bool = True, parallel=None) -> ServingRunner:
+         threads: int | None = None, check_finite: bool = True, parallel=None, caching: bool = True) -> ServingRunner:
     """Load a run folder (``build/<model>/<recipe>/``) for serving - only what its parity check verified.
 
     The parity report (``parity/report.json``, re-hashed against its manifest) must have passed with
@@ -447,6 +449,9 @@ def load(artifact_dir, backend: str = "auto", *, force: bool = False, concurrenc
             ``torch`` / ``torch-fp8`` backends, inside a ``torch.distributed`` job (``torchrun``;
             :func:`trt_sora.parallel.init_process_group`). Call ``load`` on every rank: rank 0 serves
             (``infer``), the other ranks call ``follow()`` until rank 0 closes.
+        caching: serve the run folder's step caching (its ``recipe.yaml``'s ``caching`` section; without
+            one, the setting its check passed) - only when the parity report checked exactly that setting
+            with this backend, else ArtifactError (see :func:`caching_mismatch`); False: every step computes.
 
     Raises ArtifactError (unchecked/failed/changed artifact, report of another backend or GPU),
     BackendMissingError (backend not installed / no GPU), ConfigError (unknown backend).
@@ -505,12 +510,78 @@ def load(artifact_dir, backend: str = "auto", *, force: bool = False, concurrenc
                        check_finite=check_finite, input_dims=family.input_dims(), mask_inputs=family.mask_inputs)
     sr._runners = runners  # warm-up/close once per distinct runner
     sr.verified = verified
+    sr.caching = _served_caching(run, rep, backend, force) if caching else None
     sr.load_seconds = time.perf_counter() - t0
     if warmup and getattr(runners[0], "rank", 0) == 0:  # followers warm up by following rank 0's calls
         sr.warm_up()
     log.info("runtime: %s backend, %d bucket(s), loaded in %.2f s%s", backend, len(buckets), sr.load_seconds,
              "" if verified else " (UNVERIFIED, force=True)")
     return sr
+
+
+class ServedCache:
+    """The step caching a run folder's check passed: its ``schedule`` (:class:`trt_sora.caching.CacheSchedule`),
+    the ``sampling`` settings it was checked at (a request with other settings computes every step) and the
+    report's ``record`` (setting, call counts, curve)."""
+
+    def __init__(self, record: Mapping[str, Any], run: Path):
+        from trt_sora.caching import CacheSchedule
+
+        self.record = dict(record)
+        self.schedule = CacheSchedule.from_dict(record.get("schedule") or {}, where=f"{run}/parity/report.json caching")
+        self.sampling = dict(record.get("sampling") or {})
+
+    def applies_to(self, settings) -> bool:
+        """True when ``settings`` (SamplingSettings) are the checked ones."""
+        return settings.to_dict() == self.sampling
+
+
+def _run_caching(run: Path, rep: dict | None) -> dict | None:
+    """The caching setting a run folder asks for: its ``recipe.yaml``'s section (None when off), else
+    (no recipe recorded) the setting its report checked."""
+    from trt_sora.config import load_recipe, to_dict
+
+    if (run / "recipe.yaml").is_file():
+        c = load_recipe(run / "recipe.yaml").caching
+        return to_dict(c) if c.enabled else None
+    return ((rep or {}).get("caching") or {}).get("setting")
+
+
+def caching_mismatch(wanted: dict | None, rep: dict | None, backend: str) -> str | None:
+    """Why ``rep`` does not vouch for serving the caching setting ``wanted`` (None when it does, or when
+    ``wanted`` is None: no caching, what the loop level checked)."""
+    if wanted is None:
+        return None
+    checked = (rep or {}).get("caching")
+    name = f"{wanted.get('method')} threshold {wanted.get('threshold')}"
+    if checked is None:
+        return f"asks for step caching ({name}) that its parity check never ran"
+    if checked.get("setting") != wanted:
+        got = checked.get("setting") or {}
+        diff = sorted(k for k in set(wanted) | set(got) if wanted.get(k) != got.get(k))
+        said = ", ".join(f"{k}: checked {got.get(k)!r}, asked {wanted.get(k)!r}" for k in diff)
+        return f"asks for step caching ({name}) but its check passed another setting ({said})"
+    if not checked.get("passed"):
+        return f"asks for step caching ({name}) that failed its gates (see parity/report.md)"
+    ran = rep["candidate"].get("backend", rep.get("backend"))
+    if ran != backend:
+        return f"asks for step caching ({name}) checked on backend {ran!r}, not {backend!r}"
+    return None
+
+
+def _served_caching(run: Path, rep: dict | None, backend: str, force: bool) -> ServedCache | None:
+    """The step caching to serve (None: every step computes); ArtifactError when the run folder's setting was
+    not the one its check passed (``force``: logged, and served uncached)."""
+    wanted = _run_caching(run, rep)
+    why = caching_mismatch(wanted, rep, backend)
+    if why is not None:
+        msg = (f"{run} {why}; run `trt-sora check --run {run} --backend {'ort' if backend == 'torch' else backend}` "
+               "with that recipe, or load with caching=False")
+        if not force:
+            raise ArtifactError(msg)
+        _loud(msg + " (serving without caching)")
+        return None
+    return ServedCache(rep["caching"], run) if wanted is not None else None
 
 
 def _read_pair(run: Path) -> dict | None:

@@ -420,9 +420,11 @@ class Generator:
                 served[info.expert].append(info.step)
             return hook(info) if hook else None
 
+        cached = getattr(self.runner, "caching", None)  # the step caching its check passed (runtime.load)
+        cache = cached.schedule if cached is not None and cached.applies_to(settings) else None
         res = sample(runner_call(self.runner), noise, cond, uncond, scheduler=scheduler, settings=settings,
                      cfg="split" if mode == "none" else mode, dtype=torch.float32, hook=tick, label=label,
-                     conditioner=self.adapter)
+                     conditioner=self.adapter, cache=cache)
         t2 = time.perf_counter()
         # one clip at a time: a decoder's convolutions need not give the same bits at another batch size
         frames = [decode(res.latents[i:i + 1]).float().cpu().numpy()[0] for i in range(len(group))]
@@ -432,6 +434,8 @@ class Generator:
         seconds = {"encode": round(t1 - t0, 4), "sample": round(t2 - t1, 4), "decode": round(t3 - t2, 4),
                    "total": round(t3 - t0, 4)}
         common = self._metadata(settings, mode, scheduler, r0, bucket, len(group), call_batch, seconds)
+        if cached is not None:
+            common["caching"] = _caching_metadata(cached, cache, res.steps, settings)
         if settings.experts:
             common["experts"] = {"boundary_timestep": settings.boundary_timestep,
                                  "steps": {e: served.get(e, []) for e in settings.experts}}
@@ -516,6 +520,18 @@ class Generator:
             "bucket": bucket, "batch": {"clips": clips, "call_batch": call_batch},
             "checked": self.checked, "seconds": seconds, "trt_sora": __version__,
         }
+
+
+def _caching_metadata(served, cache, steps, settings) -> dict:
+    """What a clip's metadata says of step caching: the checked setting, whether it applied (only at the
+    sampling settings it was checked at) and the branch calls made and reused."""
+    branches = [("cond", "uncond") if settings.guidance_at(r.timestep) > 1.0 else ("cond",) for r in steps]
+    reused = {b: [r.step for r in steps if b in r.reused] for b in ("cond", "uncond")}
+    total = sum(len(b) for b in branches)
+    note = ("the checked schedule" if cache is not None else
+            f"not applied: checked at {served.sampling}, this clip samples {settings.to_dict()}")
+    return {"setting": served.record.get("setting"), "applied": cache is not None, "note": note,
+            "reused": reused, "calls": total - sum(len(v) for v in reused.values()), "calls_uncached": total}
 
 
 def _export_folder(run: Path) -> Path:
