@@ -398,20 +398,27 @@ class EnginePipeline:
 
     def run(self, stages: Sequence[str] = STAGES) -> list[StageOutcome]:
         """Run (or reuse) ``stages`` in order, holding the run folder's lock."""
+        from trt_sora import tracing
+
         selected = self._selected(stages)
         outcomes = []
-        with folder_lock(self.run_dir, on_wait=self.on_wait):
+        with folder_lock(self.run_dir, on_wait=self.on_wait), \
+                tracing.span("trt-sora engine", run=str(self.run_dir), recipe=self.recipe.name) as root:
             self.state = self._read_state()  # another run may have finished while we waited
-            for root in [self.run_dir, *(self.run_dir / e for e in self.experts)]:
-                sweep_dead_temps(root)
+            for folder in [self.run_dir, *(self.run_dir / e for e in self.experts)]:
+                sweep_dead_temps(folder)
             self._record_recipe()
             for stage in selected:
-                if stage == "calibrate" and not self.quantized:
-                    outcome = StageOutcome(stage, "skipped", detail="recipe has quantization.format none")
-                    self.progress(outcome)
-                else:
-                    outcome = getattr(self, stage)()
+                with tracing.span(f"stage {stage}", parent=root) as s:
+                    if stage == "calibrate" and not self.quantized:
+                        outcome = StageOutcome(stage, "skipped", detail="recipe has quantization.format none")
+                        self.progress(outcome)
+                    else:
+                        outcome = getattr(self, stage)()
+                    if s is not None:
+                        s.set_attribute("status", outcome.status)
                 outcomes.append(outcome)
+        tracing.flush()
         return outcomes
 
 

@@ -37,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from trt_sora import tracing
 from trt_sora.errors import ConfigError, TrtSoraError
 
 log = logging.getLogger("trt_sora")
@@ -141,6 +142,8 @@ class JobState:
     result_sha256: str | None = None
     key_id: str | None = None
     attempts: int = 0
+    trace_id: str | None = None
+    span: Any = dataclasses.field(default=None, repr=False)  # the job's open trace span (tracing on)
     done_event: threading.Event = dataclasses.field(default_factory=threading.Event, repr=False)
 
     def view(self) -> dict:
@@ -156,6 +159,8 @@ class JobState:
             d["attempts"] = self.attempts + 1  # runs begun, the resumed one included
         if self.result_sha256:
             d["result_sha256"] = self.result_sha256
+        if self.trace_id:
+            d["trace_id"] = self.trace_id
         if self.finished and self.started:
             d["seconds"] = {"queued": round(self.started - self.submitted, 4),
                             "generate": round(self.finished - self.started, 4),
@@ -431,7 +436,7 @@ class Engine:
         self.store.requeue([r.id for r in rows if r.status == RUNNING])
         for r in rows:
             job = JobState(id=r.id, request=None, resolved=None, submitted=r.submitted, key_id=r.key_id,
-                           attempts=r.attempts + (r.status == RUNNING))
+                           attempts=r.attempts + (r.status == RUNNING), trace_id=r.trace_id)
             try:
                 job.request = ClipRequest.from_dict(r.request, where=f"stored job {r.id}")
             except ConfigError as exc:
@@ -479,7 +484,7 @@ class Engine:
         job = JobState(id=row.id, request=request, resolved=None, status=row.status, submitted=row.submitted,
                        started=row.started, finished=row.finished, error=row.error, metadata=row.metadata,
                        result_path=self.store.result_path(row), result_sha256=row.result, key_id=row.key_id,
-                       attempts=row.attempts)
+                       attempts=row.attempts, trace_id=row.trace_id)
         job.done_event.set()
         return job
 
@@ -502,9 +507,10 @@ class Engine:
                 log.error("serve: retention sweep failed: %s", exc)
 
     # -- jobs -------------------------------------------------------------------------------------
-    def submit(self, request, *, key_id: str | None = None) -> JobState:
+    def submit(self, request, *, key_id: str | None = None, trace_parent=None) -> JobState:
         """Queue a :class:`~trt_sora.runtime.ClipRequest` (committed to the store first, when there is
-        one). ``key_id``: the caller's API key id (quota, job record). Raises NotReady, Draining,
+        one). ``key_id``: the caller's API key id (quota, job record). ``trace_parent``: the request's
+        span; the job's span (queue wait, each stage) is its child. Raises NotReady, Draining,
         QueueFull, QuotaExceeded, and ConfigError / ShapeError for a request the artifact cannot make
         (checked now, not later)."""
         if self.failed:
@@ -525,8 +531,10 @@ class Engine:
             self._check_quota(key_id)
             job = JobState(id=uuid.uuid4().hex[:16], request=request, resolved=resolved, submitted=self._clock(),
                            key_id=key_id)
+            job.span = tracing.start("job", parent=trace_parent, job_id=job.id, key_id=key_id)
+            job.trace_id = tracing.trace_id(job.span)
             if self.store is not None:
-                self.store.add(job.id, _stored_request(request), job.submitted, key_id)
+                self.store.add(job.id, _stored_request(request), job.submitted, key_id, job.trace_id)
             self._jobs[job.id] = job
             self._queue.append(job)
             self._gauges()
@@ -620,10 +628,14 @@ class Engine:
     def _run(self, batch: list[JobState], retried: bool = False) -> None:
         from trt_sora.serve.batch import _is_oom, is_transient
 
-        hook = self.metrics.sampler_hook() if self.metrics else None
+        calls: list = []
+        hook = _hooks(self.metrics.sampler_hook() if self.metrics else None,
+                      _timed_calls(calls) if any(j.span is not None for j in batch) else None)
+        began = time.time_ns()
         try:
             clips = self.generator.run([j.request for j in batch], cfg=self.config.cfg, max_batch=len(batch),
                                        hook=hook)
+            ended = time.time_ns()
         except Exception as exc:
             if len(batch) > 1 and (not is_transient(exc) or _is_oom(exc)):
                 half = len(batch) // 2  # find the job at fault / fit in memory: smaller batches
@@ -648,6 +660,7 @@ class Engine:
                 os.replace(tmp, path)
                 job.result_path = path
             job.metadata = clip.metadata
+            _trace_stages(job, began, ended, calls)
         self._finish(batch)
 
     def _finish(self, batch: list[JobState], error: str | None = None) -> None:
@@ -658,6 +671,10 @@ class Engine:
                 if self.store is not None:
                     self.store.finished(j.id, now, error=error, metadata=j.metadata, result=j.result_sha256)
                 self._finishes.append(now)
+                if j.span is not None:
+                    j.span.set_attribute("status", j.status)
+                    j.span.end()
+                    j.span = None
                 if self.metrics:
                     self.metrics.jobs.labels(status=j.status).inc()
                     self.metrics.job_seconds.observe(now - j.submitted)
@@ -692,6 +709,54 @@ def retry_after_seconds(finishes: list[float], running: list[float], fallback: f
     else:
         wait = fallback - max(running, default=0.0)
     return int(min(3600, max(1, math.ceil(wait))))
+
+
+def _hooks(*hooks):
+    """One sampler hook running each of ``hooks`` (None: skipped) around every transformer call."""
+    import contextlib
+
+    hooks = [h for h in hooks if h is not None]
+    if not hooks:
+        return None
+
+    def hook(info):
+        stack = contextlib.ExitStack()
+        for h in hooks:
+            cm = h(info)
+            if cm is not None:
+                stack.enter_context(cm)
+        return stack
+    return hook
+
+
+def _timed_calls(calls: list):
+    """A sampler hook appending ``(step, start_ns, end_ns)`` of every transformer call to ``calls``."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def timed(step):
+        t0 = time.time_ns()
+        yield
+        calls.append((step, t0, time.time_ns()))
+    return lambda info: timed(info.step)
+
+
+def _trace_stages(job: JobState, began_ns: int, ended_ns: int, calls: list) -> None:
+    """The job's spans of its batch, timed after the fact from the transformer calls' clock readings:
+    queue wait, text encode (up to the first call), denoise (first to last call, each call a child),
+    decode (after the last call) - the batch's shared stages: every job of the batch shows them."""
+    if job.span is None or not calls:
+        return
+    submitted = job.span.start_time  # the same instant as job.submitted, in the span's own ns
+    tracing.record("queue_wait", submitted, max(submitted, min(began_ns, int((job.started or 0) * 1e9))),
+                   parent=job.span)
+    first, last = calls[0][1], calls[-1][2]
+    tracing.record("text_encode", began_ns, first, parent=job.span)
+    denoise = tracing.start("denoise", parent=job.span, start_ns=first, calls=len(calls))
+    for step, t0, t1 in calls:
+        tracing.record(f"step {step}", t0, t1, parent=denoise)
+    denoise.end(end_time=last)
+    tracing.record("decode", last, ended_ns, parent=job.span)
 
 
 def _stored_request(request) -> dict:

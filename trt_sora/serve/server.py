@@ -41,6 +41,7 @@ import sys
 import threading
 import time
 
+from trt_sora import tracing
 from trt_sora.errors import ConfigError, ShapeError, require
 
 log = logging.getLogger("trt_sora")
@@ -111,6 +112,18 @@ def make_app(engine, metrics, *, max_body_bytes: int = MAX_BODY_BYTES, keys=None
         metrics.http_seconds.labels(route=path).observe(time.perf_counter() - t0)
         return response
 
+    if tracing.enabled():
+        @app.middleware("http")
+        async def trace(request: Request, call_next):
+            """A span per request (the parent of a submitted job's span); its id in ``X-Trace-Id``."""
+            with tracing.span(f"{request.method} {request.url.path}", **{"http.method": request.method}) as s:
+                request.state.span = s
+                response = await call_next(request)
+                s.update_name(f"{request.method} {_route_of(app, request.scope)}")
+                s.set_attribute("http.status_code", response.status_code)
+                response.headers["X-Trace-Id"] = tracing.trace_id(s)
+                return response
+
     def caller(request: Request) -> str | None:
         return getattr(request.state, "key_id", None)
 
@@ -169,11 +182,11 @@ def make_app(engine, metrics, *, max_body_bytes: int = MAX_BODY_BYTES, keys=None
                               '("data:image/png;base64,..."), not a path')
         return ClipRequest.from_dict(body, where="request body")
 
-    def submit_or_error(req, key_id):
+    def submit_or_error(request: Request, req, key_id):
         from trt_sora.serve.scheduler import Draining, NotReady, QueueFull, QuotaExceeded
 
         try:
-            job = engine.submit(req, key_id=key_id)
+            job = engine.submit(req, key_id=key_id, trace_parent=getattr(request.state, "span", None))
             log.info("serve: job %s accepted%s", job.id, f" for key {key_id}" if key_id else "")
             return job, None
         except QueueFull as exc:
@@ -201,7 +214,7 @@ def make_app(engine, metrics, *, max_body_bytes: int = MAX_BODY_BYTES, keys=None
             req = await parse(request)
         except ConfigError as exc:
             return refused(exc)
-        job, err = submit_or_error(req, caller(request))
+        job, err = submit_or_error(request, req, caller(request))
         if err is not None:
             return err
         return JSONResponse({**job.view(), "links": {"status": f"/v1/jobs/{job.id}",
@@ -235,7 +248,8 @@ def make_app(engine, metrics, *, max_body_bytes: int = MAX_BODY_BYTES, keys=None
             return error(500, f"job {job.id} failed: {job.error}")
         if job.status != "done":
             return error(409, f"job {job.id} is {job.status}; poll /v1/jobs/{job.id} until it is done")
-        path = _encoded(job, fmt, scale, engine)
+        with tracing.span("encode_video", format=fmt, scale=scale, job_id=job.id):
+            path = _encoded(job, fmt, scale, engine)
         return FileResponse(path, media_type=MEDIA[fmt], filename=f"{job.id}.{fmt}",
                             headers={"X-Trt-Sora-Seed": str(job.request.seed)})
 
@@ -259,7 +273,7 @@ def make_app(engine, metrics, *, max_body_bytes: int = MAX_BODY_BYTES, keys=None
         bad = bad_output(format, scale)  # before any work, not after the clip is made
         if bad is not None:
             return bad
-        job, err = submit_or_error(req, caller(request))
+        job, err = submit_or_error(request, req, caller(request))
         if err is not None:
             return err
         await anyio.to_thread.run_sync(job.done_event.wait, timeout)
@@ -421,6 +435,7 @@ def serve(load, config, http: HttpConfig = HttpConfig(), *, text_encoder: str | 
     from trt_sora.serve.scheduler import Engine
 
     keys = http.keys()
+    tracing.enabled()  # OTEL_EXPORTER_OTLP_ENDPOINT without the trace extra: refused before the model loads
     metrics = ServerMetrics()
     engine = Engine(load, config, metrics=metrics, text_encoder=text_encoder, on_ready=on_ready)
     app = make_app(engine, metrics, max_body_bytes=http.max_body_bytes, keys=keys, metrics_open=http.metrics_open,
@@ -470,6 +485,7 @@ def serve(load, config, http: HttpConfig = HttpConfig(), *, text_encoder: str | 
     server.run(sockets=[sock])
     busy = engine.busy
     engine.close()
+    tracing.flush()
     if busy and hard_exit:
         log.warning("serve: exiting while the model runs (%d clip(s), warm-up %s)", engine.running,
                     "done" if engine.ready else "unfinished")

@@ -41,7 +41,8 @@ CREATE TABLE IF NOT EXISTS jobs (
     error TEXT,
     metadata TEXT,
     result TEXT,
-    attempts INTEGER NOT NULL DEFAULT 0
+    attempts INTEGER NOT NULL DEFAULT 0,
+    trace_id TEXT
 );
 CREATE INDEX IF NOT EXISTS jobs_by_status ON jobs (status, submitted);
 """
@@ -63,6 +64,7 @@ class JobRow:
     metadata: dict | None
     result: str | None
     attempts: int
+    trace_id: str | None = None
 
 
 class JobStore:
@@ -102,10 +104,11 @@ class JobStore:
             self._db.execute(sql, args)
 
     # -- writes: each one a committed transaction ---------------------------------------------------
-    def add(self, job_id: str, request: dict, submitted: float, key_id: str | None = None) -> None:
+    def add(self, job_id: str, request: dict, submitted: float, key_id: str | None = None,
+            trace_id: str | None = None) -> None:
         """Commit a new queued job (before the server answers 202)."""
-        self._write("INSERT INTO jobs (id, key_id, request, status, submitted) VALUES (?, ?, ?, 'queued', ?)",
-                    (job_id, key_id, json.dumps(request), submitted))
+        self._write("INSERT INTO jobs (id, key_id, request, status, submitted, trace_id) "
+                    "VALUES (?, ?, ?, 'queued', ?, ?)", (job_id, key_id, json.dumps(request), submitted, trace_id))
 
     def started(self, ids: list[str], when: float) -> None:
         with self._lock:
@@ -162,10 +165,10 @@ class JobStore:
     def _select(self, where: str, args=()) -> list[JobRow]:
         with self._lock:
             cur = self._db.execute(f"SELECT id, key_id, request, status, submitted, started, finished, error, "
-                                   f"metadata, result, attempts FROM jobs {where}", args)
+                                   f"metadata, result, attempts, trace_id FROM jobs {where}", args)
             rows = cur.fetchall()
         return [JobRow(r[0], r[1], json.loads(r[2]), r[3], r[4], r[5], r[6], r[7],
-                       None if r[8] is None else json.loads(r[8]), r[9], r[10]) for r in rows]
+                       None if r[8] is None else json.loads(r[8]), r[9], r[10], r[11]) for r in rows]
 
     # -- retention --------------------------------------------------------------------------------
     def sweep(self, now: float, *, max_age_s: float | None = None, keep: int | None = None) -> list[str]:
