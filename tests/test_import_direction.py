@@ -15,9 +15,10 @@ ROOT = Path(trt_sora.__file__).resolve().parent
 LAYERS: list[set[str]] = [
     # neutral: errors, config, manifests, metrics, the sampler, ONNX helpers, prompt sets, the Q/DQ
     # site policy, kernels (pure ops), the multi-process communication (parallel), weights one tensor at a time,
-    # the teacher-forced trajectory comparison, compute-capability values (sm), the step-caching policy
+    # the teacher-forced trajectory comparison, compute-capability values (sm), the step-caching policy,
+    # OpenTelemetry spans (tracing)
     {"__init__", "errors", "config", "manifest", "metrics", "sampling", "trajectory", "onnx_tools", "prompts",
-     "site_policy", "parallel", "kernels", "weights", "sm", "caching"},
+     "site_policy", "parallel", "kernels", "weights", "sm", "caching", "tracing"},
     {"models"},
     {"export"},
     {"calibrate"},
