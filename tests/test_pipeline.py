@@ -72,6 +72,34 @@ def test_unchanged_stages_are_reused_and_a_changed_one_reruns(first_run):
     assert [o.status for o in seen] == ["reused", "reused", "reused", "ran"]
 
 
+def test_caching_recipe_reruns_the_check_and_the_runtime_serves_it(first_run, tmp_path):
+    """Switching step caching on reuses every stage but the check (the calibration recorded the step
+    ratios); the check's schedule is what the runtime serves. A calibration that predates the step
+    ratios reruns when caching is on, saying why."""
+    import trt_sora.runtime as rt
+    from trt_sora.config import CachingConfig
+    from trt_sora.manifest import folder_files, read_manifest, write_json
+
+    pipe, _ = first_run
+    run = tmp_path / "out" / "wan-tiny" / pipe.recipe.name
+    shutil.copytree(pipe.run_dir, run)
+    recipe = dataclasses.replace(pipe.recipe, caching=CachingConfig(method="magcache", threshold=0.3, max_skips=1,
+                                                                    warmup_steps=1, final_steps=1))
+    seen = []
+    EnginePipeline(recipe, "wan-tiny", tmp_path / "out", progress=seen.append).run()
+    assert [o.status for o in seen] == ["reused"] * 4 + ["ran"]
+    rep = json.loads((run / "parity" / "report.json").read_text())
+    assert rep["passed"] and rep["caching"]["calls"] < rep["caching"]["calls_uncached"] == 8
+    assert rt.load(run, backend="ort", warmup=False).caching.schedule.to_dict() == rep["caching"]["schedule"]
+    man = read_manifest(run / "calib")
+    (run / "calib" / man["outputs"].pop("step_ratios")).unlink()
+    man["files"] = folder_files(run / "calib")
+    write_json(run / "calib" / "manifest.json", man)
+    plan = EnginePipeline(recipe, "wan-tiny", tmp_path / "out").plan(("calibrate",))
+    assert plan[0].action == "run" and "predates its step ratios" in plan[0].reason
+    assert EnginePipeline(pipe.recipe, "wan-tiny", tmp_path / "out").plan(("calibrate",))[0].action == "reuse"
+
+
 def test_tensorrt_recipe_fails_fast_after_earlier_stages(first_run, tmp_path):
     """h100-fp8 needs full TensorRT (not installable here): the earlier stages' artifacts stay,
     and the error names the install command."""

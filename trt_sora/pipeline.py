@@ -186,8 +186,9 @@ class EnginePipeline:
                                 [b.to_yaml() for b in self.buckets],
                                 _file_hashes(*[self.folder("quantize", e) / "model.qdq.onnx" for e in sides]))
         inputs = [f / MANIFEST for s in ("export", "calibrate", "quantize", "build") for f in self.folders(s)]
+        caching = [to_dict(r.caching)] if r.caching.enabled else []  # off: the fingerprint runs had before
         return _fingerprint("check", __version__, to_dict(r.parity), self.adapter.sampling.to_dict(),
-                            _file_hashes(*inputs))
+                            _file_hashes(*inputs), *caching)
 
     def _why_not_reuse(self, stage: str, fp: str) -> str | None:
         """None when the stage can be reused, else the reason it reruns."""
@@ -197,6 +198,9 @@ class EnginePipeline:
             return "not run yet (or its last run failed)"
         if self.state[stage] != fp:
             return "its inputs or config changed"
+        if stage == "calibrate" and self.recipe.caching.enabled and any(
+                self._calib_output("step_ratios", e) is None for e in self.sides):
+            return "the recipe enables step caching and the calibration predates its step ratios"
         try:
             for folder in self.folders(stage):
                 verify_folder(folder)
