@@ -134,3 +134,44 @@ def test_runtime_refuses_a_changed_expert(pair_run, tmp_path):
     q.write_bytes(bytes(data))
     with pytest.raises(ArtifactError, match="low/quant/model.qdq.onnx"):
         rt.load(copy, backend="ort", warmup=False)
+
+
+@pytest.mark.trt_rtx
+def test_check_caches_the_pair_across_its_switch_and_the_runtime_serves_it(pair_run, tmp_path):
+    """Step caching on the pair: each expert's calibration recorded the ratios of the steps it served;
+    check joins them, plans one schedule whose low-noise expert's first step computes (its cached
+    output would be the other expert's), and the runtime replays that schedule through both experts."""
+    import dataclasses
+    import shutil
+
+    import numpy as np
+
+    import trt_sora.runtime as rt
+    from trt_sora.caching import RATIOS_FILE, StepRatios, plan_schedule
+    from trt_sora.config import CachingConfig, dump_recipe
+    from trt_sora.parity import check_artifacts
+
+    pipe, _ = pair_run
+    run = tmp_path / "pair"
+    shutil.copytree(pipe.run_dir, run)
+    caching = CachingConfig(method="magcache", threshold=10.0, max_skips=5, warmup_steps=1, final_steps=0)
+    recipe = dataclasses.replace(pipe.recipe, caching=caching)
+    rep = check_artifacts(run, recipe)
+    parts = {e: StepRatios.load(run / e / "calib" / RATIOS_FILE) for e in ("high", "low")}
+    assert parts["high"].steps == (0, 1, 2, 3) and parts["low"].steps == (4, 5)
+    means = {b: [float(np.nanmean(parts["high" if s < 4 else "low"].ratios[b][:, s if s < 4 else s - 4]))
+                 for s in range(6)] for b in ("cond", "uncond")}
+    want = plan_schedule(means, ["high"] * 4 + ["low"] * 2, caching)
+    reused = rep["caching"]["schedule"]["reused"]
+    assert reused == {b: list(s) for b, s in want.items()}
+    assert all(4 not in s and 0 not in s for s in reused.values()) and any(reused.values())
+    assert {"high/step_ratios", "low/step_ratios"} <= set(rep["artifacts"])
+    if not rep["passed"]:
+        pytest.skip(f"the cached pair misses its gates ({rep['failed']}): nothing to serve")
+    (run / "recipe.yaml").write_text(dump_recipe(recipe))
+    r = rt.load(run, backend="ort", warmup=False)
+    calls = []
+    clip = rt.generate(r, "a cat walks", cfg="split", hook=lambda c: calls.append((c.step, c.expert, c.branch)))[0]
+    assert sorted(calls) == sorted((s, "high" if s < 4 else "low", b) for s in range(6) for b in ("cond", "uncond")
+                                   if s not in reused[b])
+    assert clip.metadata["caching"]["applied"] and clip.metadata["experts"]["steps"]["low"][0] == 4
