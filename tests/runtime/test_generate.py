@@ -233,3 +233,43 @@ def test_token_counts_are_what_the_encoders_keep():
         assert int(out["encoder_attention_mask_2"][i].sum()) == n["text_len_2"]
         assert n["text_len"] >= int(out["encoder_attention_mask"][i].sum())
     assert [n["text_len_2"] for n in hy.token_counts(prompts)] == [0, 9, 0]
+
+
+def test_the_decoder_runs_where_and_in_the_dtype_it_is_asked(runner):
+    """A GPU generator decodes in bf16 on its device; the same copy-on-place path on the CPU: a bf16
+    copy of the VAE, the fp32 one every stage shares untouched, frames within bf16's error of fp32."""
+    import torch
+
+    from trt_sora.metrics import compare
+    from trt_sora.runtime.generate import generator_for
+
+    adapter = generator_for(runner).adapter
+    z = torch.randn(1, adapter.latent_channels, 2, 4, 6, generator=torch.Generator().manual_seed(0))
+    ref, desc = adapter.decoder()
+    low, low_desc = adapter.decoder("cpu", torch.bfloat16)
+    a, b = ref(z), low(z)
+    assert next(adapter.vae()[0].parameters()).dtype == torch.float32 and "bfloat16 on cpu" in low_desc
+    assert a.dtype == b.dtype == torch.float32 and a.shape == b.shape
+    m = compare(a, b, peak=2.0)
+    assert 25.0 <= m["psnr_db"] < 200 and m["cosine"] > 0.99, m  # bf16, so not the same bits
+    assert generator_for(runner).device == "cpu" and runner.device == "cpu"
+
+
+@pytest.mark.gpu
+def test_a_gpu_runner_encodes_samples_and_decodes_on_the_gpu(checked_run, runner):
+    """torch on CUDA: the decoder is the bf16 copy on the GPU, and the clip agrees with the CPU one
+    (ONNX Runtime, fp32 decode) to within bf16 numerics."""
+    import torch
+
+    import trt_sora.runtime as rt
+    from trt_sora.metrics import compare
+    from trt_sora.runtime.generate import generator_for
+
+    gpu = rt.load(checked_run, backend="torch", device="cuda")
+    clip = rt.generate(gpu, "a red kite", seed=2, steps=2)[0]
+    gen = generator_for(gpu)
+    assert gen.device.startswith("cuda") and "bfloat16 on cuda" in gen.decoder_description
+    assert clip.metadata["decoder"] == gen.decoder_description and torch.cuda.max_memory_allocated() > 0
+    cpu = rt.generate(runner, "a red kite", seed=2, steps=2)[0]
+    m = compare(cpu.frames.astype("float32"), clip.frames.astype("float32"), peak=255.0)
+    assert m["psnr_db"] >= 25.0, m

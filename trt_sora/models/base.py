@@ -340,6 +340,18 @@ class ModelAdapter(Conditioner, abc.ABC):
             self.__dict__[key] = load()
         return self.__dict__[key]
 
+    def vae_on(self, device=None, dtype=None) -> tuple[Any, str]:
+        """``(vae, description)`` of :meth:`vae` on ``device`` in ``dtype`` (a copy made once per
+        place; None and None: the fp32 CPU one every stage shares)."""
+        import copy
+
+        vae, desc = self.vae()
+        if vae is None or (device is None and dtype is None):
+            return vae, desc
+        key = f"_vae_{device}_{dtype}"
+        return self._once(key, lambda: (copy.deepcopy(vae).to(device=device, dtype=dtype),
+                                        f"{desc}, {str(dtype).removeprefix('torch.')} on {device}"))
+
     def negative_embedding(self, encode: Callable[[list[str], int], Any], batch: int, text_len: int):
         """The unconditional branch's conditioning users sample with, ``[batch, text_len, text_dim]``
         fp32: the model's negative prompt encoded by ``encode``, or zeros for a model whose dropped-text
@@ -357,13 +369,15 @@ class ModelAdapter(Conditioner, abc.ABC):
         :attr:`sampling`'s."""
 
     @abc.abstractmethod
-    def decoder(self) -> tuple[Callable[[Any], Any], str]:
+    def decoder(self, device=None, dtype=None) -> tuple[Callable[[Any], Any], str]:
         """``(decode, description)``: latents ``[B, C, F, H, W]`` -> frames ``[B, 3, F', H', W']``
-        fp32 in ``[-1, 1]`` (the family's latent decoder)."""
+        fp32 in ``[-1, 1]`` (the family's latent decoder), computed on ``device`` in ``dtype``
+        (default: CPU, fp32) and returned there."""
 
     @abc.abstractmethod
-    def text_encoder(self, source: str | None = None) -> Callable[[list[str], int], torch.Tensor]:
-        """``encode(prompts, text_len) -> [B, text_len, text_dim] float32``."""
+    def text_encoder(self, source: str | None = None, device=None) -> Callable[[list[str], int], torch.Tensor]:
+        """``encode(prompts, text_len) -> [B, text_len, text_dim] float32`` on the CPU (a neural encoder
+        computes on ``device``, in bf16 there when it is a GPU)."""
 
     def diffusers_pipeline(self, transformer, *, encode, scheduler, defaults: Mapping[str, Any]):
         """A ready diffusers pipeline of the family around ``transformer`` whose prompts go through

@@ -437,7 +437,7 @@ class HunyuanVideo15Adapter(ModelAdapter):
         neg = prompt if prompt is not None else self.spec.defaults.get("negative_prompt", "")
         return self.text_conditioning(encode, [neg] * batch, point)
 
-    def text_encoder(self, source: str | None = None):
+    def text_encoder(self, source: str | None = None, device=None):
         """``"hash"`` (the default of named random-weight models): seeded stand-ins with the pipeline's
         masks (:class:`HunyuanTextEncoder`)."""
         source = source or self.spec.text_encoder or "hash"
@@ -477,16 +477,18 @@ class HunyuanVideo15Adapter(ModelAdapter):
             desc = f"random tiny {cls.__name__} (seed 0; no VAE weights with this model)"
         return vae.eval().requires_grad_(False), desc
 
-    def decoder(self):
-        """Latents -> frames through :meth:`vae` (latents / ``scaling_factor``, as the pipeline)."""
+    def decoder(self, device=None, dtype=None):
+        """Latents -> frames through :meth:`vae` (latents / ``scaling_factor``, as the pipeline) on
+        ``device`` in ``dtype``."""
         import torch
 
-        vae, desc = self.vae()
+        vae, desc = self.vae_on(device, dtype)
         scale = float(vae.config.scaling_factor)
+        dtype = dtype or torch.float32
 
         def decode(z):
             with torch.inference_mode():
-                x = vae.decode(z.float() / scale, return_dict=False)[0]
+                x = vae.decode((z.to(device=device, dtype=torch.float32) / scale).to(dtype), return_dict=False)[0]
             return x.float().clamp(-1, 1)
 
         return decode, desc

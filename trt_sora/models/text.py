@@ -95,7 +95,8 @@ def save_embeddings(prompts: list[str], embeddings, path: str | Path) -> None:
 
 
 class T5TextEncoder:
-    """The pipeline's (U)MT5 encoder from a local diffusers pipeline folder."""
+    """The pipeline's (U)MT5 encoder from a local diffusers pipeline folder (bf16 on a GPU, fp32 on
+    the CPU); embeddings come back fp32 on the CPU."""
 
     def __init__(self, folder: str | Path, *, device: str = "cpu"):
         transformers = require("transformers", extra="export")
@@ -104,8 +105,11 @@ class T5TextEncoder:
         if not enc_dir.is_dir() or not tok_dir.is_dir():
             raise ModelError(f"{folder} has no text_encoder/ and tokenizer/ subfolders; pass a diffusers pipeline "
                              "root or a precomputed embedding file (--text-embeddings)")
+        import torch
+
         self.tokenizer = transformers.AutoTokenizer.from_pretrained(str(tok_dir))
-        self.model = transformers.UMT5EncoderModel.from_pretrained(str(enc_dir)).to(device).eval()
+        dtype = torch.bfloat16 if str(device).startswith("cuda") else torch.float32  # the pipeline's GPU dtype
+        self.model = transformers.UMT5EncoderModel.from_pretrained(str(enc_dir), torch_dtype=dtype).to(device).eval()
         self.device = device
 
     def token_counts(self, prompts: list[str]) -> list[dict[str, int]]:

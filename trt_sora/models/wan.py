@@ -622,20 +622,23 @@ class WanAdapter(ModelAdapter):
         vae, desc = _random_vae(self.latent_channels, self.spec.defaults.get("vae") == "wan2.2")
         return vae.eval().requires_grad_(False), desc
 
-    def decoder(self):
+    def decoder(self, device=None, dtype=None):
         """Latents -> frames through :meth:`vae` (un-normalised with its ``latents_mean`` /
-        ``latents_std``, as WanPipeline does); pixel-space models: the latents, clamped."""
+        ``latents_std``, as WanPipeline does) on ``device`` in ``dtype``; pixel-space models: the
+        latents, clamped."""
         import torch
 
-        vae, desc = self.vae()
+        vae, desc = self.vae_on(device, dtype)
         if vae is None:
             return (lambda z: z.float().clamp(-1, 1)), desc
-        mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1)
-        std = torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1)
+        mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1).to(device)
+        std = torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1).to(device)
+        dtype = dtype or torch.float32
 
         def decode(z):
             with torch.inference_mode():
-                x = vae.decode(z.float() * std + mean, return_dict=False)[0]
+                z = z.to(device=mean.device, dtype=torch.float32) * std + mean
+                x = vae.decode(z.to(dtype), return_dict=False)[0]
             return x.float().clamp(-1, 1)
 
         return decode, desc
@@ -656,7 +659,7 @@ class WanAdapter(ModelAdapter):
                                   transformer_2=(transformer_2 or transformer) if pair else None, boundary_ratio=pair,
                                   expand_timesteps=self.frame_timesteps)
 
-    def text_encoder(self, source: str | None = None):
+    def text_encoder(self, source: str | None = None, device=None):
         """``source``: None (the model's default), ``"hash"``, a ``.safetensors`` embedding file,
         a pipeline folder with ``text_encoder/`` + ``tokenizer/``, or ``"minilm"``."""
         from trt_sora.models import text
@@ -670,7 +673,7 @@ class WanAdapter(ModelAdapter):
             return MiniLMEncoder()
         if str(source).endswith(".safetensors"):
             return text.PrecomputedTextEncoder(source)
-        return text.T5TextEncoder(source)
+        return text.T5TextEncoder(source, device=device or "cpu")
 
 
 def pixel_vae(channels: int):

@@ -252,6 +252,13 @@ class ServingRunner:
         self.caching: ServedCache | None = None
         self._closed = False
 
+    @property
+    def device(self) -> str:
+        """Where the model computes: ``cuda[:N]`` for torch / torch-fp8 / TensorRT runners on a GPU,
+        else ``cpu`` (ONNX Runtime's CPU provider)."""
+        r = self._runners[0]
+        return str(getattr(r, "device", None) or ("cuda" if self.backend == "trt" else "cpu"))
+
     # -- validation -------------------------------------------------------------------------------
     def point_of(self, feeds: Mapping[str, Any]) -> dict[str, int]:
         """Validate names/dtypes/ranks/fixed sizes; return the latent-space point ``{batch,

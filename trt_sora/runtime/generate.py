@@ -344,11 +344,22 @@ class Generator:
         return sizes[-1]
 
     # -- loading ----------------------------------------------------------------------------------
+    @property
+    def device(self) -> str:
+        """Where the text encoder and the decoder run: the runner's GPU (decoding in bf16 there), else
+        the CPU in fp32."""
+        dev = str(getattr(self.runner, "device", "cpu") or "cpu")
+        return dev if dev.startswith("cuda") else "cpu"
+
     def _parts(self):
         with self._lock:
             if self._encode is None:
-                self._encode = self.adapter.text_encoder(self._text_override)
-                self._decode, self.decoder_description = self.adapter.decoder()
+                import torch
+
+                gpu = self.device.startswith("cuda")
+                self._encode = self.adapter.text_encoder(self._text_override, device=self.device if gpu else None)
+                self._decode, self.decoder_description = self.adapter.decoder(
+                    *((self.device, torch.bfloat16) if gpu else (None, None)))
                 if "random" in self.decoder_description:
                     log.warning("generate: %s has no VAE weights; decoding with a %s", self.adapter.name,
                                 self.decoder_description)

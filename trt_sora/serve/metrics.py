@@ -3,6 +3,8 @@
 ``trt_sora_http_requests_total{route, method, status}``, ``trt_sora_http_request_seconds{route}``:
 every HTTP request. ``trt_sora_job_seconds`` (submit -> done), ``trt_sora_queue_wait_seconds``,
 ``trt_sora_transformer_call_seconds{call_batch}`` (one transformer call of the sampler),
+``trt_sora_stage_seconds{stage}`` (a batch's ``encode`` / ``sample`` / ``decode`` and a fetch's
+``encode_video``),
 ``trt_sora_batch_clips`` (clips per formed batch, a histogram) and
 ``trt_sora_batches_total{clips}`` (exact formed sizes), ``trt_sora_queue_depth``,
 ``trt_sora_running_clips``, ``trt_sora_rejected_total{reason}``, ``trt_sora_jobs_total{status}``,
@@ -40,6 +42,9 @@ class ServerMetrics:
                                        buckets=_LATENCY, registry=r)
         self.call_seconds = pc.Histogram("trt_sora_transformer_call_seconds", "one transformer call of the sampler",
                                          ["call_batch"], buckets=_LATENCY, registry=r)
+        self.stage_seconds = pc.Histogram("trt_sora_stage_seconds", "one stage of a batch (encode, sample, "
+                                          "decode) or of a fetch (encode_video)", ["stage"], buckets=_LATENCY,
+                                          registry=r)
         self.batch_clips = pc.Histogram("trt_sora_batch_clips", "clips per formed batch", buckets=_SIZES, registry=r)
         self.batches = pc.Counter("trt_sora_batches_total", "formed batches by size", ["clips"], registry=r)
         self.queue_depth = pc.Gauge("trt_sora_queue_depth", "jobs waiting", registry=r)

@@ -648,6 +648,10 @@ class Engine:
             self._finish(batch, error=f"{type(exc).__name__}: {exc}")
             return
         if self.metrics:
+            seconds = clips[0].metadata.get("seconds", {}) if clips else {}
+            for stage in ("encode", "sample", "decode"):
+                if stage in seconds:
+                    self.metrics.stage_seconds.labels(stage=stage).observe(seconds[stage])
             self.metrics.batch_clips.observe(len(batch))
             self.metrics.batches.labels(clips=str(len(batch))).inc()
         for job, clip in zip(batch, clips):

@@ -248,8 +248,10 @@ def make_app(engine, metrics, *, max_body_bytes: int = MAX_BODY_BYTES, keys=None
             return error(500, f"job {job.id} failed: {job.error}")
         if job.status != "done":
             return error(409, f"job {job.id} is {job.status}; poll /v1/jobs/{job.id} until it is done")
+        t0 = time.perf_counter()
         with tracing.span("encode_video", format=fmt, scale=scale, job_id=job.id):
             path = _encoded(job, fmt, scale, engine)
+        metrics.stage_seconds.labels(stage="encode_video").observe(time.perf_counter() - t0)
         return FileResponse(path, media_type=MEDIA[fmt], filename=f"{job.id}.{fmt}",
                             headers={"X-Trt-Sora-Seed": str(job.request.seed)})
 
