@@ -5,7 +5,7 @@
 #
 #   bash benchmarks/h200.sh tests attention quality m13 m14 ...
 #
-# Parts: tests (pytest -m gpu), ws (the warp-specialized Gluon attention kernel vs the Triton one: bits, speed;
+# Parts: tests (pytest -m gpu), e2e (seconds per clip stage by stage, Wan 14B 480p x 81: benchmarks/e2e_bench.py), ws (the warp-specialized Gluon attention kernel vs the Triton one: bits, speed;
 # WS_CONFIGS picks its configs; WS_VARIANTS=name=path,... other builds of the Gluon module), gemm (block GEMMs,
 # exact vs fast FP8 accumulation), attention (kernel vs
 # cuDNN/flash), attn_model (the attention kernel inside a 14B call vs alone, with clocks and power), quality (wan-shapes clips),
@@ -50,6 +50,7 @@ part() {  # name, limit_s, command...
 
 for p in "$@"; do
   case $p in
+    e2e) part e2e 540 python3 benchmarks/e2e_bench.py ${E2E_ARGS:-} --out "$OUT/e2e.json" ;;
     tests) part tests 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels tests/runtime/test_torch_fp8.py tests/models/test_wan.py tests/calibrate/test_shards.py tests/calibrate/test_histogram.py ;;
     calib13) part calib13 300 bash -c "python3 benchmarks/calib_overhead.py --model wan2.1-t2v-1.3b --cfg split --variants ${CALIB_VARIANTS:-r2,shipped} --out $OUT/calib13_split.json && python3 benchmarks/calib_overhead.py --model wan2.1-t2v-1.3b --cfg batched --variants ${CALIB_VARIANTS:-r2,shipped} --out $OUT/calib13_batched.json" ;;
     calib14) part calib14 360 python3 benchmarks/calib_overhead.py --model wan2.1-t2v-14b --cfg batched --reps 3 --variants ${CALIB14_VARIANTS:-shipped} --out "$OUT/calib14_batched.json" ;;

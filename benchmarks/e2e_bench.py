@@ -1,0 +1,222 @@
+"""Seconds per clip on one GPU, stage by stage: text encode, denoising steps, VAE decode, MP4 encode.
+
+Wan 2.1 14B T2V with random weights (timing only) at 480p x 81, CFG on. Every stage of a clip runs
+here for real on the GPU, once or a few times, with the sizes a 50-step clip has:
+
+* text encode: a UMT5-XXL-sized encoder (random, bf16, 512 tokens), the prompt and the negative prompt;
+* a denoising step, two ways: **eager BF16 as WanPipeline runs it** (the diffusers transformer, one
+  call per CFG branch at batch 1) and **ours** (the sampler with the torch-fp8 runner: fused FP8
+  quantization, 8-bit attention, both CFG branches in one batch-2 call replayed as a CUDA graph);
+  ``--steps`` steps of the real loop are timed after two warm-up steps;
+* VAE decode: Wan 2.1's ``AutoencoderKLWan`` at its real size, fp32 (as WanPipeline's examples load
+  it) and bf16 (ours);
+* MP4 encode of the 81 frames (``trt_sora.runtime.video.write_clip``).
+
+Seconds per clip at ``--clip-steps`` (default 50) are composed from them: encode + steps x step +
+decode + MP4; with ``--cache-saved F`` also a row whose transformer calls are cut by the fraction F
+that the step cache saved on the checked model (the cache's own bookkeeping is not timed). The
+composition is stated in the JSON; nothing is extrapolated that was not measured per unit.
+
+    python benchmarks/e2e_bench.py --out benchmarks/results/h200_e2e_2026-12-05.json        # GPU
+    python benchmarks/e2e_bench.py --model wan-tiny --size tiny --steps 2 --out /tmp/e2e.json  # CPU smoke
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+SIZES = {"480p": (81, 480, 832), "720p": (81, 720, 1280), "tiny": (9, 32, 48)}
+UMT5_XXL = dict(vocab_size=256384, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
+                relative_attention_num_buckets=32, relative_attention_max_distance=128,
+                feed_forward_proj="gated-gelu", dense_act_fn="gelu_new", is_encoder_decoder=False)
+
+
+def sync(dev: str) -> None:
+    if dev.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def timed(fn, dev: str, reps: int = 1):
+    """``(result, seconds per rep)`` after one untimed warm-up call."""
+    out = fn()
+    sync(dev)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        out = fn()
+    sync(dev)
+    return out, (time.perf_counter() - t0) / reps
+
+
+def text_encoder(model_name: str, text_dim: int, dev: str):
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    cfg = dict(UMT5_XXL) if model_name.startswith("wan2") else dict(UMT5_XXL, vocab_size=1000, d_model=text_dim,
+                                                                     d_ff=64, num_layers=2, num_heads=2, d_kv=8)
+    dtype = torch.bfloat16 if dev.startswith("cuda") else torch.float32
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(dev):
+            enc = UMT5EncoderModel(UMT5Config(**cfg)).eval()
+    finally:
+        torch.set_default_dtype(torch.float32)
+    return enc, cfg["vocab_size"]
+
+
+def vae_for(model_name: str, dev: str, dtype):
+    from diffusers import AutoencoderKLWan
+
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        vae = AutoencoderKLWan() if model_name.startswith("wan2") else \
+            AutoencoderKLWan(base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1)
+    return vae.to(dev, dtype).eval().requires_grad_(False)
+
+
+def measure(args) -> dict:
+    from trt_sora.models import get_adapter
+    from trt_sora.sampling import SamplingSettings, gaussian_noise, runner_call, sample
+
+    dev = args.device
+    adapter = get_adapter(args.model)
+    frames, height, width = SIZES[args.size]
+    lat = adapter.latent_size(frames, height, width)
+    text_len = 512 if args.model.startswith("wan2") else 16
+    res: dict = {"model": args.model, "size": args.size, "frames": frames, "height": height, "width": width,
+                 "latent": lat, "text_len": text_len, "device": torch.cuda.get_device_name() if dev != "cpu" else "cpu",
+                 "torch": torch.__version__, "measured": {}}
+    m = res["measured"]
+
+    # text encode: prompt + negative prompt, 512 tokens each
+    enc, vocab = text_encoder(args.model, adapter.text_dim, dev)
+    ids = torch.randint(0, vocab, (2, text_len), device=dev, generator=torch.Generator(dev).manual_seed(0))
+    with torch.inference_mode():
+        emb, m["text_encode_s"] = timed(lambda: enc(input_ids=ids).last_hidden_state, dev, reps=3)
+    emb = emb.float()
+    del enc
+    if dev.startswith("cuda"):
+        torch.cuda.empty_cache()
+
+    # the transformer
+    t0 = time.perf_counter()
+    model = adapter.load("bf16", dev)
+    m["model_build_s"] = time.perf_counter() - t0
+    cond, uncond = {"encoder_hidden_states": emb[:1]}, {"encoder_hidden_states": emb[1:]}
+    noise = gaussian_noise((1, adapter.latent_channels, lat["latent_frames"], lat["latent_height"],
+                            lat["latent_width"]), 0).to(dev)
+    steps = args.steps + 2  # two warm-up steps (CUDA graph capture, autotuning) then the timed ones
+
+    def loop(call, cfg: str) -> float:
+        """Seconds per step over ``args.steps`` steps of the real sampler, after two warm-up steps."""
+        marks: list[float] = []
+
+        def hook(info):
+            if info.branches[0] == "cond":  # the step's first call (split) or its only one (batched)
+                sync(dev)
+                marks.append(time.perf_counter())
+            return None
+
+        settings = SamplingSettings(num_steps=steps, guidance_scale=5.0, shift=adapter.sampling.shift)
+        sample(call, noise, cond, uncond, scheduler=adapter.scheduler(settings.shift), settings=settings, cfg=cfg,
+               dtype=torch.bfloat16, hook=hook)
+        sync(dev)
+        marks.append(time.perf_counter())
+        return (marks[-1] - marks[2]) / args.steps
+
+    fwd = adapter.export_module(model)
+
+    def eager(inputs):
+        with torch.inference_mode():
+            return fwd(*[inputs[n] for n in adapter.input_names])
+
+    m["eager_bf16_split_step_s"] = loop(eager, "split")
+    if dev.startswith("cuda"):
+        import sys
+
+        from trt_sora.runners.fp8_runner import AttentionPolicy, TorchFp8Runner
+
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from fp8_bench import calibrate_plan
+
+        feeds = {"hidden_states": noise.bfloat16(), "timestep": torch.full((1,), 700.0, device=dev),
+                 "encoder_hidden_states": emb[:1].bfloat16()}
+        plan = calibrate_plan(model, lambda *a: fwd(*a), [feeds[n] for n in adapter.input_names])
+        runner = TorchFp8Runner(adapter, None, plan=plan, device=dev, model=model, mode="fused",
+                                attention=AttentionPolicy(enabled=True), cuda_graphs=True).activate()
+        m["ours_fp8_batched_graph_step_s"] = loop(runner_call(runner), "batched")
+        m["ours_report"] = {k: v for k, v in runner.report().items() if isinstance(v, (int, float, str, bool))}
+        runner.deactivate()
+        del runner
+    del model, fwd
+    if dev.startswith("cuda"):
+        torch.cuda.empty_cache()
+
+    # VAE decode of one clip's latents, fp32 and bf16
+    z = torch.randn(1, 16, lat["latent_frames"], lat["latent_height"], lat["latent_width"], device=dev)
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        vae = vae_for(args.model, dev, dtype)
+        with torch.inference_mode():
+            x, m[f"vae_decode_{name}_s"] = timed(lambda v=vae, d=dtype: v.decode(z.to(d), return_dict=False)[0], dev)
+        if dev.startswith("cuda"):
+            m[f"vae_decode_{name}_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        del vae
+        if dev.startswith("cuda"):
+            torch.cuda.empty_cache()
+    pixels = ((x[0].float().clamp(-1, 1) + 1) * 127.5).round().byte().permute(1, 2, 3, 0).cpu().numpy()
+
+    # MP4 encode (CPU: ffmpeg)
+    from trt_sora.runtime.video import write_clip
+
+    out = Path(args.tmp) / "e2e_clip.mp4"
+    _, m["mp4_encode_s"] = timed(lambda: write_clip(pixels, out, 16.0), "cpu")
+    m["mp4_bytes"] = out.stat().st_size
+    return res
+
+
+def compose(res: dict, clip_steps: int, cache_saved: float | None) -> dict:
+    """Seconds per clip from the measured units (stated, so a reader can redo the sum)."""
+    m = res["measured"]
+    rows = {"eager_bf16 (WanPipeline: split CFG, fp32 VAE)": (m["eager_bf16_split_step_s"], m["vae_decode_fp32_s"])}
+    if "ours_fp8_batched_graph_step_s" in m:
+        rows["ours torch-fp8 (batched CFG, CUDA graph, bf16 VAE)"] = (m["ours_fp8_batched_graph_step_s"],
+                                                                      m["vae_decode_bf16_s"])
+        if cache_saved:
+            rows[f"ours torch-fp8 + step cache ({cache_saved:.0%} of calls saved)"] = (
+                m["ours_fp8_batched_graph_step_s"] * (1 - cache_saved), m["vae_decode_bf16_s"])
+    table = {}
+    for name, (step, decode) in rows.items():
+        total = m["text_encode_s"] + clip_steps * step + decode + m["mp4_encode_s"]
+        table[name] = {"text_encode_s": m["text_encode_s"], "steps": clip_steps, "step_s": step,
+                       "denoise_s": clip_steps * step, "decode_s": decode, "mp4_s": m["mp4_encode_s"], "clip_s": total}
+    base = next(iter(table.values()))["clip_s"]
+    for row in table.values():
+        row["speedup_vs_eager"] = base / row["clip_s"]
+    return {"clip_steps": clip_steps, "composition": "text_encode + steps * step + decode + mp4", "rows": table}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="wan2.1-t2v-14b")
+    ap.add_argument("--size", default="480p", choices=list(SIZES))
+    ap.add_argument("--steps", type=int, default=4, help="timed denoising steps per path (after 2 warm-up steps)")
+    ap.add_argument("--clip-steps", type=int, default=50)
+    ap.add_argument("--cache-saved", type=float, default=None, help="fraction of transformer calls the checked "
+                    "step cache saved (a row of its own)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--tmp", default="/tmp")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--compose-from", default=None, help="recompose a measured JSON (e.g. with --cache-saved) "
+                    "instead of measuring")
+    args = ap.parse_args()
+    res = json.loads(Path(args.compose_from).read_text()) if args.compose_from else measure(args)
+    res["per_clip"] = compose(res, args.clip_steps, args.cache_saved)
+    text = json.dumps(res, indent=2, default=str)
+    Path(args.out).write_text(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
