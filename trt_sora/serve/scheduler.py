@@ -144,6 +144,7 @@ class JobState:
     attempts: int = 0
     trace_id: str | None = None
     span: Any = dataclasses.field(default=None, repr=False)  # the job's open trace span (tracing on)
+    on_step: Any = dataclasses.field(default=None, repr=False)  # (step, num_steps) per denoising step
     done_event: threading.Event = dataclasses.field(default_factory=threading.Event, repr=False)
 
     def view(self) -> dict:
@@ -507,12 +508,13 @@ class Engine:
                 log.error("serve: retention sweep failed: %s", exc)
 
     # -- jobs -------------------------------------------------------------------------------------
-    def submit(self, request, *, key_id: str | None = None, trace_parent=None) -> JobState:
+    def submit(self, request, *, key_id: str | None = None, trace_parent=None, on_step=None) -> JobState:
         """Queue a :class:`~trt_sora.runtime.ClipRequest` (committed to the store first, when there is
         one). ``key_id``: the caller's API key id (quota, job record). ``trace_parent``: the request's
-        span; the job's span (queue wait, each stage) is its child. Raises NotReady, Draining,
-        QueueFull, QuotaExceeded, and ConfigError / ShapeError for a request the artifact cannot make
-        (checked now, not later)."""
+        span; the job's span (queue wait, each stage) is its child. ``on_step(step, num_steps)``: called
+        from the worker as each denoising step of the job begins (1-based; a gRPC stream's progress).
+        Raises NotReady, Draining, QueueFull, QuotaExceeded, and ConfigError / ShapeError for a
+        request the artifact cannot make (checked now, not later)."""
         if self.failed:
             raise NotReady(f"the server failed to start: {self.failed}")
         if not self.ready:
@@ -530,7 +532,7 @@ class Engine:
                 raise QueueFull(f"the queue is full ({len(self._queue)} jobs waiting); retry later")
             self._check_quota(key_id)
             job = JobState(id=uuid.uuid4().hex[:16], request=request, resolved=resolved, submitted=self._clock(),
-                           key_id=key_id)
+                           key_id=key_id, on_step=on_step)
             job.span = tracing.start("job", parent=trace_parent, job_id=job.id, key_id=key_id)
             job.trace_id = tracing.trace_id(job.span)
             if self.store is not None:
@@ -566,6 +568,11 @@ class Engine:
     @property
     def queue_depth(self) -> int:
         return len(self._queue)
+
+    def queue_position(self, job_id: str) -> int | None:
+        """1 for the next job to run, ...; None once the job left the queue."""
+        with self._cond:
+            return next((i + 1 for i, j in enumerate(self._queue) if j.id == job_id), None)
 
     def retry_after(self) -> int:
         """Seconds a client refused for a full queue should wait: until one queued job leaves, at the
@@ -630,7 +637,8 @@ class Engine:
 
         calls: list = []
         hook = _hooks(self.metrics.sampler_hook() if self.metrics else None,
-                      _timed_calls(calls) if any(j.span is not None for j in batch) else None)
+                      _timed_calls(calls) if any(j.span is not None for j in batch) else None,
+                      _step_calls(batch) if any(j.on_step is not None for j in batch) else None)
         began = time.time_ns()
         try:
             clips = self.generator.run([j.request for j in batch], cfg=self.config.cfg, max_batch=len(batch),
@@ -743,6 +751,20 @@ def _timed_calls(calls: list):
         yield
         calls.append((step, t0, time.time_ns()))
     return lambda info: timed(info.step)
+
+
+def _step_calls(batch: list[JobState]):
+    """A sampler hook calling each job's ``on_step(step + 1, num_steps)`` once per step (CFG split
+    and expert switches make several calls of one step)."""
+    seen: set[int] = set()
+
+    def hook(info):
+        if info.step not in seen:
+            seen.add(info.step)
+            for j in batch:
+                if j.on_step is not None:
+                    j.on_step(info.step + 1, info.num_steps)
+    return hook
 
 
 def _trace_stages(job: JobState, began_ns: int, ended_ns: int, calls: list) -> None:
