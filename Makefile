@@ -13,7 +13,7 @@ EXTRAS  ?= export,ort,tensorrt-rtx,serve,dev
 CONSTRAINTS ?= .ci/constraints.txt
 PIN      = $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 
-.PHONY: install test test-fast engine export clean distclean help
+.PHONY: install test test-fast engine export proto clean distclean help
 
 help:
 	@echo "make install | test | engine RECIPE=<recipe> [MODEL=<name-or-path>] [SHARDS=<n>] | clean"
@@ -50,6 +50,11 @@ engine: install
 
 export: install
 	$(BIN)/trt-sora export --recipe $(RECIPE) $(if $(MODEL),--model $(MODEL)) --out $(OUT)/export
+
+# The gRPC stubs beside trt_sora/serve/proto/trt_sora.proto (committed; tests/serve/test_grpc.py checks them).
+proto: install
+	$(BIN)/python -m grpc_tools.protoc -I . --python_out=. --grpc_python_out=. --pyi_out=. \
+	  trt_sora/serve/proto/trt_sora.proto
 
 clean:
 	rm -rf $(OUT) .pytest_cache

@@ -1,4 +1,5 @@
-"""``trt-sora serve --run DIR``: the reference HTTP server (dynamic batching, metrics, drain on SIGTERM)."""
+"""``trt-sora serve --run DIR``: the reference HTTP server (dynamic batching, metrics, drain on SIGTERM),
+and with ``--grpc-port`` the gRPC stream of clips beside it."""
 from __future__ import annotations
 
 
@@ -13,6 +14,11 @@ def add_parser(sub) -> None:
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0: any free port, printed "
                    "on the 'serving ... on http://HOST:PORT' line)")
+    p.add_argument("--grpc-port", type=int, default=None, help="also serve gRPC streaming (TrtSora.Generate: "
+                   "progress, then the clip as fragmented-MP4 pieces) on this port of --host, same engine, keys "
+                   "and job store (0: any free port, printed on the 'serving ... over gRPC on HOST:PORT' line)")
+    p.add_argument("--grpc-max-streams", type=int, default=64, help="gRPC streams at once (default 64; more: "
+                   "RESOURCE_EXHAUSTED)")
     p.add_argument("--max-queue", type=int, default=64, help="waiting jobs before 429 (default 64)")
     p.add_argument("--max-wait-ms", type=float, default=50.0, help="how long a job waits for others to join its "
                    "batch (default 50 ms; 0: only what is already queued)")
@@ -70,6 +76,14 @@ def run(args) -> int:
                       api_keys_file=args.api_keys_file, metrics_open=args.metrics_open,
                       insecure_no_auth=args.insecure_no_auth)
     http.keys()  # a bad keys file or a public host without keys: refused before the model loads
+    grpc_config = None
+    if args.grpc_port is not None:
+        from trt_sora.errors import require
+        from trt_sora.serve.grpc_server import GrpcConfig
+
+        require("grpc", extra="grpc")  # refused before the model loads, as a bad keys file
+        grpc_config = GrpcConfig(host=args.host, port=args.grpc_port, max_message_bytes=args.max_body_bytes,
+                                 max_streams=args.grpc_max_streams)
 
     from trt_sora.cli.generate import _parallel
 
@@ -90,11 +104,45 @@ def run(args) -> int:
             atexit.register(runner.close)  # releases the followers however the server stops
         return runner
 
+    grpc_servers = []
+
     def listening(engine, host, port):
         print(f"serving {args.run} on http://{host}:{port} (ready when /readyz answers 200)", flush=True)
+        if grpc_config is not None:
+            grpc_servers.append(_start_grpc(engine, grpc_config, http))
+            print(f"serving {args.run} over gRPC on {host}:{grpc_servers[0].port}", flush=True)
 
     def ready(engine):
         print(f"ready: {engine.generator.runner.backend} backend, batch cap {engine.memory.get('cap')}", flush=True)
 
-    return serve(load, config, http, text_encoder=args.text_encoder, on_listen=listening, on_ready=ready,
-                 hard_exit=True)
+    try:
+        return serve(load, config, http, text_encoder=args.text_encoder, on_listen=listening, on_ready=ready,
+                     hard_exit=True)
+    finally:
+        for server in grpc_servers:  # the engine drained: streams still sending get the drain grace
+            server.stop(grace=args.drain_grace)
+
+
+def _start_grpc(engine, grpc_config, http):
+    """The gRPC server over the HTTP server's engine, with its own copy of the keys (reloaded on
+    SIGHUP after the HTTP server's)."""
+    import logging
+    import signal
+
+    from trt_sora.errors import ConfigError
+    from trt_sora.serve.grpc_server import start_grpc
+
+    keys = http.keys()
+    if keys is not None and hasattr(signal, "SIGHUP"):
+        before = signal.getsignal(signal.SIGHUP)
+
+        def reload(sig, frame):
+            if callable(before):
+                before(sig, frame)
+            try:
+                keys.reload()
+            except ConfigError as exc:
+                logging.getLogger("trt_sora").error("serve: SIGHUP: gRPC keeps its %d key(s): %s", len(keys), exc)
+
+        signal.signal(signal.SIGHUP, reload)
+    return start_grpc(engine, grpc_config, keys=keys)

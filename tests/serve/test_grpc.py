@@ -1,0 +1,309 @@
+"""The gRPC stream of clips (trt_sora/serve/grpc_server.py, fmp4.py) with a real grpc client on
+127.0.0.1: progress then fragmented-MP4 pieces (<= 128 KiB, each starting on a box or NAL unit),
+whose concatenation decodes to the file path's frames and carries the same H.264 bits; the HTTP
+server over the same engine and job store serves the same job; keys, typed status codes, queue
+position, and `trt-sora serve --grpc-port 0` end to end.
+
+Nothing waits on the clock: overload is made exact with a runner held at a gate, the CLI's port and
+readiness are read from its output."""
+import math
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from http_helpers import HANG, Gated, Lines, http_server
+
+grpc = pytest.importorskip("grpc")
+
+KEY = "grpc-test-key-0123456789"
+LIMIT = 32 * 1024  # the stack's pieces (the default 128 KiB would hold the tiny clip whole)
+ROOT = Path(__file__).resolve().parents[2]
+PROTO = "trt_sora/serve/proto/trt_sora.proto"
+
+
+def pb():
+    from trt_sora.serve.proto import trt_sora_pb2, trt_sora_pb2_grpc
+
+    return trt_sora_pb2, trt_sora_pb2_grpc
+
+
+def _keys(tmp_path):
+    from trt_sora.serve.auth import ApiKeys
+
+    path = tmp_path / "keys.txt"
+    path.write_text(f"alice {KEY}\n")
+    return ApiKeys(path)
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_runner, tmp_path_factory):
+    """An engine over the tiny runner with a job store, its gRPC server and its HTTP app, both keyed:
+    ``(engine, grpc stub, Http)``."""
+    from trt_sora.serve.grpc_server import GrpcConfig, start_grpc
+    from trt_sora.serve.metrics import ServerMetrics
+    from trt_sora.serve.scheduler import Engine, ServeConfig
+    from trt_sora.serve.server import make_app
+
+    tmp = tmp_path_factory.mktemp("grpc")
+    keys, metrics = _keys(tmp), ServerMetrics()
+    engine = Engine(tiny_runner, ServeConfig(max_wait_s=0.0, state_dir=str(tmp / "state")), metrics=metrics)
+    engine.start(block=True)
+    server = start_grpc(engine, GrpcConfig(port=0, max_piece_bytes=LIMIT), keys=keys)
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
+    try:
+        with http_server(make_app(engine, metrics, keys=keys)) as http:
+            yield engine, pb()[1].TrtSoraStub(channel), http
+    finally:
+        channel.close()
+        server.stop(grace=None)
+        engine.drain(HANG)
+        engine.close()
+
+
+def _auth(key=KEY):
+    return (("authorization", f"Bearer {key}"),)
+
+
+def _boxes(data: bytes):
+    from trt_sora.serve.fmp4 import top_level_boxes
+
+    return [(offset, box[4:8].decode(), len(box)) for offset, box in top_level_boxes([data])]
+
+
+def _check_pieces(mp4_pieces, limit):
+    """The pieces are the file in order, each <= ``limit`` and starting where it says: a top-level box,
+    or a NAL unit of an mdat (from there, 4-byte lengths chain exactly to the mdat's end)."""
+    pb2 = pb()[0]
+    data = b"".join(p.data for p in mp4_pieces)
+    boxes = _boxes(data)
+    starts = {o for o, _, _ in boxes}
+    at = 0
+    for i, p in enumerate(mp4_pieces):
+        assert 0 < len(p.data) <= limit and p.offset == at, (i, len(p.data), p.offset, at)
+        assert p.last == (i == len(mp4_pieces) - 1)
+        if p.boundary == pb2.Mp4Piece.BOX:
+            assert p.offset in starts, f"piece {i} at byte {p.offset} does not start a box"
+        elif p.boundary == pb2.Mp4Piece.NAL:
+            o, kind, size = max(b for b in boxes if b[0] < p.offset)
+            assert kind == "mdat", f"piece {i}: a NAL piece inside a {kind}"
+            nal = p.offset
+            while nal < o + size:
+                nal += 4 + int.from_bytes(data[nal:nal + 4], "big")
+            assert nal == o + size, f"piece {i} at byte {p.offset} does not start a NAL unit"
+        else:
+            assert p.boundary == pb2.Mp4Piece.BYTES
+        at += len(p.data)
+    return data, boxes
+
+
+def _h264(path) -> bytes:
+    """The file's H.264 stream (Annex B), as the encoder wrote it."""
+    from trt_sora.runtime.video import ffmpeg_exe
+
+    res = subprocess.run([ffmpeg_exe(), "-hide_banner", "-loglevel", "error", "-i", str(path), "-map", "0:v",
+                          "-c", "copy", "-bsf:v", "h264_mp4toannexb", "-f", "h264", "-"], capture_output=True,
+                         check=True)
+    return res.stdout
+
+
+def test_stream_is_progress_then_a_fragmented_mp4_equal_to_the_file_path(stack, tiny_runner, tmp_path):
+    """Step i of n for every step, then the MP4 in <= 32 KiB pieces on box boundaries. Its H.264 is
+    bit for bit the HTTP ?format=mp4 file's of the same job (same encoder settings, another muxer), so
+    the frames decode equal; those match write_mp4 of generate()'s clip, the file path."""
+    import trt_sora.runtime as rt
+    from trt_sora.runtime.video import read_video, write_mp4
+
+    engine, stub, http = stack
+    pb2 = pb()[0]
+    scale = 16  # a clip larger than one piece: several fragments
+    chunks = list(stub.Generate(pb2.GenerateRequest(prompt="a red circle moving right", seed=7, scale=scale),
+                                metadata=_auth(), timeout=HANG))
+    job_id = chunks[0].job_id
+    assert {c.job_id for c in chunks} == {job_id}
+    kinds = [c.WhichOneof("kind") for c in chunks]
+    first_mp4 = kinds.index("mp4")
+    assert set(kinds[first_mp4:]) == {"mp4"}, "progress after the MP4 began"
+    progress = [c.progress for c in chunks[:first_mp4]]
+    steps = engine.generator.settings.num_steps
+    denoising = [(p.step, p.num_steps) for p in progress if p.phase == pb2.Progress.DENOISING]
+    assert denoising == [(i, steps) for i in range(1, steps + 1)]
+    assert progress[-1].phase == pb2.Progress.ENCODING
+    assert {p.phase for p in progress} <= {pb2.Progress.QUEUED, pb2.Progress.DENOISING, pb2.Progress.ENCODING}
+
+    pieces = [c.mp4 for c in chunks[first_mp4:]]
+    data, boxes = _check_pieces(pieces, LIMIT)
+    kinds = [k for _, k, _ in boxes]
+    assert kinds[:2] == ["ftyp", "moov"] and pieces[0].data.startswith(data[:boxes[2][0]])  # init first, whole
+    frag = kinds[2:-1] if kinds[-1] == "mfra" else kinds[2:]
+    assert frag == ["moof", "mdat"] * (len(frag) // 2) and len(frag) >= 4, kinds  # several fragments
+    assert len(pieces) > 2 and len(data) > LIMIT
+    streamed = tmp_path / "streamed.mp4"
+    streamed.write_bytes(data)
+
+    status, body, _ = http("GET", f"/v1/jobs/{job_id}/result?format=mp4&scale={scale}", headers=dict(_auth()))
+    assert status == 200  # the same job, fetched over HTTP from the same engine and store
+    fetched = tmp_path / "fetched.mp4"
+    fetched.write_bytes(body)
+    assert _h264(streamed) == _h264(fetched)
+    frames = read_video(streamed)
+    np.testing.assert_array_equal(frames, read_video(fetched))
+
+    want = rt.generate(tiny_runner, "a red circle moving right", seed=7)[0].frames
+    np.testing.assert_array_equal(np.load(engine.get(job_id).result_path), want)
+    np.testing.assert_array_equal(frames, read_video(write_mp4(want, tmp_path / "file.mp4", 16.0, scale=scale)))
+    assert engine.store.get(job_id).key_id == "alice"
+
+
+def test_keys_are_required(stack):
+    engine, stub, _ = stack
+    pb2 = pb()[0]
+    before = len(engine.store.unfinished()) + engine.queue_depth
+    for metadata, said in (((), "no key"), (_auth("not-a-key-of-this-server"), "an unknown key"),
+                           ((("authorization", KEY),), "an unknown key")):  # not `Bearer KEY`
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Generate(pb2.GenerateRequest(prompt="x"), metadata=metadata, timeout=HANG))
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED and said in e.value.details()
+        assert "authorization: Bearer KEY" in e.value.details()
+    assert len(engine.store.unfinished()) + engine.queue_depth == before  # nothing was submitted
+
+
+@pytest.mark.parametrize("fields, named", [
+    ({"prompt": ""}, "prompt is empty"),
+    ({"steps": -1}, "steps=-1"),
+    ({"steps": 10 ** 6}, "--max-steps"),
+    ({"num_frames": 10}, "num_frames 10"),
+    ({"height": 4096, "width": 4096}, "no bucket"),
+    ({"guidance": math.nan}, "guidance_scale=nan"),
+    ({"seed": 2 ** 63}, "seed="),
+    ({"image": "/etc/passwd"}, '"image" must be the image itself as a data URL'),
+    ({"scale": 17}, "scale=17"),
+])
+def test_a_bad_request_is_invalid_argument_naming_the_field(stack, fields, named):
+    _, stub, _ = stack
+    pb2 = pb()[0]
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Generate(pb2.GenerateRequest(**{"prompt": "x", **fields}), metadata=_auth(), timeout=HANG))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+    assert named in e.value.details()
+
+
+def test_a_message_past_the_limit_is_resource_exhausted(stack):
+    _, stub, _ = stack
+    pb2 = pb()[0]
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Generate(pb2.GenerateRequest(prompt="x" * (65 * 1024)), metadata=_auth(), timeout=HANG))
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_queue_position_full_queue_and_draining(tiny_runner):
+    """A job waits behind one held in the model: its stream says queue position 1; one more is refused
+    RESOURCE_EXHAUSTED with retry-after (the queue holds 1), and UNAVAILABLE once the engine drains."""
+    from trt_sora.runtime import ClipRequest
+    from trt_sora.serve.grpc_server import GrpcConfig, start_grpc
+    from trt_sora.serve.scheduler import Engine, ServeConfig
+
+    pb2, pb2_grpc = pb()
+    gated = Gated(tiny_runner)
+    engine = Engine(gated, ServeConfig(max_wait_s=0.0, max_queue=1))
+    engine.start(block=True)
+    server = start_grpc(engine, GrpcConfig(port=0))
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
+    stub = pb2_grpc.TrtSoraStub(channel)
+    try:
+        gated.arm()
+        held = engine.submit(ClipRequest("held"))
+        assert gated.entered.wait(HANG)
+        waiting = stub.Generate(pb2.GenerateRequest(prompt="waits", seed=1), timeout=HANG)
+        first = next(waiting)
+        assert first.progress.phase == pb2.Progress.QUEUED and first.progress.queue_position == 1
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Generate(pb2.GenerateRequest(prompt="one too many"), timeout=HANG))
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "queue is full" in e.value.details()
+        assert int(dict(e.value.trailing_metadata())["retry-after"]) >= 1
+        engine.begin_drain()
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Generate(pb2.GenerateRequest(prompt="too late"), timeout=HANG))
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "draining" in e.value.details()
+        gated.release.set()
+        rest = list(waiting)  # the accepted job still streams to the end
+        assert rest[-1].mp4.last and engine.wait(held.id, HANG).status == "done"
+    finally:
+        gated.release.set()
+        channel.close()
+        server.stop(grace=None)
+        engine.drain(HANG)
+        engine.close()
+
+
+def test_pieces_cut_large_boxes_at_nal_units():
+    """A real fragmented MP4, read back in 7-byte reads and cut for 2 KiB pieces: fragments larger
+    than a piece are cut where NAL units begin, a NAL unit larger than a piece by bytes."""
+    from trt_sora.serve.fmp4 import BOX, BYTES, NAL, fragmented_mp4, pieces
+
+    frames = np.random.default_rng(0).integers(0, 256, (5, 32, 48, 3), dtype=np.uint8)
+    data = b"".join(p.data for p in fragmented_mp4(frames, 16.0, scale=2))
+    limit = 2048  # the frames' NAL units are about 3 KiB
+    out = list(pieces((data[i:i + 7] for i in range(0, len(data), 7)), limit))
+    pb2 = pb()[0]
+    code = {BOX: pb2.Mp4Piece.BOX, NAL: pb2.Mp4Piece.NAL, BYTES: pb2.Mp4Piece.BYTES}
+    as_msgs = [pb2.Mp4Piece(data=p.data, offset=p.offset, boundary=code[p.boundary], last=i == len(out) - 1)
+               for i, p in enumerate(out)]
+    assert _check_pieces(as_msgs, limit)[0] == data
+    assert {p.boundary for p in out} == {BOX, NAL, BYTES}
+
+
+def test_committed_stubs_match_the_proto(tmp_path):
+    """The generated modules in the package are what grpcio-tools makes of the proto (`make proto`)."""
+    pytest.importorskip("grpc_tools")
+    from grpc_tools import protoc
+
+    assert protoc.main(["protoc", "-I", str(ROOT), f"--python_out={tmp_path}", f"--grpc_python_out={tmp_path}",
+                        f"--pyi_out={tmp_path}", str(ROOT / PROTO)]) == 0
+    for name in ("trt_sora_pb2.py", "trt_sora_pb2_grpc.py", "trt_sora_pb2.pyi"):
+        made = (tmp_path / "trt_sora/serve/proto" / name).read_text()
+        assert made == (ROOT / "trt_sora/serve/proto" / name).read_text(), f"{name} is stale: run `make proto`"
+
+
+def test_cli_serves_grpc_beside_http(checked_run, tmp_path):
+    """`trt-sora serve --port 0 --grpc-port 0 --api-keys-file K`: both ports printed, a keyed stream
+    ends with the MP4's last piece, and SIGTERM drains to exit 0."""
+    pb2, pb2_grpc = pb()
+    (tmp_path / "keys.txt").write_text(f"{KEY}\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "trt_sora", "serve", "--run", str(checked_run), "--backend", "ort",
+                             "--port", "0", "--grpc-port", "0", "--threads", "1", "--max-wait-ms", "0",
+                             "--api-keys-file", str(tmp_path / "keys.txt"), "--drain-grace", "0"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, err = Lines(proc.stdout), Lines(proc.stderr)
+    try:
+        out.wait_for(r"on http://127\.0\.0\.1:\d+ ")
+        port = int(out.wait_for(r"over gRPC on 127\.0\.0\.1:(\d+)$").group(1))
+        out.wait_for(r"^ready: ort backend")
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            chunks = list(pb2_grpc.TrtSoraStub(channel).Generate(pb2.GenerateRequest(prompt="x", steps=1),
+                                                                 metadata=_auth(), timeout=HANG))
+        assert chunks[-1].mp4.last and chunks[-1].mp4.data
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(HANG) == 0, err.text()[-2000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_stream_of_a_cancelled_client_leaves_the_job_running(stack):
+    """A client that hangs up after the first chunk: the job goes on and is served over HTTP."""
+    engine, stub, http = stack
+    pb2 = pb()[0]
+    call = stub.Generate(pb2.GenerateRequest(prompt="left early", seed=2), metadata=_auth(), timeout=HANG)
+    job_id = next(call).job_id
+    call.cancel()
+    for _ in range(int(HANG // 60) + 1):  # the server's long-poll, not a sleep
+        status, view = http.json("GET", f"/v1/jobs/{job_id}?wait=60", headers=dict(_auth()))
+        if view.get("status") in ("done", "failed"):
+            break
+    assert status == 200 and view["status"] == "done", view
