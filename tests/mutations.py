@@ -185,6 +185,24 @@ MUTATIONS = (
     Mutation("serve-body-timeout", "a stalled body gets 408", "serve/server.py",
              "            with anyio.fail_after(body_timeout_s):", "            with anyio.fail_after(None):",
              ("tests/serve/test_hostile.py::test_a_stalled_body_gets_408_and_holds_nothing",)),
+    # -- object storage (batch --out s3://) ------------------------------------------------------------------
+    Mutation("s3-temp-key", "a clip object reaches its final key only through a checked temporary key",
+             "serve/objstore.py",
+             'tmp, final = self.key("clips", f".{jid}.{fmt}.tmp-{self.token}"), self.key("clips", f"{jid}.{fmt}")',
+             'tmp = final = self.key("clips", f"{jid}.{fmt}")',
+             ("tests/serve/test_s3.py::test_objects_sha256_and_one_upload_per_file",)),
+    Mutation("s3-resume-sha256", "resume re-hashes a finished clip's objects in the bucket", "serve/objstore.py",
+             'if self._sha256(k) != (o.get("sha256"), o.get("bytes")):', "if False:",
+             ("tests/serve/test_s3.py::test_resume_rehashes_the_objects_in_the_bucket",)),
+    Mutation("s3-key-containment", "a record cannot name an object outside the prefix", "serve/objstore.py",
+             '        rel = _check_rel("/".join(parts), f"key under {self.root}")', '        rel = "/".join(parts)',
+             ("tests/serve/test_s3.py::test_resume_rehashes_the_objects_in_the_bucket",)),
+    Mutation("s3-orphan-temp-keys", "a rerun deletes the temporary keys of a cut-off upload", "serve/objstore.py",
+             'n.split(".")[0] == jid or n.startswith(f".{jid}.")', 'n.split(".")[0] == jid',
+             ("tests/serve/test_s3.py::test_server_killed_mid_upload_then_rerun_uploads_only_unfinished",)),
+    Mutation("s3-bucket-check", "a missing bucket is refused before a model loads", "serve/objstore.py",
+             '            self.fs.call_s3("head_bucket", Bucket=self.bucket)', "            pass",
+             ("tests/serve/test_s3.py::test_errors_before_the_model_loads",), fast=True),
 )
 
 

@@ -59,6 +59,11 @@ class ArtifactError(TrtSoraError):
     """An artifact folder is missing files, has a bad manifest, or failed its gates."""
 
 
+class StorageError(TrtSoraError):
+    """Object storage refused or lost a request: no or refused credentials, a missing bucket, an
+    unreachable endpoint, a connection dropped mid-write."""
+
+
 def require(module: str, *, extra: str, pip: str | None = None):
     """Import ``module`` lazily or raise :class:`BackendMissingError` with the install command.
 

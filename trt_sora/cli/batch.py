@@ -16,7 +16,10 @@ def add_parser(sub) -> None:
                                    "when a job failed or a clip failed its quality gate.")
     add_runtime_args(p)
     p.add_argument("--prompts", required=True, help="jobs file: one JSON object per line")
-    p.add_argument("--out", required=True, help="output folder (clips/, manifest.json, summary.json, summary.md)")
+    p.add_argument("--out", required=True, help="output folder (clips/, manifest.json, summary.json, summary.md), or "
+                   "s3://bucket/prefix (the same layout; endpoint, credentials and region from AWS_ENDPOINT_URL, "
+                   "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE, AWS_DEFAULT_REGION; "
+                   "pip install 'trt_sora[s3]')")
     p.add_argument("--formats", default="mp4", help="comma-separated: mp4, gif, png (contact sheet), npy (default mp4)")
     p.add_argument("--scale", type=int, default=1, help="pixel-repeat upscaling of mp4/gif/png")
     p.add_argument("--retries", type=int, default=2, help="extra attempts for transient errors (default 2)")
@@ -43,7 +46,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from trt_sora.serve.batch import BatchConfig, GateConfig, read_jobs, run_batch
+    from trt_sora.serve.batch import BatchConfig, GateConfig, is_remote, open_output, read_jobs, run_batch
     from trt_sora.serve.quality import require_vmaf
 
     gated = args.gate_against or args.vmaf or any(v is not None for v in (args.min_psnr, args.min_ssim,
@@ -56,6 +59,8 @@ def run(args) -> int:
     jobs = read_jobs(args.prompts)  # a bad jobs file fails before anything loads
     if gate and gate.wants_vmaf:  # so does an ffmpeg without libvmaf
         require_vmaf("--vmaf-threshold" if gate.min_vmaf is not None else "--vmaf")
+    # and so do object storage's s3fs, credentials and bucket (a local folder is made when the batch starts)
+    out = open_output(args.out) if is_remote(args.out) else args.out
     kwargs = {}
     if args.ray:
         from trt_sora.serve.ray_fleet import RayExecutor
@@ -73,7 +78,7 @@ def run(args) -> int:
         ref = rt.load(args.run, backend=gate.reference, force=args.force, device=args.device) if gate else None
     bar = _progress_bar(len(jobs), args.no_progress)
     try:
-        summary = run_batch(runner, args.prompts, args.out, config, reference_runner=ref,
+        summary = run_batch(runner, args.prompts, out, config, reference_runner=ref,
                             progress=bar.update if bar else None, text_encoder=args.text_encoder, **kwargs)
     finally:
         if bar:

@@ -28,6 +28,10 @@ recorded sha256 is skipped; anything else of that job (a partial clip, a stale r
 and the job redone. Job ids are unique, so no clip is ever written twice. One batch process at a
 time per output folder (a lock file).
 
+Object storage: ``out_dir`` may be ``s3://bucket/prefix`` (:mod:`trt_sora.serve.objstore`): the
+same layout under the prefix, each file uploaded under a temporary key and copied to its name when
+complete, the record still the commit mark, resume re-hashing the objects in the bucket.
+
 Containment: job ids are checked before anything is written (a bad or repeated id is a ConfigError
 naming its line), and every path the batch writes or removes goes through one helper
 (``_Out.path``) that resolves it, symlinks followed, and refuses anything outside the output folder.
@@ -64,8 +68,8 @@ from trt_sora.serve.quality import compare_clips, require_vmaf
 
 log = logging.getLogger("trt_sora")
 
-__all__ = ["BatchConfig", "BatchSummary", "GateConfig", "Job", "LocalExecutor", "check_jobs", "is_transient",
-           "read_jobs", "run_batch"]
+__all__ = ["BatchConfig", "BatchSummary", "GateConfig", "Job", "LocalExecutor", "check_jobs", "is_remote",
+           "is_transient", "open_output", "read_jobs", "run_batch"]
 
 FORMATS = ("mp4", "gif", "png", "npy")
 _ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
@@ -379,6 +383,53 @@ class _Out:
                 gone.append(p.name)
         return gone
 
+    # -- writes (the same five calls on :class:`~trt_sora.serve.objstore.S3Out`) --------------------
+    def write_output(self, jid: str, fmt: str, write: Callable[[Path], Any]) -> dict:
+        """``write(path)`` the job's ``fmt`` file in place (writers use a temp name and rename);
+        ``{"path", "sha256", "bytes"}``."""
+        p = self.output_path(jid, fmt)
+        write(p)
+        return {"path": str(p.relative_to(self.root)), "sha256": sha256_file(p), "bytes": p.stat().st_size}
+
+    def write_record(self, jid: str, rec: dict) -> None:
+        write_json(self.record_path(jid), rec)
+
+    def write_json(self, name: str, data: Any) -> None:
+        write_json(self.path(name), data)
+
+    def write_text(self, name: str, text: str) -> None:
+        _atomic_text(self.path(name), text)
+
+    def write_manifest(self, *, inputs: dict, config: Any, results: dict, records: Mapping[str, dict]) -> None:
+        """``manifest.json`` with every file of the folder hashed (``records`` are not needed here)."""
+        self.path("manifest.json")  # write_manifest writes there
+        write_manifest(self.root, stage="batch", inputs=inputs, config=config, results=results)
+
+
+def open_output(out_dir) -> Any:
+    """The output of a batch: a local folder (:class:`_Out`) or, for ``s3://bucket/prefix``, a
+    prefix of a bucket (:class:`~trt_sora.serve.objstore.S3Out`: checks s3fs, the credentials and
+    the bucket at once). An object that already is an output is returned as it is."""
+    if hasattr(out_dir, "write_record"):
+        return out_dir
+    if is_remote(out_dir):
+        from trt_sora.serve.objstore import S3Out
+
+        return S3Out(str(out_dir))
+    return _Out(Path(out_dir))
+
+
+def is_remote(out_dir) -> bool:
+    """Whether ``out_dir`` names object storage (``scheme://``); ConfigError for a scheme other than s3."""
+    text = str(out_dir)
+    m = re.match(r"([A-Za-z][A-Za-z0-9+.-]*)://", text)
+    if not m:
+        return False
+    if m.group(1).lower() != "s3":
+        raise ConfigError(f"--out {text!r}: object storage {m.group(1)}:// is not supported; use s3://bucket/prefix "
+                          "(any S3-compatible endpoint through AWS_ENDPOINT_URL) or a local folder")
+    return True
+
 
 def _fingerprint(job: Job, resolved, config: BatchConfig, artifact: Mapping[str, Any]) -> str:
     body = {"request": dataclasses.asdict(job.request) if job.request else None, "error": job.error,
@@ -419,7 +470,9 @@ def run_batch(runner, jobs, out_dir, config: BatchConfig = BatchConfig(), *, ref
         runner: the loaded artifact (``trt_sora.runtime.load``), or None with an ``executor`` that
             brings its own workers (then ``resolver`` info comes from ``executor.generator``).
         jobs: the JSONL file or parsed jobs.
-        out_dir: the output folder (created; resumed when it holds a previous run).
+        out_dir: the output folder (created; resumed when it holds a previous run), or
+            ``s3://bucket/prefix`` (:mod:`trt_sora.serve.objstore`, the same layout and guarantees), or
+            an output opened by :func:`open_output`.
         config: :class:`BatchConfig`.
         reference_runner: the gate's reference (required when ``config.gate`` is set and the
             executor is local).
@@ -448,7 +501,7 @@ def run_batch(runner, jobs, out_dir, config: BatchConfig = BatchConfig(), *, ref
     check_jobs(jobs)  # before the output folder is touched
     if config.gate and config.gate.wants_vmaf:
         require_vmaf("--vmaf-threshold" if config.gate.min_vmaf is not None else "--vmaf")
-    out = _Out(Path(out_dir))
+    out = open_output(out_dir)
     out.lock()
     try:
         return _drive(gen, executor, jobs, jobs_path, out, config, progress, sleep, t_start)
@@ -575,7 +628,7 @@ def _failure(out: _Out, job: Job, fp: str, error: str, *, transient: bool, attem
            "request": dataclasses.asdict(job.request) if job.request else None,
            "error": {"message": error, "transient": transient}, "attempts": attempts, "finished": _now(),
            "worker": f"{socket.gethostname()}:{os.getpid()}"}
-    write_json(out.record_path(job.id), rec)
+    out.write_record(job.id, rec)
     return rec
 
 
@@ -586,9 +639,8 @@ def _commit(out: _Out, job: Job, fp: str, clip, ref_clip, config: BatchConfig, g
     t0 = time.perf_counter()
     outputs = {}
     for fmt in config.formats:
-        p = out.output_path(job.id, fmt)
-        write_clip(clip.frames, p, clip.fps, scale=1 if fmt == "npy" else config.scale)
-        outputs[fmt] = {"path": str(p.relative_to(out.root)), "sha256": sha256_file(p), "bytes": p.stat().st_size}
+        scale = 1 if fmt == "npy" else config.scale
+        outputs[fmt] = out.write_output(job.id, fmt, lambda p, s=scale: write_clip(clip.frames, p, clip.fps, scale=s))
     status, gate = DONE, None
     if ref_clip is not None:
         gate = compare_clips(ref_clip.frames, clip.frames, vmaf=config.gate.wants_vmaf)
@@ -602,7 +654,7 @@ def _commit(out: _Out, job: Job, fp: str, clip, ref_clip, config: BatchConfig, g
            "metadata": clip.metadata, "gate": gate, "attempts": attempts,
            "seconds": {**clip.metadata["seconds"], "write": round(time.perf_counter() - t0, 4)},
            "finished": _now(), "worker": clip.metadata.get("worker", f"{socket.gethostname()}:{os.getpid()}")}
-    write_json(out.record_path(job.id), rec)
+    out.write_record(job.id, rec)
     return rec
 
 
@@ -649,10 +701,9 @@ def _write_manifest(out: _Out, gen, jobs, jobs_path, records, config: BatchConfi
                          "seconds": rec.get("seconds"), "error": rec.get("error"),
                          "gate": (rec.get("gate") or {}).get("passed"), "quality": _scores(rec.get("gate"))}
     inputs = {"run": artifact, **({"jobs": file_entry(jobs_path)} if jobs_path else {})}
-    out.path("manifest.json")  # write_manifest writes there
-    write_manifest(out.root, stage="batch", inputs=inputs, config=config,
-                   results={"jobs": len(jobs), "finished": sum(c["status"] != FAILED for c in clips.values()),
-                            "clips": clips})
+    out.write_manifest(inputs=inputs, config=config, records=records,
+                       results={"jobs": len(jobs), "finished": sum(c["status"] != FAILED for c in clips.values()),
+                                "clips": clips})
 
 
 def _scores(gate: dict | None) -> dict | None:
@@ -680,8 +731,8 @@ def _summarize(out: _Out, gen, jobs, records, state, batches, latencies, config,
         if lat is not None else None,
         "gate": _gate_summary(gates, config) if config.gate else None,
     }
-    write_json(out.path("summary.json"), data)
-    _atomic_text(out.path("summary.md"), _markdown(data))
+    out.write_json("summary.json", data)
+    out.write_text("summary.md", _markdown(data))
     return BatchSummary(data)
 
 

@@ -1,0 +1,335 @@
+"""trt-sora batch --out s3://...: against moto's S3 server started on 127.0.0.1 by each test (a real HTTP
+endpoint; its request log is the independent count of uploads), including the server killed mid-upload
+and restarted from its own request recording (moto's recorder: the state a durable server keeps)."""
+import hashlib
+import io
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from trt_sora.errors import BackendMissingError, ConfigError, StorageError
+
+pytest.importorskip("s3fs")
+pytest.importorskip("moto.server", reason="moto's S3 server is not installed (pip install 'moto[server]')")
+boto3 = pytest.importorskip("boto3")
+
+
+class Moto:
+    """moto's server (``python -m moto.server -p0``) on 127.0.0.1: the port read from its own 'Running on'
+    line; every request line kept (a thread drains its stderr; :meth:`stop` reads it to the end)."""
+
+    def __init__(self, tmp_path: Path, *, recording: Path | None = None, env: dict | None = None):
+        import moto.server
+
+        env = {**os.environ, **(env or {})}
+        if recording is not None:
+            env.update(MOTO_ENABLE_RECORDING="True", MOTO_RECORDER_FILEPATH=str(recording))
+        self.proc = subprocess.Popen([sys.executable, "-m", moto.server.__name__, "-H", "127.0.0.1", "-p0"], env=env,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+        self.lines: list[str] = []
+        for line in self.proc.stderr:
+            self.lines.append(line)
+            m = re.search(r"Running on http://127\.0\.0\.1:(\d+)", line)
+            if m:
+                self.url = f"http://127.0.0.1:{m.group(1)}"
+                break
+        else:
+            raise AssertionError(f"moto_server did not start: {''.join(self.lines)[-500:]}")
+        self._drain = threading.Thread(target=lambda: self.lines.extend(self.proc.stderr), daemon=True)
+        self._drain.start()
+
+    def client(self, **kw):
+        return boto3.session.Session().client("s3", endpoint_url=self.url, region_name="us-east-1",
+                            **({"aws_access_key_id": "test", "aws_secret_access_key": "test"} | kw))
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+        self._drain.join()
+
+    def stop(self) -> list[str]:
+        """Stop the server; its whole request log (method, path)."""
+        if self.proc.poll() is None:
+            self.kill()
+        return _requests(self.lines)
+
+
+def _requests(lines) -> list[tuple[str, str]]:
+    """(method, path) of each request line of a werkzeug log (ANSI colours of non-200 codes removed)."""
+    found = (re.search(r'"([A-Z]+) (\S+) HTTP', re.sub(r"\x1b\[[0-9;]*m", "", x)) for x in lines)
+    return [(m.group(1), m.group(2)) for m in found if m]
+
+
+def _use(monkeypatch, server: Moto, tmp_path: Path) -> None:
+    """Point botocore at ``server`` through the standard AWS variables only (no profile, one attempt)."""
+    monkeypatch.setenv("AWS_ENDPOINT_URL", server.url)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "test")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "test")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-aws-config"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-aws-credentials"))
+    for var in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3"):
+        monkeypatch.delenv(var, raising=False)
+
+
+@pytest.fixture
+def s3(tmp_path, monkeypatch):
+    server = Moto(tmp_path)
+    server.client().create_bucket(Bucket="clips")
+    _use(monkeypatch, server, tmp_path)
+    yield server
+    server.stop()
+
+
+def _jobs(path: Path, n: int) -> Path:
+    path.write_text("".join(json.dumps({"id": f"c{i}", "prompt": f"clip {i}", "seed": i, "guidance": 1.0}) + "\n"
+                            for i in range(n)))
+    return path
+
+
+def _keys(client, prefix="run1/") -> dict[str, bytes]:
+    objs = client.list_objects_v2(Bucket="clips", Prefix=prefix).get("Contents", [])
+    return {o["Key"][len(prefix):]: client.get_object(Bucket="clips", Key=o["Key"])["Body"].read() for o in objs}
+
+
+def _uploads(log, name: str, token: str = "") -> int:
+    """PUTs of a clip's bytes (to its temporary keys) in the server's log; ``token``: of one run."""
+    return sum(m == "PUT" and f"/clips/.{name}.tmp-{token}" in p for m, p in log)
+
+
+def test_objects_sha256_and_one_upload_per_file(tiny_runner, s3, tmp_path):
+    """Every object under the prefix is the clip, record, manifest or summary (no temporary key, no
+    lock left); the sha256 of each clip object as the server returns it equals its record's, the
+    manifest's and its own metadata; the npy is the clip generate() makes; each file went up once,
+    under a temporary key the server then deleted."""
+    import trt_sora.runtime as rt
+    from trt_sora.serve.batch import BatchConfig, run_batch
+
+    jobs = _jobs(tmp_path / "jobs.jsonl", 2)
+    s = run_batch(tiny_runner, jobs, "s3://clips/run1", BatchConfig(formats=("npy", "mp4")))
+    assert s.ok and s.data["out"] == "s3://clips/run1" and s.data["generated"] == 2
+    client = s3.client()
+    objs = _keys(client)
+    assert sorted(objs) == sorted(["manifest.json", "summary.json", "summary.md"] +
+                                  [f"clips/c{i}.{x}" for i in range(2) for x in ("json", "npy", "mp4")])
+    files = json.loads(objs["manifest.json"])["files"]
+    for i in range(2):
+        rec = json.loads(objs[f"clips/c{i}.json"])
+        assert rec["status"] == "done"
+        for fmt in ("npy", "mp4"):
+            name = f"clips/c{i}.{fmt}"
+            sha = hashlib.sha256(objs[name]).hexdigest()
+            assert rec["outputs"][fmt] == {"path": name, "sha256": sha, "bytes": len(objs[name])}
+            assert files[name]["sha256"] == sha
+            assert client.head_object(Bucket="clips", Key=f"run1/{name}")["Metadata"]["sha256"] == sha
+        want = rt.generate(tiny_runner, [f"clip {i}"], seed=i, guidance=1.0)[0].frames
+        np.testing.assert_array_equal(np.load(io.BytesIO(objs[f"clips/c{i}.npy"])), want)
+    log = s3.stop()
+    for i in range(2):
+        for fmt in ("npy", "mp4"):
+            assert _uploads(log, f"c{i}.{fmt}") == 1
+            assert sum(m == "DELETE" and f"/clips/.c{i}.{fmt}.tmp-" in p for m, p in log) == 1
+            assert sum(m == "PUT" and p.endswith(f"/run1/clips/c{i}.{fmt}") for m, p in log) == 1  # the copy
+
+
+@pytest.mark.parametrize("damage", ["same-size-flip", "record-points-outside"])
+def test_resume_rehashes_the_objects_in_the_bucket(tiny_runner, s3, tmp_path, damage):
+    """A rerun reads each record from the bucket and re-hashes its objects there: a clip object changed
+    in place (same size), or whose record names an intact copy outside the prefix, is made and
+    uploaded again; the intact one is not uploaded again."""
+    import trt_sora.runtime as rt
+    from trt_sora.serve.batch import BatchConfig, run_batch
+    from trt_sora.serve.objstore import S3Out
+
+    jobs, cfg, client = _jobs(tmp_path / "jobs.jsonl", 2), BatchConfig(formats=("npy",)), s3.client()
+    assert run_batch(tiny_runner, jobs, "s3://clips/run1", cfg).ok
+    data = client.get_object(Bucket="clips", Key="run1/clips/c0.npy")["Body"].read()
+    if damage == "same-size-flip":
+        client.put_object(Bucket="clips", Key="run1/clips/c0.npy", Body=data[:-1] + bytes([data[-1] ^ 1]))
+    else:  # the object copied out of the prefix, the record edited to follow it: same bytes, size and sha256
+        # (S3 keeps 'run1/../elsewhere/c0.npy' as a literal key; tools that map keys to paths resolve it
+        # to elsewhere/c0.npy: an intact copy sits at both)
+        for key in ("elsewhere/c0.npy", "run1/../elsewhere/c0.npy"):
+            client.put_object(Bucket="clips", Key=key, Body=data)
+        client.delete_object(Bucket="clips", Key="run1/clips/c0.npy")
+        rec = json.loads(client.get_object(Bucket="clips", Key="run1/clips/c0.json")["Body"].read())
+        rec["outputs"]["npy"]["path"] = "../elsewhere/c0.npy"
+        client.put_object(Bucket="clips", Key="run1/clips/c0.json", Body=json.dumps(rec).encode())
+    out = S3Out("s3://clips/run1")
+    s = run_batch(tiny_runner, jobs, out, cfg)
+    assert s.ok and (s.data["skipped"], s.data["generated"]) == (1, 1)
+    objs = _keys(client)
+    want = rt.generate(tiny_runner, ["clip 0"], seed=0, guidance=1.0)[0].frames
+    np.testing.assert_array_equal(np.load(io.BytesIO(objs["clips/c0.npy"])), want)
+    rec = json.loads(objs["clips/c0.json"])
+    assert rec["outputs"]["npy"]["sha256"] == hashlib.sha256(objs["clips/c0.npy"]).hexdigest()
+    log = s3.stop()
+    assert (_uploads(log, "c0.npy", out.token), _uploads(log, "c1.npy", out.token)) == (1, 0)
+    assert _uploads(log, "c1.npy") == 1
+
+
+def test_server_killed_mid_upload_then_rerun_uploads_only_unfinished(tiny_runner, tmp_path, monkeypatch):
+    """The server is killed (SIGKILL) right after the second clip's bytes reached its temporary key:
+    the batch stops with a StorageError, the final key of that clip never appears. The server comes
+    back with what it had stored (replaying its request recording); the rerun deletes the orphaned
+    temporary key, skips the finished clip without uploading it, and uploads only the other two."""
+    from trt_sora.serve.batch import BatchConfig, run_batch
+    from trt_sora.serve.objstore import S3Out
+
+    recording = tmp_path / "moto-recording.jsonl"
+    first = Moto(tmp_path, recording=recording)
+    first.client().create_bucket(Bucket="clips")
+    _use(monkeypatch, first, tmp_path)
+    jobs, cfg = _jobs(tmp_path / "jobs.jsonl", 3), BatchConfig(formats=("npy",), max_batch=1)
+    out = S3Out("s3://clips/run1")
+    put, puts = out.fs.put_file, []
+
+    def put_then_kill(local, key, **kw):
+        put(local, key, **kw)
+        puts.append(key)
+        if len(puts) == 2:  # the second clip's bytes are on the server; its copy to the final key is not
+            first.kill()
+
+    out.fs.put_file = put_then_kill
+    with pytest.raises(StorageError, match="lost the connection to .*rerun the same command to resume"):
+        run_batch(tiny_runner, jobs, out, cfg)
+    assert len(puts) == 2
+
+    server = Moto(tmp_path, recording=recording)
+    _use(monkeypatch, server, tmp_path)
+    replay = urllib.request.Request(f"{server.url}/moto-api/recorder/replay-recording", method="POST")
+    with urllib.request.urlopen(replay, timeout=60) as reply:  # returns once every recorded request is replayed
+        assert reply.status == 200
+    client = server.client()
+    before = _keys(client)
+    done = [k for k in before if re.fullmatch(r"clips/c\d\.json", k)]
+    assert len(done) == 1 and f"clips/{done[0][6:8]}.npy" in before  # the first clip, committed
+    cut = Path(puts[1]).name
+    assert cut.startswith(".c") and any(k == f"clips/{cut}" for k in before)  # the orphaned temporary key
+    assert f"clips/{cut.split('.')[1]}.npy" not in before  # its final key never appeared
+    replayed = len(server.lines)
+
+    rerun = S3Out("s3://clips/run1")
+    s = run_batch(tiny_runner, jobs, rerun, cfg)
+    assert s.ok and (s.data["skipped"], s.data["generated"], s.data["finished"]) == (1, 2, 3)
+    assert sorted(_keys(client)) == sorted(["manifest.json", "summary.json", "summary.md"] +
+                                           [f"clips/c{i}.{x}" for i in range(3) for x in ("json", "npy")])
+    log = server.stop()
+    finished = done[0][6:8]
+    assert _uploads(log, f"{finished}.npy", rerun.token) == 0
+    assert sorted(j for j in ("c0", "c1", "c2") if _uploads(log, f"{j}.npy", rerun.token) == 1) == \
+        sorted({"c0", "c1", "c2"} - {finished})
+    assert not any(m == "PUT" and p.endswith(f"/clips/{finished}.npy") for m, p in _requests(server.lines[replayed:]))
+
+
+def test_errors_before_the_model_loads(tmp_path, monkeypatch, capsys):
+    """A missing s3fs, a malformed URL, another scheme, a missing bucket, refused or absent credentials
+    are one-line errors naming the fix, before any model loads and with nothing written; a profile
+    with the right key works; a second batch on a locked prefix is refused."""
+    import json as _json
+
+    import trt_sora.cli.generate as gen_cli
+    from trt_sora.cli import main
+    from trt_sora.serve.objstore import S3Out
+
+    def never(*a, **k):
+        raise AssertionError("the model was loaded before the output was checked")
+
+    monkeypatch.setattr(gen_cli, "load_runner", never)
+    # moto checks signatures against its IAM users once its first 4 (setup) requests are done
+    server = Moto(tmp_path, env={"INITIAL_NO_AUTH_ACTION_COUNT": "4"})
+    try:
+        setup = {"endpoint_url": server.url, "region_name": "us-east-1", "aws_access_key_id": "x",
+                 "aws_secret_access_key": "y"}
+        iam = boto3.client("iam", **setup)
+        iam.create_user(UserName="batch")
+        iam.put_user_policy(UserName="batch", PolicyName="s3", PolicyDocument=_json.dumps(
+            {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "s3:*", "Resource": "*"}]}))
+        key = iam.create_access_key(UserName="batch")["AccessKey"]
+        boto3.client("s3", **setup).create_bucket(Bucket="clips")
+        _use(monkeypatch, server, tmp_path)
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", key["AccessKeyId"])
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", key["SecretAccessKey"])
+        jobs = _jobs(tmp_path / "jobs.jsonl", 1)
+        run = ["batch", "--run", str(tmp_path / "no-run-folder"), "--prompts", str(jobs), "--out"]
+
+        def refused(out: str, pattern: str) -> None:
+            assert main([*run, out]) == 2
+            assert re.search(pattern, capsys.readouterr().err), pattern
+
+        refused("s3://nobucket/run1", r"bucket 'nobucket' does not exist at http://127\.0\.0\.1:\d+; create it")
+        refused("s3://Clips_/run1", r"'Clips_' is not a bucket name")
+        refused("s3://clips/a/../b", r"'a/\.\./b' is not a plain key under the prefix")
+        refused("gs://clips/run1", r"gs:// is not supported; use s3://bucket/prefix")
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
+        refused("s3://clips/run1", r"refused the credentials .*set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY")
+        monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+        monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+        refused("s3://clips/run1", r"no AWS credentials were found")
+        monkeypatch.setenv("AWS_PROFILE", "nobody")
+        refused("s3://clips/run1", r"AWS profile 'nobody' is not in the AWS config or credentials files")
+        creds = tmp_path / "credentials"
+        creds.write_text(f"[batch]\naws_access_key_id = {key['AccessKeyId']}\n"
+                         f"aws_secret_access_key = {key['SecretAccessKey']}\n")
+        monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(creds))
+        monkeypatch.setenv("AWS_PROFILE", "batch")
+        monkeypatch.setitem(sys.modules, "s3fs", None)  # as if s3fs were not installed
+        refused("s3://clips/run1", r"'s3fs' is not installed .*pip install 'trt_sora\[s3\]'")
+        with pytest.raises(BackendMissingError):
+            S3Out("s3://clips/run1")
+        monkeypatch.delitem(sys.modules, "s3fs")
+        held = S3Out("s3://clips/run1")  # the profile's key
+        held.lock()
+        with pytest.raises(ConfigError, match=rf"another trt-sora batch .* pid {os.getpid()}.* holds "
+                           r"s3://clips/run1/\.batch\.lock"):
+            S3Out("s3://clips/run1").lock()
+        held.unlock()
+        listed = server.client(aws_access_key_id=key["AccessKeyId"], aws_secret_access_key=key["SecretAccessKey"])
+        assert listed.list_objects_v2(Bucket="clips")["KeyCount"] == 0  # nothing written, the lock removed
+    finally:
+        server.stop()
+
+
+@pytest.mark.slow
+def test_cli_kill_9_then_rerun_skips_finished_uploads(checked_run, s3, tmp_path):
+    """``trt-sora batch --out s3://clips/run1`` killed with SIGKILL after its second finished clip: the
+    rerun takes over the dead batch's lock, skips the finished clips (each clip object PUT exactly once
+    over both runs, by the server's log) and finishes the rest."""
+    n = 4
+    jobs = _jobs(tmp_path / "jobs.jsonl", n)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "trt_sora", "-v", "batch", "--run", str(checked_run), "--backend", "ort", "--prompts",
+           str(jobs), "--out", "s3://clips/run1", "--formats", "npy", "--threads", "1", "--no-progress",
+           "--max-batch", "1"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    seen, lines = 0, []
+    for line in proc.stderr:  # each "done (" log line follows its clip's record
+        lines.append(line)
+        seen += " done (" in line and line.split()[0] == "INFO"
+        if seen == 2:
+            break
+    assert seen == 2 and proc.poll() is None, f"the batch ended before it could be killed: {''.join(lines)[-800:]}"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    proc.stderr.close()
+    client = s3.client()
+    finished = {k[6:8] for k, v in _keys(client).items() if re.fullmatch(r"clips/c\d\.json", k)}
+    assert 2 <= len(finished) < n and "run1/.batch.lock" in [o["Key"] for o in client.list_objects_v2(
+        Bucket="clips", Prefix="run1/").get("Contents", [])]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-1500:]
+    assert "which is gone; taking it over" in res.stderr
+    summary = json.loads(_keys(client)["summary.json"])
+    assert (summary["skipped"], summary["generated"], summary["finished"]) == (len(finished), n - len(finished), n)
+    log = s3.stop()
+    assert all(_uploads(log, f"c{i}.npy") == 1 for i in range(n))
