@@ -93,6 +93,13 @@ def test_two_shard_calibration_equals_one_pass(tmp_path, tiny_adapter, tiny_mode
     for k in a:
         assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
     assert merged.manifest["results"]["from_shards"] == 2 and len(merged.manifest["inputs"]["shards"]) == 2
+    # step caching's ratios: the shards' rows in shard order are the one pass's rows
+    import numpy as np
+
+    from trt_sora.caching import RATIOS_FILE, StepRatios
+
+    r1, r2 = (StepRatios.load(tmp_path / d / RATIOS_FILE) for d in ("one", "merged"))
+    assert r1.steps == r2.steps and all(np.array_equal(r1.ratios[b], r2.ratios[b]) for b in ("cond", "uncond"))
     with pytest.raises(CalibrationError, match="not one complete set"):
         merge_stats([CalibStats.load(tmp_path / "s0" / "stats.safetensors")])
     with pytest.raises(CalibrationError, match="num_steps"):

@@ -582,7 +582,10 @@ def _step_ratios(recorder: MagnitudeRecorder, served: Mapping[int, float], from_
     or the shards' rows in shard order (None, with a warning, when a shard predates recording them)."""
     if not from_shards:
         return recorder.ratios(sorted(served))
-    files = [Path(f) / RATIOS_FILE for f in from_shards]
+    from trt_sora.manifest import read_manifest
+
+    order = sorted(from_shards, key=lambda f: (read_manifest(f, stage="calibrate")["results"].get("shard") or [0])[0])
+    files = [Path(f) / RATIOS_FILE for f in order]
     if not all(f.is_file() for f in files):
         log.warning("calibration: a shard has no %s (it predates step caching): no step ratios recorded", RATIOS_FILE)
         return None
