@@ -437,7 +437,8 @@ def check_out_dir(out: str | os.PathLike) -> Path:
 
 
 # -- locks and dead temp folders ----------------------------------------------------------------------------
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` of this host still runs (a permission error means it does)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -473,7 +474,7 @@ def sweep_dead_temps(parent: str | os.PathLike, name: str | None = None) -> list
         legacy = _LEGACY_TEMP_RE.match(p.name) if m is None else None
         if not (m or legacy) or (name and (m or legacy)["name"] != name) or not p.is_dir():
             continue
-        if m and _pid_alive(int(m["pid"])) and int(m["pid"]) != os.getpid():
+        if m and pid_alive(int(m["pid"])) and int(m["pid"]) != os.getpid():
             continue
         if m and int(m["pid"]) == os.getpid():
             continue  # ours, in use

@@ -101,15 +101,9 @@ def _check_rel(rel: str, where: str) -> str:
 
 def _alive(pid: Any) -> bool:
     """Whether process ``pid`` of this host still runs (a permission error means it does)."""
-    if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    from trt_sora.manifest import pid_alive
+
+    return not isinstance(pid, bool) and isinstance(pid, int) and pid > 0 and pid_alive(pid)
 
 
 def _stale(lock: Mapping[str, Any]) -> bool:
