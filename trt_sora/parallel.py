@@ -23,6 +23,7 @@ No heavy imports at module load: torch is imported inside the functions.
 """
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import os
 from collections.abc import Callable, Sequence
@@ -223,6 +224,17 @@ def init_process_group(device: str = "cpu") -> None:
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl" if cuda else "gloo")
+    atexit.register(_destroy_process_group)
+
+
+def _destroy_process_group() -> None:
+    """Registered by :func:`init_process_group` (so it runs after any later ``atexit`` hook, such as the
+    runner's close that releases the followers): a group left to the interpreter's finalizer can abort
+    the process (``terminate called without an active exception``, SIGABRT) while gloo's threads live."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _spawned(rank: int, world: int, init_file: str, fn: Callable, args: Sequence[Any]) -> None:
