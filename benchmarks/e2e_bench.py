@@ -90,12 +90,16 @@ def measure(args) -> dict:
                  "torch": torch.__version__, "measured": {}}
     m = res["measured"]
 
+    def save() -> None:  # what finished so far, in case a later stage runs past the call's time limit
+        Path(args.out).write_text(json.dumps({**res, "partial": True}, indent=2, default=str) + "\n")
+
     # text encode: prompt + negative prompt, 512 tokens each
     enc, vocab = text_encoder(args.model, adapter.text_dim, dev)
     ids = torch.randint(0, vocab, (2, text_len), device=dev, generator=torch.Generator(dev).manual_seed(0))
     with torch.inference_mode():
         emb, m["text_encode_s"] = timed(lambda: enc(input_ids=ids).last_hidden_state, dev, reps=3)
     emb = emb.float()
+    save()
     del enc
     if dev.startswith("cuda"):
         torch.cuda.empty_cache()
@@ -133,6 +137,7 @@ def measure(args) -> dict:
             return fwd(*[inputs[n] for n in adapter.input_names])
 
     m["eager_bf16_split_step_s"] = loop(eager, "split")
+    save()
     if dev.startswith("cuda"):
         import sys
 
@@ -148,6 +153,7 @@ def measure(args) -> dict:
                                 attention=AttentionPolicy(enabled=True), cuda_graphs=True).activate()
         m["ours_fp8_batched_graph_step_s"] = loop(runner_call(runner), "batched")
         m["ours_report"] = {k: v for k, v in runner.report().items() if isinstance(v, (int, float, str, bool))}
+        save()
         runner.deactivate()
         del runner
     del model, fwd
@@ -162,6 +168,7 @@ def measure(args) -> dict:
             x, m[f"vae_decode_{name}_s"] = timed(lambda v=vae, d=dtype: v.decode(z.to(d), return_dict=False)[0], dev)
         if dev.startswith("cuda"):
             m[f"vae_decode_{name}_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        save()
         del vae
         if dev.startswith("cuda"):
             torch.cuda.empty_cache()
