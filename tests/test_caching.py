@@ -3,6 +3,7 @@ across a pair's expert switch; the sampler reusing exactly the scheduled outputs
 out); the calibrated magnitude ratios against an independent computation from a recorded trajectory."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -11,9 +12,12 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from trt_sora.caching import (  # noqa: E402
+    HORIZONS,
     CacheSchedule,
     MagnitudeRecorder,
     StepRatios,
+    extrapolate,
+    plan_extrapolated,
     plan_schedule,
     schedule_for,
     step_experts,
@@ -74,6 +78,62 @@ def test_expert_switch_forces_a_compute():
                                                                         "uncond": (2, 3, 5, 6, 7)}
 
 
+def _errors(n, at):
+    """``[n, HORIZONS]`` errors: ``at[step] = (horizon, error)`` sets one horizon (the others 0.5, more than
+    any budget here), ``(None, error)`` every horizon; steps not listed are NaN."""
+    out = np.full((n, HORIZONS), np.nan)
+    for i, (h, e) in at.items():
+        out[i] = e if h is None else 0.5
+        if h is not None:
+            out[i, h - 1] = e
+    return out
+
+
+EXTRA = CachingConfig(method="extrapolate", threshold=0.1, max_skips=3, warmup_steps=2, final_steps=1)
+
+
+def test_extrapolated_schedule_on_hand_worked_errors():
+    """One decision per step for both branches, on the worse branch's error at the run's horizon k.
+    Worked by hand (budget .1, max_skips 3): 2: k1, max(.02, .03) -> .03 reuse; 3: k2, +.05 = .08 reuse;
+    4: k3, +.04 = .12 -> compute; 5: k1, .09 reuse; 6: k2, +.2 -> compute; 7: k1 .01; 8: k2 .03; 9: k3
+    .06 reuse; 10: a fourth in a row -> compute; 11: final."""
+    cond = _errors(12, {2: (1, .02), 3: (2, .05), 4: (3, .04), 5: (1, .09), 6: (2, .2), 7: (1, .01),
+                        8: (2, .02), 9: (3, .03), 10: (None, 0.0), 11: (None, 0.0)})
+    uncond = _errors(12, {2: (1, .03), 3: (2, .04), 4: (3, .01), 5: (1, .01), 6: (2, .01), 7: (1, .01),
+                          8: (2, .01), 9: (3, .01), 10: (None, 0.0), 11: (None, 0.0)})
+    want = (2, 3, 5, 7, 8, 9)
+    assert plan_extrapolated({"cond": cond, "uncond": uncond}, [None] * 12, EXTRA) == {"cond": want, "uncond": want}
+    # only uncond may reuse: its errors alone decide, cond always computes. 2-4 reuse (.08); 5: a fourth
+    # in a row; 6: k1 is .5; 7-9 reuse; 10: a fourth in a row
+    only = dataclasses.replace(EXTRA, branches=("uncond",))
+    assert plan_extrapolated({"cond": cond, "uncond": uncond}, [None] * 12, only) == {
+        "cond": (), "uncond": (2, 3, 4, 7, 8, 9)}
+    # a tight budget: only .01 at k1 (7) and 0 (10) fit
+    assert plan_extrapolated({"cond": cond}, [None] * 12, EXTRA, threshold=0.01)["cond"] == (7, 10)
+    # NaN (no recorded error there): the step computes, and the next one starts a new run at k1
+    cond[8, 1] = np.nan
+    assert plan_extrapolated({"cond": cond}, [None] * 12, EXTRA)["cond"] == (2, 3, 5, 7, 10)
+
+
+def test_extrapolated_schedule_switch_warmup_and_horizons():
+    flat = _errors(10, {i: (None, 0.0) for i in range(10)})
+    cfg = CachingConfig(method="extrapolate", threshold=0.1, max_skips=2, warmup_steps=3, final_steps=2)
+    assert plan_extrapolated({"cond": flat}, [None] * 10, cfg)["cond"] == (3, 4, 6, 7)
+    pair = ["high"] * 4 + ["low"] * 6  # the low expert's first step (4) computes for both branches
+    assert plan_extrapolated({"cond": flat, "uncond": flat}, pair, cfg) == {"cond": (3, 5, 6), "uncond": (3, 5, 6)}
+    with pytest.raises(ConfigError, match="at most 4"):
+        plan_extrapolated({"cond": flat}, [None] * 10, CachingConfig(method="extrapolate", max_skips=HORIZONS + 1))
+
+
+def test_extrapolate_arithmetic():
+    """The line through the newest two outputs, in the timestep; one output alone is reused."""
+    y0, y1 = torch.tensor([1.0, -2.0]), torch.tensor([2.0, 0.0])
+    # through (900, y0), (800, y1) at 650: y1 + (y1 - y0) * (650 - 800) / (800 - 900) = y1 + 1.5 (y1 - y0)
+    torch.testing.assert_close(extrapolate([(900.0, y0), (800.0, y1)], 650.0, 1), torch.tensor([3.5, 3.0]))
+    assert extrapolate([(900.0, y0), (800.0, y1)], 650.0, 0) is y1
+    assert extrapolate([(800.0, y1)], 650.0, 1) is y1
+
+
 # -- the sampler -------------------------------------------------------------------------------------
 @pytest.mark.parametrize("cfg", ["split", "batched"])
 def test_sampler_reuses_exactly_the_scheduled_outputs(cfg):
@@ -104,12 +164,42 @@ def test_sampler_reuses_exactly_the_scheduled_outputs(cfg):
     torch.testing.assert_close(res.latents.double(), x, rtol=1e-5, atol=1e-6)
 
 
+def test_sampler_extrapolates_reused_outputs():
+    """order 1: a skipped branch continues the line through its last two computed outputs in the
+    timestep (against the loop written out); step 1 after one computed step reuses it."""
+    noise = gaussian_noise((2, 3, 2, 4, 4), seed=6)
+    e_c, e_u = torch.randn(2, 5, 8), torch.randn(2, 5, 8)
+    settings = SamplingSettings(num_steps=8, guidance_scale=4.0, shift=3.0)
+    schedule = CacheSchedule(8, {"cond": (1, 3, 4, 6), "uncond": (1, 3, 4, 6)}, order=1)
+    res = sample(_toy, noise, e_c, e_u, scheduler=_scheduler(), settings=settings, cfg="batched", cache=schedule)
+    assert CacheSchedule.from_dict(schedule.to_dict()) == schedule
+    s = _scheduler()
+    s.set_timesteps(8)
+    x, done = noise.double(), {"cond": [], "uncond": []}
+    for i, t in enumerate(s.timesteps):
+        ts, v = t.double().expand(2), {}
+        for b, e in (("cond", e_c), ("uncond", e_u)):
+            if i in schedule.reused[b]:
+                (t0, y0), (t1, y1) = done[b][-2:] if len(done[b]) > 1 else done[b] * 2
+                v[b] = y1 if t0 == t1 else y1 + (y1 - y0) * (float(t) - t1) / (t1 - t0)
+            else:
+                v[b] = _toy({"hidden_states": x, "timestep": ts, "encoder_hidden_states": e.double()})
+                done[b].append((float(t), v[b]))
+        x = x + (float(s.sigmas[i + 1]) - float(s.sigmas[i])) * (v["uncond"] + 4.0 * (v["cond"] - v["uncond"]))
+    torch.testing.assert_close(res.latents.double(), x, rtol=1e-5, atol=1e-6)
+    plain = sample(_toy, noise, e_c, e_u, scheduler=_scheduler(), settings=settings, cfg="batched",
+                   cache=dataclasses.replace(schedule, order=0))
+    assert not torch.allclose(plain.latents, res.latents, rtol=1e-3, atol=1e-4)
+
+
 def test_a_schedule_reusing_before_any_compute_is_refused():
     with pytest.raises(ConfigError, match="no computed output yet"):
         sample(_toy, gaussian_noise((1, 3, 2, 4, 4), 0), torch.ones(1, 5, 8), torch.zeros(1, 5, 8),
                scheduler=_scheduler(), settings=SamplingSettings(4, 4.0, 3.0), cache=CacheSchedule(4, {"cond": (0,)}))
     with pytest.raises(ArtifactError, match="outside"):
         CacheSchedule.from_dict({"num_steps": 4, "reused": {"cond": [0]}})
+    with pytest.raises(ArtifactError, match="order 2"):
+        CacheSchedule.from_dict({"num_steps": 4, "reused": {"cond": [1]}, "order": 2})
 
 
 def test_pair_switch_computes_the_low_expert_first_step():
@@ -144,6 +234,29 @@ def test_pair_switch_computes_the_low_expert_first_step():
     torch.testing.assert_close(res.latents.double(), x, rtol=1e-5, atol=1e-6)
 
 
+def test_extrapolated_pair_schedule_from_calibrated_errors():
+    """schedule_for plans ``extrapolate`` from the calibrated mean errors: order 1, the low expert's first
+    step computes for both branches, and a calibration without errors names the fix."""
+    pair = SamplingSettings(num_steps=6, guidance_scale=4.0, shift=12.0, boundary_ratio=0.875, guidance_scale_2=3.0)
+    sched = _scheduler(12.0)
+    sched.set_timesteps(6)
+    boundary = step_experts(pair, sched.timesteps).index("low")
+    cfg = CachingConfig(method="extrapolate", threshold=1.0, max_skips=4, warmup_steps=1, final_steps=0)
+    ts = tuple(float(t) for t in sched.timesteps)
+    errors = {b: np.full((2, 6, HORIZONS), 0.01) for b in ("cond", "uncond")}
+    ratios = StepRatios(tuple(range(6)), ts, {b: np.ones((2, 6)) for b in errors}, errors)
+    schedule = schedule_for(cfg, ratios, pair, sched.timesteps)
+    assert schedule.order == 1
+    assert schedule.reused == {b: tuple(i for i in range(1, 6) if i != boundary) for b in ("cond", "uncond")}
+    seen = []
+    sample({"high": _toy, "low": lambda inp: -_toy(inp)}, gaussian_noise((1, 2, 2, 2, 2), seed=0), torch.ones(1, 3, 4),
+           -torch.ones(1, 3, 4), scheduler=_scheduler(12.0), settings=pair, cache=schedule,
+           hook=lambda c: seen.append((c.step, c.expert, c.branch)))
+    assert seen == [(0, "high", "cond"), (0, "high", "uncond"), (boundary, "low", "cond"), (boundary, "low", "uncond")]
+    with pytest.raises(ArtifactError, match="re-run `trt-sora calibrate`"):
+        schedule_for(cfg, dataclasses.replace(ratios, errors={}), pair, sched.timesteps)
+
+
 # -- the statistics ---------------------------------------------------------------------------------
 def test_recorded_ratios_match_an_independent_computation(tmp_path):
     """The recorder's ratios vs numpy on the outputs recomputed from a recorded trajectory's latents."""
@@ -158,25 +271,43 @@ def test_recorded_ratios_match_an_independent_computation(tmp_path):
         plain = sample(_toy, noise, e_c, e_u, scheduler=_scheduler(), settings=settings, cfg="batched")
         torch.testing.assert_close(res.latents, plain.latents, rtol=0, atol=0)  # recording changes nothing
         entering = [noise] + [r.latents for r in res.steps[:-1]]
+        ts = [r.timestep for r in res.steps]
         for b, e in (("cond", e_c), ("uncond", e_u)):
-            mags = []
-            for x, r in zip(entering, res.steps):
-                v = _toy({"hidden_states": x, "timestep": torch.full((2,), r.timestep),
-                          "encoder_hidden_states": e}).numpy().astype(np.float64)
-                mags.append(np.sqrt((v ** 2).sum(axis=1)).reshape(2, -1).mean(axis=1))
-            rows.append((b, np.stack([np.ones(2)] + [mags[i] / mags[i - 1] for i in range(1, 5)], axis=1)))
+            vs = [_toy({"hidden_states": x, "timestep": torch.full((2,), r.timestep),
+                        "encoder_hidden_states": e}).numpy().astype(np.float64) for x, r in zip(entering, res.steps)]
+            mags = [np.sqrt((v ** 2).sum(axis=1)).reshape(2, -1).mean(axis=1) for v in vs]
+            rows.append((b, np.stack([np.ones(2)] + [mags[i] / mags[i - 1] for i in range(1, 5)], axis=1),
+                         _line_errors(vs, ts)))
     got = rec.ratios()
     for b in ("cond", "uncond"):
-        want = np.concatenate([r for bb, r in rows if bb == b])
+        want = np.concatenate([r for bb, r, _ in rows if bb == b])
         np.testing.assert_allclose(got.ratios[b], want, rtol=1e-5)
+        want_err = np.concatenate([e for bb, _, e in rows if bb == b])
+        assert np.array_equal(np.isnan(got.errors[b]), np.isnan(want_err))
+        np.testing.assert_allclose(got.errors[b], want_err, rtol=1e-4, atol=1e-7)
+        np.testing.assert_allclose(got.mean_errors(b), want_err.mean(axis=0), rtol=1e-4, atol=1e-7)
         np.testing.assert_allclose(got.mean(b), want.mean(axis=0), rtol=1e-5)
         np.testing.assert_allclose(got.std(b), want.std(axis=0), rtol=1e-4, atol=1e-7)
     got.save(tmp_path / "r.safetensors")
     back = StepRatios.load(tmp_path / "r.safetensors")
     assert back.steps == tuple(range(5)) and np.array_equal(back.ratios["cond"], got.ratios["cond"])
+    assert np.array_equal(back.errors["uncond"], got.errors["uncond"], equal_nan=True)
     both = StepRatios.merged([back, back])
-    assert both.ratios["uncond"].shape == (8, 5)
+    assert both.ratios["uncond"].shape == (8, 5) and both.errors["cond"].shape == (8, 5, HORIZONS)
     np.testing.assert_allclose(both.mean("uncond"), got.mean("uncond"))
+
+
+def _line_errors(vs, ts):
+    """``[rows, steps, HORIZONS]``: per row, |pred - v_i| / |v_i| with pred the line through the outputs
+    h + 1 and h steps back evaluated at t_i (the output h steps back alone at the start)."""
+    out = np.full((vs[0].shape[0], len(vs), HORIZONS), np.nan)
+    for i in range(len(vs)):
+        for h in range(1, min(i, HORIZONS) + 1):
+            a = i - h
+            pred = vs[a] if a == 0 else vs[a] + (vs[a] - vs[a - 1]) * (ts[i] - ts[a]) / (ts[a] - ts[a - 1])
+            diff, ref = (pred - vs[i]).reshape(len(pred), -1), vs[i].reshape(len(pred), -1)
+            out[:, i, h - 1] = np.linalg.norm(diff, axis=1) / np.linalg.norm(ref, axis=1)
+    return out
 
 
 def test_experts_files_join_into_one_trajectory():

@@ -1,25 +1,32 @@
-"""Step caching: which denoising steps reuse a CFG branch's last transformer output, and the
-calibrated statistics that decide it. The one sampler (:func:`trt_sora.sampling.sample`) asks a
-*step cache* two things per call, through its ``cache=`` argument::
+"""Step caching: which denoising steps skip a CFG branch's transformer call, what stands in for the
+output, and the calibrated statistics that decide it. The one sampler (:func:`trt_sora.sampling.sample`)
+asks a *step cache* three things per call, through its ``cache=`` argument::
 
-    cache.reuse(step, branch) -> bool      # True: skip the call, reuse the branch's last output
-    cache.observe(step, branch, output)    # every output the sampler computed ([B, C, F, H, W] fp32)
+    cache.reuse(step, branch) -> bool                        # True: skip the call
+    cache.estimate(step, branch, history, timestep) -> out   # the skipped output, from computed ones
+    cache.observe(step, branch, output, timestep)            # every output computed ([B, C, F, H, W] fp32)
 
 Two step caches live here:
 
 * :class:`MagnitudeRecorder` (calibration): never reuses; records, per trajectory row, step and
   branch, the magnitude ratio ``r_i = m_i / m_{i-1}`` of the transformer output, with ``m`` the
-  mean over latent positions of the output's L2 norm over channels (``r_0 = 1``). The calibrate
-  stage saves them as :class:`StepRatios` (``calib/step_ratios.safetensors``).
-* :class:`CacheSchedule` (check, runtime): a fixed set of reused steps per branch, planned by
-  :func:`plan_schedule` from the calibrated mean ratios (MagCache's rule, below), so a schedule is
-  a fact of the model and its sampling settings that ``check`` verifies and the runtime replays.
+  mean over latent positions of the output's L2 norm over channels (``r_0 = 1``), and the relative
+  error of :func:`extrapolate` (order 1) of step ``i`` from steps ``i - h - 1, i - h`` for
+  ``h = 1 .. HORIZONS``. The calibrate stage saves them as :class:`StepRatios`
+  (``calib/step_ratios.safetensors``).
+* :class:`CacheSchedule` (check, runtime): a fixed set of reused steps per branch and the order of
+  the estimate, planned from the calibrated means, so a schedule is a fact of the model and its
+  sampling settings that ``check`` verifies and the runtime replays.
 
-The rule, per branch, over steps ``i = 0 .. n-1`` (:func:`plan_schedule`): a step computes when it is
-one of the first ``warmup_steps`` or the last ``final_steps``, the first step of an expert (a pair
-switching at its boundary: the cached output is the other expert's), or the branch may not reuse;
-every other step multiplies ``acc *= r_i``, adds ``err += |1 - acc|``, counts ``k += 1`` and reuses
-while ``err <= threshold`` and ``k <= max_skips``; a computing step resets ``acc = 1, err = 0, k = 0``.
+``method: magcache`` (:func:`plan_schedule`, order 0: the last output reused), per branch over steps
+``i = 0 .. n-1``: a step computes when it is one of the first ``warmup_steps`` or the last
+``final_steps``, the first step of an expert (a pair switching at its boundary: the cached output is the
+other expert's), or the branch may not reuse; every other step multiplies ``acc *= r_i``, adds
+``err += |1 - acc|``, counts ``k += 1`` and reuses while ``err <= threshold`` and ``k <= max_skips``; a
+computing step resets ``acc = 1, err = 0, k = 0``.
+
+``method: extrapolate`` (:func:`plan_extrapolated`, order 1): the same forced steps, one decision per
+step for every branch that may reuse, on the summed errors of the worse branch at each step's horizon.
 
 No heavy imports at module load: numpy here, torch and safetensors inside the functions.
 """
@@ -34,16 +41,20 @@ from typing import Any
 
 import numpy as np
 
-from trt_sora.config.recipe import CACHE_BRANCHES, CachingConfig
+from trt_sora.config.recipe import CACHE_BRANCHES, CacheMethod, CachingConfig
 from trt_sora.errors import ArtifactError, ConfigError
 
-__all__ = ["RATIOS_FILE", "CacheSchedule", "MagnitudeRecorder", "StepRatios", "caching_record", "plan_schedule",
-           "schedule_for"]
+__all__ = ["HORIZONS", "RATIOS_FILE", "CacheSchedule", "MagnitudeRecorder", "StepRatios", "caching_record",
+           "extrapolate", "plan_extrapolated", "plan_schedule", "schedule_for"]
 
 #: The calibrate stage's file of per-step magnitude ratios (beside ``stats.safetensors``).
 RATIOS_FILE = "step_ratios.safetensors"
 _FORMAT = "trt_sora.step_ratios/1"
 MAGNITUDE = "mean over latent positions of the transformer output's L2 norm over channels"
+#: How many steps ahead the extrapolation errors are recorded (``caching.max_skips`` of ``extrapolate``).
+HORIZONS = 4
+EXTRAPOLATION_ERROR = ("per row, ||extrapolate(order 1) - output|| / ||output|| over the whole latent; "
+                       "[step, horizon - 1]")
 
 
 # -- the statistics ----------------------------------------------------------------------------------
@@ -56,11 +67,16 @@ class StepRatios:
         timesteps: each covered step's timestep.
         ratios: ``{branch: [rows, len(steps)] float64}``, one row per trajectory row (prompt);
             NaN where a row's branch did not run at that step (no CFG there).
+        errors: ``{branch: [rows, len(steps), HORIZONS] float64}``: at ``[r, i, h - 1]`` the relative
+            error of :func:`extrapolate` (order 1) of step ``i``'s output from the branch's outputs at
+            steps ``i - h - 1`` and ``i - h`` (see :class:`MagnitudeRecorder`); empty in files recorded
+            before ``method: extrapolate`` existed.
     """
 
     steps: tuple[int, ...]
     timesteps: tuple[float, ...]
     ratios: Mapping[str, np.ndarray]
+    errors: Mapping[str, np.ndarray] = dataclasses.field(default_factory=dict)
 
     def mean(self, branch: str) -> np.ndarray:
         """``[len(steps)]`` mean over rows (NaN where no row ran)."""
@@ -70,6 +86,11 @@ class StepRatios:
         """``[len(steps)]`` population standard deviation over rows."""
         return _nan_stat(self.ratios[branch], np.nanstd)
 
+    def mean_errors(self, branch: str) -> np.ndarray:
+        """``[len(steps), HORIZONS]`` mean extrapolation error over rows (NaN where no row has one)."""
+        e = self.errors[branch]
+        return np.stack([_nan_stat(e[:, :, h], np.nanmean) for h in range(e.shape[2])], axis=1)
+
     def mean_by_step(self, branch: str) -> dict[int, float]:
         return dict(zip(self.steps, (float(x) for x in self.mean(branch))))
 
@@ -77,7 +98,9 @@ class StepRatios:
         """JSON-safe per-branch mean and std per step (the calibration manifest's record)."""
         return {"steps": list(self.steps), "magnitude": MAGNITUDE,
                 "rows": {b: int(r.shape[0]) for b, r in self.ratios.items()},
-                **{b: {"mean": _floats(self.mean(b)), "std": _floats(self.std(b))} for b in self.ratios}}
+                **{b: {"mean": _floats(self.mean(b)), "std": _floats(self.std(b))} for b in self.ratios},
+                **({"extrapolation_error": EXTRAPOLATION_ERROR, "errors_mean": {
+                    b: [_floats(row) for row in self.mean_errors(b)] for b in self.errors}} if self.errors else {})}
 
     def save(self, path: str | Path) -> None:
         from safetensors.numpy import save_file
@@ -86,6 +109,8 @@ class StepRatios:
         for b, r in self.ratios.items():
             tensors[f"{b}.ratios"] = np.ascontiguousarray(r, dtype=np.float64)
             tensors[f"{b}.mean"], tensors[f"{b}.std"] = self.mean(b), self.std(b)
+        for b, e in self.errors.items():
+            tensors[f"{b}.errors"] = np.ascontiguousarray(e, dtype=np.float64)
         save_file(tensors, str(path), metadata={"format": _FORMAT, "magnitude": MAGNITUDE,
                                                 "branches": json.dumps(list(self.ratios))})
 
@@ -101,10 +126,11 @@ class StepRatios:
             if meta.get("format") != _FORMAT:
                 raise ArtifactError(f"{path} is not a step-ratios file of this trt_sora "
                                     f"({meta.get('format')!r}); {fix}")
-            branches = json.loads(meta["branches"])
+            branches, keys = json.loads(meta["branches"]), set(f.keys())
             return cls(steps=tuple(int(s) for s in f.get_tensor("steps")),
                        timesteps=tuple(float(t) for t in f.get_tensor("timesteps")),
-                       ratios={b: f.get_tensor(f"{b}.ratios") for b in branches})
+                       ratios={b: f.get_tensor(f"{b}.ratios") for b in branches},
+                       errors={b: f.get_tensor(f"{b}.errors") for b in branches if f"{b}.errors" in keys})
 
     @classmethod
     def merged(cls, parts: Sequence[StepRatios]) -> StepRatios:
@@ -114,7 +140,9 @@ class StepRatios:
             raise ArtifactError("step-ratio shards cover different steps or branches; merge the shards of one "
                                 "calibration")
         rows = {b: np.concatenate([p.ratios[b] for p in parts]) for b in first.ratios}
-        return cls(first.steps, first.timesteps, rows)
+        errors = {b: np.concatenate([p.errors[b] for p in parts]) for b in first.errors
+                  if all(b in p.errors for p in parts)}
+        return cls(first.steps, first.timesteps, rows, errors)
 
     @classmethod
     def joined(cls, parts: Sequence[StepRatios]) -> StepRatios:
@@ -127,8 +155,10 @@ class StepRatios:
             raise ArtifactError("the experts' step ratios do not come from one calibration pass (their rows or "
                                 "steps differ); re-run `trt-sora calibrate` for the pair")
         branches = [b for b in parts[0].ratios if all(b in p.ratios for p in parts)]
+        with_errors = [b for b in branches if all(b in p.errors for p in parts)]
         return cls(tuple(s for s, _, _ in order), tuple(parts[i].timesteps[j] for _, i, j in order),
-                   {b: np.stack([parts[i].ratios[b][:, j] for _, i, j in order], axis=1) for b in branches})
+                   {b: np.stack([parts[i].ratios[b][:, j] for _, i, j in order], axis=1) for b in branches},
+                   {b: np.stack([parts[i].errors[b][:, j] for _, i, j in order], axis=1) for b in with_errors})
 
 
 def _nan_stat(a: np.ndarray, fn) -> np.ndarray:
@@ -143,39 +173,60 @@ def _floats(a: np.ndarray) -> list:
 
 
 class MagnitudeRecorder:
-    """The sampler's step cache during calibration: computes every call and records the magnitude
-    ratio of each row's output per step and branch (see the module docstring). One recorder
-    follows any number of trajectories of ``num_steps`` steps; :meth:`ratios` returns them."""
+    """The sampler's step cache during calibration: computes every call and records, per trajectory
+    row, step and branch, the magnitude ratio of the output to the previous step's and the relative
+    error of :func:`extrapolate` (order 1) from the outputs ``h`` and ``h + 1`` steps back, for
+    ``h = 1 .. HORIZONS`` (see the module docstring). One recorder follows any number of
+    trajectories of ``num_steps`` steps; :meth:`ratios` returns them."""
 
     def __init__(self, num_steps: int):
         self.num_steps = int(num_steps)
         self._rows: dict[str, list[np.ndarray]] = {}
-        self._prev: dict[str, tuple[int, Any]] = {}
+        self._errors: dict[str, list[np.ndarray]] = {}
+        self._prev: dict[str, list[tuple[int, float, Any, Any]]] = {}  # this trajectory's (step, t, output, m)
         self._timesteps: dict[int, float] = {}
 
     def reuse(self, step: int, branch: str) -> bool:
         return False
 
     def observe(self, step: int, branch: str, output, timestep: float | None = None) -> None:
-        mag = output.detach().float().norm(dim=1).flatten(1).mean(dim=1).double().cpu().numpy()
+        y = output.detach().float()
+        mag = y.norm(dim=1).flatten(1).mean(dim=1).double().cpu().numpy()
         rows = self._rows.setdefault(branch, [])
-        prev = self._prev.get(branch)
-        if prev is None or step <= prev[0] or not rows or rows[-1].shape[0] != mag.shape[0]:
+        prev = self._prev.get(branch) or []
+        if not prev or step <= prev[-1][0] or not rows or rows[-1].shape[0] != mag.shape[0]:
             rows.append(np.full((mag.shape[0], self.num_steps), np.nan))  # a new trajectory
-            prev = None
-        if prev is not None and prev[0] == step - 1:
-            rows[-1][:, step] = mag / prev[1]
+            self._errors.setdefault(branch, []).append(np.full((mag.shape[0], self.num_steps, HORIZONS), np.nan))
+            prev = []
+        if prev and prev[-1][0] == step - 1:
+            rows[-1][:, step] = mag / prev[-1][3]
         elif step == 0:
             rows[-1][:, step] = 1.0
-        self._prev[branch] = (step, mag)
+        t = math.nan if timestep is None else float(timestep)
+        self._record_errors(self._errors[branch][-1], prev, step, t, y)
+        self._prev[branch] = [*prev[-HORIZONS:], (step, t, y, mag)]
         if timestep is not None:
             self._timesteps.setdefault(step, float(timestep))
 
+    @staticmethod
+    def _record_errors(errors: np.ndarray, prev, step: int, t: float, y) -> None:
+        """``errors[:, step, h - 1]``: each row's relative error of the extrapolation from the outputs at
+        steps ``step - h - 1`` and ``step - h`` (the one at ``step - h`` alone at the trajectory's start)."""
+        by_step = {s: (ts, out) for s, ts, out, _ in prev}
+        norm = y.flatten(1).norm(dim=1).double()
+        for h in range(1, HORIZONS + 1):
+            if step - h not in by_step:
+                continue
+            history = [by_step[s] for s in (step - h - 1, step - h) if s in by_step]
+            diff = (extrapolate(history, t, 1) - y).flatten(1).norm(dim=1).double()
+            errors[:, step, h - 1] = (diff / norm.clamp_min(1e-30)).cpu().numpy()
+
     def ratios(self, steps: Sequence[int] | None = None) -> StepRatios:
-        """The recorded ratios over ``steps`` (default: every step), one row per trajectory row."""
+        """The recorded ratios and errors over ``steps`` (default: every step), one row per trajectory row."""
         steps = tuple(range(self.num_steps)) if steps is None else tuple(int(s) for s in steps)
         return StepRatios(steps=steps, timesteps=tuple(self._timesteps.get(s, math.nan) for s in steps),
-                          ratios={b: np.concatenate(r)[:, list(steps)] for b, r in self._rows.items()})
+                          ratios={b: np.concatenate(r)[:, list(steps)] for b, r in self._rows.items()},
+                          errors={b: np.concatenate(e)[:, list(steps)] for b, e in self._errors.items()})
 
 
 # -- the policy ---------------------------------------------------------------------------------------
@@ -211,16 +262,67 @@ def plan_schedule(ratios: Mapping[str, Sequence[float]], experts: Sequence[str |
     return out
 
 
+def extrapolate(history: Sequence[tuple[float, Any]], timestep: float, order: int):
+    """A skipped step's output estimated from a branch's computed ``history`` (``[(timestep, output)]``,
+    oldest first): ``order`` 0 reuses the newest output; 1 continues the line through the newest two in
+    the timestep, ``y1 + (y1 - y0) (t - t1) / (t1 - t0)`` (the newest alone while only one exists)."""
+    t1, y1 = history[-1]
+    if order == 0 or len(history) < 2:
+        return y1
+    t0, y0 = history[-2]
+    return y1 + (y1 - y0) * ((timestep - t1) / (t1 - t0))
+
+
+def plan_extrapolated(errors: Mapping[str, np.ndarray], experts: Sequence[str | None], config: CachingConfig,
+                      threshold: float | None = None) -> dict[str, tuple[int, ...]]:
+    """``{branch: reused steps}`` of ``method: extrapolate``: one decision per step for every branch that
+    may reuse (a step mixing a fresh and an estimated branch puts the guidance scale on their mismatch).
+
+    Args:
+        errors: ``{branch: [n, HORIZONS]}`` calibrated mean extrapolation errors (NaN: the step computes).
+        experts: the expert serving each step (``None`` for one model): a change forces a compute.
+        config: warm-up / final steps, ``max_skips`` (at most the recorded horizons), the branches that may
+            reuse.
+        threshold: the budget of the summed errors of a run of reused steps (default ``config.threshold``).
+
+    A step computes when forced (warm-up, final, an expert's first step); otherwise, as the ``k``-th step
+    in a row after a computed one, it adds the worst branch's error at horizon ``k`` to ``err`` and reuses
+    while ``err <= threshold`` and ``k <= max_skips``; a computing step resets ``err = 0, k = 0``.
+    """
+    budget = config.threshold if threshold is None else float(threshold)
+    n, deciding = len(experts), [b for b in config.branches if b in errors]
+    for b, e in errors.items():
+        if e.shape[0] != n or e.shape[1] < config.max_skips:
+            raise ConfigError(f"caching: the extrapolation errors of branch {b!r} cover {e.shape[0]} steps x "
+                              f"{e.shape[1]} horizons; this schedule needs {n} steps x caching.max_skips="
+                              f"{config.max_skips} (at most {e.shape[1]})")
+    err, k, reused = 0.0, 0, []
+    for i in range(n):
+        if i >= config.warmup_steps and i < n - config.final_steps and experts[i] == experts[i - 1] and deciding:
+            k += 1
+            err += max(float(errors[b][i, k - 1]) if k <= errors[b].shape[1] else math.inf for b in deciding)
+            if err <= budget and k <= config.max_skips:  # NaN compares False: the step computes
+                reused.append(i)
+                continue
+        err, k = 0.0, 0
+    return {b: tuple(reused) if b in deciding else () for b in errors}
+
+
 @dataclasses.dataclass(frozen=True)
 class CacheSchedule:
-    """The sampler's step cache when serving: ``reused[branch]`` lists the steps that reuse that
-    branch's last output; it holds only for ``num_steps``-step trajectories."""
+    """The sampler's step cache when serving: ``reused[branch]`` lists the steps that skip that
+    branch's call and take :func:`extrapolate` of its computed outputs at ``order`` (0: plain reuse);
+    it holds only for ``num_steps``-step trajectories."""
 
     num_steps: int
     reused: Mapping[str, tuple[int, ...]]
+    order: int = 0
 
     def reuse(self, step: int, branch: str) -> bool:
         return step in self.reused.get(branch, ())
+
+    def estimate(self, step: int, branch: str, history: Sequence[tuple[float, Any]], timestep: float):
+        return extrapolate(history, timestep, self.order)
 
     def observe(self, step: int, branch: str, output, timestep: float | None = None) -> None:
         return None
@@ -231,19 +333,23 @@ class CacheSchedule:
         return total - sum(1 for i, bs in enumerate(branches_per_step) for b in bs if self.reuse(i, b)), total
 
     def to_dict(self) -> dict[str, Any]:
-        return {"num_steps": self.num_steps, "reused": {b: list(s) for b, s in self.reused.items()}}
+        return {"num_steps": self.num_steps, "reused": {b: list(s) for b, s in self.reused.items()},
+                "order": self.order}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], *, where: str = "caching schedule") -> CacheSchedule:
         try:
             reused = {str(b): tuple(int(s) for s in steps) for b, steps in d["reused"].items()}
-            num_steps = int(d["num_steps"])
+            num_steps, order = int(d["num_steps"]), int(d.get("order", 0))
         except (KeyError, TypeError, ValueError, AttributeError):
             raise ArtifactError(f"{where} is not a step schedule of this trt_sora; re-run `trt-sora check`") from None
+        if order not in (0, 1):
+            raise ArtifactError(f"{where} extrapolates at order {order} (this trt_sora knows 0 and 1); re-run "
+                                "`trt-sora check`")
         if any(b not in CACHE_BRANCHES or any(not 0 < s < num_steps for s in st) for b, st in reused.items()):
             raise ArtifactError(f"{where} names an unknown branch or a step outside 1..{num_steps - 1}; re-run "
                                 "`trt-sora check`")
-        return cls(num_steps, reused)
+        return cls(num_steps, reused, order)
 
 
 def step_experts(settings, timesteps: Sequence[float]) -> list[str | None]:
@@ -262,8 +368,15 @@ def schedule_for(config: CachingConfig, ratios: StepRatios, settings, timesteps:
         raise ConfigError(f"caching: the calibrated step ratios cover steps {list(ratios.steps)[:3]}.. of a "
                           f"{len(ratios.steps)}-step trajectory but this loop runs {n} steps; calibrate at the "
                           "sampling settings the check runs (calibration.num_steps / parity.loop_steps)")
+    experts = step_experts(settings, timesteps)
+    if config.method is CacheMethod.EXTRAPOLATE:
+        if not ratios.errors:
+            raise ArtifactError("caching.method=extrapolate needs the extrapolation errors the calibrate stage "
+                                "records; this calibration predates them: re-run `trt-sora calibrate`")
+        errors = {b: ratios.mean_errors(b) for b in ratios.errors}
+        return CacheSchedule(n, plan_extrapolated(errors, experts, config, threshold), order=1)
     means = {b: list(ratios.mean(b)) for b in ratios.ratios}
-    return CacheSchedule(n, plan_schedule(means, step_experts(settings, timesteps), config, threshold))
+    return CacheSchedule(n, plan_schedule(means, experts, config, threshold))
 
 
 def caching_record(config: CachingConfig, schedule: CacheSchedule, settings, computed: int, total: int) -> dict:

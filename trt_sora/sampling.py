@@ -43,9 +43,10 @@ the number of steps, the timestep, sigma and the CFG branch of each batch row gr
 (``("cond",)``, ``("uncond",)`` or ``("cond", "uncond")`` for a batched call).
 
 Step caching: ``cache`` (:mod:`trt_sora.caching`) is asked ``cache.reuse(step, branch)`` before each
-step's calls; a reused branch gets its last computed output instead of a call (a batched step whose
-one branch is reused calls the other alone), and ``cache.observe(step, branch, output, timestep)``
-sees every output computed. ``StepRecord.reused`` names the reused branches.
+step's calls; a reused branch gets ``cache.estimate(step, branch, history, timestep)`` instead of a
+call, ``history`` being that branch's last two computed ``(timestep, output)``, oldest first (a batched
+step whose one branch is reused calls the other alone), and ``cache.observe(step, branch, output,
+timestep)`` sees every output computed. ``StepRecord.reused`` names the reused branches.
 
 No heavy imports at module load: torch is imported inside the functions.
 """
@@ -313,7 +314,8 @@ def sample(call: ModelCall | Mapping[str, ModelCall], noise, cond, uncond=None, 
             only steps ``start_step .. num_steps - 1`` run (records keep their schedule indices).
         conditioner: builds the model's inputs from latents + conditioning (the family adapter;
             see :class:`Conditioner`); None = text-to-video inputs.
-        cache: a step cache (``reuse(step, branch)``, ``observe(step, branch, output, timestep)``;
+        cache: a step cache (``reuse(step, branch)``, ``estimate(step, branch, history, timestep)``,
+            ``observe(step, branch, output, timestep)``;
             :mod:`trt_sora.caching`); None = every step calls the model for every branch.
 
     Returns:
@@ -349,7 +351,7 @@ def sample(call: ModelCall | Mapping[str, ModelCall], noise, cond, uncond=None, 
         scheduler.set_begin_index(start_step)  # diffusers schedulers: step() continues from there
     latents = noise.float().clone()
     records: list[StepRecord] = []
-    last: dict[str, torch.Tensor] = {}  # a step cache's outputs to reuse, per branch
+    history: dict[str, list] = {}  # per branch: a step cache's last two computed (timestep, output)
     with torch.inference_mode():
         for i, t in enumerate(scheduler.timesteps[start_step:], start_step):
             sigma = _sigma(scheduler, i)
@@ -364,10 +366,10 @@ def sample(call: ModelCall | Mapping[str, ModelCall], noise, cond, uncond=None, 
                 out.update(_call(calls[expert], latents, t, conds, group, dtype, hook,
                                  (i, settings.num_steps, sigma, expert), label, conditioner))
             if cache is not None:
-                out.update(_cached(last, reused, i))
+                out.update(_cached(cache, history, reused, i, float(t)))
                 for b in todo:
                     cache.observe(i, b, out[b], float(t))
-                last.update(out)
+                    history[b] = [*history.get(b, [])[-1:], (float(t), out[b])]
             v = out["cond"] if len(branches) == 1 else out["uncond"] + g * (out["cond"] - out["uncond"])
             latents = scheduler.step(v, t, latents, return_dict=False)[0]
             records.append(StepRecord(step=i, timestep=float(t), sigma=sigma, sigma_next=_sigma(scheduler, i + 1),
@@ -377,13 +379,14 @@ def sample(call: ModelCall | Mapping[str, ModelCall], noise, cond, uncond=None, 
     return SampleResult(latents=latents, steps=records)
 
 
-def _cached(last: Mapping[str, Any], reused: tuple[str, ...], step: int) -> dict[str, Any]:
-    """The last computed output of each reused branch; ConfigError when a branch has none yet."""
-    missing = [b for b in reused if b not in last]
+def _cached(cache, history: Mapping[str, list], reused: tuple[str, ...], step: int, t: float) -> dict[str, Any]:
+    """The cache's estimate of each reused branch's output at timestep ``t`` from that branch's computed
+    history; ConfigError when a branch has none yet."""
+    missing = [b for b in reused if b not in history]
     if missing:
         raise ConfigError(f"the step cache reuses branch {missing[0]!r} at step {step}, which has no computed output "
                           "yet; a schedule must compute a branch before reusing it (caching.warmup_steps >= 1)")
-    return {b: last[b] for b in reused}
+    return {b: cache.estimate(step, b, history[b], t) for b in reused}
 
 
 def _expert_calls(call, settings: SamplingSettings) -> dict:

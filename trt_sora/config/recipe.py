@@ -53,6 +53,7 @@ class CalibMethod(str, enum.Enum):
 class CacheMethod(str, enum.Enum):
     NONE = "none"
     MAGCACHE = "magcache"
+    EXTRAPOLATE = "extrapolate"
 
 
 class AttentionMode(str, enum.Enum):
@@ -254,8 +255,12 @@ class CachingConfig:
     output to the previous step's (``calib/step_ratios.safetensors``, written by the calibrate stage)
     is multiplied up since the branch's last computed step; the step reuses that output while the
     accumulated error ``sum |1 - prod ratio|`` stays <= ``threshold`` and at most ``max_skips`` steps
-    in a row reuse. The first ``warmup_steps``, the last ``final_steps`` and the first step of each
-    expert of a pair always compute; only the ``branches`` listed may reuse. ``check`` gates the
+    in a row reuse. ``method: extrapolate``: a skipped step's output continues the line through the
+    branch's last two computed outputs (in the timestep); one decision per step for all ``branches``,
+    which reuse while the summed calibrated relative errors of that prediction (same file; the worse
+    branch's) stay <= ``threshold`` and at most ``max_skips`` (<= 4) steps in a row reuse. The first
+    ``warmup_steps``, the last ``final_steps`` and the first step of each expert of a pair always
+    compute; only the ``branches`` listed may reuse. ``check`` gates the
     cached clip (``parity.loop`` / ``parity.frames``) and records the curve over ``sweep``; the
     runtime serves only the setting its check passed. ``method: none`` (the default) is off.
     """
@@ -278,7 +283,7 @@ class CachingConfig:
         object.__setattr__(self, "branches", tuple(self.branches))
         object.__setattr__(self, "sweep", tuple(self.sweep))
         _in_range("caching.threshold", self.threshold, 0.0, 10.0, lo_open=True,
-                  meaning=" (the accumulated magnitude error a reuse may reach)")
+                  meaning=" (the accumulated magnitude or prediction error a reuse may reach)")
         for v in self.sweep:
             _in_range("caching.sweep[]", v, 0.0, 10.0, lo_open=True, meaning=" (thresholds of the check's curve)")
         if self.max_skips < 1:

@@ -2,8 +2,9 @@
 schedule, its clip gated against the *uncached* reference clip with the loop and frames gates, and the
 curve over ``caching.sweep`` (threshold -> transformer calls saved -> PSNR) recorded beside it.
 
-The schedule comes from this model's calibrated output magnitude ratios (``calib/step_ratios.safetensors``;
-a pair: each expert's, joined by step) at the loop's sampling settings, so what passes here is exactly
+The schedule comes from this model's calibrated step statistics (``calib/step_ratios.safetensors``: output
+magnitude ratios and extrapolation errors; a pair: each expert's, joined by step) at the loop's sampling
+settings, so what passes here is exactly
 what the runtime replays (``report["caching"]["schedule"]``).
 """
 from __future__ import annotations
