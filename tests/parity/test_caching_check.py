@@ -138,6 +138,27 @@ def test_runtime_serves_the_checked_setting(cached_run, tmp_path):
     assert rt.load(run, backend="ort", warmup=False, caching=False).caching is None
 
 
+def test_extrapolating_setting_is_checked_and_served(cached_run, tmp_path):
+    """method: extrapolate through check and the runtime: the report's schedule carries order 1, planned
+    from the calibrated errors, and the runtime replays exactly the checked calls."""
+    import trt_sora.runtime as rt
+    from trt_sora.parity import check_artifacts
+
+    setting = dict(method="extrapolate", threshold=10.0, max_skips=2, warmup_steps=1, final_steps=1)
+    run = _with_recipe(cached_run[0], tmp_path / "run", _recipe(**setting))
+    rep = check_artifacts(run, _recipe(**setting))
+    cache = rep["caching"]
+    assert cache["schedule"] == {"num_steps": 4, "reused": {"cond": [1, 2], "uncond": [1, 2]}, "order": 1}
+    assert cache["setting"]["method"] == "extrapolate" and cache["calls"] == 4
+    assert rep["passed"], rep["failed"]
+    sr = rt.load(run, backend="ort", warmup=False)
+    assert sr.caching.schedule.order == 1
+    calls = []
+    clip = rt.generate(sr, "a cat walks", cfg="split", hook=lambda c: calls.append((c.step, c.branch)))[0]
+    assert sorted(calls) == [(0, "cond"), (0, "uncond"), (3, "cond"), (3, "uncond")]
+    assert clip.metadata["caching"]["applied"]
+
+
 def test_runtime_refuses_an_unchecked_caching_setting(cached_run, checked_run, tmp_path, caplog):
     import trt_sora.runtime as rt
 
