@@ -184,7 +184,7 @@ MUTATIONS = (
              "                    history.setdefault(b, [(float(t), out[b])])",
              ("tests/test_caching.py::test_sampler_reuses_exactly_the_scheduled_outputs",), fast=True),
     Mutation("cache-ratio-direction", "the magnitude ratio is this step's over the previous one", "caching.py",
-             "rows[-1][:, step] = mag / prev[1]", "rows[-1][:, step] = prev[1] / mag",
+             "rows[-1][:, step] = mag / prev[-1][3]", "rows[-1][:, step] = prev[-1][3] / mag",
              ("tests/test_caching.py::test_recorded_ratios_match_an_independent_computation",), fast=True),
     Mutation("cache-extrapolate-line", "a skipped step continues the line from the newest output", "caching.py",
              "return y1 + (y1 - y0) * ((timestep - t1) / (t1 - t0))",
