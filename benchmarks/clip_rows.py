@@ -44,7 +44,8 @@ def main() -> None:
     base = ad.load("fp32", "cpu")
     fmt = "int8" if a.variant.startswith("int8") else "fp8_e4m3"
     calib = ql.load_calib([f"{fmt}={a.calib}"] + ([] if fmt == "fp8_e4m3" else [f"fp8_e4m3={a.calib}"]))
-    sites = [s for s in quantized_sites(base, load_recipe("rtx4090-fp8").quantization) if s in calib[fmt][0].amax]
+    policy = load_recipe("rtx4090-fp8").quantization
+    sites = [s for s in quantized_sites(base, policy, ad.quant_excludes) if s in calib[fmt][0].amax]
 
     def run(call, i):
         return ql.sample_clip(ad, call, cond[i:i + 1], i, "cpu").clamp(-1, 1)

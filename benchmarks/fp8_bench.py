@@ -253,7 +253,7 @@ def attention_in_model_part(name: str = "wan2.1-t2v-14b") -> dict:
     _, inputs = call_inputs(adapter, "480p", 1)
     model = adapter.load("bf16", "cuda")
     fwd = adapter.export_module(model)
-    plan = calibrate_plan(model, fwd, inputs)
+    plan = calibrate_plan(model, fwd, inputs, adapter.quant_excludes)
     del fwd
     r = TorchFp8Runner(adapter, None, plan=plan, device="cuda", model=model, attention=AttentionPolicy(enabled=True),
                        cuda_graphs=False).activate()
@@ -321,7 +321,7 @@ def timed_calls(fn, iters: int, warmup: int = 2):
     return y, statistics.median(times), times
 
 
-def calibrate_plan(model, fwd, inputs):
+def calibrate_plan(model, fwd, inputs, family_excludes):
     """Input amax of every linear the recipe's default policy quantizes, grouped like the Q/DQ graph."""
     from trt_sora.config.recipe import QuantConfig
     from trt_sora.quantize.policy import site_policy
@@ -329,7 +329,7 @@ def calibrate_plan(model, fwd, inputs):
 
     amax, hooks = {}, []
     for name, m in model.named_modules():
-        if isinstance(m, torch.nn.Linear) and site_policy(name, QuantConfig())[0]:
+        if isinstance(m, torch.nn.Linear) and site_policy(name, QuantConfig(), family_excludes)[0]:
             hooks.append(m.register_forward_pre_hook(
                 lambda _m, a, _n=name: amax.__setitem__(_n, max(amax.get(_n, 0.0), a[0].abs().max().item()))))
     with torch.inference_mode():
@@ -411,7 +411,7 @@ def model_part(name: str, size: str, batch: int, iters: int, rungs: list[str], s
 
     y_ref, t, ts = timed_calls(eager, iters)
     res["rungs"]["eager_bf16"] = {"s": t, "all_s": ts, "split_ms": profile_split(eager) if profile else None}
-    plan = calibrate_plan(model, lambda *a: eager(), inputs)
+    plan = calibrate_plan(model, lambda *a: eager(), inputs, adapter.quant_excludes)
     res["quantized_sites"] = len(plan)
     save(res)
     if "compile_bf16" in rungs:

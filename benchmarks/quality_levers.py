@@ -404,7 +404,8 @@ def main(argv=None) -> None:
         return
     calib = load_calib(a.calib)
     stats = calib["fp8_e4m3"][0]
-    sites = [s for s in quantized_sites(base, load_recipe("rtx4090-fp8").quantization) if s in stats.amax]
+    policy = load_recipe("rtx4090-fp8").quantization
+    sites = [s for s in quantized_sites(base, policy, adapter.quant_excludes) if s in stats.amax]
     cache: dict = {}
     for variant in a.variants.split(","):
         t0 = time.perf_counter()

@@ -202,10 +202,12 @@ def test_unconditional_branch_is_the_models(tiny_adapter):
     from trt_sora.models import get_adapter
 
     shapes = get_adapter("wan-shapes")
-    z = shapes.negative_embedding(lambda *a: pytest.fail("zeros need no encoder"), 2, 16)
+    z = shapes.negative_conditioning(lambda *a: pytest.fail("zeros need no encoder"), 2, {"text_len": 16})
+    z = z["encoder_hidden_states"]
     assert z.shape == (2, 16, 384) and not z.any()
     enc = tiny_adapter.text_encoder()
-    torch.testing.assert_close(tiny_adapter.negative_embedding(enc, 2, 8), enc(["", ""], 8))
+    neg = tiny_adapter.negative_conditioning(enc, 2, {"text_len": 8})["encoder_hidden_states"]
+    torch.testing.assert_close(neg, enc(["", ""], 8))
     assert load_preset("moving-shapes").negative_prompt is None
 
 

@@ -39,8 +39,8 @@ def test_selected_site_without_amax_is_an_error():
             pass
 
 
-def test_policy_default_exclusions(tiny_model):
-    sites = quantized_sites(tiny_model)
+def test_policy_default_exclusions(tiny_adapter, tiny_model):
+    sites = quantized_sites(tiny_model, None, tiny_adapter.quant_excludes)
     assert "blocks.0.attn1.to_q" in sites and "proj_out" not in sites
     assert not any(s.startswith("condition_embedder.") for s in sites)
 

@@ -175,7 +175,7 @@ def test_shared_inputs_on_wan_tiny_are_exact(tiny_adapter, tiny_model):
     from trt_sora.calibrate.fakequant_model import quantized_sites
     from trt_sora.calibrate.gptq import shared_inputs
 
-    sites = quantized_sites(tiny_model)
+    sites = quantized_sites(tiny_model, None, tiny_adapter.quant_excludes)
     probe = lambda: tiny_adapter.forward(tiny_model, tiny_adapter.example_inputs(  # noqa: E731
         {"batch": 1, "latent_frames": 1, "latent_height": 2, "latent_width": 2, "text_len": 8}, seed=1))
     leader = shared_inputs(tiny_model, sites, probe)

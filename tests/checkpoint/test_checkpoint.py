@@ -95,7 +95,8 @@ def test_matches_modelopt_export(calib_dirs, tmp_path, model, fmt, dtype):
     cfg = QuantConfig(format=QuantFormat(fmt))
     res = export_checkpoint(stats, cfg, tmp_path / "ours", dtype=dtype)  # the model comes from the calib manifest
     adapter = get_adapter(model)
-    mi.reference_export(adapter.load(dtype), res_stats(stats), cfg, tmp_path / "modelopt", dtype=torch_dtype(dtype))
+    mi.reference_export(adapter.load(dtype), res_stats(stats), cfg, tmp_path / "modelopt", dtype=torch_dtype(dtype),
+                        family_excludes=adapter.quant_excludes)
     diff = mi.compare_checkpoints(tmp_path / "ours", tmp_path / "modelopt")
     assert diff["tensors"] > 50
     assert {k: v for k, v in diff.items() if k != "tensors"} == {
@@ -177,7 +178,7 @@ def test_loads_back_through_modelopt(calib_dirs, tmp_path, model, fmt, dtype):
     inputs = adapter.example_inputs(EVAL_TINY if model == "wan-tiny" else EVAL_SHAPES, seed=11)
     loaded = mi.load_fake_quant(tmp_path / "ckpt", adapter.load(dtype))
     ref_model = adapter.load(dtype)
-    plan = checkpoint_plan(ref_model, res_stats(stats), QuantConfig(format=QuantFormat(fmt)))
+    plan = checkpoint_plan(ref_model, res_stats(stats), QuantConfig(format=QuantFormat(fmt)), adapter.quant_excludes)
     seen = {}
     hooks = [loaded.get_submodule(s).register_forward_hook(lambda m, a, o, s=s: seen.__setitem__(s, (a[0], o)))
              for s in plan["sites"]]

@@ -88,13 +88,14 @@ def test_segmented_ort_matches_whole_graph(tiny_export, tiny_adapter, tiny_point
     from trt_sora.export.segments import plan, run_segmented
 
     model = onnx.load(str(tiny_export.onnx_path), load_external_data=False)
-    segs = plan(model)
+    segs = plan(model, tiny_adapter.block_container)
     assert [s.block for s in segs] == [0, 1]  # pre-block nodes join block 0, the head joins the last block
     assert sum(len(s.nodes) for s in segs) == len(model.graph.node)
     feeds = [{k: v.numpy() for k, v in tiny_adapter.example_inputs(p, seed=i).items()}
              for i, p in enumerate(tiny_points)]
     whole = ort_session(tiny_export.onnx_path)
-    for (got,), f in zip(run_segmented(tiny_export.onnx_path, feeds, session_factory=ort_session), feeds):
+    for (got,), f in zip(run_segmented(tiny_export.onnx_path, feeds, session_factory=ort_session,
+                                             container=tiny_adapter.block_container), feeds):
         np.testing.assert_allclose(got, whole.run(None, f)[0], rtol=1e-5, atol=1e-5)
     assert not list(tiny_export.onnx_path.parent.glob(".segment_*")), "segment files left behind"
 

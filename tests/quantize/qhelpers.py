@@ -81,7 +81,7 @@ def torch_fake_quant_run(adapter, model, inputs, stats_path, fmt, config=None):
     from trt_sora.config.recipe import QuantConfig, QuantFormat
 
     stats = CalibStats.load(stats_path)
-    sites = quantized_sites(model, config or QuantConfig(format=QuantFormat(fmt)))
+    sites = quantized_sites(model, config or QuantConfig(format=QuantFormat(fmt)), adapter.quant_excludes)
     modules = dict(model.named_modules())
     seen: dict[str, torch.Tensor] = {}  # kept alive during the forward: no address is reused
     hooks = [modules[s].register_forward_pre_hook(lambda mod, args, s=s, seen=seen: seen.setdefault(s, args[0]))

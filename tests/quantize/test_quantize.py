@@ -41,7 +41,8 @@ def test_ort_matches_torch_fake_quant(quantized, tiny_adapter, tiny_model, eval_
     from trt_sora.calibrate.fakequant_model import quantized_sites
     from trt_sora.config.recipe import QuantConfig, QuantFormat
 
-    assert in_map == set(quantized_sites(tiny_model, QuantConfig(format=QuantFormat(fmt))))
+    assert in_map == set(quantized_sites(tiny_model, QuantConfig(format=QuantFormat(fmt)),
+                                           tiny_adapter.quant_excludes))
     vs_fq = compare(fq, got)
     vs_ref = compare(reference, got)
     record_property(f"{fmt}_cosine_vs_fake_quant", vs_fq["cosine"])

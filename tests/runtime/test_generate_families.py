@@ -65,7 +65,8 @@ def _image(h, w) -> np.ndarray:
 def _embeds(adapter, text_len=16):
     enc = adapter.text_encoder()
     return {"prompt_embeds": enc([PROMPT], text_len).float(),
-            "negative_prompt_embeds": adapter.negative_embedding(enc, 1, text_len)}
+            "negative_prompt_embeds": adapter.negative_conditioning(enc, 1, {"text_len": text_len})[
+                "encoder_hidden_states"]}
 
 
 def _noise(adapter, frames_lat, h_lat, w_lat, seed):

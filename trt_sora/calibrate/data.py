@@ -84,7 +84,7 @@ class CalibPreset:
         shapes: latent shapes; each prompt is calibrated at each shape.
         seed: seeds prompt selection and initial latents.
         negative_prompt: text of the unconditional branch; None = the model's own unconditional
-            conditioning (``adapter.negative_embedding``: its negative prompt, or zeros).
+            conditioning (``adapter.negative_conditioning``: its negative prompt, or zeros).
         description: free text.
     """
 

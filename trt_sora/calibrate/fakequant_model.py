@@ -38,12 +38,12 @@ log = logging.getLogger("trt_sora")
 __all__ = ["fake_quantized", "quantized_sites"]
 
 
-def quantized_sites(model: torch.nn.Module, config: QuantConfig | None = None,
-                    family_excludes: Mapping[str, str] | None = None) -> list[str]:
+def quantized_sites(model: torch.nn.Module, config: QuantConfig | None,
+                    family_excludes: Mapping[str, str]) -> list[str]:
     """Module paths of the ``nn.Linear`` layers the quantize stage would quantize under ``config``.
 
-    ``config`` defaults to ``QuantConfig()`` (everything except the default exclusions);
-    ``family_excludes``: the model family's own (``adapter.quant_excludes``), as the quantize stage.
+    ``config`` None is ``QuantConfig()`` (everything except the default exclusions);
+    ``family_excludes``: the model family's default exclusions (``adapter.quant_excludes``).
     """
     from trt_sora.site_policy import site_policy
 

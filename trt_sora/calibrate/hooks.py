@@ -227,12 +227,12 @@ def _version(x: torch.Tensor) -> int:
 
 
 @contextlib.contextmanager
-def offload_blocks(model: torch.nn.Module, device: str | torch.device, *, container: str = "blocks"
+def offload_blocks(model: torch.nn.Module, device: str | torch.device, *, container: str
                    ) -> Iterator[torch.nn.Module]:
     """Run ``model`` on ``device`` with its repeated blocks kept on the host, one block resident at a time.
 
-    Everything outside ``model.<container>`` moves to ``device`` for the duration;
-    each block moves to ``device`` in a forward pre-hook and back to the host after
+    ``container``: the family's ``block_container``. Everything outside ``model.<container>`` moves
+    to ``device`` for the duration; each block moves to ``device`` in a forward pre-hook and back to the host after
     its forward. Peak device memory: the non-block weights + one block + activations
     (Wan 14B bf16: ~0.7 GB per block instead of 28 GB). Slow (host<->device copies
     every forward); use it when the model does not fit, else ``model.to(device)``.

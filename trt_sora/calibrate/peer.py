@@ -3,11 +3,11 @@
 :func:`modelopt_peer` calibrates a copy of the model with ModelOpt's diffusers FP8
 recipe (the ``configs/ptq/presets/diffusers/fp8`` preset of ``nvidia-modelopt``:
 per-tensor E4M3 weights and inputs, ``max`` calibration, attention quantizers off
-as its diffusers example leaves them by default, and the example's Wan exclusions
-``patch_embedding``, ``condition_embedder``, ``proj_out``) over exactly our
+as its diffusers example leaves them by default, and the example's exclusions for the
+model family, ``adapter.modelopt_exclude``) over exactly our
 calibration trajectories (the preset's prompts, steps, CFG and noise), then samples
 held-out prompts with the model's **deployment sampling settings** (``adapter.sampling``:
-its step count, CFG and shift; ``adapter.negative_embedding`` for the unconditional branch) with
+its step count, CFG and shift; ``adapter.negative_conditioning`` for the unconditional branch) with
 
 * the unquantized model (the reference),
 * ours as the engine runs it (the recipe's method, weights per output channel),
@@ -35,14 +35,10 @@ from trt_sora.errors import ConfigError, require
 
 log = logging.getLogger("trt_sora")
 
-__all__ = ["MODELOPT_PRESET", "MODELOPT_WAN_EXCLUDE", "modelopt_peer", "report_section"]
+__all__ = ["MODELOPT_PRESET", "modelopt_peer", "report_section"]
 
 #: The ModelOpt recipe (a YAML inside nvidia-modelopt's ``modelopt_recipes``).
 MODELOPT_PRESET = "configs/ptq/presets/diffusers/fp8"
-#: Module-level exclusions of ModelOpt's diffusers example for Wan (``filter_func_wan_video``). Its
-#: Wan 2.2 A14B version also keeps blocks 0-2 and 37-39 (of 40) in high precision; that block rule
-#: is specific to the 40-block model and is not applied to other depths.
-MODELOPT_WAN_EXCLUDE = r".*(patch_embedding|condition_embedder|proj_out).*"
 
 
 def _quiet():
@@ -135,6 +131,10 @@ def modelopt_peer(adapter, model, stats, preset, quant_config, *, encode: Callab
     if getattr(quant_config.format, "value", quant_config.format) != "fp8_e4m3":
         raise ConfigError("the ModelOpt peer comparison is FP8 (ModelOpt's diffusers FP8 recipe); run it with an "
                           "fp8_e4m3 recipe")
+    if adapter.modelopt_exclude is None:
+        raise ConfigError(f"the ModelOpt peer comparison needs the module filter ModelOpt's diffusers example applies "
+                          f"to model family {adapter.family!r}, which declares none (ModelAdapter.modelopt_exclude); "
+                          "leave --peer out for this model")
     progress = progress or (lambda phase, done, total: None)
     device = next(model.parameters()).device
     model_dtype = model_dtype or torch.float32
@@ -218,7 +218,7 @@ def modelopt_peer(adapter, model, stats, preset, quant_config, *, encode: Callab
         ours_sites, ours_excl, ours_time)
 
     recipe_net = copy.deepcopy(model)  # as ModelOpt's diffusers example: quantize + calibrate, then the filter
-    rx = re.compile(MODELOPT_WAN_EXCLUDE)
+    rx = re.compile(adapter.modelopt_exclude)
     t0 = time.perf_counter()
     with _quiet():
         mtq.quantize(recipe_net, modelopt_recipe_config(), forward_loop=calibration_loop)
@@ -245,7 +245,7 @@ def modelopt_peer(adapter, model, stats, preset, quant_config, *, encode: Callab
                   "psnr_peak": peak, "psnr_peak_def": "reference final sample max - min", "calib_preset": preset.name,
                   "calib_trajectories": len(calib_plan), "calib_steps": calib_settings.num_steps},
         "rows": rows, "replay_max_rel_diff": replay, "modelopt_version": importlib.metadata.version("nvidia-modelopt"),
-        "modelopt_recipe": MODELOPT_PRESET, "modelopt_exclude": MODELOPT_WAN_EXCLUDE,
+        "modelopt_recipe": MODELOPT_PRESET, "modelopt_exclude": adapter.modelopt_exclude,
     }
 
 

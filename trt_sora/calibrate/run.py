@@ -185,18 +185,14 @@ def _to(cond: Mapping[str, Any], device) -> dict[str, Any]:
 
 def branch_inputs(adapter, encode, preset: CalibPreset, prompts: list[str], shape: CalibShape, *, uses_cfg: bool,
                   seed: int, device) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """``(cond, uncond)`` conditioning of one trajectory: the prompts' text inputs (the family's
-    :meth:`~trt_sora.models.base.ModelAdapter.text_conditioning`), the unconditional branch's (the
-    preset's negative prompt, else the model's own), and what both share (an image-to-video model's
-    image conditioning, seeded by ``seed``)."""
+    """``(cond, uncond)`` conditioning of one trajectory on ``device`` (the family's
+    :meth:`~trt_sora.models.base.ModelAdapter.conditioning`): the unconditional branch's is the preset's
+    negative prompt, else the model's own; an image-to-video model's image conditioning is seeded by ``seed``."""
     from trt_sora.errors import ModelError
 
-    point = adapter.with_family_dims(shape.as_dict())
     try:
-        shared = adapter.image_conditioning(point, seed=seed)
-        cond = {**adapter.text_conditioning(encode, prompts, point), **shared}
-        uncond = {**adapter.negative_conditioning(encode, len(prompts), point, prompt=preset.negative_prompt),
-                  **shared} if uses_cfg else None
+        cond, uncond = adapter.conditioning(encode, prompts, shape.as_dict(), negative=preset.negative_prompt,
+                                            seed=seed, cfg=uses_cfg)
     except ModelError as exc:
         raise CalibrationError(str(exc)) from None
     return _to(cond, device), (_to(uncond, device) if uncond is not None else None)

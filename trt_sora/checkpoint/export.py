@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +56,7 @@ class CheckpointResult:
         return json.loads((self.folder / CONFIG_NAME).read_text())["quantization_config"]
 
 
-def checkpoint_plan(model, stats, config: QuantConfig) -> dict[str, Any]:
+def checkpoint_plan(model, stats, config: QuantConfig, family_excludes: Mapping[str, str]) -> dict[str, Any]:
     """Which linears are quantized with which amax, and what ``ignore`` lists.
 
     Args:
@@ -63,6 +64,7 @@ def checkpoint_plan(model, stats, config: QuantConfig) -> dict[str, Any]:
         stats: :class:`~trt_sora.calibrate.stats.CalibStats` (``<site>`` activation amax,
             optional ``<site>.weight`` per-channel weight amax).
         config: the recipe's ``quantization`` section (site policy and format).
+        family_excludes: the model family's default exclusions (``adapter.quant_excludes``).
 
     Returns:
         ``{"sites": {site: {"act_amax": float, "weight_amax": fp32 [out]}}, "excluded":
@@ -81,7 +83,8 @@ def checkpoint_plan(model, stats, config: QuantConfig) -> dict[str, Any]:
     for name, mod in model.named_modules():
         if not isinstance(mod, ignorable):
             continue
-        quantize, why = site_policy(name, config) if isinstance(mod, torch.nn.Linear) else (False, "convolution")
+        linear = isinstance(mod, torch.nn.Linear)
+        quantize, why = site_policy(name, config, family_excludes) if linear else (False, "convolution")
         if not quantize:
             excluded[name] = why
             continue
@@ -228,7 +231,7 @@ def export_checkpoint(stats, config: QuantConfig, out_dir: str | os.PathLike, *,
 
     tdtype = torch_dtype(dtype)
     net = loaded if loaded is not None else adapter.load(dtype, "cpu")
-    plan = checkpoint_plan(net, calib, config)
+    plan = checkpoint_plan(net, calib, config, adapter.quant_excludes)
     rounded_path, rounded = _rounded_weights(stats_path, weights, fmt)
     missing = sorted(set(plan["sites"]) - set(rounded or plan["sites"]))
     if missing:
@@ -290,7 +293,7 @@ def _verify_with_modelopt(folder: Path, adapter, calib, config: QuantConfig, dty
     ref_dir = Path(tempfile.mkdtemp(prefix=".modelopt-ref-", dir=folder.parent))
     try:
         mi.reference_export(_with_weights(adapter.load(dtype, "cpu"), rounded), calib, config, ref_dir,
-                            dtype=torch_dtype(dtype))
+                            dtype=torch_dtype(dtype), family_excludes=adapter.quant_excludes)
         diff = mi.compare_checkpoints(folder, ref_dir)
     finally:
         shutil.rmtree(ref_dir, ignore_errors=True)

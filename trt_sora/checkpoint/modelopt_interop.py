@@ -93,17 +93,18 @@ def quantize_sites(model, fmt: QuantFormat | str, sites: dict[str, dict[str, Any
         mod.input_quantizer.amax = torch.tensor(float(p["act_amax"]), dtype=torch.float32)
 
 
-def reference_export(model, stats, config: QuantConfig, out_dir, *, dtype) -> Path:
+def reference_export(model, stats, config: QuantConfig, out_dir, *, dtype, family_excludes) -> Path:
     """ModelOpt's ``export_hf_checkpoint`` of ``model`` (in place) with our sites and amax.
 
-    ``model`` is the transformer loaded in ``dtype`` (a torch dtype); returns ``out_dir``.
+    ``model`` is the transformer loaded in ``dtype`` (a torch dtype); ``family_excludes`` its family's
+    default exclusions (``adapter.quant_excludes``); returns ``out_dir``.
     """
     from trt_sora.checkpoint.export import checkpoint_plan
 
     require("modelopt", extra="modelopt", pip=_MO)
     from modelopt.torch.export import export_hf_checkpoint
 
-    plan = checkpoint_plan(model, stats, config)
+    plan = checkpoint_plan(model, stats, config, family_excludes)
     quantize_sites(model, config.format, plan["sites"])
     with _quiet():
         export_hf_checkpoint(model, dtype=dtype, export_dir=str(out_dir))

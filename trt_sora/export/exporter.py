@@ -367,7 +367,8 @@ def verify_onnx(onnx_path, adapter, model, points: Sequence[Mapping[str, int]], 
     if segmented:
         from trt_sora.export.segments import run_segmented
 
-        got = [o[0] for o in run_segmented(onnx_path, feeds, session_factory=ort_session)]
+        got = [o[0] for o in run_segmented(onnx_path, feeds, session_factory=ort_session,
+                                               container=adapter.block_container)]
     else:
         sess = session or ort_session(onnx_path)
         got = [sess.run(None, f)[0] for f in feeds]

@@ -47,8 +47,9 @@ def _block_of(node, pattern: re.Pattern) -> int | None:
     return None
 
 
-def plan(model, container: str = "blocks") -> list[Segment]:
-    """Segments of ``model`` (``onnx.ModelProto``, external data not loaded) cut at block changes."""
+def plan(model, container: str) -> list[Segment]:
+    """Segments of ``model`` (``onnx.ModelProto``, external data not loaded) cut at block changes
+    (``container``: the family's ``block_container``)."""
     pattern = re.compile(rf"\.{re.escape(container)}\.(\d+)\b")
     graph = model.graph
     inits = {i.name for i in graph.initializer}
@@ -119,7 +120,7 @@ def _segment_model(model, seg: Segment, types: Mapping[str, int]):
 
 
 def run_segmented(onnx_path: str | Path, feeds: Sequence[Mapping[str, np.ndarray]], *, session_factory,
-                  container: str = "blocks") -> list[list[np.ndarray]]:
+                  container: str) -> list[list[np.ndarray]]:
     """Outputs of the graph at ``onnx_path`` for each feed dict, computed segment by segment.
 
     ``session_factory(path) -> onnxruntime.InferenceSession``. Segment files are written beside

@@ -1,11 +1,14 @@
 """The model-adapter contract: everything a stage needs to know about a model family.
 
 Model facts (input names and ranks, patch size, text encoder, scheduler and the
-sampling settings users run, export rewrites, layer kinds, fusable projection
-groups, the latent decoder, how prompts and images become conditioning inputs,
-family-specific shape dims, the experts of a boundary-switched pair) live in one
-file per family (``wan.py``, ``hunyuan.py``); stages only talk to a
-:class:`ModelAdapter`.
+sampling settings users run, export rewrites, quantization exclusions, layer kinds,
+fusable projection groups, block naming, the latent decoder, both CFG branches'
+conditioning, family-specific shape dims) live in one file per family (``wan.py``,
+``hunyuan.py``); optional capabilities (experts of a boundary-switched pair, Ulysses,
+the torch-fp8 block rewrite, a diffusers pipeline) are methods a family overrides or
+that raise a typed error. Stages only talk to a :class:`ModelAdapter`; nothing outside
+``models/`` names a family's module or module paths (``tests/test_family_facts.py``).
+The export wrapper (:meth:`ModelAdapter.export_module`) holds the model as ``inner``.
 """
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ import abc
 import dataclasses
 import hashlib
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -106,6 +109,14 @@ def transformer_folder(folder: Path, class_name: str) -> tuple[Path, dict[str, A
     return None
 
 
+def torch_fp8_unsupported(adapter: ModelAdapter, why: str):
+    """The ConfigError of a model the torch-fp8 backend cannot run: ``why``, and the backends that can."""
+    from trt_sora.errors import ConfigError
+
+    return ConfigError(f"backend torch-fp8 cannot run {adapter.name}: {why}; serve it with backend 'trt' "
+                       "(TensorRT), 'ort' (ONNX Runtime) or 'torch'")
+
+
 class ModelAdapter(Conditioner, abc.ABC):
     """One model family. Input names/shapes, loading, example inputs, scheduler, text encoder;
     as a :class:`~trt_sora.sampling.Conditioner` it builds the model's inputs from latents and
@@ -123,18 +134,31 @@ class ModelAdapter(Conditioner, abc.ABC):
     #: Inputs that are 0/1 masks (a server's warm-up feeds them ones).
     mask_inputs: tuple[str, ...] = ()
 
-    #: The family's own default Q/DQ exclusions, ``{module pattern: reason}`` (beyond the shared ones of
-    #: :data:`trt_sora.site_policy.DEFAULT_EXCLUDES`; quantize, the calibration report and fake-quant apply them).
-    quant_excludes: Mapping[str, str] = {}
-
     #: The module holding the repeated transformer blocks (``blocks.N`` for Wan): the parity check's
     #: per-block probes and the report's block groups.
     block_container: str = "blocks"
 
+    # -- quantization facts ------------------------------------------------------------------------
+    #: The family's default Q/DQ exclusions, ``{module pattern: reason}``, in match order (quantize, the
+    #: calibration report and fake-quant apply them through :func:`trt_sora.site_policy.site_policy`).
+    quant_excludes: Mapping[str, str] = {}
+
+    #: The module-name regex ModelOpt's diffusers example keeps unquantized for this family (the
+    #: calibration report's ModelOpt peer row); None: the example has no filter for it.
+    modelopt_exclude: str | None = None
+
+    #: Linear paths inside a block -> the layer kind they belong to (``attn1.to_q`` -> ``attn1.qkv``);
+    #: the calibration report's sensitivity groups. Paths not listed are their own kind.
+    layer_kinds: Mapping[str, str] = {}
+
+    #: Projections that read the same input and may run as one GEMM: ``((member suffixes in output
+    #: order), fused suffix)``, e.g. ``(("to_q", "to_k", "to_v"), "to_qkv")``. Tried in order.
+    fusable_projections: tuple[tuple[tuple[str, ...], str], ...] = ()
+
     def __init__(self, spec: ModelSpec):
         self.spec = spec
 
-    # -- facts -------------------------------------------------------------------------
+    # -- identity and shape facts ------------------------------------------------------------------
     @property
     @abc.abstractmethod
     def patch_size(self) -> tuple[int, int, int]: ...
@@ -152,12 +176,6 @@ class ModelAdapter(Conditioner, abc.ABC):
         return self.spec.name
 
     @property
-    def out_channels(self) -> int:
-        """Channels of the predicted velocity (= the latents'); :attr:`in_channels` can be more
-        (image-to-video concatenates the image latents)."""
-        return self.latent_channels
-
-    @property
     def in_channels(self) -> int:
         """Channels of the ``hidden_states`` input (latents plus any concatenated conditioning)."""
         return self.latent_channels
@@ -170,15 +188,9 @@ class ModelAdapter(Conditioner, abc.ABC):
         return DIM_NAMES + tuple(self.family_dims)
 
     @property
-    def experts(self) -> tuple[str, ...]:
-        """``("high", "low")`` for a boundary-switched pair of transformers (Wan 2.2 A14B), else ``()``."""
-        return ()
-
-    def expert(self, name: str) -> ModelAdapter:
-        """The adapter of one expert (its own weights, same family facts)."""
-        from trt_sora.errors import ModelError
-
-        raise ModelError(f"model {self.name} is one transformer, it has no expert {name!r}")
+    def num_heads(self) -> int:
+        """Self-attention heads (the Ulysses degree must divide it)."""
+        return int(self.spec.config["num_attention_heads"])
 
     def num_params(self) -> int:
         """Parameter count from the config, without allocating weights."""
@@ -188,7 +200,26 @@ class ModelAdapter(Conditioner, abc.ABC):
             m = self._construct()
         return sum(p.numel() for p in m.parameters())
 
-    # -- loading -----------------------------------------------------------------------
+    def describe(self) -> dict:
+        """JSON-safe identity for manifests, with how the model is sampled (its text encoder and
+        sampling settings), so a run folder carries what generation needs."""
+        out = {
+            "ref": self.spec.ref,
+            "family": self.family,
+            "source": self.spec.source,
+            "path": self.spec.path,
+            "model_hash": self.spec.model_hash(),
+            "config": dict(self.spec.config),
+            "text_encoder": self.spec.text_encoder,
+            "negative_prompt": self.spec.defaults.get("negative_prompt", ""),
+        }
+        if all(k in self.spec.defaults for k in ("num_steps", "guidance_scale", "shift")):
+            out["sampling"] = self.sampling.to_dict()
+        if self.spec.expert:
+            out["expert"] = self.spec.expert
+        return out
+
+    # -- loading -----------------------------------------------------------------------------------
     @abc.abstractmethod
     def _construct(self):
         """Build the module from ``spec.config`` (called under a device context)."""
@@ -220,7 +251,7 @@ class ModelAdapter(Conditioner, abc.ABC):
         (a tensor), or None for the module's own distribution (:mod:`trt_sora.weights.random_init`)."""
         return None
 
-    # -- inputs ------------------------------------------------------------------------
+    # -- inputs ------------------------------------------------------------------------------------
     @abc.abstractmethod
     def example_inputs(self, point: Mapping[str, int], *, dtype: str = "fp32", device: str = "cpu",
                        seed: int = 0) -> dict[str, torch.Tensor]:
@@ -229,15 +260,6 @@ class ModelAdapter(Conditioner, abc.ABC):
     @abc.abstractmethod
     def input_dims(self) -> dict[str, dict[int, str]]:
         """``{input_name: {axis: dim_name}}`` for the named dynamic dims (output too)."""
-
-    def point_of(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, int]:
-        """The latent-space point of a set of inputs (inverse of ``example_inputs``)."""
-        point = {}
-        for name, axes in self.input_dims().items():
-            if name in inputs:
-                for axis, dim in axes.items():
-                    point[dim] = int(inputs[name].shape[axis])
-        return point
 
     def with_family_dims(self, point: Mapping[str, int], which: str = "opt") -> dict[str, int]:
         """``point`` with every :attr:`family_dims` it lacks set to the default range's ``which``."""
@@ -257,135 +279,9 @@ class ModelAdapter(Conditioner, abc.ABC):
         return {n: 1 + max([*dims.get(n, {}), *fixed.get(n, {})]) for n in self.input_names}
 
     @abc.abstractmethod
-    def fixed_dims(self) -> dict[str, tuple[int, int]]:
-        """``{input_name: (axis, size)}``: the non-dynamic feature dim an input must have (latent
-        channels, text-embedding width); inputs with more than one fixed axis list the others in
-        :meth:`fixed_axes`."""
-
     def fixed_axes(self) -> dict[str, dict[int, int]]:
-        """``{input_name: {axis: size}}``: every non-dynamic axis of every input (default: the one
-        of :meth:`fixed_dims`; an image embedding ``[B, 257, 1280]`` has two)."""
-        return {n: {axis: size} for n, (axis, size) in self.fixed_dims().items()}
-
-    # -- layers ------------------------------------------------------------------------
-    #: Linear paths inside a block -> the layer kind they belong to (``attn1.to_q`` -> ``attn1.qkv``);
-    #: the calibration report's sensitivity groups. Paths not listed are their own kind.
-    layer_kinds: Mapping[str, str] = {}
-
-    #: Projections that read the same input and may run as one GEMM: ``((member suffixes in output
-    #: order), fused suffix)``, e.g. ``(("to_q", "to_k", "to_v"), "to_qkv")``. Tried in order.
-    fusable_projections: tuple[tuple[tuple[str, ...], str], ...] = ()
-
-    # -- sampling ----------------------------------------------------------------------
-    @property
-    def sampling(self) -> SamplingSettings:
-        """The settings users sample this model with (the model's ``num_steps``, ``guidance_scale``
-        and ``shift``): calibration, parity and generation run them unless told otherwise."""
-        d = self.spec.defaults
-        missing = [k for k in ("num_steps", "guidance_scale", "shift") if k not in d]
-        if missing:
-            from trt_sora.errors import ModelError
-
-            raise ModelError(f"model {self.name} declares no sampling {', '.join(missing)}; add them to its "
-                             f"defaults in trt_sora/models/{self.family}.py")
-        two = {k: float(d[k]) for k in ("boundary_ratio", "guidance_scale_2") if d.get(k) is not None}
-        return SamplingSettings(num_steps=int(d["num_steps"]), guidance_scale=float(d["guidance_scale"]),
-                                shift=float(d["shift"]), **two)
-
-    # -- conditioning ------------------------------------------------------------------------
-    def text_conditioning(self, encode: Callable[[list[str], int], Any], prompts: list[str],
-                          point: Mapping[str, int]) -> dict[str, Any]:
-        """The per-branch inputs of ``prompts`` at ``point`` (its ``text_len``): ``{name: [B, ...]}`` fp32
-        (default: ``{"encoder_hidden_states": encode(prompts, text_len)}``)."""
-        import torch
-
-        from trt_sora.errors import ModelError
-
-        text_len = int(point["text_len"])
-        emb = encode(list(prompts), text_len)
-        if not isinstance(emb, torch.Tensor) or emb.dim() != 3 or tuple(emb.shape[:2]) != (len(prompts), text_len):
-            raise ModelError(f"the text encoder of {self.name} returned {getattr(emb, 'shape', type(emb))} for "
-                             f"{len(prompts)} prompts at text_len {text_len}; expected [B, text_len, D]")
-        return {"encoder_hidden_states": emb.float()}
-
-    def negative_conditioning(self, encode: Callable[[list[str], int], Any], batch: int,
-                              point: Mapping[str, int], prompt: str | None = None) -> dict[str, Any]:
-        """The unconditional branch's per-branch inputs: ``prompt`` encoded when given, else the
-        model's own (:meth:`negative_embedding`)."""
-        if prompt is not None:
-            return self.text_conditioning(encode, [prompt] * batch, point)
-        return {"encoder_hidden_states": self.negative_embedding(encode, batch, int(point["text_len"]))}
-
-    def image_conditioning(self, point: Mapping[str, int], *, seed: int = 0, images=None) -> dict[str, Any]:
-        """Inputs both CFG branches share (image-to-video: the image's latents and embedding) at
-        ``point`` (batch = its ``batch``); ``{}`` for text-to-video models. ``images``: fp32
-        ``[batch, 3, height, width]`` in ``[-1, 1]`` at the clip's pixel size (generation), or None
-        for a seeded stand-in (calibration and parity of random-weight models)."""
-        return {}
-
-    @property
-    def image_input(self) -> str:
-        """Whether generation takes a conditioning image: ``"none"`` (text-to-video), ``"optional"``
-        (text- or image-to-video, e.g. Wan 2.2 TI2V) or ``"required"`` (image-to-video)."""
-        return "none"
-
-    def image_encoder_description(self) -> str:
-        """How :meth:`image_conditioning` encodes a given image, in words (clip metadata)."""
-        return "none (text-to-video)"
-
-    def _once(self, key: str, load: Callable[[], Any]) -> Any:
-        """``load()``, run once per adapter (a family's heavy components - its VAE, its image encoder -
-        shared by decoding, image encoding and metadata)."""
-        if key not in self.__dict__:
-            self.__dict__[key] = load()
-        return self.__dict__[key]
-
-    def vae_on(self, device=None, dtype=None) -> tuple[Any, str]:
-        """``(vae, description)`` of :meth:`vae` on ``device`` in ``dtype`` (a copy made once per
-        place; None and None: the fp32 CPU one every stage shares)."""
-        import copy
-
-        vae, desc = self.vae()
-        if vae is None or (device is None and dtype is None):
-            return vae, desc
-        key = f"_vae_{device}_{dtype}"
-        return self._once(key, lambda: (copy.deepcopy(vae).to(device=device, dtype=dtype),
-                                        f"{desc}, {str(dtype).removeprefix('torch.')} on {device}"))
-
-    def negative_embedding(self, encode: Callable[[list[str], int], Any], batch: int, text_len: int):
-        """The unconditional branch's conditioning users sample with, ``[batch, text_len, text_dim]``
-        fp32: the model's negative prompt encoded by ``encode``, or zeros for a model whose dropped-text
-        condition is the zero embedding (``negative_prompt: None`` in its defaults, e.g. wan-shapes)."""
-        neg = self.spec.defaults.get("negative_prompt", "")
-        if neg is None:
-            import torch
-
-            return torch.zeros(batch, text_len, self.text_dim)
-        return encode([neg] * batch, text_len).float()
-
-    @abc.abstractmethod
-    def scheduler(self, shift: float | None = None):
-        """A fresh diffusers scheduler of the family (flow matching for Wan); ``shift`` None =
-        :attr:`sampling`'s."""
-
-    @abc.abstractmethod
-    def decoder(self, device=None, dtype=None) -> tuple[Callable[[Any], Any], str]:
-        """``(decode, description)``: latents ``[B, C, F, H, W]`` -> frames ``[B, 3, F', H', W']``
-        fp32 in ``[-1, 1]`` (the family's latent decoder), computed on ``device`` in ``dtype``
-        (default: CPU, fp32) and returned there."""
-
-    @abc.abstractmethod
-    def text_encoder(self, source: str | None = None, device=None) -> Callable[[list[str], int], torch.Tensor]:
-        """``encode(prompts, text_len) -> [B, text_len, text_dim] float32`` on the CPU (a neural encoder
-        computes on ``device``, in bf16 there when it is a GPU)."""
-
-    def diffusers_pipeline(self, transformer, *, encode, scheduler, defaults: Mapping[str, Any]):
-        """A ready diffusers pipeline of the family around ``transformer`` whose prompts go through
-        ``encode`` and whose call defaults are ``defaults`` (see ``trt_sora.runtime.diffusers_pipeline``)."""
-        from trt_sora.errors import ModelError
-
-        raise ModelError(f"model family {self.family!r} has no diffusers pipeline helper yet; drive the "
-                         "runtime with trt_sora.runtime.generate")
+        """``{input_name: {axis: size}}``: every non-dynamic axis of every input (latent channels,
+        text-embedding width; an image embedding ``[B, 257, 1280]`` has two)."""
 
     def buckets_for(self, recipe) -> tuple[tuple, str]:
         """``(buckets, source)``: the recipe's shape buckets, or the model's own when it declares
@@ -408,23 +304,31 @@ class ModelAdapter(Conditioner, abc.ABC):
             b.validate(self.patch_size)
         return buckets, source
 
-    def torch_fp8_limitation(self) -> str | None:
-        """Why the torch-fp8 backend's fused blocks cannot run this model, or None when they can
-        (they implement Wan's text-to-video block; families say what they lack)."""
-        return f"model family {self.family!r} has no torch-fp8 fused blocks (they are Wan text-to-video's)"
-
+    # -- sampling and conditioning -----------------------------------------------------------------
     @property
-    def num_heads(self) -> int:
-        """Self-attention heads (the Ulysses degree must divide it)."""
-        return int(self.spec.config["num_attention_heads"])
+    def sampling(self) -> SamplingSettings:
+        """The settings users sample this model with (the model's ``num_steps``, ``guidance_scale``
+        and ``shift``): calibration, parity and generation run them unless told otherwise."""
+        d = self.spec.defaults
+        missing = [k for k in ("num_steps", "guidance_scale", "shift") if k not in d]
+        if missing:
+            from trt_sora.errors import ModelError
 
-    def enable_sequence_parallel(self, model, seq) -> None:
-        """Split ``model``'s token sequence over ``seq`` (:class:`trt_sora.parallel.SeqShard`):
-        shard after the input embedding, all-to-all around self-attention, gather before the
-        output head. Families that support Ulysses override this."""
-        from trt_sora.errors import ConfigError
+            raise ModelError(f"model {self.name} declares no sampling {', '.join(missing)}; add them to its "
+                             f"defaults in trt_sora/models/{self.family}.py")
+        two = {k: float(d[k]) for k in ("boundary_ratio", "guidance_scale_2") if d.get(k) is not None}
+        return SamplingSettings(num_steps=int(d["num_steps"]), guidance_scale=float(d["guidance_scale"]),
+                                shift=float(d["shift"]), **two)
 
-        raise ConfigError(f"model family {self.family!r} has no sequence-parallel (Ulysses) path; use ulysses=1")
+    @abc.abstractmethod
+    def scheduler(self, shift: float | None = None):
+        """A fresh diffusers scheduler of the family (flow matching for Wan); ``shift`` None =
+        :attr:`sampling`'s."""
+
+    @abc.abstractmethod
+    def text_encoder(self, source: str | None = None, device=None) -> Callable[[list[str], int], torch.Tensor]:
+        """``encode(prompts, text_len) -> [B, text_len, text_dim] float32`` on the CPU (a neural encoder
+        computes on ``device``, in bf16 there when it is a GPU)."""
 
     def heldout_prompts(self) -> list[str] | None:
         """Held-out prompts the model's quality checks should use (its own prompt set's ``heldout``
@@ -436,7 +340,114 @@ class ModelAdapter(Conditioner, abc.ABC):
 
         return [p.prompt for p in load_prompts(ref, split="heldout")]
 
-    # -- pixels <-> latents --------------------------------------------------------------
+    def caption_probe(self) -> Callable[[str, Any], dict] | None:
+        """``verdict(caption, frames uint8 [F, H, W, 3]) -> dict`` (with ``passes``) when the model
+        ships a checker that reads a clip back against its caption (wan-shapes' probe), else None."""
+        ref = self.spec.defaults.get("caption_probe")
+        if not ref:
+            return None
+        import importlib
+
+        module, _, name = ref.partition(":")
+        return getattr(importlib.import_module(module), name)
+
+    def conditioning(self, encode: Callable[..., Any], prompts: Sequence[str], point: Mapping[str, int], *,
+                     negative: str | Sequence[str | None] | None = None, shared: Mapping[str, Any] | None = None,
+                     seed: int = 0, cfg: bool = True) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        """``(cond, uncond)``: the inputs of both CFG branches for ``prompts`` at ``point``, ``{name: [B, ...]}``
+        with B = ``len(prompts)`` (the one place calibration, parity and generation build them).
+
+        ``negative``: the unconditional branch's prompt for every row (None: the model's own,
+        :meth:`negative_conditioning`), or a list with one per row, each encoded on its own (a row does not
+        depend on its batch). ``shared``: what both branches share (an image-to-video model's encoded
+        images); None: :meth:`image_conditioning` at ``point`` seeded by ``seed``. ``cfg`` False: uncond None.
+        """
+        import torch
+
+        point = self.with_family_dims(point)
+        shared = self.image_conditioning(point, seed=seed) if shared is None else dict(shared)
+        cond = {**self.text_conditioning(encode, list(prompts), point), **shared}
+        if not cfg:
+            return cond, None
+        if isinstance(negative, (list, tuple)):
+            rows = [self.negative_conditioning(encode, 1, {**point, "batch": 1}, prompt=n) for n in negative]
+            neg = {k: torch.cat([r[k].float() for r in rows]) for k in rows[0]}
+        else:
+            neg = self.negative_conditioning(encode, len(prompts), point, prompt=negative)
+        return cond, {**neg, **shared}
+
+    def text_conditioning(self, encode: Callable[[list[str], int], Any], prompts: list[str],
+                          point: Mapping[str, int]) -> dict[str, Any]:
+        """The per-branch inputs of ``prompts`` at ``point`` (its ``text_len``): ``{name: [B, ...]}`` fp32
+        (default: ``{"encoder_hidden_states": encode(prompts, text_len)}``)."""
+        import torch
+
+        from trt_sora.errors import ModelError
+
+        text_len = int(point["text_len"])
+        emb = encode(list(prompts), text_len)
+        if not isinstance(emb, torch.Tensor) or emb.dim() != 3 or tuple(emb.shape[:2]) != (len(prompts), text_len):
+            raise ModelError(f"the text encoder of {self.name} returned {getattr(emb, 'shape', type(emb))} for "
+                             f"{len(prompts)} prompts at text_len {text_len}; expected [B, text_len, D]")
+        return {"encoder_hidden_states": emb.float()}
+
+    def negative_conditioning(self, encode: Callable[[list[str], int], Any], batch: int,
+                              point: Mapping[str, int], prompt: str | None = None) -> dict[str, Any]:
+        """The unconditional branch's per-branch inputs: ``prompt`` encoded when given, else the
+        model's own - its negative prompt encoded (``negative_prompt`` of its defaults, ``""`` when
+        unset), or zeros ``[batch, text_len, text_dim]`` for a model whose dropped-text condition is
+        the zero embedding (``negative_prompt: None``, e.g. wan-shapes)."""
+        if prompt is None:
+            prompt = self.spec.defaults.get("negative_prompt", "")
+            if prompt is None:
+                import torch
+
+                return {"encoder_hidden_states": torch.zeros(batch, int(point["text_len"]), self.text_dim)}
+        return self.text_conditioning(encode, [prompt] * batch, point)
+
+    def image_conditioning(self, point: Mapping[str, int], *, seed: int = 0, images=None) -> dict[str, Any]:
+        """Inputs both CFG branches share (image-to-video: the image's latents and embedding) at
+        ``point`` (batch = its ``batch``); ``{}`` for text-to-video models. ``images``: fp32
+        ``[batch, 3, height, width]`` in ``[-1, 1]`` at the clip's pixel size (generation), or None
+        for a seeded stand-in (calibration and parity of random-weight models)."""
+        return {}
+
+    @property
+    def image_input(self) -> str:
+        """Whether generation takes a conditioning image: ``"none"`` (text-to-video), ``"optional"``
+        (text- or image-to-video, e.g. Wan 2.2 TI2V) or ``"required"`` (image-to-video)."""
+        return "none"
+
+    def image_encoder_description(self) -> str:
+        """How :meth:`image_conditioning` encodes a given image, in words (clip metadata)."""
+        return "none (text-to-video)"
+
+    # -- decoding (latents <-> pixels) -------------------------------------------------------------
+    @abc.abstractmethod
+    def decoder(self, device=None, dtype=None) -> tuple[Callable[[Any], Any], str]:
+        """``(decode, description)``: latents ``[B, C, F, H, W]`` -> frames ``[B, 3, F', H', W']``
+        fp32 in ``[-1, 1]`` (the family's latent decoder), computed on ``device`` in ``dtype``
+        (default: CPU, fp32) and returned there."""
+
+    def vae_on(self, device=None, dtype=None) -> tuple[Any, str]:
+        """``(vae, description)`` of :meth:`vae` on ``device`` in ``dtype`` (a copy made once per
+        place; None and None: the fp32 CPU one every stage shares)."""
+        import copy
+
+        vae, desc = self.vae()
+        if vae is None or (device is None and dtype is None):
+            return vae, desc
+        key = f"_vae_{device}_{dtype}"
+        return self._once(key, lambda: (copy.deepcopy(vae).to(device=device, dtype=dtype),
+                                        f"{desc}, {str(dtype).removeprefix('torch.')} on {device}"))
+
+    def _once(self, key: str, load: Callable[[], Any]) -> Any:
+        """``load()``, run once per adapter (a family's heavy components - its VAE, its image encoder -
+        shared by decoding, image encoding and metadata)."""
+        if key not in self.__dict__:
+            self.__dict__[key] = load()
+        return self.__dict__[key]
+
     @property
     def vae_scale(self) -> tuple[int, int]:
         """``(temporal, spatial)`` downsampling of the family's latent decoder: ``num_frames =
@@ -472,32 +483,37 @@ class ModelAdapter(Conditioner, abc.ABC):
                              f"{max(1, height // (s * ph)) * s * ph}x{max(1, width // (s * pw)) * s * pw}")
         return {"latent_frames": (num_frames - 1) // t + 1, "latent_height": height // s, "latent_width": width // s}
 
-    def caption_probe(self) -> Callable[[str, Any], dict] | None:
-        """``verdict(caption, frames uint8 [F, H, W, 3]) -> dict`` (with ``passes``) when the model
-        ships a checker that reads a clip back against its caption (wan-shapes' probe), else None."""
-        ref = self.spec.defaults.get("caption_probe")
-        if not ref:
-            return None
-        import importlib
+    # -- optional capabilities: a family overrides them or they raise a typed error ----------------
+    @property
+    def experts(self) -> tuple[str, ...]:
+        """``("high", "low")`` for a boundary-switched pair of transformers (Wan 2.2 A14B), else ``()``."""
+        return ()
 
-        module, _, name = ref.partition(":")
-        return getattr(importlib.import_module(module), name)
+    def expert(self, name: str) -> ModelAdapter:
+        """The adapter of one expert (its own weights, same family facts)."""
+        from trt_sora.errors import ModelError
 
-    def describe(self) -> dict:
-        """JSON-safe identity for manifests, with how the model is sampled (its text encoder and
-        sampling settings), so a run folder carries what generation needs."""
-        out = {
-            "ref": self.spec.ref,
-            "family": self.family,
-            "source": self.spec.source,
-            "path": self.spec.path,
-            "model_hash": self.spec.model_hash(),
-            "config": dict(self.spec.config),
-            "text_encoder": self.spec.text_encoder,
-            "negative_prompt": self.spec.defaults.get("negative_prompt", ""),
-        }
-        if all(k in self.spec.defaults for k in ("num_steps", "guidance_scale", "shift")):
-            out["sampling"] = self.sampling.to_dict()
-        if self.spec.expert:
-            out["expert"] = self.spec.expert
-        return out
+        raise ModelError(f"model {self.name} is one transformer, it has no expert {name!r}")
+
+    def enable_sequence_parallel(self, model, seq) -> None:
+        """Split ``model``'s token sequence over ``seq`` (:class:`trt_sora.parallel.SeqShard`):
+        shard after the input embedding, all-to-all around self-attention, gather before the
+        output head. Families that support Ulysses override this."""
+        from trt_sora.errors import ConfigError
+
+        raise ConfigError(f"model family {self.family!r} has no sequence-parallel (Ulysses) path; use ulysses=1")
+
+    def torch_fp8_rewrite(self) -> Callable[..., list]:
+        """The torch-fp8 backend's block rewrite, a capability a family may provide:
+        ``rewrite(model, plan, *, fused, counters, fast_accum) -> blocks`` turns a loaded model's
+        planned linears into FP8 GEMMs in place (:mod:`trt_sora.kernels.fp8_linear`); each returned
+        block has ``name`` and ``fp8_attention``. A family without it raises ConfigError."""
+        raise torch_fp8_unsupported(self, f"model family {self.family!r} has no torch-fp8 block rewrite")
+
+    def diffusers_pipeline(self, transformer, *, encode, scheduler, defaults: Mapping[str, Any]):
+        """A ready diffusers pipeline of the family around ``transformer`` whose prompts go through
+        ``encode`` and whose call defaults are ``defaults`` (see ``trt_sora.runtime.diffusers_pipeline``)."""
+        from trt_sora.errors import ModelError
+
+        raise ModelError(f"model family {self.family!r} has no diffusers pipeline helper yet; drive the "
+                         "runtime with trt_sora.runtime.generate")

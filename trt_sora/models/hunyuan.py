@@ -89,9 +89,15 @@ LAYER_KINDS: dict[str, str] = {
 FUSABLE_PROJECTIONS = ((("to_q", "to_k", "to_v"), "to_qkv"),
                        (("add_q_proj", "add_k_proj", "add_v_proj"), "to_added_qkv"))
 
-#: Layers kept in high precision beyond the shared defaults, with the reason (the quantize stage,
-#: the calibration report and the fake-quant runners all apply them).
+#: Layers kept in high precision by default, ``{module pattern: reason}``, in match order (the quantize
+#: stage, the calibration report and the fake-quant runners all apply them).
 QUANT_EXCLUDES: dict[str, str] = {
+    "x_embedder*": "patch embedding (first layer, sees raw latents)",
+    "time_embed*": "timestep embedder",
+    "*.norm1.linear": "AdaLN modulation",
+    "*.norm1_context.linear": "AdaLN modulation",
+    "norm_out.*": "final AdaLN modulation",
+    "proj_out": "final projection (writes the predicted velocity/noise)",
     "context_embedder.*": "text token refiner (conditions every block; runs on <= 1000 text tokens)",
     "context_embedder_2.*": "ByT5 glyph projection (zeros for prompts without quoted text; <= 256 tokens)",
     "image_embedder.*": "SigLIP image projection (zeros in text-to-video)",
@@ -365,15 +371,10 @@ class HunyuanVideo15Adapter(ModelAdapter):
                 "encoder_attention_mask_2": {0: "batch", 1: "text_len_2"},
                 "image_embeds": {0: "batch"}, "sample": dict(spatial)}
 
-    def fixed_dims(self) -> dict[str, tuple[int, int]]:
-        d = self._dims()
-        return {"hidden_states": (1, self.in_channels), "encoder_hidden_states": (2, self.text_dim),
-                "encoder_hidden_states_2": (2, d["text_2"]), "image_embeds": (2, d["image"])}
-
     def fixed_axes(self) -> dict[str, dict[int, int]]:
-        out = super().fixed_axes()
-        out["image_embeds"] = {1: self.image_len, 2: self._dims()["image"]}
-        return out
+        d = self._dims()
+        return {"hidden_states": {1: self.in_channels}, "encoder_hidden_states": {2: self.text_dim},
+                "encoder_hidden_states_2": {2: d["text_2"]}, "image_embeds": {1: self.image_len, 2: d["image"]}}
 
     def example_inputs(self, point: Mapping[str, int], *, dtype: str = "fp32", device: str = "cpu",
                        seed: int = 0):
@@ -432,11 +433,6 @@ class HunyuanVideo15Adapter(ModelAdapter):
         p = self.with_family_dims(point)
         return encode(list(prompts), int(p["text_len"]), int(p["text_len_2"]))
 
-    def negative_conditioning(self, encode, batch, point, prompt=None):
-        """The pipeline's unconditional branch: the negative prompt (default ``""``) through both encoders."""
-        neg = prompt if prompt is not None else self.spec.defaults.get("negative_prompt", "")
-        return self.text_conditioning(encode, [neg] * batch, point)
-
     def text_encoder(self, source: str | None = None, device=None):
         """``"hash"`` (the default of named random-weight models): seeded stand-ins with the pipeline's
         masks (:class:`HunyuanTextEncoder`)."""
@@ -446,9 +442,6 @@ class HunyuanVideo15Adapter(ModelAdapter):
                              f"into trt_sora yet (asked for {source!r}); use text_encoder='hash'")
         d = self._dims()
         return HunyuanTextEncoder(self.text_dim, d["text_2"], seed=self.spec.seed)
-
-    def negative_embedding(self, encode, batch, text_len):
-        return self.negative_conditioning(encode, batch, {"text_len": text_len})["encoder_hidden_states"]
 
     # -- sampling ----------------------------------------------------------------------------
     def scheduler(self, shift: float | None = None):

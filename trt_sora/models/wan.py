@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from trt_sora.errors import ModelError, require
-from trt_sora.models.base import ModelAdapter, ModelSpec, torch_dtype, transformer_folder
+from trt_sora.models.base import ModelAdapter, ModelSpec, torch_dtype, torch_fp8_unsupported, transformer_folder
 
 CLASS_NAME = "WanTransformer3DModel"
 
@@ -222,10 +222,30 @@ def _make_wrapper(model, *, image: bool = False, frame_timesteps: bool = False):
     return WanForExport(model)
 
 
+#: Layers kept in high precision by default, ``{module pattern: reason}``, in match order (the quantize
+#: stage, the calibration report and the fake-quant runners all apply them).
+QUANT_EXCLUDES: dict[str, str] = {
+    "patch_embedding": "patch embedding (first layer, sees raw latents)",
+    "patch_embedding.*": "patch embedding (first layer, sees raw latents)",
+    "condition_embedder.time_embedder.*": "timestep embedder (runs on fp32 sinusoids)",
+    "condition_embedder.time_proj": "AdaLN modulation projection (scales every block)",
+    "condition_embedder.text_embedder.*": "text embedder (conditions every cross-attention)",
+    "condition_embedder.image_embedder.*": "image embedder (conditions every cross-attention)",
+    "proj_out": "final projection (writes the predicted velocity/noise)",
+}
+
+#: The module filter ModelOpt's diffusers example applies to Wan (``filter_func_wan_video``; the calibration
+#: report's peer row). Its Wan 2.2 A14B version also keeps blocks 0-2 and 37-39 (of 40) in high precision;
+#: that block rule is specific to the 40-block model and is not applied to other depths.
+MODELOPT_EXCLUDE = r".*(patch_embedding|condition_embedder|proj_out).*"
+
+
 class WanAdapter(ModelAdapter):
     family = "wan"
     layer_kinds = LAYER_KINDS
     fusable_projections = FUSABLE_PROJECTIONS
+    quant_excludes = QUANT_EXCLUDES
+    modelopt_exclude = MODELOPT_EXCLUDE
 
     def __init__(self, spec: ModelSpec):
         super().__init__(spec)
@@ -280,13 +300,17 @@ class WanAdapter(ModelAdapter):
             out["pipeline"] = pipe
         return out
 
-    def torch_fp8_limitation(self) -> str | None:
-        """Why the torch-fp8 fused blocks cannot run this model (None: they can)."""
+    def torch_fp8_rewrite(self):
+        """Wan text-to-video blocks on FP8 GEMMs and fused kernels (:func:`trt_sora.models.wan_fp8.prepare`)."""
         if self.is_i2v:
-            return "image-to-video Wan blocks (added K/V projections) have no torch-fp8 fused block yet"
+            raise torch_fp8_unsupported(self, "image-to-video Wan blocks (added K/V projections) have no "
+                                        "torch-fp8 fused block yet")
         if self.frame_timesteps:
-            return "Wan 2.2 TI2V's per-token timestep embedding has no torch-fp8 fused block yet"
-        return None
+            raise torch_fp8_unsupported(self, "Wan 2.2 TI2V's per-token timestep embedding has no torch-fp8 fused "
+                                        "block yet")
+        from trt_sora.models import wan_fp8
+
+        return wan_fp8.prepare
 
     # -- experts (Wan 2.2 A14B) --------------------------------------------------------------------
     @property
@@ -381,14 +405,8 @@ class WanAdapter(ModelAdapter):
             dims["encoder_hidden_states_image"] = {0: "batch"}
         return dims
 
-    def fixed_dims(self) -> dict[str, tuple[int, int]]:
-        out = {"hidden_states": (1, self.in_channels), "encoder_hidden_states": (2, self.text_dim)}
-        if self.is_i2v:
-            out["encoder_hidden_states_image"] = (2, int(self.spec.config["image_dim"]))
-        return out
-
     def fixed_axes(self) -> dict[str, dict[int, int]]:
-        out = super().fixed_axes()
+        out = {"hidden_states": {1: self.in_channels}, "encoder_hidden_states": {2: self.text_dim}}
         if self.is_i2v:
             out["encoder_hidden_states_image"] = {1: self.image_len, 2: int(self.spec.config["image_dim"])}
         return out
@@ -655,7 +673,8 @@ class WanAdapter(ModelAdapter):
         pair = self.sampling.boundary_ratio
         return diffusers_pipeline(transformer, encode=encode, vae=vae if vae is not None else
                                   pixel_vae(self.latent_channels), scheduler=scheduler, defaults=defaults,
-                                  negative=lambda n, text_len: self.negative_embedding(encode, n, text_len),
+                                  negative=lambda n, text_len: self.negative_conditioning(
+                                      encode, n, {"text_len": text_len})["encoder_hidden_states"],
                                   transformer_2=(transformer_2 or transformer) if pair else None, boundary_ratio=pair,
                                   expand_timesteps=self.frame_timesteps)
 

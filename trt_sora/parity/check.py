@@ -107,7 +107,7 @@ def _adapter_for(run: Path, model):
 
 
 # -- localisation -------------------------------------------------------------------------------------
-def probe_names(model, container: str = "blocks") -> list[str]:
+def probe_names(model, container: str) -> list[str]:
     """Module paths to compare inside the transformer: every ``nn.Linear`` and every block
     (``<container>.N``: the family's ``block_container``)."""
     import torch
@@ -119,13 +119,14 @@ def probe_names(model, container: str = "blocks") -> list[str]:
     return out
 
 
-def localize(ref_runner, cand_runner, feeds, probes: Sequence[str], *, jump_factor: float = 10.0,
+def localize(ref_runner, cand_runner, feeds, probes: Sequence[str], *, container: str, jump_factor: float = 10.0,
              floor: float = 1e-3) -> dict[str, Any]:
     """Compare intermediate tensors in execution order; name the first layer where error jumps.
 
     A probe "jumps" when its relative L2 error exceeds ``jump_factor`` x the largest error of every
-    probe before it (floored at ``floor``). Without a clear jump the largest relative increase wins.
-    Returns ``{"first_jump": name|None, "block": "blocks.N"|None, "layers": [{"name", "rel_l2", "cosine",
+    probe before it (floored at ``floor``). Without a clear jump the largest relative increase wins;
+    its block is ``<container>.N`` (the family's ``block_container``).
+    Returns ``{"first_jump": name|None, "block": "<container>.N"|None, "layers": [{"name", "rel_l2", "cosine",
     "ratio"}], "reference", "candidate"}``.
     """
     _, ref_p = ref_runner.infer_probes(feeds, probes)
@@ -142,10 +143,8 @@ def localize(ref_runner, cand_runner, feeds, probes: Sequence[str], *, jump_fact
         worst_before = max(worst_before, m["rel_l2"])
     if first is None and layers:
         first = max(layers, key=lambda x: x["ratio"])["name"]
-    block = None
-    m = re.match(r"^([A-Za-z_]\w*\.\d+)(\.|$)", first or "")
-    if m:  # blocks.N (Wan), transformer_blocks.N (HunyuanVideo)
-        block = m.group(1)
+    m = re.match(rf"^({re.escape(container)}\.\d+)(\.|$)", first or "")
+    block = m.group(1) if m else None
     return {"first_jump": first, "block": block, "layers": layers, "reference": ref_runner.name,
             "candidate": cand_runner.name, "compared": len(layers)}
 
@@ -525,7 +524,7 @@ def check_artifacts(run_dir: str | Path, recipe, *, model=None, backend: str = "
             near = [st for st in traj.inputs if st in served.get(side.expert, traj.inputs)] or list(traj.inputs)
             feeds = traj.inputs[min(near, key=lambda st: abs(st - worst_call["step"]))]  # the worst call's inputs
             localization["loop"] = localize(side.fq or side.ref, side.cand, feeds, side.probes,
-                                            jump_factor=pc.jump_factor)
+                                            container=side.adapter.block_container, jump_factor=pc.jump_factor)
 
     caching_rec = None
     if caching is not None:  # the served loop: the candidate with the recipe's cache schedule
@@ -610,6 +609,7 @@ def _single_call_levels(side: _Side, samples, pc, comparisons: list, localizatio
                 pair = (fq, c) if qdq is not None and not qdq["passed"] else (r, fq)
             worst = min(range(len(res["per_sample"])), key=lambda i: res["per_sample"][i]["cosine"])
             localization[side.level(level)] = localize(pair[0], pair[1], samples[worst][1], side.probes,
+                                                       container=side.adapter.block_container,
                                                        jump_factor=pc.jump_factor)
         return res
 

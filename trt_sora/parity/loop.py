@@ -45,9 +45,7 @@ def loop_inputs(adapter, point: Mapping[str, int], *, seed: int = 0, prompts=HEL
     point = adapter.with_family_dims(point)
     prompts = adapter.heldout_prompts() or prompts
     enc = adapter.text_encoder(text_encoder)
-    shared = adapter.image_conditioning(point, seed=seed)
-    cond = {**adapter.text_conditioning(enc, [prompts[i % len(prompts)] for i in range(b)], point), **shared}
-    uncond = {**adapter.negative_conditioning(enc, b, point), **shared}
+    cond, uncond = adapter.conditioning(enc, [prompts[i % len(prompts)] for i in range(b)], point, seed=seed)
     noise = gaussian_noise((b, adapter.latent_channels, int(point["latent_frames"]), int(point["latent_height"]),
                             int(point["latent_width"])), seed)
     return noise, cond, uncond

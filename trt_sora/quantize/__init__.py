@@ -5,7 +5,8 @@ graphsurgeon. The public names resolve lazily:
 
 * :func:`quantize_onnx` (``model.onnx`` + ``stats.safetensors`` -> ``model.qdq.onnx``,
   ``qdq_map.json``, ``manifest.json``) and :class:`QuantResult` - :mod:`trt_sora.quantize.api`.
-* :func:`site_policy`, :data:`DEFAULT_EXCLUDES` - :mod:`trt_sora.site_policy` (shared with calibration).
+* :func:`site_policy` - :mod:`trt_sora.site_policy` (shared with calibration; the exclusions are the
+  model family's, ``ModelAdapter.quant_excludes``).
 * graph passes: :mod:`~trt_sora.quantize.sites` (site -> node resolution),
   :mod:`~trt_sora.quantize.dtype` (graph float type), :mod:`~trt_sora.quantize.fuse_qkv`,
   :mod:`~trt_sora.quantize.qdq`.
@@ -19,7 +20,6 @@ _LAZY = {
     "QuantResult": "trt_sora.quantize.api",
     "QDQ_NAME": "trt_sora.quantize.api",
     "site_policy": "trt_sora.site_policy",
-    "DEFAULT_EXCLUDES": "trt_sora.site_policy",
 }
 
 __all__ = sorted(_LAZY)

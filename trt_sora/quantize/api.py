@@ -81,10 +81,14 @@ def _export_manifest(onnx_path: Path) -> dict | None:
         return None
 
 
-def _family_excludes(exp_model: dict) -> dict:
-    """The model family's own default exclusions (its adapter's ``quant_excludes``), from the export manifest."""
-    if not exp_model.get("ref"):
+def _family_excludes(exp_model: dict, config: QuantConfig, onnx_path: Path) -> dict:
+    """The model family's default exclusions (its adapter's ``quant_excludes``), from the export manifest."""
+    if not config.default_excludes or QuantFormat(config.format) is QuantFormat.NONE:
         return {}
+    if not exp_model.get("ref"):
+        raise QuantizeError(f"no export manifest naming the model beside {onnx_path}: its family's default "
+                            "exclusions are unknown; quantize the folder `trt-sora export` wrote, or set "
+                            "quantization.default_excludes: false and list the exclusions")
     from trt_sora.models import adapter_for_manifest
 
     return dict(adapter_for_manifest(exp_model).quant_excludes)
@@ -223,7 +227,7 @@ def quantize_onnx(onnx_path: str | os.PathLike, stats, config: QuantConfig, out_
     if weights is not None:
         _use_rounded_weights(linears, weights, _dead_linears(exp))
 
-    family_excludes = _family_excludes(exp_model)
+    family_excludes = _family_excludes(exp_model, config, onnx_path)
     decisions = {s: site_policy(s, config, family_excludes) for s in linears}
     if fmt is QuantFormat.NONE:
         decisions = {s: (False, "quantization.format is none") for s in linears}

@@ -159,14 +159,7 @@ class TorchFp8Runner(Runner):
     def _activate_impl(self) -> None:
         import torch
 
-        from trt_sora.models import wan_fp8
-
-        why = self.adapter.torch_fp8_limitation()
-        if why:
-            from trt_sora.errors import ConfigError
-
-            raise ConfigError(f"backend torch-fp8 cannot run {self.adapter.name}: {why}; serve it with backend "
-                              "'trt' (TensorRT) or 'ort'")
+        rewrite = self.adapter.torch_fp8_rewrite()  # before loading: a family without it fails at once
         check_device(self.device)
         self.plan = dict(self._given_plan) if self._given_plan is not None else fp8_plan(self.qdq_map, self.stats)
         model = self._given_model
@@ -181,8 +174,8 @@ class TorchFp8Runner(Runner):
             from trt_sora.runners.torch_runner import read_qdq_map, use_rounded_weights
 
             use_rounded_weights(model, read_qdq_map(self.qdq_map)[1])
-        self.blocks = wan_fp8.prepare(model, self.plan, fused=self.mode == "fused", counters=self.counters,
-                                      fast_accum=self.fast_accum)
+        self.blocks = rewrite(model, self.plan, fused=self.mode == "fused", counters=self.counters,
+                              fast_accum=self.fast_accum)
         self.model = model
         self._fwd = self.adapter.export_module(model).eval()
         self._pool = torch.cuda.graph_pool_handle() if self._graphs_on() else None
@@ -292,6 +285,6 @@ class TorchFp8Runner(Runner):
 
     def expected_gemms(self) -> int:
         """FP8 GEMM launches one call must make under the plan (fused QKV / KV count once)."""
-        from trt_sora.models.wan_fp8 import Gemm
+        from trt_sora.kernels.fp8_linear import Gemm
 
         return sum(int(m.fp8) for m in self.model.modules() if isinstance(m, Gemm))

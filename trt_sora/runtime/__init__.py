@@ -226,8 +226,8 @@ class ServingRunner:
 
     def __init__(self, runners: list, *, backend: str, buckets, model_config: Mapping[str, Any], run_dir: Path,
                  input_ranks: Mapping[str, int], channels: Mapping[str, Any],
-                 patch: tuple[int, int, int] = (1, 1, 1), check_finite: bool = True,
-                 input_dims: Mapping[str, Mapping[int, str]] | None = None, mask_inputs: tuple[str, ...] = ()):
+                 input_dims: Mapping[str, Mapping[int, str]], patch: tuple[int, int, int] = (1, 1, 1),
+                 check_finite: bool = True, mask_inputs: tuple[str, ...] = ()):
         self._pool: queue.Queue = queue.Queue()
         for r in runners:
             self._pool.put(r)
@@ -240,7 +240,7 @@ class ServingRunner:
         # {input: {axis: size}} (an older (axis, size) pair is one fixed axis)
         self._fixed = {n: (dict([v]) if isinstance(v, tuple) else {int(a): int(z) for a, z in v.items()})
                        for n, v in channels.items()}
-        self._dims = {n: {int(a): d for a, d in axes.items()} for n, axes in (input_dims or _WAN_DIMS).items()
+        self._dims = {n: {int(a): d for a, d in axes.items()} for n, axes in input_dims.items()
                       if n in self._ranks}
         self._masks = tuple(mask_inputs)
         self.patch = tuple(patch)
@@ -394,11 +394,6 @@ class ServingRunner:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-#: Wan's input dims: a ServingRunner built without ``input_dims`` (older callers) serves a Wan layout.
-_WAN_DIMS = {"hidden_states": {0: "batch", 2: "latent_frames", 3: "latent_height", 4: "latent_width"},
-             "timestep": {0: "batch"}, "encoder_hidden_states": {0: "batch", 1: "text_len"}}
 
 
 def _non_finite(x) -> int:

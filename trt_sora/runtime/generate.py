@@ -65,7 +65,7 @@ class ClipRequest:
         prompt: the caption.
         seed: noise seed (the clip's noise is drawn from it alone).
         negative_prompt: the unconditional branch's text; None = the model's own unconditional
-            conditioning (``adapter.negative_embedding``: Wan's encoded negative prompt, wan-shapes'
+            conditioning (``adapter.negative_conditioning``: Wan's encoded negative prompt, wan-shapes'
             zero embedding).
         steps, guidance, shift: sampling overrides (default: the artifact's sampling settings).
         num_frames, height, width: pixel size (default: the first bucket's opt point).
@@ -415,10 +415,9 @@ class Generator:
         settings, p = r0.settings, r0.point
         t0 = time.perf_counter()
         point = {**p, "batch": len(group)}
-        shared = self._image_conditioning(group)
-        cond = {**self.adapter.text_conditioning(encode, [g.request.prompt for g in group], point), **shared}
-        uncond = {**self._uncond(encode, [g.request.negative_prompt for g in group], p), **shared} \
-            if settings.uses_cfg else None
+        cond, uncond = self.adapter.conditioning(encode, [g.request.prompt for g in group], point,
+                                                 negative=[g.request.negative_prompt for g in group],
+                                                 shared=self._image_conditioning(group), cfg=settings.uses_cfg)
         t1 = time.perf_counter()
         shape = (1, self.adapter.latent_channels, p["latent_frames"], p["latent_height"], p["latent_width"])
         noise = torch.cat([gaussian_noise(shape, g.request.seed) for g in group])
@@ -459,15 +458,6 @@ class Generator:
                                **({"truncated": g.truncated} if g.truncated else {}),
                                "batch": {**common["batch"], "index": i}})
                 for i, g in enumerate(group)]
-
-    def _uncond(self, encode, negatives: list, point: Mapping[str, int]) -> dict:
-        """The unconditional branch's inputs ``{name: [B, ...]}``: each row the given negative prompt
-        encoded, or the model's own unconditional conditioning where it is None (the family's
-        ``negative_conditioning``, row by row: a row does not depend on its batch)."""
-        import torch
-
-        rows = [self.adapter.negative_conditioning(encode, 1, {**point, "batch": 1}, prompt=n) for n in negatives]
-        return {k: torch.cat([r[k].float() for r in rows]) for k in rows[0]}
 
     def _image_conditioning(self, group: list[_Resolved]) -> dict:
         """What both CFG branches share, ``{name: [B, ...]}``: each clip's image encoded as the family
