@@ -4,7 +4,8 @@ A family is one module under ``trt_sora/models/`` listed in :data:`FAMILIES`; it
 ``ADAPTER`` (its :class:`ModelAdapter`), ``CLASS_NAME`` (the diffusers transformer class its
 checkpoints name), ``named_specs()`` (its registered names), ``spec_from_folder(ref, folder)``
 (a checkpoint folder of the family, or None) and ``spec_from_record(entry)`` (a manifest's model
-entry when the checkpoint is not on this machine). Adding a family is its file and one line here.
+entry when the checkpoint is not on this machine). Adding a family is its file and one line here
+(or, for a family kept outside the package, one :func:`register_family` call).
 """
 from __future__ import annotations
 
@@ -23,6 +24,14 @@ FAMILIES = {
     "wan": "trt_sora.models.wan",
     "hunyuan": "trt_sora.models.hunyuan",
 }
+
+
+def register_family(name: str, module: str) -> None:
+    """Add model family ``name``, implemented by the importable ``module`` (the contract above).
+    Registering a known name with another module is a ModelError (one family, one file)."""
+    if FAMILIES.get(name, module) != module:
+        raise ModelError(f"model family {name!r} is already registered as {FAMILIES[name]}; pick another name")
+    FAMILIES[name] = module
 
 
 def _family(name: str):
@@ -116,4 +125,4 @@ def _with_record(adapter: ModelAdapter, entry: dict) -> ModelAdapter:
 
 
 __all__ = ["DEFAULT_MODEL", "FAMILIES", "ModelAdapter", "ModelSpec", "adapter_for_manifest", "get_adapter",
-           "list_models", "resolve"]
+           "list_models", "register_family", "resolve"]
