@@ -83,6 +83,14 @@ MUTATIONS = (
     Mutation("sm-order", "compute capabilities order as numbers", "sm.py",
              "    return major * 10 + minor", "    return major + minor * 10",
              ("tests/test_sm.py",), fast=True),
+    # -- family facts on the family ----------------------------------------------------------------------------
+    Mutation("family-module-outside-models", "no code outside models/ imports a family's module",
+             "runners/fp8_runner.py", "        from trt_sora.kernels.fp8_linear import Gemm",
+             "        from trt_sora.models.wan_fp8 import Gemm",
+             ("tests/test_family_facts.py::test_no_code_outside_models_names_a_family_module_or_path",), fast=True),
+    Mutation("family-excludes-ignored", "the family's default exclusions keep its layers unquantized", "site_policy.py",
+             "        for pat, why in family_excludes.items():", "        for pat, why in {}.items():",
+             ("tests/calibrate/test_fakequant_model.py::test_policy_default_exclusions",), fast=True),
     # -- need run folders (export + calibration + quantize [+ check]) ------------------------------------------
     Mutation("torch-fp8-gelu-scale", "GELU output quantized at the FFN-down input's scale", "models/wan_fp8.py",
              "        h = ops.gelu_quant(self.ff1(y), self.ff2.act_scale)",
