@@ -5,6 +5,8 @@ graphsurgeon. The public names resolve lazily:
 
 * :func:`quantize_onnx` (``model.onnx`` + ``stats.safetensors`` -> ``model.qdq.onnx``,
   ``qdq_map.json``, ``manifest.json``) and :class:`QuantResult` - :mod:`trt_sora.quantize.api`.
+* :func:`site_plan` -> :class:`SitePlan`: which sites get Q/DQ, at which amax and why, before
+  anything is written - :mod:`trt_sora.quantize.plan`.
 * :func:`site_policy` - :mod:`trt_sora.site_policy` (shared with calibration; the exclusions are the
   model family's, ``ModelAdapter.quant_excludes``).
 * graph passes: :mod:`~trt_sora.quantize.sites` (site -> node resolution),
@@ -19,6 +21,8 @@ _LAZY = {
     "quantize_onnx": "trt_sora.quantize.api",
     "QuantResult": "trt_sora.quantize.api",
     "QDQ_NAME": "trt_sora.quantize.api",
+    "site_plan": "trt_sora.quantize.api",
+    "SitePlan": "trt_sora.quantize.plan",
     "site_policy": "trt_sora.site_policy",
 }
 

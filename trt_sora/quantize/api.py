@@ -2,11 +2,9 @@
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
 import json
 import logging
 import os
-import re
 import time
 from pathlib import Path
 from typing import Any
@@ -25,13 +23,16 @@ from trt_sora.manifest import (
     write_json,
     write_manifest,
 )
+from trt_sora.quantize import dtype as dtype_mod
+from trt_sora.quantize import fuse_qkv, qdq, tensors
+from trt_sora.quantize.plan import SitePlan, plan_sites
+from trt_sora.quantize.sites import find_attentions, find_linears, node_scopes
 
 log = logging.getLogger("trt_sora")
 
 QDQ_NAME = "model.qdq.onnx"
 MAP_NAME = "qdq_map.json"
 PROTOBUF_LIMIT = 2_000_000_000
-_ATTN_SITE = re.compile(r"^(?P<module>.+)\.(?P<which>q|k|v)$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,7 +115,6 @@ def _use_rounded_weights(linears: dict, path, dead=frozenset()) -> None:
     dtype and layout: ``[in, out]`` for MatMul, ``[out, in]`` for Gemm transB). ``dead``: linears the
     exporter dropped (unused output): their rounded weights have no constant to replace."""
     from trt_sora.calibrate.gptq import load_rounded_weights
-    from trt_sora.quantize import tensors
 
     D = tensors.deferred_class()
     for site, w in load_rounded_weights(path).items():
@@ -133,16 +133,19 @@ def _use_rounded_weights(linears: dict, path, dead=frozenset()) -> None:
         lin.weight.values = D(old.shape, old.dtype, lambda a=arr, dt=old.dtype: a.astype(dt), f"{site}.rounded")
 
 
-def _amax_scalar(site: str, a, what: str = "amax") -> float:
-    t = np.asarray(a.detach().cpu().numpy() if hasattr(a, "detach") else a, dtype=np.float64)
-    if t.size == 0 or not np.all(np.isfinite(t)):
-        raise QuantizeError(f"site {site!r}: {what} is not finite ({t.ravel()[:4].tolist()}); recalibrate "
-                            "(NaN/inf activations) or exclude the site (quantization.exclude)")
-    v = float(t.max())
-    if not v > 0:
-        raise QuantizeError(f"site {site!r}: {what} is {v:g} (the site saw only zeros); scale would be 0 - "
-                            "recalibrate with real inputs or exclude the site (quantization.exclude)")
-    return v
+@dataclasses.dataclass(frozen=True)
+class _Inputs:
+    """What the stage reads besides the graph: the export manifest, the stats and the identity they share."""
+
+    onnx_path: Path
+    exp: dict | None
+    calib: Any
+    stats_path: Path | None
+    model_hash: str | None
+
+    @property
+    def exp_model(self) -> dict:
+        return (self.exp or {}).get("results", {}).get("model", {})
 
 
 def quantize_onnx(onnx_path: str | os.PathLike, stats, config: QuantConfig, out_dir: str | os.PathLike, *,
@@ -167,24 +170,43 @@ def quantize_onnx(onnx_path: str | os.PathLike, stats, config: QuantConfig, out_
     Graph I/O after conversion: ``hidden_states``, ``encoder_hidden_states`` and ``sample`` in
     ``config.graph_dtype``, ``timestep`` fp32 ([B]). Raises :class:`QuantizeError` (one line, with the fix).
     """
-    onnx = require("onnx", extra="export")
-    gs = require("onnx_graphsurgeon", extra="export")
-    from trt_sora.quantize import dtype as dtype_mod
-    from trt_sora.quantize import fuse_qkv, qdq, tensors
-    from trt_sora.quantize.sites import find_attentions, find_linears, node_scopes
-    from trt_sora.site_policy import site_policy
-
     t0 = time.perf_counter()
-    onnx_path = Path(onnx_path)
+    src, graph, opset, linears, attentions, plan = _prepare(Path(onnx_path), stats, config, model_hash, head_dim)
+    if weights is not None:
+        _use_rounded_weights(linears, weights, _dead_linears(src.exp))
+    applied = apply_plan(graph, linears, attentions, plan, src.onnx_path.name)
+    entries = [*plan.stats_entries, *_map_entries(linears, plan, applied)]
+    return _write(graph, src, config, out_dir, entries=entries, counts=_counts(linears, plan, applied),
+                  opset=opset, weights=weights, t0=t0)
+
+
+def site_plan(onnx_path: str | os.PathLike, stats, config: QuantConfig, *, model_hash: str | None = None,
+              head_dim: int | None = None) -> SitePlan:
+    """The :class:`~trt_sora.quantize.plan.SitePlan` :func:`quantize_onnx` would apply to ``onnx_path``
+    with these ``stats`` and ``config`` (same arguments, same checks); reads the graph, writes nothing."""
+    return _prepare(Path(onnx_path), stats, config, model_hash, head_dim)[-1]
+
+
+def _prepare(onnx_path: Path, stats, config: QuantConfig, model_hash: str | None, head_dim: int | None):
+    """``(inputs, graph, opset, linears, attentions, plan)``: everything read and decided, nothing changed."""
+    src = _read_inputs(onnx_path, stats, config, model_hash, head_dim)
+    graph, opset, linears, attentions = _load_graph(src.onnx_path, config)
+    excludes = _family_excludes(src.exp_model, config, src.onnx_path)
+    plan = plan_sites(linears, attentions, src.calib, config, family_excludes=excludes,
+                      fusable=_fusable_projections(src.exp_model) if config.fused_qkv else (),
+                      dead=_dead_linears(src.exp), graph_name=src.onnx_path.name)
+    return src, graph, opset, linears, attentions, plan
+
+
+def _read_inputs(onnx_path: Path, stats, config: QuantConfig, model_hash: str | None,
+                 head_dim: int | None) -> _Inputs:
+    """The export manifest and the stats, checked: same model, and a head size FP8 attention can run."""
     if not onnx_path.is_file():
         raise QuantizeError(f"{onnx_path} does not exist; run `trt-sora export` first or pass the right --onnx")
-    fmt = QuantFormat(config.format)
-    gdt = DType(config.graph_dtype)
     exp = _export_manifest(onnx_path)
     exp_model = (exp or {}).get("results", {}).get("model", {})
-
-    # -- statistics and identity -------------------------------------------------------------------
-    calib, stats_path = (None, None) if fmt is QuantFormat.NONE and stats is None else _load_stats(stats)
+    none = QuantFormat(config.format) is QuantFormat.NONE and stats is None
+    calib, stats_path = (None, None) if none else _load_stats(stats)
     expected = model_hash or exp_model.get("model_hash")
     if calib is not None:
         got = calib.metadata.model_hash
@@ -194,7 +216,6 @@ def quantize_onnx(onnx_path: str | os.PathLike, stats, config: QuantConfig, out_
                                 "this model (trt-sora calibrate) or pass the matching --stats")
         if expected and not got:
             log.warning("stats carry no model hash; cannot prove they belong to model %s", expected)
-
     if config.fp8_attention:
         hd = head_dim or (exp_model.get("config") or {}).get("attention_head_dim")
         if hd is None:
@@ -203,13 +224,18 @@ def quantize_onnx(onnx_path: str | os.PathLike, stats, config: QuantConfig, out_
         if int(hd) % 16:
             raise QuantizeError(f"fp8_attention needs head_dim % 16 == 0 (FP8 attention kernels), this model has "
                                 f"head_dim {hd}; set quantization.fp8_attention: false")
+    return _Inputs(onnx_path, exp, calib, stats_path, expected)
 
-    # -- graph ------------------------------------------------------------------------------------
-    # weights stay in the file until the writer computes each output tensor (quantize.tensors)
+
+def _load_graph(onnx_path: Path, config: QuantConfig):
+    """``(graph, opset, linears, attentions)``: the graphsurgeon graph with lazy weights (read from the
+    file only when the writer computes each output tensor) and its matchable linears and attentions."""
+    onnx = require("onnx", extra="export")
+    gs = require("onnx_graphsurgeon", extra="export")
     model = load_onnx(verified_input(onnx_path), load_external_data=False, fix="re-run `trt-sora export`")
     scopes = node_scopes(model)
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
-    if fmt is not QuantFormat.NONE and opset < 19:
+    if QuantFormat(config.format) is not QuantFormat.NONE and opset < 19:
         raise QuantizeError(f"{onnx_path} has opset {opset}; FP8/INT8 Q/DQ needs opset >= 19 (re-export with "
                             "export.opset: 20)")
     try:
@@ -224,178 +250,135 @@ def quantize_onnx(onnx_path: str | os.PathLike, stats, config: QuantConfig, out_
         raise QuantizeError(f"{onnx_path} has no matchable linear (MatMul/Gemm with a constant weight and a recorded "
                             "module scope); export it with trt_sora's dynamo exporter (trt-sora export)")
     attentions = find_attentions(graph, scopes, strict=bool(config.fp8_attention))
-    if weights is not None:
-        _use_rounded_weights(linears, weights, _dead_linears(exp))
+    return graph, opset, linears, attentions
 
-    family_excludes = _family_excludes(exp_model, config, onnx_path)
-    decisions = {s: site_policy(s, config, family_excludes) for s in linears}
-    if fmt is QuantFormat.NONE:
-        decisions = {s: (False, "quantization.format is none") for s in linears}
-    entries: list[dict[str, Any]] = []
-    act_amax: dict[str, float] = {}
-    w_amax_stats: dict[str, np.ndarray] = {}
-    att_amax: dict[str, float] = {}
 
-    if calib is not None:
-        # linears of the model the exporter dropped (their output is never used, e.g. the last dual-stream
-        # block's text branch): their statistics have nothing to quantize
-        dead = _dead_linears(exp)
-        for site, a in calib.amax.items():
-            if site in linears:
-                if decisions[site][0]:
-                    act_amax[site] = _amax_scalar(site, a)
-                continue
-            if site.endswith(".weight") and site[:-len(".weight")] in linears:
-                base = site[:-len(".weight")]
-                arr = np.asarray(a.detach().cpu().numpy(), dtype=np.float32)
-                if decisions[base][0]:
-                    if arr.ndim != 1 or arr.shape[0] != linears[base].out_features:
-                        raise QuantizeError(f"site {site!r}: weight amax shape {arr.shape} != "
-                                            f"[{linears[base].out_features}]; recalibrate")
-                    _amax_scalar(site, arr, "weight amax")
-                    w_amax_stats[base] = arr
-                continue
-            m = _ATTN_SITE.match(site)
-            if m and (m["module"] in attentions or not config.fp8_attention):  # unused without fp8_attention
-                if config.fp8_attention:
-                    att_amax[site] = _amax_scalar(site, a)
-                else:
-                    entries.append({"site": site, "kind": "attention", "excluded": True,
-                                    "reason": "quantization.fp8_attention is off"})
-                continue
-            if any(fnmatch.fnmatchcase(site, p) for p in config.exclude):
-                entries.append({"site": site, "kind": "unmatched", "excluded": True,
-                                "reason": "recipe exclude; no linear with this module scope in the graph"})
-                continue
-            if site in dead:
-                entries.append({"site": site, "kind": "unmatched", "excluded": True,
-                                "reason": "not in the exported graph (dead code: its output is never used)"})
-                continue
-            if site.endswith(".weight") and site[:-len(".weight")] in dead:
-                continue  # the weight amax of a layer the exporter dropped
-            near = sorted(linears, key=lambda s: -_common_prefix(s, site))[:1]
-            raise QuantizeError(f"stats site {site!r} matches no linear or attention in {onnx_path.name} "
-                                f"(nearest: {near[0] if near else '-'}); the stats belong to another export - "
-                                "recalibrate, or add the site to quantization.exclude")
-        missing = [s for s, (q, _) in decisions.items() if q and s not in act_amax]
-        if missing:
-            raise QuantizeError(f"site {missing[0]!r} (+{len(missing) - 1} more) is quantized but has no statistics; "
-                                "recalibrate with hooks on every linear or add it to quantization.exclude")
-    if config.fp8_attention:
-        for mod in attentions:
-            for w in "qkv":
-                if f"{mod}.{w}" not in att_amax:
-                    raise QuantizeError(f"fp8_attention needs stats site '{mod}.{w}' (attention q/k/v observers); "
-                                        "recalibrate with attention observers or turn fp8_attention off")
+@dataclasses.dataclass(frozen=True)
+class _Applied:
+    """What :func:`apply_plan` did: Q/DQ facts per site and attention, shared activation quantizers
+    (``input tensor -> sites``) and the float-type conversion's counts."""
 
-    # -- fused QKV --------------------------------------------------------------------------------
-    fused_of: dict[str, str] = {}
-    if config.fused_qkv:
-        for fused_site, members in fuse_qkv.plan_groups(linears, lambda s: decisions[s][0],
-                                                        _fusable_projections(exp_model)):
-            q = decisions[members[0]][0]
-            w_stats = [w_amax_stats.pop(m, None) for m in members]
-            fuse_qkv.fuse_group(graph, linears, fused_site, members)
-            decisions[fused_site] = (q, f"fused {'+'.join(m.rsplit('.', 1)[1] for m in members)}")
-            if q:
-                act_amax[fused_site] = max(act_amax[m] for m in members)
-                if all(w is not None for w in w_stats):
-                    w_amax_stats[fused_site] = np.concatenate(w_stats)
-            for m in members:
-                fused_of[m] = fused_site
+    info: dict[str, dict]
+    attention: dict[str, dict]
+    by_tensor: dict[str, list[str]]
+    dtype_counts: dict[str, int]
+
+
+def apply_plan(graph, linears: dict, attentions: dict, plan: SitePlan, graph_name: str) -> _Applied:
+    """Rewrite ``graph`` as ``plan`` says: fuse the QKV groups (``linears`` follows), convert the float
+    type, insert activation Q/DQ (one per input tensor, at its sites' largest amax), quantize the
+    weights per channel and, with FP8 attention, quantize q/k/v and the softmax."""
+    for fused_site, members in plan.fused:
+        fuse_qkv.fuse_group(graph, linears, fused_site, list(members))
+    if plan.fused:
         graph.cleanup()
-
-    # -- graph dtype + Q/DQ -----------------------------------------------------------------------
-    quantized = [s for s in linears if decisions[s][0]]
-    src = dtype_mod.source_dtype(graph)
-    if src is DType.FP32:
-        dcounts = dtype_mod.convert_graph_dtype(graph, gdt, skip_constants={linears[s].weight.name for s in quantized})
-    elif src is gdt:  # exported in the graph dtype already (e.g. a bf16 export of a model too big for fp32 on disk)
-        dcounts = {"fp32_nodes": 0, "low_nodes": 0, "casts": 0}
-    else:
-        raise QuantizeError(f"{onnx_path.name} was exported in {src.value} but quantization.graph_dtype is "
-                            f"{gdt.value}; export in fp32 (export.dtype: fp32) or set quantization.graph_dtype: "
-                            f"{src.value}")
+    quantized = list(plan.quantized)
+    dcounts = _convert_dtype(graph, plan.graph_dtype, {linears[s].weight.name for s in quantized}, graph_name)
     by_tensor: dict[str, list[str]] = {}
     for s in quantized:
         by_tensor.setdefault(linears[s].node.inputs[0].name, []).append(s)
+    info = _insert_activation_qdq(graph, linears, plan, by_tensor)
+    for s in quantized:
+        info[s].update(_quantize_weight(graph, linears[s], plan, s))
+    att_info = {}
+    if plan.attention_amax:
+        amax = plan.attention_amax
+        for mod, att in attentions.items():
+            att_info[mod] = qdq.insert_attention_qdq(graph, att, amax[f"{mod}.q"], amax[f"{mod}.k"],
+                                                     amax[f"{mod}.v"], plan.graph_dtype)
+    graph.cleanup().toposort()
+    return _Applied(info, att_info, by_tensor, dcounts)
+
+
+def _convert_dtype(graph, gdt: DType, skip: set[str], graph_name: str) -> dict[str, int]:
+    """Convert an fp32 graph to ``gdt`` (quantized weights stay fp32 until quantized); a graph exported
+    in ``gdt`` already is kept."""
+    src = dtype_mod.source_dtype(graph)
+    if src is DType.FP32:
+        return dtype_mod.convert_graph_dtype(graph, gdt, skip_constants=skip)
+    if src is gdt:  # exported in the graph dtype already (e.g. a bf16 export of a model too big for fp32 on disk)
+        return {"fp32_nodes": 0, "low_nodes": 0, "casts": 0}
+    raise QuantizeError(f"{graph_name} was exported in {src.value} but quantization.graph_dtype is "
+                        f"{gdt.value}; export in fp32 (export.dtype: fp32) or set quantization.graph_dtype: "
+                        f"{src.value}")
+
+
+def _insert_activation_qdq(graph, linears: dict, plan: SitePlan, by_tensor: dict[str, list[str]]) -> dict:
+    """One Q/DQ per shared input tensor, at the largest amax of the sites that read it."""
     info: dict[str, dict] = {}
     for tname, sites in by_tensor.items():
-        amax = max(act_amax[s] for s in sites)
-        scale = qdq.stored_scale(np.float32(amax), fmt, gdt, f"site {sites[0]!r} activation")
+        amax = max(plan.act_amax[s] for s in sites)
+        scale = qdq.stored_scale(np.float32(amax), plan.format, plan.graph_dtype, f"site {sites[0]!r} activation")
         tensor = linears[sites[0]].node.inputs[0]
-        qdq.insert_activation_qdq(graph, tensor, [linears[s].node for s in sites], scale, fmt, sites[0])
+        qdq.insert_activation_qdq(graph, tensor, [linears[s].node for s in sites], scale, plan.format, sites[0])
         for s in sites:
-            info[s] = {"tensor": tname, "amax": amax, "site_amax": act_amax[s],
+            info[s] = {"tensor": tname, "amax": amax, "site_amax": plan.act_amax[s],
                        "scale": float(np.asarray(scale, dtype=np.float32)), "shared_with": [x for x in sites if x != s]}
-    for s in quantized:
-        lin = linears[s]
-        wa = w_amax_stats.get(s)
-        if wa is None:  # one read of the weight, now (the quantized values are computed on write)
-            w = tensors.values(lin.weight).astype(np.float32)
-            wa = np.abs(w, out=w).max(axis=1 - lin.weight_axis)
-        info[s].update(qdq.quantize_linear_weight(graph, lin, wa.astype(np.float32), fmt, gdt))
-        info[s]["weight_amax_source"] = "stats" if s in w_amax_stats else "weight"
-    att_info = {}
-    if config.fp8_attention:
-        for mod, att in attentions.items():
-            att_info[mod] = qdq.insert_attention_qdq(graph, att, att_amax[f"{mod}.q"], att_amax[f"{mod}.k"],
-                                                     att_amax[f"{mod}.v"], gdt)
-    graph.cleanup().toposort()
+    return info
 
-    # -- map --------------------------------------------------------------------------------------
+
+def _quantize_weight(graph, lin, plan: SitePlan, site: str) -> dict:
+    """Per-channel weight quantization at the stats' weight amax, else at the weight's own."""
+    wa = plan.weight_amax.get(site)
+    if wa is None:  # one read of the weight, now (the quantized values are computed on write)
+        w = tensors.values(lin.weight).astype(np.float32)
+        wa = np.abs(w, out=w).max(axis=1 - lin.weight_axis)
+    out = qdq.quantize_linear_weight(graph, lin, wa.astype(np.float32), plan.format, plan.graph_dtype)
+    return {**out, "weight_amax_source": "stats" if site in plan.weight_amax else "weight"}
+
+
+def _map_entries(linears: dict, plan: SitePlan, applied: _Applied) -> list[dict]:
+    """``qdq_map.json``'s entries for the graph's linears, fused members and attention quantizers."""
+    entries = []
     for s, lin in linears.items():
         e: dict[str, Any] = {"site": s, "kind": "linear", "node": lin.node.name, "op": lin.node.op}
         if lin.members:
             e["members"] = list(lin.members)
-        if decisions[s][0]:
-            e.update({"excluded": False, "format": fmt.value, "reason": decisions[s][1], **info[s]})
+        q, reason = plan.decisions[s]
+        if q:
+            e.update({"excluded": False, "format": plan.format.value, "reason": reason, **applied.info[s]})
         else:
-            e.update({"excluded": True, "reason": decisions[s][1]})
+            e.update({"excluded": True, "reason": reason})
         entries.append(e)
-    for m, f in fused_of.items():
-        entries.append({"site": m, "kind": "linear", "fused_into": f, "excluded": not decisions[f][0],
-                        "reason": decisions[f][1], **({"amax": act_amax.get(m)} if m in act_amax else {})})
-    for mod, d in att_info.items():
+    for m, f in plan.fused_of.items():
+        entries.append({"site": m, "kind": "linear", "fused_into": f, "excluded": not plan.decisions[f][0],
+                        "reason": plan.decisions[f][1],
+                        **({"amax": plan.act_amax.get(m)} if m in plan.act_amax else {})})
+    for mod, d in applied.attention.items():
         for tag, v in d.items():
             entries.append({"site": f"{mod}.{tag}", "kind": "attention", "excluded": False, "format": "fp8_e4m3",
                             **v})
-    counts = {
-        "linears": len(linears) + len(fused_of) - len({f for f in fused_of.values()}),
+    return entries
+
+
+def _counts(linears: dict, plan: SitePlan, applied: _Applied) -> dict[str, int]:
+    fused_of = plan.fused_of
+    return {
+        "linears": len(linears) + len(fused_of) - len(plan.fused),
         "graph_linears": len(linears),
-        "quantized_linears": len(quantized),
-        "excluded_linears": len(linears) - len(quantized),
-        "fused_groups": len(set(fused_of.values())),
-        "activation_quantizers": len(by_tensor),
-        "weight_dequantizers": len(quantized),
-        "attention_quantizers": sum(len(d) for d in att_info.values()),
-        **dcounts,
+        "quantized_linears": len(plan.quantized),
+        "excluded_linears": len(linears) - len(plan.quantized),
+        "fused_groups": len(plan.fused),
+        "activation_quantizers": len(applied.by_tensor),
+        "weight_dequantizers": len(plan.quantized),
+        "attention_quantizers": sum(len(d) for d in applied.attention.values()),
+        **applied.dtype_counts,
     }
 
-    # -- write ------------------------------------------------------------------------------------
+
+def _write(graph, src: _Inputs, config: QuantConfig, out_dir, *, entries: list[dict], counts: dict, opset: int,
+           weights, t0: float) -> QuantResult:
+    """``model.qdq.onnx`` (checked by onnx.checker), ``qdq_map.json`` and ``manifest.json``, staged."""
+    fmt, gdt = QuantFormat(config.format), DType(config.graph_dtype)
     size = tensors.constant_bytes(graph)
     external = {ExternalData.ALWAYS: True, ExternalData.NEVER: False}.get(config.external_data, size > PROTOBUF_LIMIT)
     if not external and size > PROTOBUF_LIMIT:
         raise QuantizeError(f"the Q/DQ model is {size / 1e9:.1f} GB, over protobuf's 2 GB limit; set "
                             "quantization.external_data to auto or always")
-    inputs = {"onnx": _input_entry(onnx_path, exp)}
-    if weights is not None:
-        inputs["weights"] = file_entry(weights)
-    if stats_path is not None:
-        inputs["stats"] = {"path": str(Path(stats_path).resolve()), "sha256": sha256_file(stats_path)}
-    elif calib is not None:
-        inputs["stats"] = {"path": None, "sha256": None, "note": "CalibStats object passed in memory"}
+    inputs = _manifest_inputs(src, weights)
     with staged_dir(out_dir) as tmp:
-        path = tmp / QDQ_NAME
-        out_model = tensors.write_model(graph, path, external=external, opset=opset)
+        graph_io = _write_onnx(graph, tmp / QDQ_NAME, external=external, opset=opset)
         del graph
-        graph_io = {"inputs": {i.name: _elem_name(i.type.tensor_type.elem_type) for i in out_model.graph.input},
-                    "outputs": {o.name: _elem_name(o.type.tensor_type.elem_type) for o in out_model.graph.output}}
-        try:
-            onnx.checker.check_model(str(path))
-        except onnx.checker.ValidationError as exc:
-            raise QuantizeError(f"onnx.checker rejected the Q/DQ graph ({str(exc).splitlines()[0]}); this is a "
-                                "trt_sora bug - please report it with the recipe") from None
         qmap = {"format": fmt.value, "graph_dtype": gdt.value, "sites": entries}
         if weights is not None:  # the runners that simulate this graph must use the same rounded weights
             qmap["rounded_weights"] = {"path": os.path.relpath(Path(weights).resolve(), Path(out_dir).resolve()),
@@ -405,9 +388,9 @@ def quantize_onnx(onnx_path: str | os.PathLike, stats, config: QuantConfig, out_
         if external:
             outputs["external_data"] = QDQ_NAME + ".data"
         results = {
-            "model": exp_model or None,
-            "model_hash": expected,
-            "stats_model_hash": calib.metadata.model_hash if calib is not None else None,
+            "model": src.exp_model or None,
+            "model_hash": src.model_hash,
+            "stats_model_hash": src.calib.metadata.model_hash if src.calib is not None else None,
             "graph_dtype": gdt.value,
             "graph_io": graph_io,
             "counts": counts,
@@ -421,6 +404,31 @@ def quantize_onnx(onnx_path: str | os.PathLike, stats, config: QuantConfig, out_
     log.info("quantize: %d/%d linears %s, %d fused groups, graph %s -> %s", counts["quantized_linears"],
              counts["linears"], fmt.value, counts["fused_groups"], gdt.value, out / QDQ_NAME)
     return QuantResult(out / QDQ_NAME, out / MAP_NAME, manifest)
+
+
+def _manifest_inputs(src: _Inputs, weights) -> dict:
+    inputs = {"onnx": _input_entry(src.onnx_path, src.exp)}
+    if weights is not None:
+        inputs["weights"] = file_entry(weights)
+    if src.stats_path is not None:
+        inputs["stats"] = {"path": str(Path(src.stats_path).resolve()), "sha256": sha256_file(src.stats_path)}
+    elif src.calib is not None:
+        inputs["stats"] = {"path": None, "sha256": None, "note": "CalibStats object passed in memory"}
+    return inputs
+
+
+def _write_onnx(graph, path: Path, *, external: bool, opset: int) -> dict:
+    """Write the graph and check it with onnx.checker; returns its inputs' and outputs' element types."""
+    onnx = require("onnx", extra="export")
+    out_model = tensors.write_model(graph, path, external=external, opset=opset)
+    graph_io = {"inputs": {i.name: _elem_name(i.type.tensor_type.elem_type) for i in out_model.graph.input},
+                "outputs": {o.name: _elem_name(o.type.tensor_type.elem_type) for o in out_model.graph.output}}
+    try:
+        onnx.checker.check_model(str(path))
+    except onnx.checker.ValidationError as exc:
+        raise QuantizeError(f"onnx.checker rejected the Q/DQ graph ({str(exc).splitlines()[0]}); this is a "
+                            "trt_sora bug - please report it with the recipe") from None
+    return graph_io
 
 
 def _input_entry(onnx_path: Path, exp: dict | None) -> dict:
@@ -441,6 +449,3 @@ def _elem_name(e: int) -> str:
 
     return onnx.TensorProto.DataType.Name(e).lower()
 
-
-def _common_prefix(a: str, b: str) -> int:
-    return len(os.path.commonprefix([a, b]))
