@@ -276,6 +276,104 @@ def engine_file_name(model: str, sm: int, backend: Backend, version: str, bucket
     return ".".join(parts)
 
 
+# ----------------------------------------------------------------------------- plan
+
+@dataclasses.dataclass(frozen=True)
+class EnginePlan:
+    """One engine file: its bucket (None: every bucket in one engine) and one optimization profile per
+    bucket, ``(bucket name, {ONNX input: (min, opt, max) shape})``."""
+
+    bucket: str | None
+    profiles: tuple[tuple[str, Mapping[str, tuple[tuple[int, ...], ...]]], ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class BuildPlan:
+    """What :func:`build_engine` builds, decided from the ONNX file, its export manifest and the recipe
+    before the backend loads. Every network is strongly typed, with detailed profiling verbosity.
+
+    Attributes:
+        name: the recipe's name (``"build"`` for a bare :class:`BuildConfig`).
+        onnx_path: the (Q/DQ) ONNX file the parser reads.
+        target, build, buckets: the backend / SM / quant format, the ``build`` section, the buckets.
+        model_name: the engine files' model part.
+        engines: one :class:`EnginePlan` per engine file.
+        timing_cache: read from an earlier build, written by this one (when ``build.timing_cache``).
+        facts: the ONNX graph's Q/DQ facts (the report compares the engine against them).
+        has_export, export_created: whether an export manifest was found, and its ``created``
+            (recorded as an input).
+    """
+
+    name: str
+    onnx_path: Path
+    target: BuildTarget
+    build: BuildConfig
+    buckets: tuple[ShapeProfile, ...]
+    model_name: str
+    engines: tuple[EnginePlan, ...]
+    timing_cache: Path
+    facts: rep.OnnxFacts
+    has_export: bool = False
+    export_created: str | None = None
+
+    @property
+    def workspace_bytes(self) -> int:
+        return int(self.build.workspace_gb * (1 << 30))
+
+    def engine_file(self, engine: EnginePlan, version: str) -> str:
+        return engine_file_name(self.model_name, self.target.sm, self.target.backend, version, engine.bucket)
+
+
+def plan_build(onnx_path: str | os.PathLike, config: Recipe | BuildConfig, out_dir: str | os.PathLike, *,
+               buckets: Sequence[ShapeProfile] | None = None, target: BuildTarget | None = None,
+               export_manifest: Mapping | str | os.PathLike | None = None, model_name: str | None = None,
+               timing_cache: str | os.PathLike | None = None) -> BuildPlan:
+    """The :class:`BuildPlan` for :func:`build_engine`'s arguments; reads the ONNX file (no weights),
+    loads no backend, writes nothing. Raises what :func:`build_engine` raises for bad inputs."""
+    onnx_path = Path(onnx_path)
+    name, build_cfg, buckets, target, default_model = _settings(config, buckets, target, onnx_path)
+    if not onnx_path.is_file():
+        raise BuildError(f"{onnx_path} does not exist; run the export (and quantize) stage first")
+    check_target(target.backend, target.sm, target.quant_format)
+    if target.backend is Backend.TENSORRT_RTX and (build_cfg.plugins or build_cfg.attention is AttentionMode.PLUGIN):
+        raise BuildError("TensorRT-RTX cannot build plugins (its network has no add_plugin_v3); set "
+                         "`build.attention: native` and remove `build.plugins`, or use a `backend: tensorrt` recipe")
+    model = load_onnx(verified_input(onnx_path), load_external_data=False, fix="re-run `trt-sora quantize`")
+    facts = rep.onnx_facts(model)
+    _check_quantized(facts, target.quant_format, onnx_path)
+    export = _load_export_manifest(export_manifest, onnx_path)
+    dims = _input_dims(model)
+    del model
+    _check_buckets(buckets, dims, export)
+    res = (export or {}).get("results", {})
+    patch = res.get("patch_size") or (res.get("model", {}).get("config", {}) or {}).get("patch_size")
+    if patch and not isinstance(patch, int):
+        for b in buckets:
+            b.validate(tuple(patch))
+    if model_name is None:
+        ref = res.get("model", {}).get("ref")
+        model_name = Path(str(ref)).name if ref else default_model
+    groups = [(b.name, [b]) for b in buckets] if build_cfg.separate_engines else [(None, list(buckets))]
+    engines = tuple(EnginePlan(g, tuple((b.name, _profile(dims, b)) for b in bs)) for g, bs in groups)
+    cache_file = Path(timing_cache) if timing_cache else Path(out_dir) / TIMING_CACHE
+    return BuildPlan(name, onnx_path, target, build_cfg, buckets, model_name, engines, cache_file, facts,
+                     bool(export), (export or {}).get("created"))
+
+
+def _settings(config: Recipe | BuildConfig, buckets, target, onnx_path: Path):
+    """``(name, build config, buckets, target, default model name)`` from a recipe or a bare config."""
+    if isinstance(config, Recipe):
+        target = target or BuildTarget(config.backend, config.compute_capability, config.quantization.format)
+        return config.name, config.build, tuple(buckets or config.buckets), target, config.model.default
+    if not buckets or target is None:
+        raise ConfigError("build_engine with a BuildConfig needs `buckets` and `target`; or pass a Recipe")
+    return "build", config, tuple(buckets), target, onnx_path.stem
+
+
+def _profile(dims: Mapping[str, list], bucket: ShapeProfile) -> dict[str, tuple[tuple[int, ...], ...]]:
+    return {name: tuple(_shape(spec, bucket.point(w)) for w in ("min", "opt", "max")) for name, spec in dims.items()}
+
+
 # ----------------------------------------------------------------------------- the stage
 
 def build_engine(onnx_path: str | os.PathLike, config: Recipe | BuildConfig, out_dir: str | os.PathLike, *,
@@ -299,183 +397,184 @@ def build_engine(onnx_path: str | os.PathLike, config: Recipe | BuildConfig, out
     to ``out_dir`` and any earlier artifact there is kept).
     """
     t_start = time.perf_counter()
-    onnx_path = Path(onnx_path)
     out_dir = Path(out_dir)
-    if isinstance(config, Recipe):
-        recipe = config
-        build_cfg = recipe.build
-        buckets = tuple(buckets or recipe.buckets)
-        target = target or BuildTarget(recipe.backend, recipe.compute_capability, recipe.quantization.format)
-        model_name = model_name or None
-        name = recipe.name
-    else:
-        recipe, build_cfg, name = None, config, "build"
-        if not buckets or target is None:
-            raise ConfigError("build_engine with a BuildConfig needs `buckets` and `target`; or pass a Recipe")
-        buckets = tuple(buckets)
-    if not onnx_path.is_file():
-        raise BuildError(f"{onnx_path} does not exist; run the export (and quantize) stage first")
-    check_target(target.backend, target.sm, target.quant_format)
-    if target.backend is Backend.TENSORRT_RTX and (build_cfg.plugins or build_cfg.attention is AttentionMode.PLUGIN):
-        raise BuildError("TensorRT-RTX cannot build plugins (its network has no add_plugin_v3); set "
-                         "`build.attention: native` and remove `build.plugins`, or use a `backend: tensorrt` recipe")
-
-    model = load_onnx(verified_input(onnx_path), load_external_data=False, fix="re-run `trt-sora quantize`")
-    facts = rep.onnx_facts(model)
-    _check_quantized(facts, target.quant_format, onnx_path)
-    export = _load_export_manifest(export_manifest, onnx_path)
-    dims = _input_dims(model)
-    del model
-    _check_buckets(buckets, dims, export)
-    res = (export or {}).get("results", {})
-    patch = res.get("patch_size") or (res.get("model", {}).get("config", {}) or {}).get("patch_size")
-    if patch and not isinstance(patch, int):
-        for b in buckets:
-            b.validate(tuple(patch))
-    if model_name is None:
-        ref = (export or {}).get("results", {}).get("model", {}).get("ref")
-        model_name = Path(str(ref)).name if ref else (recipe.model.default if recipe else onnx_path.stem)
-
-    trt = load_backend(target.backend)  # after the cheap checks: a missing backend fails fast, nothing lost
-    version = backend_version(trt)
-    rtx = is_rtx(trt)
-    groups = [(b.name, [b]) for b in buckets] if build_cfg.separate_engines else [(None, list(buckets))]
-    cache_file = Path(timing_cache) if timing_cache else out_dir / TIMING_CACHE
-
+    plan = plan_build(onnx_path, config, out_dir, buckets=buckets, target=target, export_manifest=export_manifest,
+                      model_name=model_name, timing_cache=timing_cache)
+    trt = load_backend(plan.target.backend)  # after the cheap checks: a missing backend fails fast, nothing lost
     with _scratch_dir(out_dir) as scratch:  # engines stream to disk here; moved in when all passed
-        engines: list[tuple[str, Path, str, int]] = []  # (file, scratch path, log text, profiles built)
-        lg = _capture_logger(trt)
-        builder = trt.Builder(lg)
-        lg.quiet_cuda = False
-        if not rtx:
-            for lib in _resolve_plugins(build_cfg.plugins):
-                if trt.get_plugin_registry().load_library(str(lib)) is None:
-                    raise BuildError(f"TensorRT could not load plugin library {lib}; rebuild it for TensorRT {version}")
-        cache_status = "disabled"
-        t_build = 0.0
-        cfg_keep = None
-        for bucket_name, group in groups:
-            flags = 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)
-            network = builder.create_network(flags)
-            parser = trt.OnnxParser(network, lg)
-            if not parser.parse_from_file(str(onnx_path)):  # resolves model.onnx.data next to the file
-                errs = "; ".join(str(parser.get_error(i).desc()) for i in range(parser.num_errors))
-                raise BuildError(f"TensorRT's ONNX parser rejected {onnx_path}: {errs or 'unknown error'}; "
-                                 "check that the .onnx.data file lies beside it and the opset is >= 19")
-            bcfg = builder.create_builder_config()
-            bcfg.builder_optimization_level = build_cfg.optimization_level
-            bcfg.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(build_cfg.workspace_gb * (1 << 30)))
-            bcfg.profiling_verbosity = trt.ProfilingVerbosity.DETAILED
-            if rtx:
-                cc = getattr(trt.ComputeCapability, f"SM{target.sm}", None)
-                if cc is None:
-                    sms = [m for m in trt.ComputeCapability.__members__ if m.startswith("SM")]
-                    raise ConfigError(f"TensorRT-RTX {version} has no compute capability SM{target.sm}; "
-                                      f"choose one of {sms}")
-                bcfg.num_compute_capabilities = 1
-                bcfg.set_compute_capability(cc, 0)
-            if build_cfg.timing_cache:
-                tc, cache_status = _timing_cache(trt, bcfg, cache_file, lg)
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore", DeprecationWarning)
-                    bcfg.set_timing_cache(tc, ignore_mismatch=False)
-            for b in group:
-                prof = builder.create_optimization_profile()
-                for i in range(network.num_inputs):
-                    inp = network.get_input(i)
-                    spec = dims.get(inp.name)
-                    if spec is None:
-                        raise BuildError(f"network input {inp.name!r} is not an ONNX graph input")
-                    prof.set_shape(inp.name, *(_shape(spec, b.point(w)) for w in ("min", "opt", "max")))
-                if bcfg.add_optimization_profile(prof) < 0:
-                    raise BuildError(f"TensorRT rejected the profile for bucket {b.name!r}; check its shapes")
-            n_prof = bcfg.num_optimization_profiles
-            log.info("building %s for SM%d with %d profile(s) (%s %s)", onnx_path.name, target.sm, n_prof,
-                     target.backend.value, version)
-            t0 = time.perf_counter()
-            n_err = len(lg.errors)
-            fname = engine_file_name(model_name, target.sm, target.backend, version, bucket_name)
-            ok = _serialize_to_file(trt, builder, network, bcfg, scratch / fname)
-            t_build += time.perf_counter() - t0
-            if not ok:
-                raise BuildError(f"TensorRT failed to build the engine for SM{target.sm}: "
-                                 f"{'; '.join(lg.errors[n_err:][-3:]) or 'no error message'}")
-            engines.append((fname, scratch / fname, lg.text, n_prof))
-            lg.kept.clear()
-            cfg_keep = bcfg
-            del parser, network
+        built = _build_engines(trt, plan, scratch)
+        report = _report(trt, plan, built, t_start)
+        _check_requirements(plan, built, report, out_dir)
+        return _write(out_dir, plan, built, report)
 
-        # ---- report
-        reports = []
-        for fname, epath, text, n_prof in engines:
-            layers, in_engine, evidence = _layer_info(trt, epath, text, lg)
-            reports.append({"file": fname, "bytes": epath.stat().st_size, "profiles_built": n_prof,
-                            "profiles_in_engine": in_engine, "evidence": evidence,
-                            "analysis": rep.analyze(layers, facts)})
-        first = reports[0]
-        report = {
-            "name": name,
-            "status": "ok",
-            "failures": [],
-            "backend": target.backend.value,
-            "backend_version": str(getattr(trt, "__version__", version)),
-            "sm": target.sm,
-            "quant_format": QuantFormat(target.quant_format).value,
-            "onnx": str(onnx_path.resolve()),
-            "buckets": [b.to_yaml() for b in buckets],
-            "separate_engines": build_cfg.separate_engines,
-            "engines": [{"file": r["file"], "bytes": r["bytes"], "profiles": r["profiles_in_engine"]} for r in reports],
-            "engine_bytes": sum(r["bytes"] for r in reports),
-            "profiles": {"built": sum(r["profiles_built"] for r in reports),
-                         "in_engine": sum(r["profiles_in_engine"] or 0 for r in reports),
-                         "evidence": first["evidence"]},
-            "build_seconds": round(t_build, 2),
-            "total_seconds": round(time.perf_counter() - t_start, 2),
-            "peak_rss_mb": round(_peak_rss_mb(), 1),
-            "timing_cache": cache_status + (" (TensorRT-RTX: timing cache ops are no-ops)" if rtx and
-                                            build_cfg.timing_cache else ""),
-            "onnx_qdq_nodes": facts.num_qdq,
-            "analysis": first["analysis"],
-            "per_engine": [{"file": r["file"], "analysis": r["analysis"]} for r in reports[1:]],
-        }
-        fails = [f for f in rep.check_requirements(report, build_cfg.requirements)]
-        for r in reports[1:]:
-            fails += [f"{r['file']}: {f}" for f in rep.check_requirements({"analysis": r["analysis"]},
-                                                                         build_cfg.requirements)]
-        if fails:
-            report["status"] = "failed"
-            report["failures"] = fails
-            path = rep.write_report(out_dir, report, failed=True)
-            (out_dir / BUILD_LOG).write_text("\n\n".join(t for _, _, t, _ in engines))
-            raise BuildError(f"engine misses the recipe's requirements: {'; '.join(fails)}. "
-                             f"Report: {path}. Fix: {rep.requirement_fix_hint(fails)}")
 
-        with staged_dir(out_dir) as tmp:
-            paths = []
-            for fname, epath, _, _ in engines:
-                os.replace(epath, tmp / fname)  # same filesystem: a rename, not a copy of a 15 GB plan
-                paths.append(fname)
-            (tmp / BUILD_LOG).write_text("\n\n".join(t for _, _, t, _ in engines))
-            if build_cfg.timing_cache and cfg_keep is not None:
-                _save_timing_cache(cfg_keep, tmp / TIMING_CACHE, version)
-            rep.write_report(tmp, report)
-            spec = {"target": target, "buckets": [b.to_yaml() for b in buckets], "build": build_cfg}
-            inputs = {"onnx": file_entry(onnx_path)}
-            if export:
-                inputs["export_manifest_created"] = export.get("created")
-            manifest = write_manifest(
-                tmp, stage="build", inputs=inputs, config=spec,
-                outputs={"engines": paths, "report": rep.REPORT_JSON, "report_md": rep.REPORT_MD},
-                results={k: report[k] for k in ("backend", "backend_version", "sm", "engine_bytes", "profiles",
-                                                "build_seconds", "peak_rss_mb")}
-                | {"fp8_gemm_fraction": report["analysis"]["fp8_gemm_fraction"],
-                   "int8_gemm_fraction": report["analysis"]["int8_gemm_fraction"],
-                   "gemm_counts": report["analysis"]["gemm_counts"],
-                   "attention_fused": report["analysis"]["attention"]["fused"]})
-        log.info("built %s: %.1f MB, %d profile(s), FP8 GEMMs %d/%d, %.1f s", paths[0], report["engine_bytes"] / 1e6,
-                 report["profiles"]["in_engine"], report["analysis"]["gemm_counts"].get("fp8", 0),
-                 report["analysis"]["gemm_total"], t_build)
-        return BuildResult(out_dir, tuple(out_dir / p for p in paths), report, manifest)
+@dataclasses.dataclass
+class _Built:
+    """The engines :func:`_build_engines` wrote to the scratch folder, and what the report needs."""
+
+    version: str
+    rtx: bool
+    logger: Any
+    engines: list[tuple[str, Path, str, int]] = dataclasses.field(default_factory=list)  # file, path, log, profiles
+    cache_status: str = "disabled"
+    seconds: float = 0.0
+    last_config: Any = None
+
+
+def _build_engines(trt, plan: BuildPlan, scratch: Path) -> _Built:
+    """Parse, configure and build each planned engine into ``scratch``."""
+    built = _Built(backend_version(trt), is_rtx(trt), _capture_logger(trt))
+    lg = built.logger
+    builder = trt.Builder(lg)
+    lg.quiet_cuda = False
+    if not built.rtx:
+        for lib in _resolve_plugins(plan.build.plugins):
+            if trt.get_plugin_registry().load_library(str(lib)) is None:
+                raise BuildError(f"TensorRT could not load plugin library {lib}; rebuild it for TensorRT "
+                                 f"{built.version}")
+    for engine in plan.engines:
+        network = builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
+        parser = trt.OnnxParser(network, lg)
+        if not parser.parse_from_file(str(plan.onnx_path)):  # resolves model.onnx.data next to the file
+            errs = "; ".join(str(parser.get_error(i).desc()) for i in range(parser.num_errors))
+            raise BuildError(f"TensorRT's ONNX parser rejected {plan.onnx_path}: {errs or 'unknown error'}; "
+                             "check that the .onnx.data file lies beside it and the opset is >= 19")
+        bcfg = _builder_config(trt, builder, plan, built)
+        _add_profiles(builder, network, bcfg, engine)
+        n_prof = bcfg.num_optimization_profiles
+        log.info("building %s for SM%d with %d profile(s) (%s %s)", plan.onnx_path.name, plan.target.sm, n_prof,
+                 plan.target.backend.value, built.version)
+        t0 = time.perf_counter()
+        n_err = len(lg.errors)
+        fname = plan.engine_file(engine, built.version)
+        ok = _serialize_to_file(trt, builder, network, bcfg, scratch / fname)
+        built.seconds += time.perf_counter() - t0
+        if not ok:
+            raise BuildError(f"TensorRT failed to build the engine for SM{plan.target.sm}: "
+                             f"{'; '.join(lg.errors[n_err:][-3:]) or 'no error message'}")
+        built.engines.append((fname, scratch / fname, lg.text, n_prof))
+        lg.kept.clear()
+        built.last_config = bcfg
+        del parser, network
+    return built
+
+
+def _builder_config(trt, builder, plan: BuildPlan, built: _Built):
+    """The builder config: optimization level, workspace, detailed profiling, the SM (TensorRT-RTX)
+    and the timing cache."""
+    bcfg = builder.create_builder_config()
+    bcfg.builder_optimization_level = plan.build.optimization_level
+    bcfg.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, plan.workspace_bytes)
+    bcfg.profiling_verbosity = trt.ProfilingVerbosity.DETAILED
+    if built.rtx:
+        cc = getattr(trt.ComputeCapability, f"SM{plan.target.sm}", None)
+        if cc is None:
+            sms = [m for m in trt.ComputeCapability.__members__ if m.startswith("SM")]
+            raise ConfigError(f"TensorRT-RTX {built.version} has no compute capability SM{plan.target.sm}; "
+                              f"choose one of {sms}")
+        bcfg.num_compute_capabilities = 1
+        bcfg.set_compute_capability(cc, 0)
+    if plan.build.timing_cache:
+        tc, built.cache_status = _timing_cache(trt, bcfg, plan.timing_cache, built.logger)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            bcfg.set_timing_cache(tc, ignore_mismatch=False)
+    return bcfg
+
+
+def _add_profiles(builder, network, bcfg, engine: EnginePlan) -> None:
+    """One optimization profile per planned bucket, over every network input."""
+    for bucket, shapes in engine.profiles:
+        prof = builder.create_optimization_profile()
+        for i in range(network.num_inputs):
+            inp = network.get_input(i)
+            if inp.name not in shapes:
+                raise BuildError(f"network input {inp.name!r} is not an ONNX graph input")
+            prof.set_shape(inp.name, *shapes[inp.name])
+        if bcfg.add_optimization_profile(prof) < 0:
+            raise BuildError(f"TensorRT rejected the profile for bucket {bucket!r}; check its shapes")
+
+
+def _report(trt, plan: BuildPlan, built: _Built, t_start: float) -> dict:
+    """``build_report.json``: engines, profiles, timings and what runs in which precision."""
+    reports = []
+    for fname, epath, text, n_prof in built.engines:
+        layers, in_engine, evidence = _layer_info(trt, epath, text, built.logger)
+        reports.append({"file": fname, "bytes": epath.stat().st_size, "profiles_built": n_prof,
+                        "profiles_in_engine": in_engine, "evidence": evidence,
+                        "analysis": rep.analyze(layers, plan.facts)})
+    first = reports[0]
+    return {
+        "name": plan.name,
+        "status": "ok",
+        "failures": [],
+        "backend": plan.target.backend.value,
+        "backend_version": str(getattr(trt, "__version__", built.version)),
+        "sm": plan.target.sm,
+        "quant_format": QuantFormat(plan.target.quant_format).value,
+        "onnx": str(plan.onnx_path.resolve()),
+        "buckets": [b.to_yaml() for b in plan.buckets],
+        "separate_engines": plan.build.separate_engines,
+        "engines": [{"file": r["file"], "bytes": r["bytes"], "profiles": r["profiles_in_engine"]} for r in reports],
+        "engine_bytes": sum(r["bytes"] for r in reports),
+        "profiles": {"built": sum(r["profiles_built"] for r in reports),
+                     "in_engine": sum(r["profiles_in_engine"] or 0 for r in reports),
+                     "evidence": first["evidence"]},
+        "build_seconds": round(built.seconds, 2),
+        "total_seconds": round(time.perf_counter() - t_start, 2),
+        "peak_rss_mb": round(_peak_rss_mb(), 1),
+        "timing_cache": built.cache_status + (" (TensorRT-RTX: timing cache ops are no-ops)" if built.rtx and
+                                              plan.build.timing_cache else ""),
+        "onnx_qdq_nodes": plan.facts.num_qdq,
+        "analysis": first["analysis"],
+        "per_engine": [{"file": r["file"], "analysis": r["analysis"]} for r in reports[1:]],
+    }
+
+
+def _check_requirements(plan: BuildPlan, built: _Built, report: dict, out_dir: Path) -> None:
+    """Raise (writing ``build_report.failed.json`` and the log) when an engine misses ``build.requirements``."""
+    fails = list(rep.check_requirements(report, plan.build.requirements))
+    for r in report["per_engine"]:
+        fails += [f"{r['file']}: {f}" for f in rep.check_requirements({"analysis": r["analysis"]},
+                                                                     plan.build.requirements)]
+    if fails:
+        report["status"] = "failed"
+        report["failures"] = fails
+        path = rep.write_report(out_dir, report, failed=True)
+        (out_dir / BUILD_LOG).write_text("\n\n".join(t for _, _, t, _ in built.engines))
+        raise BuildError(f"engine misses the recipe's requirements: {'; '.join(fails)}. "
+                         f"Report: {path}. Fix: {rep.requirement_fix_hint(fails)}")
+
+
+def _write(out_dir: Path, plan: BuildPlan, built: _Built, report: dict) -> BuildResult:
+    """Move the engines in and write the log, timing cache, report and manifest, staged."""
+    with staged_dir(out_dir) as tmp:
+        paths = []
+        for fname, epath, _, _ in built.engines:
+            os.replace(epath, tmp / fname)  # same filesystem: a rename, not a copy of the plan file
+            paths.append(fname)
+        (tmp / BUILD_LOG).write_text("\n\n".join(t for _, _, t, _ in built.engines))
+        if plan.build.timing_cache and built.last_config is not None:
+            _save_timing_cache(built.last_config, tmp / TIMING_CACHE, built.version)
+        rep.write_report(tmp, report)
+        spec = {"target": plan.target, "buckets": [b.to_yaml() for b in plan.buckets], "build": plan.build}
+        inputs = {"onnx": file_entry(plan.onnx_path)}
+        if plan.has_export:
+            inputs["export_manifest_created"] = plan.export_created
+        analysis = report["analysis"]
+        manifest = write_manifest(
+            tmp, stage="build", inputs=inputs, config=spec,
+            outputs={"engines": paths, "report": rep.REPORT_JSON, "report_md": rep.REPORT_MD},
+            results={k: report[k] for k in ("backend", "backend_version", "sm", "engine_bytes", "profiles",
+                                            "build_seconds", "peak_rss_mb")}
+            | {"fp8_gemm_fraction": analysis["fp8_gemm_fraction"],
+               "int8_gemm_fraction": analysis["int8_gemm_fraction"],
+               "gemm_counts": analysis["gemm_counts"],
+               "attention_fused": analysis["attention"]["fused"]})
+    log.info("built %s: %.1f MB, %d profile(s), FP8 GEMMs %d/%d, %.1f s", paths[0], report["engine_bytes"] / 1e6,
+             report["profiles"]["in_engine"], analysis["gemm_counts"].get("fp8", 0), analysis["gemm_total"],
+             built.seconds)
+    return BuildResult(out_dir, tuple(out_dir / p for p in paths), report, manifest)
 
 
 @contextlib.contextmanager
