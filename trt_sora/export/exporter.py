@@ -149,6 +149,56 @@ ROUNDING_ULPS = 4
 _EPS = {DType.FP32: 0.0, DType.FP16: 2.0 ** -10, DType.BF16: 2.0 ** -7}
 
 
+@dataclasses.dataclass(frozen=True)
+class ExportPlan:
+    """What :func:`export_onnx` traces, writes and verifies.
+
+    Attributes:
+        ranges: every dynamic dim's exported range (the recipe's ``export.dynamic`` + the family's dims).
+        point: the trace point (every dim >= 2, divisible by the patch).
+        verify_points: where ONNX Runtime is compared with PyTorch (empty when ``verify`` is off).
+        opset, dtype: the ONNX opset and the float type of the weights.
+        weightless: the graph is traced from the empty model, weights streamed from the source.
+        param_bytes: weight bytes; ``external``: whether they go to ``model.onnx.data``.
+        verify_mode: ``"whole-graph"``, ``"segmented"`` (one block's weights at a time) or None.
+    """
+
+    ranges: Mapping[str, DimRange]
+    point: Mapping[str, int]
+    verify_points: tuple[Mapping[str, int], ...]
+    opset: int
+    dtype: DType
+    weightless: bool
+    param_bytes: int
+    external: bool
+    verify_mode: str | None
+
+
+def plan_export(adapter, config: ExportConfig, model, *, weightless: bool,
+                segmented: bool | None = None) -> ExportPlan:
+    """The :class:`ExportPlan` for ``model`` (loaded, or the family's empty model when ``weightless``);
+    changes nothing. Raises :class:`ExportError` for a verify point outside the ranges or weights over
+    protobuf's limit without external data."""
+    ranges = export_ranges(adapter, config)
+    point = export_point(adapter, ranges)
+    points = [adapter.with_family_dims(p) for p in config.verify_points] or default_verify_points(adapter, ranges)
+    for p in points:
+        for d in adapter.dim_names:
+            if not ranges[d].contains(p[d]):
+                raise ExportError(f"verify point {p} has {d}={p[d]} outside the exported range "
+                                  f"{ranges[d].min}..{ranges[d].max}")
+    pb = _param_bytes(model)
+    external = {ExternalData.ALWAYS: True, ExternalData.NEVER: False}.get(config.external_data, pb > PROTOBUF_LIMIT)
+    if not external and pb > PROTOBUF_LIMIT:
+        raise ExportError(f"model weights are {pb / 1e9:.1f} GB, over protobuf's 2 GB limit; "
+                          "set export.external_data to auto or always")
+    mode = None
+    if config.verify:
+        seg = (weightless and pb > WHOLE_GRAPH_VERIFY_BYTES) if segmented is None else segmented
+        mode = "segmented" if seg else "whole-graph"
+    return ExportPlan(ranges, point, tuple(points), config.opset, config.dtype, weightless, pb, external, mode)
+
+
 def export_onnx(model_ref, config: ExportConfig, out_dir: str | Path, *, model=None,
                 segmented: bool | None = None) -> ExportResult:
     """Export ``model_ref`` (name, checkpoint folder or adapter) to ``out_dir/model.onnx``.
@@ -170,8 +220,6 @@ def export_onnx(model_ref, config: ExportConfig, out_dir: str | Path, *, model=N
     require("torch", extra="export")
     require("onnx", extra="export")
     require("onnxscript", extra="export")
-    from trt_sora.export import optimize as opt
-    from trt_sora.export import trace as tr
     from trt_sora.models import ModelAdapter, get_adapter
 
     adapter = model_ref if isinstance(model_ref, ModelAdapter) else get_adapter(model_ref)
@@ -180,112 +228,115 @@ def export_onnx(model_ref, config: ExportConfig, out_dir: str | Path, *, model=N
                           "graph's Conv/MatMul; export with --no-verify (export.verify: false), or export fp32 "
                           "and let quantize cast the graph (quantization.graph_dtype: bf16)")
     t0 = time.perf_counter()
-    weightless = model is None
     source = None
-    if weightless:
+    if model is None:
         from trt_sora.weights.sources import check_covers
 
-        model = adapter.load_empty(config.dtype.value)
-        source = adapter.weight_source()
+        model, source = adapter.load_empty(config.dtype.value), adapter.weight_source()
         check_covers(model, source)
-    t_load = time.perf_counter() - t0
-    ranges = export_ranges(adapter, config)
-    point = export_point(adapter, ranges)
-    points = [adapter.with_family_dims(p) for p in config.verify_points] or default_verify_points(adapter, ranges)
-    for p in points:
-        for d in adapter.dim_names:
-            if not ranges[d].contains(p[d]):
-                raise ExportError(f"verify point {p} has {d}={p[d]} outside the exported range "
-                                  f"{ranges[d].min}..{ranges[d].max}")
-    pb = _param_bytes(model)
-    external = {ExternalData.ALWAYS: True, ExternalData.NEVER: False}.get(config.external_data, pb > PROTOBUF_LIMIT)
-    if not external and pb > PROTOBUF_LIMIT:
-        raise ExportError(f"model weights are {pb / 1e9:.1f} GB, over protobuf's 2 GB limit; "
-                          "set export.external_data to auto or always")
-    seconds = {"load": round(t_load, 2)}
-    peak_mb = {"load": _peak_rss_mb()}  # process peak RSS after each phase (MB)
+    seconds, peak_mb = {"load": round(time.perf_counter() - t0, 2)}, {"load": _peak_rss_mb()}
+    plan = plan_export(adapter, config, model, weightless=source is not None, segmented=segmented)
     refs = None
-    if weightless and config.verify:  # the PyTorch reference needs no graph: run it while tracing
+    if plan.weightless and plan.verify_mode:  # the PyTorch reference needs no graph: run it while tracing
         import concurrent.futures
 
         pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="trt_sora-reference")
-        refs = pool.submit(_streamed_reference, adapter, source, points, config.dtype.value)
+        refs = pool.submit(_streamed_reference, adapter, source, list(plan.verify_points), config.dtype.value)
         pool.shutdown(wait=False)
     with staged_dir(out_dir) as tmp:
-        onnx_path = tmp / ONNX_NAME
-        t1 = time.perf_counter()
-        program = tr.trace(adapter, model, point, config, _dynamic_shapes(adapter, ranges), weightless=weightless)
-        seconds["trace"] = round(time.perf_counter() - t1, 2)
-        peak_mb["trace"] = _peak_rss_mb()
-        t1 = time.perf_counter()
-        read = tr.bind_weights(program.model, model, source) if weightless else None
-        opt.optimize(program.model, read=read)
-        opt.canonicalize(program.model)
-        seconds["optimize"] = round(time.perf_counter() - t1, 2)
-        peak_mb["optimize"] = _peak_rss_mb()
-        t1 = time.perf_counter()
-        _save(program.model, onnx_path, external)
-        del program
-        _rename_dims(onnx_path, adapter)
-        seconds["write"] = round(time.perf_counter() - t1, 2)
-        peak_mb["write"] = _peak_rss_mb()
-        import onnx
-
-        try:
-            onnx.checker.check_model(str(onnx_path))
-        except onnx.checker.ValidationError as exc:
-            raise ExportError(f"onnx.checker rejected the export: {exc}") from None
-        parity: list[dict] = []
-        verify_mode = None
-        if config.verify:
-            t1 = time.perf_counter()
-            seg = (weightless and pb > WHOLE_GRAPH_VERIFY_BYTES) if segmented is None else segmented
-            verify_mode = "segmented" if seg else "whole-graph"
-            parity = verify_onnx(onnx_path, adapter, model, points, dtype=config.dtype.value, segmented=seg,
-                                 refs=refs.result() if refs is not None else None)
-            seconds["verify"] = round(time.perf_counter() - t1, 2)
-            peak_mb["verify"] = _peak_rss_mb()
-            rel = max(config.max_abs, ROUNDING_ULPS * _EPS[config.dtype])  # fp16: both sides round in fp16
-            for p in parity:  # max-abs bar scales with the output's magnitude when it exceeds 1
-                p["max_abs_limit"] = rel * max(1.0, p["ref_max_abs"])
-            bad = [p for p in parity if not _passes(p, config)]
-            if bad:
-                b = bad[0]
-                raise ExportError(
-                    f"ONNX Runtime disagrees with PyTorch at {b['point']}: cosine {b['cosine']:.7f} "
-                    f"(need >= {config.min_cosine}), max-abs {b['max_abs']:.3g} (need <= {b['max_abs_limit']:.3g}); "
-                    "the graph probably baked a shape or an op exported wrongly")
-        dead = dead_linears(onnx_path, model)
+        _write_graph(adapter, model, source, plan, config, tmp / ONNX_NAME, seconds, peak_mb)
+        parity = _verify(adapter, model, plan, config, tmp / ONNX_NAME, refs, seconds, peak_mb)
+        dead = dead_linears(tmp / ONNX_NAME, model)
         if dead:
             log.info("export of %s: %d linear(s) have no node in the graph (their output is unused): %s",
                      adapter.name, len(dead), ", ".join(dead[:6]) + (" ..." if len(dead) > 6 else ""))
-        outputs = {"onnx": ONNX_NAME}
-        if (tmp / (ONNX_NAME + ".data")).exists():
-            outputs["external_data"] = ONNX_NAME + ".data"
         seconds["total"] = round(time.perf_counter() - t0, 2)
-        results = {
-            "model": adapter.describe(),
-            "export_point": point,
-            "dynamic": {k: v.to_yaml() for k, v in ranges.items()},
-            "patch_size": list(adapter.patch_size),
-            "input_names": list(adapter.input_names),
-            "output_names": list(adapter.output_names),
-            "dim_names": {k: {str(a): d for a, d in v.items()} for k, v in adapter.input_dims().items()},
-            "dead_linears": dead,
-            "external_data": external,
-            "param_bytes": pb,
-            "weights": source.describe() if weightless else "in memory",
-            "verify_mode": verify_mode,
-            "seconds": seconds,
-            "peak_rss_mb": peak_mb,
-            "parity": parity,
-        }
-        manifest = write_manifest(tmp, stage="export", inputs={"model": adapter.describe()}, config=config,
-                                  results=results, outputs=outputs)
+        manifest = _write_manifest(tmp, adapter, config, plan, source, parity=parity, dead=dead,
+                                   seconds=seconds, peak_mb=peak_mb)
     out = Path(out_dir)
     manifest["outputs"]["onnx_entry"] = _entry_from_manifest(out / ONNX_NAME, manifest)
     log.info("export of %s: %s", adapter.name, seconds)
     return ExportResult(out / ONNX_NAME, manifest)
+
+
+def _write_graph(adapter, model, source, plan: ExportPlan, config: ExportConfig, onnx_path: Path,
+                 seconds: dict, peak_mb: dict) -> None:
+    """Trace at the plan's point, bind the weights, optimize, save, name the dims and run onnx.checker."""
+    from trt_sora.export import optimize as opt
+    from trt_sora.export import trace as tr
+
+    t1 = time.perf_counter()
+    program = tr.trace(adapter, model, plan.point, config, _dynamic_shapes(adapter, plan.ranges),
+                       weightless=plan.weightless)
+    seconds["trace"] = round(time.perf_counter() - t1, 2)
+    peak_mb["trace"] = _peak_rss_mb()
+    t1 = time.perf_counter()
+    read = tr.bind_weights(program.model, model, source) if plan.weightless else None
+    opt.optimize(program.model, read=read)
+    opt.canonicalize(program.model)
+    seconds["optimize"] = round(time.perf_counter() - t1, 2)
+    peak_mb["optimize"] = _peak_rss_mb()
+    t1 = time.perf_counter()
+    _save(program.model, onnx_path, plan.external)
+    del program
+    _rename_dims(onnx_path, adapter)
+    seconds["write"] = round(time.perf_counter() - t1, 2)
+    peak_mb["write"] = _peak_rss_mb()
+    import onnx
+
+    try:
+        onnx.checker.check_model(str(onnx_path))
+    except onnx.checker.ValidationError as exc:
+        raise ExportError(f"onnx.checker rejected the export: {exc}") from None
+
+
+def _verify(adapter, model, plan: ExportPlan, config: ExportConfig, onnx_path: Path, refs, seconds: dict,
+            peak_mb: dict) -> list[dict]:
+    """ONNX Runtime vs PyTorch at the plan's verify points; raises when a point misses the config's bar."""
+    if plan.verify_mode is None:
+        return []
+    t1 = time.perf_counter()
+    parity = verify_onnx(onnx_path, adapter, model, list(plan.verify_points), dtype=config.dtype.value,
+                         segmented=plan.verify_mode == "segmented", refs=refs.result() if refs is not None else None)
+    seconds["verify"] = round(time.perf_counter() - t1, 2)
+    peak_mb["verify"] = _peak_rss_mb()
+    rel = max(config.max_abs, ROUNDING_ULPS * _EPS[config.dtype])  # fp16: both sides round in fp16
+    for p in parity:  # max-abs bar scales with the output's magnitude when it exceeds 1
+        p["max_abs_limit"] = rel * max(1.0, p["ref_max_abs"])
+    bad = [p for p in parity if not _passes(p, config)]
+    if bad:
+        b = bad[0]
+        raise ExportError(
+            f"ONNX Runtime disagrees with PyTorch at {b['point']}: cosine {b['cosine']:.7f} "
+            f"(need >= {config.min_cosine}), max-abs {b['max_abs']:.3g} (need <= {b['max_abs_limit']:.3g}); "
+            "the graph probably baked a shape or an op exported wrongly")
+    return parity
+
+
+def _write_manifest(tmp: Path, adapter, config: ExportConfig, plan: ExportPlan, source, *, parity: list[dict],
+                    dead: list[str], seconds: dict, peak_mb: dict) -> dict:
+    outputs = {"onnx": ONNX_NAME}
+    if (tmp / (ONNX_NAME + ".data")).exists():
+        outputs["external_data"] = ONNX_NAME + ".data"
+    results = {
+        "model": adapter.describe(),
+        "export_point": dict(plan.point),
+        "dynamic": {k: v.to_yaml() for k, v in plan.ranges.items()},
+        "patch_size": list(adapter.patch_size),
+        "input_names": list(adapter.input_names),
+        "output_names": list(adapter.output_names),
+        "dim_names": {k: {str(a): d for a, d in v.items()} for k, v in adapter.input_dims().items()},
+        "dead_linears": dead,
+        "external_data": plan.external,
+        "param_bytes": plan.param_bytes,
+        "weights": source.describe() if plan.weightless else "in memory",
+        "verify_mode": plan.verify_mode,
+        "seconds": seconds,
+        "peak_rss_mb": peak_mb,
+        "parity": parity,
+    }
+    return write_manifest(tmp, stage="export", inputs={"model": adapter.describe()}, config=config,
+                          results=results, outputs=outputs)
 
 
 def _streamed_reference(adapter, source, points, dtype: str) -> list:
