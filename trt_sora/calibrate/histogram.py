@@ -66,7 +66,7 @@ def batch_counts(x: Tensor, e: Tensor, num_bins: int, *, kernel: bool = True) ->
 
     On CUDA (``kernel``) one NVRTC-compiled kernel counts ``x`` in its own dtype into shared-memory bins
     (:mod:`trt_sora.kernels.cuda_hist`, configured by :data:`CUDA_COPIES`) where NVRTC works and the
-    bins fit: the same bins as ``histc`` below, 11x faster on the H200. Otherwise, per chunk of at most
+    bins fit: the same bins as ``histc`` below, faster (benchmarks/README.md). Otherwise, per chunk of at most
     :data:`CHUNK` elements: ``u = |x| * 2**-e`` in fp32 (exact), then one ``histc`` over ``[0, 1)``. On
     CUDA (``kernel``, Triton present) ``u`` comes from one Triton pass reading ``x`` in its own dtype
     (:func:`trt_sora.kernels.triton_ops.abs_scaled`); otherwise from an fp32 ``abs`` (a fresh
@@ -108,8 +108,8 @@ CUDA_COPIES: int | None = cuda_hist.DEFAULT_COPIES
 
 #: Copies of each bin on the Triton + ``histc`` GPU path (see :func:`trt_sora.kernels.triton_ops.abs_scaled`):
 #: ``histc``'s
-#: shared-memory atomics on a crowded bin hit two addresses. Measured on the H200 (benchmarks/README.md):
-#: 1 / 2 / 4 / 8 copies, 4.19 / 3.24 / 4.68 / 25.8 ms for a 294M-element FFN input.
+#: shared-memory atomics on a crowded bin hit two addresses; 2 was the fastest of 1, 2, 4 and 8
+#: (benchmarks/README.md).
 REPLICAS = 2
 #: Most ``histc`` bins (``num_bins * REPLICAS``) replicated; past it ``histc`` leaves shared memory.
 MAX_REPLICATED_BINS = 1 << 14

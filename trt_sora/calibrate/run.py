@@ -86,7 +86,7 @@ class ReportOptions:
         peer_prompts, peer_steps: held-out prompts and steps of the peer comparison (``None`` steps =
             the model's default).
         target_psnr_db: final-latent PSNR the quality-vs-speed recommendation aims for; ``None`` =
-            35 dB for FP8, 30 dB for INT8 (issue 13's goals against the unquantized model).
+            35 dB for FP8, 30 dB for INT8 (against the unquantized model).
     """
 
     eval_prompts: int = 2

@@ -10,10 +10,9 @@ Why a CUDA kernel and not Triton: Triton has no shared-memory atomics; ``tl.hist
 int32 sub-histograms in shared memory (warp ``w`` counts into copy ``w % COPIES``), adds one per element
 with a shared-memory atomic, and adds its bins into the global int64 counts once.
 
-Measured on the H200 (benchmarks/README.md, 294M-element bf16 FFN input): 0.29 ms against 3.24 ms for
-the Triton pass + ``histc``, with the data crowded in the low bins (an outlier), spread, or all in one bin
-(zero padding) alike. Two ways to spare the atomics on a crowded bin measured slower: grouping a warp's
-equal bins (``__match_any_sync``: 1.09 / 2.36 ms) and run-length counting per thread (0.37 ms).
+It beats the Triton pass + ``histc`` whether the data is crowded in the low bins (an outlier), spread,
+or all in one bin (zero padding); grouping a warp's equal bins (``__match_any_sync``) and run-length
+counting per thread were slower (benchmarks/README.md has the timings).
 NVRTC and ``torch.cuda._compile_kernel`` come with torch's CUDA wheels (torch >= 2.8);
 where either is missing :func:`available` is False and the caller keeps the Triton + ``histc`` path.
 """
@@ -29,9 +28,8 @@ log = logging.getLogger("trt_sora")
 
 __all__ = ["abs_histogram", "available", "max_bins", "supports"]
 
-#: Sub-histograms per block. 2 is the setting whose calibration forwards were timed on the H200. 1 measured
-#: 0.26 ms in the micro benchmark against 0.29 ms for 2 and 4 (benchmarks/hist_bench.py), but its forwards
-#: were not timed.
+#: Sub-histograms per block: 2 is the setting whose calibration forwards were benchmarked
+#: (benchmarks/README.md; benchmarks/hist_bench.py compares 1, 2 and 4).
 DEFAULT_COPIES = 2
 THREADS = 256
 #: Shared memory a block may use without opting in (48 KB): ``COPIES * num_bins * 4`` bytes.

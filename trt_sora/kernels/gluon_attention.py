@@ -20,13 +20,11 @@ release of tile j-2's V slot is issued at tile j's start, so nothing after the P
 that wait above the softmax. ``P`` reaches the P V product in V^T's key order
 (:func:`trt_sora.kernels.reference.vt_key_order`), the softmax's registers as they are. FP8 output goes
 through a layout change to 16-byte row pieces per thread (the accumulator's layout stores 1-2 bytes at a
-time: about 2.7 ms per 14B layer); bf16 output, 4 bytes a store, is stored from the accumulator's layout.
+time, which costs more than the change); bf16 output, 4 bytes a store, is stored from the accumulator's layout.
 
-Measured on H200s (benchmarks/README.md), 1 x 40 heads x 32,760 x 128: on V^T in natural key order (P
-through 16 shuffles a tile) 798-819 TFLOP/s, ahead of the Triton kernel's 767-791. With the key order ptxas
-moves P's 32 FP8 conversions from before this warpgroup's turn into it, and the kernel fell to 761-768
-(FP8 output 780-787) while the Triton kernel rose to 780-808 (FP8 output 800-823); so the Triton kernel is
-the default (``triton_ops.ATTN_WS``) and this one is selectable, the same bits.
+With V^T in its key order ptxas moves P's 32 FP8 conversions from before this warpgroup's turn into it,
+and the Triton kernel is then the faster one (benchmarks/README.md); so the Triton kernel is the default
+(``triton_ops.ATTN_WS``) and this one is selectable, the same bits.
 
 Needs Triton's Gluon (Triton >= 3.5) and SM 9.x; :func:`available` says whether this process can run it.
 """
@@ -204,11 +202,11 @@ if HAVE_GLUON:
         o = acc / gl.expand_dims(gl.convert_layout(l_i, gl.SliceLayout(1, o_layout)), 1) * gl.expand_dims(vs, 0)
         b = bh // H
         h = bh % H
-        if OUT_FP8:  # 16-byte row pieces per thread: whole lines per store (1-2 bytes a store cost 2.7 ms a layer)
+        if OUT_FP8:  # 16-byte row pieces per thread: whole lines per store, not 1-2 bytes a store
             y = o.to(gl.bfloat16).to(gl.float32) / gl.load(OSC)
             st_layout: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
             y = gl.convert_layout(gl.minimum(gl.maximum(y, -448.0), 448.0).to(gl.float8e4nv), st_layout)
-        else:  # bf16 from the accumulator's layout, 4 bytes a store: the store of the runs at 798-819 TFLOP/s
+        else:  # bf16 from the accumulator's layout, 4 bytes a store
             st_layout: gl.constexpr = o_layout
             y = o.to(gl.bfloat16)
         rows = pid_m * BLOCK_M + WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, st_layout))

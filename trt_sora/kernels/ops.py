@@ -54,7 +54,7 @@ def heads_to_tokens(o, act_scale=None):
 
 
 def sdpa_bf16(q, k, v):
-    """BF16 attention [B, H, S, D]; cuDNN's fused kernel on CUDA (fastest measured on H200)."""
+    """BF16 attention [B, H, S, D]; cuDNN's fused kernel on CUDA (the fastest; benchmarks/README.md)."""
     if q.is_cuda:
         from torch.nn.attention import SDPBackend, sdpa_kernel
 

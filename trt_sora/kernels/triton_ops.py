@@ -384,15 +384,14 @@ def _attn_configs():
     unit) runs while another's tensor-core products do: the overlap that FA3 gets from ping-pong
     scheduling. PIPE issues the next key tile's Q K^T before this tile's softmax in source order
     (FA3's intra-warpgroup order); Triton 3.6 still waits on that product right after issuing it
-    (SASS: ``WARPGROUP.DEPBAR.LE gsb0, 0x0``), so nothing overlaps within a CTA, yet it measured
-    faster on 128-row tiles (29.9 vs 31.6 ms) and is kept there. Every config computes
-    bit-identical results (same key tiles, same per-row arithmetic in the same order), so the choice
-    never changes numbers. Measured on the H200 and dropped (benchmarks/README.md): an exponential in
-    packed f16 pairs (4% slower); three CTAs per SM at 168 registers and 2 stages (34 ms vs 29); 64-row
-    tiles with PIPE (37.5 ms; they fit only with TMA); the row sums as a tensor-core product P8 @ ones
-    (the same speed, and the FP8 products' accumulation loses enough of a 32,760-key sum to take the
-    cosine from 0.9992 to 0.9986); skipping the rescale of tiles where no row max moved (the block-wide
-    test costs more than the multiplies: 29.0 vs 27.7 ms)."""
+    (SASS: ``WARPGROUP.DEPBAR.LE gsb0, 0x0``), so nothing overlaps within a CTA, yet it is faster
+    on 128-row tiles and is kept there. Every config computes bit-identical results (same key
+    tiles, same per-row arithmetic in the same order), so the choice never changes numbers. Tried
+    and dropped (benchmarks/README.md has the timings): an exponential in packed f16 pairs; three
+    CTAs per SM at 168 registers and 2 stages; 64-row tiles with PIPE; the row sums as a
+    tensor-core product P8 @ ones (no faster, and the FP8 products' accumulation loses part of a
+    long key sum); skipping the rescale of tiles where no row max moved (the block-wide test costs
+    more than the multiplies)."""
     return [triton.Config({"BLOCK_M": bm, "PIPE": pipe}, num_warps=w, num_stages=3)
             for bm, pipe, w in ((64, False, 4), (128, True, 8))]
 
@@ -501,8 +500,8 @@ def _attn_fp8_kernel(Q8, QS, K8, KS, VT8, VS, O, OSC, S, S_pad, H, nblk, qk_scal
 #: Key/value tiles through TMA tensor descriptors (Hopper+) instead of pointer loads: same bits.
 ATTN_TMA = True
 #: On SM 9.x with Gluon, the warp-specialized kernel (:mod:`trt_sora.kernels.gluon_attention`) by default: same
-#: bits. Off: with V^T in the P V operand's key order the Triton kernel measured faster on the H200 (FP8 output,
-#: what the model runs: 800-823 TFLOP/s against 780-787; benchmarks/README.md).
+#: bits. Off: with V^T in the P V operand's key order the Triton kernel is the faster of the two for FP8
+#: output, what the model runs (benchmarks/README.md).
 ATTN_WS = False
 
 

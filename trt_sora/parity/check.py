@@ -343,8 +343,7 @@ def _open_side(side: _Side, backend: str, recipe, device) -> _Side:
         graph_dtype = "bf16" if backend == "torch-fp8" else side.fq.qdq_meta.get("graph_dtype", "fp32")
         if pc.qdq.max_floor_ratio and graph_dtype in ("fp16", "bf16"):
             # the same simulation with every quantized input rounded to the graph's dtype first: how far
-            # rounding alone moves a correct result (within ~10 % of a full fp16 simulation on
-            # wan-shapes, at fp32 speed: ~1.8x faster than fp16 kernels on a 2-core CPU)
+            # rounding alone moves a correct result, close to a full fp16 simulation at fp32 kernels' speed
             side.fq_floor = TorchFakeQuantRunner(adapter, arts["qdq_map"], arts["stats"], model=ref_model,
                                                  round_inputs=graph_dtype,
                                                  name=side.level(f"torch-fakequant-{graph_dtype}-inputs")).activate()

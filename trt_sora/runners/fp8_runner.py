@@ -1,6 +1,6 @@
 """``torch-fp8``: the calibrated artifact on a GPU with real FP8 tensor-core work (PyTorch + Triton).
 
-Where no TensorRT engine can run (our H200: full TensorRT is not installable, TensorRT-RTX refuses
+Where no TensorRT engine can run (a data-center GPU without full TensorRT: TensorRT-RTX refuses
 SM 9.0), this runner executes **the same calibration** the Q/DQ graph holds: the quantized sites
 of ``qdq_map.json`` (fused and shared groups included), their input amax from the calibration
 stats (one per shared tensor, :func:`trt_sora.runners.torch_runner.site_amaxes`, the function the

@@ -445,8 +445,7 @@ def load(artifact_dir, backend: str = "auto", *, force: bool = False, concurrenc
         compile: torch backend: ``torch.compile`` the forward.
         check_finite: reject NaN/inf inputs (InputError) and NaN/inf outputs (NumericsError) on every
             call; ``False`` for servers that check upstream. Cost: a max and a min over each input and
-            the output (numpy / CPU tensors, ~2 GB/s per core: ~8 ms for a 480p x 81-frame Wan call's
-            50 MB), one ``isfinite`` kernel + sync per tensor on CUDA.
+            the output (numpy / CPU tensors), one ``isfinite`` kernel + sync per tensor on CUDA.
         parallel: a :class:`trt_sora.parallel.ParallelConfig` (CFG-parallel x Ulysses) for the
             ``torch`` / ``torch-fp8`` backends, inside a ``torch.distributed`` job (``torchrun``;
             :func:`trt_sora.parallel.init_process_group`). Call ``load`` on every rank: rank 0 serves
