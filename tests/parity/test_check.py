@@ -38,6 +38,18 @@ def test_full_matrix_passes(checked_run):
     assert man["stage"] == "parity" and "qdq" in man["inputs"] and man["results"]["passed"]
 
 
+def test_check_plan_lists_the_levels_the_recipe_asks_for(checked_run):
+    from trt_sora.parity.check import check_plan
+
+    rep = json.loads((checked_run / "parity" / "report.json").read_text())
+    plan = check_plan(checked_run, RECIPE)
+    assert plan.levels == ("export", "qdq", "quality", "trajectory", "loop", "frames")  # caching off
+    assert plan.levels == tuple(c["level"] for c in rep["comparisons"])  # the check ran what it planned
+    loop = _by_level(rep)["loop"]
+    assert plan.loop_point == loop["point"] and plan.settings.num_steps == len(loop["per_step"])
+    assert plan.caching is None and plan.backend == "ort"
+
+
 def test_trajectory_gates_every_call_of_the_model_schedule(checked_run):
     """The trajectory level covers the model's own schedule to its last (lowest-noise) step: a loop
     shortened by default, or a gate that skips the last step, fails here."""

@@ -5,13 +5,13 @@ Importing this package loads no torch/onnx: :func:`check_artifacts` imports them
 """
 from __future__ import annotations
 
-__all__ = ["check_artifacts", "compare", "frame_metrics", "localize", "ssim"]
+__all__ = ["CheckPlan", "check_artifacts", "check_plan", "compare", "frame_metrics", "localize", "ssim"]
 
 
 def __getattr__(name: str):
     import importlib
 
-    if name in ("check_artifacts", "localize", "find_artifacts", "effective_buckets"):
+    if name in ("CheckPlan", "check_artifacts", "check_plan", "localize", "find_artifacts", "effective_buckets"):
         return getattr(importlib.import_module("trt_sora.parity.check"), name)
     if name in ("compare", "frame_metrics", "ssim"):
         return getattr(importlib.import_module("trt_sora.parity.metrics"), name)

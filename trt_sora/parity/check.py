@@ -394,6 +394,68 @@ def _expert_steps(adapter, settings) -> dict:
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class CheckPlan:
+    """What :func:`check_artifacts` runs, decided before a runner opens.
+
+    Attributes:
+        backend: the candidate backend.
+        levels: the comparisons of the report, in order: per side ``export``, ``qdq`` (with a Q/DQ
+            graph), ``quality``; then ``trajectory``, ``loop``, ``frames`` and ``caching`` (when the
+            recipe caches). Each is judged by its own comparator and gate (``recipe.parity.<level>``).
+        buckets: the shape buckets (the first one's opt point is the loop's).
+        settings, sampling_note: the sampling loop's settings and what overrides them.
+        loop_point, batched: the loop's point and whether both CFG branches run as one call.
+        served: ``{expert or None: [steps it serves]}``.
+        keep: the trajectory steps whose call inputs the single-call levels reuse.
+        caching: the recipe's cache schedules at the loop's settings (None: caching off).
+    """
+
+    backend: str
+    levels: tuple[str, ...]
+    buckets: tuple
+    settings: Any
+    sampling_note: str
+    loop_point: dict
+    batched: bool
+    served: dict
+    keep: tuple[int, ...]
+    caching: Any = None
+
+    @property
+    def cfg(self) -> str:
+        return "batched" if self.batched else "split"
+
+
+def check_plan(run_dir: str | Path, recipe, *, model=None, backend: str = "ort") -> CheckPlan:
+    """The :class:`CheckPlan` of :func:`check_artifacts` on ``run_dir`` (artifacts verified, nothing run
+    or written)."""
+    from trt_sora.config import load_recipe
+
+    run = Path(run_dir)
+    recipe = recipe if hasattr(recipe, "parity") else load_recipe(recipe)
+    adapter = _adapter_for(run, model)
+    return _plan(adapter, recipe, _sides(run, adapter, recipe), backend)
+
+
+def _plan(adapter, recipe, sides: dict, backend: str) -> CheckPlan:
+    from trt_sora.parity.loop import parity_sampling
+
+    pc = recipe.parity
+    buckets = effective_buckets(recipe, adapter)
+    settings, sampling_note = parity_sampling(adapter, pc)
+    caching = _plan_caching(recipe, adapter, settings, sides)
+    lp, batched = _loop_point(buckets)
+    served = _expert_steps(adapter, settings)
+    keep = sorted({s for steps in served.values()
+                   for s in (steps[i] for i in _sample_steps(pc.num_samples, len(steps)))})
+    levels = [side.level(name) for side in sides.values() for name in ("export", "qdq", "quality")
+              if name != "qdq" or side.arts["qdq"] is not None]
+    levels += ["trajectory", "loop", "frames"] + (["caching"] if caching is not None else [])
+    return CheckPlan(backend, tuple(levels), tuple(buckets), settings, sampling_note, lp, batched, served,
+                     tuple(keep), caching)
+
+
 def check_artifacts(run_dir: str | Path, recipe, *, model=None, backend: str = "ort", write: bool = True,
                     seed: int = 0, localize_always: bool = False, device: str | None = None,
                     text_encoder: str | None = None) -> dict[str, Any]:
@@ -423,126 +485,201 @@ def check_artifacts(run_dir: str | Path, recipe, *, model=None, backend: str = "
     ``localization`` for failed single-call comparisons, ``buckets``, ``artifacts``.
     """
     from trt_sora.config import load_recipe
-    from trt_sora.manifest import file_entry, invalidate, staged_dir, write_json, write_manifest
+    from trt_sora.manifest import invalidate
 
     t0 = time.perf_counter()
     run = Path(run_dir)
     recipe = recipe if hasattr(recipe, "parity") else load_recipe(recipe)
-    pc = recipe.parity
     if write:  # a check that starts voids the old verdict: a crash or a refusal must not leave "passed" behind
         invalidate(run / "parity")
     adapter = _adapter_for(run, model)
     sides = _sides(run, adapter, recipe)
-
-    from trt_sora.parity.caching import caching_level
-    from trt_sora.parity.loop import loop_inputs, parity_sampling
-    from trt_sora.parity.trajectory import judge
-    from trt_sora.sampling import runner_call, sample
-    from trt_sora.trajectory import measured_contribution, reference_with_candidate
-
-    buckets = effective_buckets(recipe, adapter)
+    plan = _plan(adapter, recipe, sides, backend)
     for side in sides.values():
         _open_side(side, backend, recipe, device)
+    loop = _Loop.run(adapter, sides, plan, recipe.parity, seed, text_encoder)
+    comparisons, localization = _compare(adapter, sides, plan, recipe.parity, loop, seed, localize_always)
+    executed = _executed_on(backend, loop.lead.cand)
+    for side in sides.values():
+        for r in {id(x): x for x in side.runners()}.values():
+            r.deactivate()
+    report, inputs = _report(run, recipe, adapter, sides, plan, comparisons, localization, executed, loop, t0)
+    if write:
+        _write(run, recipe, report, inputs)
+    log.info("parity %s: %s", "passed" if report["passed"] else "FAILED", ", ".join(
+        f"{c['level']}={'ok' if c['passed'] else 'fail'}" for c in comparisons))
+    return report
+
+
+@dataclasses.dataclass
+class _Loop:
+    """The deployed sampling loop's inputs and the reference trajectory with the candidate on every
+    call's inputs (teacher-forced), shared by every level."""
+
+    adapter: Any
+    plan: CheckPlan
+    sides: dict
+    noise: Any
+    cond: Any
+    uncond: Any
+    ref_calls: Any
+    cand_calls: Any
+    traj: Any = None
+    cache_result: Any = None
+
+    @classmethod
+    def run(cls, adapter, sides: dict, plan: CheckPlan, pc, seed: int, text_encoder) -> _Loop:
+        from trt_sora.parity.loop import loop_inputs
+        from trt_sora.sampling import runner_call
+        from trt_sora.trajectory import reference_with_candidate
+
+        def calls(attr):  # the transformer call of each side: one call, or {expert: call}
+            if None in sides:
+                return runner_call(getattr(sides[None], attr))
+            return {e: runner_call(getattr(s, attr)) for e, s in sides.items()}
+
+        noise, cond, uncond = loop_inputs(adapter, plan.loop_point, seed=seed, text_encoder=text_encoder)
+        loop = cls(adapter, plan, sides, noise, cond, uncond, calls("ref"), calls("cand"))
+        loop.traj = reference_with_candidate(loop.ref_calls, loop.cand_calls, noise, cond, uncond,
+                                             **loop.kwargs(), keep_inputs=list(plan.keep))
+        return loop
+
+    def kwargs(self) -> dict:
+        settings = self.plan.settings
+        return {"scheduler": self.adapter.scheduler(settings.shift), "settings": settings, "cfg": self.plan.cfg,
+                "conditioner": self.adapter}
+
+    @property
+    def lead(self):
+        return next(iter(self.sides.values()))
+
+    @property
+    def ref_name(self) -> str:
+        return "+".join(s.ref.name for s in self.sides.values())
+
+    @property
+    def cand_name(self) -> str:
+        return "+".join(s.cand.name for s in self.sides.values())
+
+
+def _compare(adapter, sides: dict, plan: CheckPlan, pc, loop: _Loop, seed: int,
+             localize_always: bool) -> tuple[list[dict], dict]:
+    """Every level of ``plan``, in order: ``(comparisons, localization)``."""
     comparisons: list[dict] = []
     localization: dict[str, Any] = {}
-
-    def calls(attr):  # the transformer call of each side: one call, or {expert: call}
-        if None in sides:
-            return runner_call(getattr(sides[None], attr))
-        return {e: runner_call(getattr(s, attr)) for e, s in sides.items()}
-
-    # the deployed trajectory once: the reference loop with the candidate on every call's inputs
-    settings, sampling_note = parity_sampling(adapter, pc)
-    caching = _plan_caching(recipe, adapter, settings, sides)
-    lp, batched = _loop_point(buckets)
-    cfg = "batched" if batched else "split"
-    noise, cond, uncond = loop_inputs(adapter, lp, seed=seed, text_encoder=text_encoder)
-    served = _expert_steps(adapter, settings)
-    keep = sorted({s for steps in served.values()
-                   for s in (steps[i] for i in _sample_steps(pc.num_samples, len(steps)))})
-    ref_calls, cand_calls = calls("ref"), calls("cand")
-    traj = reference_with_candidate(ref_calls, cand_calls, noise, cond, uncond,
-                                    scheduler=adapter.scheduler(settings.shift), settings=settings, cfg=cfg,
-                                    keep_inputs=keep, conditioner=adapter)
-
-    # what a step alone does to the clip, measured, for every step whose calls miss the per-call gate
-    measured = {}
+    measured = _measured(loop, pc)
     limit = pc.trajectory.min_contribution_db
-    if limit is not None:
-        for row in judge(traj, pc.trajectory, {})[1]:
-            if not row["calls_pass"]:
-                measured[row["step"]] = measured_contribution(
-                    traj, ref_calls, cand_calls, row["step"], noise, cond, uncond,
-                    scheduler=adapter.scheduler(settings.shift), settings=settings, cfg=cfg, conditioner=adapter)
-
     for e, side in sides.items():
-        mine = {st: f for st, f in traj.inputs.items() if st in served[e]}
-        samples = _samples(side.adapter, dataclasses.replace(traj, inputs=mine), lp, buckets, seed)
+        mine = {st: f for st, f in loop.traj.inputs.items() if st in plan.served[e]}
+        samples = _samples(side.adapter, dataclasses.replace(loop.traj, inputs=mine), plan.loop_point, plan.buckets,
+                           seed)
         # the quality level judges trajectory calls by the trajectory level's rule (one rule, two levels)
         exempt = {i: (st, measured[st], limit) for i, st in enumerate(sorted(mine)) if st in measured}
-        _single_call_levels(side, samples, pc, comparisons, localization, localize_always, backend, exempt)
+        _single_call_levels(side, samples, pc, comparisons, localization, localize_always, plan.backend, exempt)
+    comparisons.append(_trajectory_level(loop.traj, pc.trajectory, measured, plan.settings, plan.sampling_note,
+                                         loop.ref_name, loop.cand_name, plan.loop_point))
+    loop_cmp, lat_c = _loop_level(loop, pc)
+    comparisons.append(loop_cmp)
+    decode, ddesc = adapter.decoder()
+    ref_frames = decode(loop.traj.reference.latents)
+    comparisons.append(_frames_level(loop, ref_frames, decode(lat_c), ddesc, pc))
+    if not all(c["passed"] for c in comparisons[-3:]):
+        _localize_loop(loop, localization, pc)
+    if plan.caching is not None:
+        comparisons.append(_caching_level(loop, ref_frames, decode, pc))
+    return comparisons, localization
 
-    # -- the trajectory: every call; the free-running loop; decoded frames --------------------------------
-    lead = next(iter(sides.values()))
-    ref_name = "+".join(s.ref.name for s in sides.values())
-    cand_name = "+".join(s.cand.name for s in sides.values())
-    comparisons.append(_trajectory_level(traj, pc.trajectory, measured, settings, sampling_note,
-                                         ref_name, cand_name, lp))
-    res_c = sample(cand_calls, noise, cond, uncond, scheduler=adapter.scheduler(settings.shift),
-                   settings=settings, cfg=cfg, keep=("latents",), conditioner=adapter)
-    lat_ref, lat_c = traj.reference.latents, res_c.latents
+
+def _measured(loop: _Loop, pc) -> dict:
+    """What a step alone does to the clip, measured, for every step whose calls miss the per-call gate."""
+    from trt_sora.parity.trajectory import judge
+    from trt_sora.trajectory import measured_contribution
+
+    measured = {}
+    if pc.trajectory.min_contribution_db is not None:
+        for row in judge(loop.traj, pc.trajectory, {})[1]:
+            if not row["calls_pass"]:
+                measured[row["step"]] = measured_contribution(loop.traj, loop.ref_calls, loop.cand_calls, row["step"],
+                                                              loop.noise, loop.cond, loop.uncond, **loop.kwargs())
+    return measured
+
+
+def _loop_level(loop: _Loop, pc) -> tuple[dict, Any]:
+    """The candidate's own free-running loop vs the reference's final latents; returns its latents too."""
+    from trt_sora.sampling import sample
+
+    plan, settings, note = loop.plan, loop.plan.settings, loop.plan.sampling_note
+    res_c = sample(loop.cand_calls, loop.noise, loop.cond, loop.uncond, **loop.kwargs(), keep=("latents",))
+    lat_ref, lat_c = loop.traj.reference.latents, res_c.latents
     per_step = [{"step": a.step, **{k: v for k, v in compare(a.latents, c.latents).items()
                                     if k in ("cosine", "rel_l2", "psnr_db")}}
-                for a, c in zip(traj.reference.steps, res_c.steps)]
+                for a, c in zip(loop.traj.reference.steps, res_c.steps)]
     final = compare(lat_ref, lat_c)
     checks = gate_check(final, pc.loop)
+    served = plan.served
     switch = (f"; switched at t >= {settings.boundary_timestep:g} -> high-noise expert (steps {served.get('high')}), "
               f"else low-noise (steps {served.get('low')})") if settings.experts else ""
-    comparisons.append({"level": "loop", "what": f"sampling loop: {settings.num_steps} steps, CFG "
-                        f"{settings.guidance_scale:g} ({'one batch-2 call' if batched else 'two calls'} per step; "
-                        f"{sampling_note}{switch}), final latents of the candidate's own trajectory",
-                        "reference": ref_name, "candidate": cand_name, "point": lp, "metrics": final,
-                        "sampling": {**settings.to_dict(), "note": sampling_note},
-                        "per_step": per_step, "checks": checks, "passed": all(c["passed"] for c in checks)})
+    out = {"level": "loop", "what": f"sampling loop: {settings.num_steps} steps, CFG "
+           f"{settings.guidance_scale:g} ({'one batch-2 call' if plan.batched else 'two calls'} per step; "
+           f"{note}{switch}), final latents of the candidate's own trajectory",
+           "reference": loop.ref_name, "candidate": loop.cand_name, "point": plan.loop_point, "metrics": final,
+           "sampling": {**settings.to_dict(), "note": note},
+           "per_step": per_step, "checks": checks, "passed": all(c["passed"] for c in checks)}
     if settings.experts:
-        comparisons[-1]["experts"] = {e: {"steps": served.get(e, [])} for e in settings.experts}
-    decode, ddesc = adapter.decoder()
-    ref_frames = decode(lat_ref)
-    fr = frame_metrics(ref_frames, decode(lat_c))
+        out["experts"] = {e: {"steps": served.get(e, [])} for e in settings.experts}
+    return out, lat_c
+
+
+def _frames_level(loop: _Loop, ref_frames, cand_frames, ddesc: str, pc) -> dict:
+    """Decoded frames of both loops; the gate applies to the worst frame."""
+    fr = frame_metrics(ref_frames, cand_frames)
     fm = {**fr, "psnr_db": fr["worst_psnr_db"], "worst_frame_ssim": fr["worst_ssim"]}
     checks = gate_check(fm, pc.frames, ssim_key="worst_frame_ssim")
     for c in checks:
         c["metric"] = {"psnr_db": "worst_frame_psnr_db"}.get(c["metric"], c["metric"])
-    comparisons.append({"level": "frames", "what": f"decoded frames ({ddesc}); gate on the worst frame",
-                        "reference": ref_name, "candidate": cand_name, "metrics": fr, "checks": checks,
-                        "passed": all(c["passed"] for c in checks)})
-    if not all(c["passed"] for c in comparisons[-3:]):
-        worst_call = min(traj.calls, key=lambda c: c["cosine"])
-        side = sides.get(worst_call.get("expert"), lead)
-        if not any(k.startswith("quality") for k in localization) and hasattr(side.cand, "infer_probes"):
-            near = [st for st in traj.inputs if st in served.get(side.expert, traj.inputs)] or list(traj.inputs)
-            feeds = traj.inputs[min(near, key=lambda st: abs(st - worst_call["step"]))]  # the worst call's inputs
-            localization["loop"] = localize(side.fq or side.ref, side.cand, feeds, side.probes,
-                                            container=side.adapter.block_container, jump_factor=pc.jump_factor)
+    return {"level": "frames", "what": f"decoded frames ({ddesc}); gate on the worst frame",
+            "reference": loop.ref_name, "candidate": loop.cand_name, "metrics": fr, "checks": checks,
+            "passed": all(c["passed"] for c in checks)}
 
-    caching_rec = None
-    if caching is not None:  # the served loop: the candidate with the recipe's cache schedule
-        def run_loop(schedule):
-            return sample(cand_calls, noise, cond, uncond, scheduler=adapter.scheduler(settings.shift),
-                          settings=settings, cfg=cfg, conditioner=adapter, cache=schedule).latents
 
-        level, caching_rec = caching_level(caching, run_loop, lat_ref, ref_frames, decode, pc)
-        comparisons.append({**level, "reference": ref_name, "candidate": cand_name + " (cached)", "point": lp})
+def _localize_loop(loop: _Loop, localization: dict, pc) -> None:
+    """Where a failing loop goes wrong: the layers of the worst trajectory call (unless a single-call
+    quality level was localised already)."""
+    traj, served = loop.traj, loop.plan.served
+    worst_call = min(traj.calls, key=lambda c: c["cosine"])
+    side = loop.sides.get(worst_call.get("expert"), loop.lead)
+    if not any(k.startswith("quality") for k in localization) and hasattr(side.cand, "infer_probes"):
+        near = [st for st in traj.inputs if st in served.get(side.expert, traj.inputs)] or list(traj.inputs)
+        feeds = traj.inputs[min(near, key=lambda st: abs(st - worst_call["step"]))]  # the worst call's inputs
+        localization["loop"] = localize(side.fq or side.ref, side.cand, feeds, side.probes,
+                                        container=side.adapter.block_container, jump_factor=pc.jump_factor)
 
-    executed = _executed_on(backend, lead.cand)
-    for side in sides.values():
-        for r in {id(x): x for x in side.runners()}.values():
-            r.deactivate()
+
+def _caching_level(loop: _Loop, ref_frames, decode, pc) -> dict:
+    """The served loop: the candidate with the recipe's cache schedule, against the uncached reference."""
+    from trt_sora.parity.caching import caching_level
+    from trt_sora.sampling import sample
+
+    def run_loop(schedule):
+        return sample(loop.cand_calls, loop.noise, loop.cond, loop.uncond, **loop.kwargs(), cache=schedule).latents
+
+    level, loop.cache_result = caching_level(loop.plan.caching, run_loop, loop.traj.reference.latents, ref_frames,
+                                             decode, pc)
+    return {**level, "reference": loop.ref_name, "candidate": loop.cand_name + " (cached)",
+            "point": loop.plan.loop_point}
+
+
+def _report(run: Path, recipe, adapter, sides: dict, plan: CheckPlan, comparisons: list, localization: dict,
+            executed: dict, loop: _Loop, t0: float) -> tuple[dict, dict]:
+    """``(report, inputs)``: the report's content and the artifacts it vouches for."""
+    from trt_sora.manifest import file_entry
+
     passed = all(c["passed"] for c in comparisons)
+    settings, backend = plan.settings, plan.backend
     inputs = {side.rel(k): file_entry(v, run) for side in sides.values() for k, v in side.arts.items()
               if v is not None}
-    if caching is not None:
-        inputs.update({name: file_entry(path, run) for name, path in caching.files.items()})
+    if plan.caching is not None:
+        inputs.update({name: file_entry(path, run) for name, path in plan.caching.files.items()})
     candidate = _merge_candidates({e: _candidate_entry(backend, s.cand.name, s.cand_onnx, s.arts,
                                                        {k: file_entry(v, run) for k, v in s.arts.items()
                                                         if v is not None}, executed)
@@ -555,38 +692,39 @@ def check_artifacts(run_dir: str | Path, recipe, *, model=None, backend: str = "
         "backend": backend,
         "candidate": candidate,
         "artifacts": inputs,
-        "buckets": [bk.to_yaml() for bk in buckets],
-        "engine": _engine_status(lead.arts["engine"], backend, run),
+        "buckets": [bk.to_yaml() for bk in plan.buckets],
+        "engine": _engine_status(loop.lead.arts["engine"], backend, run),
         "comparisons": comparisons,
         "localization": localization,
         "failed": [c["level"] for c in comparisons if not c["passed"]],
         "seconds": round(time.perf_counter() - t0, 2),
     }
     if settings.experts:
-        report["experts"] = {e: {"model_hash": s.adapter.spec.model_hash(), "steps": served.get(e, []),
+        report["experts"] = {e: {"model_hash": s.adapter.spec.model_hash(), "steps": plan.served.get(e, []),
                                  "engine": _engine_status(s.arts["engine"], backend, run)} for e, s in sides.items()}
         report["boundary_ratio"] = settings.boundary_ratio
-    if caching_rec is not None:
-        report["caching"] = caching_rec
-    if write:
-        from trt_sora.config import recipe_to_dict
+    if loop.cache_result is not None:
+        report["caching"] = loop.cache_result
+    return report, inputs
 
-        with staged_dir(run / "parity") as tmp:
-            write_json(tmp / REPORT_JSON, report)
-            (tmp / REPORT_MD).write_text(render_markdown(report))
-            levels = {c["level"]: c for c in comparisons}
-            if "trajectory" in levels:
-                from trt_sora.parity.trajectory import plot
 
-                (tmp / "figures").mkdir()
-                plot(tmp / "figures" / "trajectory.png", levels["trajectory"], levels.get("loop"), pc.trajectory)
-            write_manifest(tmp, stage="parity", inputs=inputs, config=recipe_to_dict(recipe)["parity"],
-                           results={"passed": passed, "failed": report["failed"], "backend": backend,
-                                    "candidate": report["candidate"], "buckets": report["buckets"]},
-                           outputs={"report": REPORT_JSON, "markdown": REPORT_MD})
-    log.info("parity %s: %s", "passed" if passed else "FAILED", ", ".join(
-        f"{c['level']}={'ok' if c['passed'] else 'fail'}" for c in comparisons))
-    return report
+def _write(run: Path, recipe, report: dict, inputs: dict) -> None:
+    """``parity/``: report.json, report.md, the trajectory figure and the manifest, staged."""
+    from trt_sora.config import recipe_to_dict
+    from trt_sora.manifest import staged_dir, write_json, write_manifest
+    from trt_sora.parity.trajectory import plot
+
+    with staged_dir(run / "parity") as tmp:
+        write_json(tmp / REPORT_JSON, report)
+        (tmp / REPORT_MD).write_text(render_markdown(report))
+        levels = {c["level"]: c for c in report["comparisons"]}
+        if "trajectory" in levels:
+            (tmp / "figures").mkdir()
+            plot(tmp / "figures" / "trajectory.png", levels["trajectory"], levels.get("loop"), recipe.parity.trajectory)
+        write_manifest(tmp, stage="parity", inputs=inputs, config=recipe_to_dict(recipe)["parity"],
+                       results={"passed": report["passed"], "failed": report["failed"], "backend": report["backend"],
+                                "candidate": report["candidate"], "buckets": report["buckets"]},
+                       outputs={"report": REPORT_JSON, "markdown": REPORT_MD})
 
 
 def _single_call_levels(side: _Side, samples, pc, comparisons: list, localization: dict, localize_always: bool,
