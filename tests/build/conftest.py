@@ -1,15 +1,7 @@
-"""Fixtures for build tests: micro DiT ONNX graphs and shape buckets small enough for ~5 s builds."""
+"""Fixtures for build tests: micro DiT ONNX graphs (their buckets: ``build_buckets.bucket``)."""
 from __future__ import annotations
 
 import pytest
-
-from trt_sora.config import DimRange, ShapeProfile
-
-
-def bucket(name: str, f: int, *, batch=(1, 2, 2), text=(1, 8, 8)) -> ShapeProfile:
-    """A latent bucket ``f`` frames, ``2f x 2f`` latent pixels."""
-    return ShapeProfile(name, DimRange(*batch), DimRange(1, f, f), DimRange(2, 2 * f, 2 * f),
-                        DimRange(2, 2 * f, 2 * f), DimRange(*text))
 
 
 @pytest.fixture(scope="session")

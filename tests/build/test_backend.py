@@ -7,7 +7,7 @@ import sys
 import time
 
 import pytest
-from conftest import bucket
+from build_buckets import bucket
 
 from trt_sora.build import INSTALL, build_engine, check_target, load_backend
 from trt_sora.config import Backend, BuildConfig, QuantFormat, load_recipe

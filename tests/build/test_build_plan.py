@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from conftest import bucket
+from build_buckets import bucket
 
 from trt_sora.build import BuildTarget, build_engine, plan_build
 from trt_sora.config import Backend, BuildConfig, QuantFormat, load_recipe

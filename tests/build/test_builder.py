@@ -6,7 +6,7 @@ import json
 import logging
 
 import pytest
-from conftest import bucket
+from build_buckets import bucket
 
 from trt_sora.build import BuildTarget, build_engine
 from trt_sora.config import Backend, BuildConfig, BuildRequirements, QuantFormat, load_recipe
