@@ -16,9 +16,9 @@ LAYERS: list[set[str]] = [
     # neutral: errors, config, manifests, metrics, the sampler, ONNX helpers, prompt sets, the Q/DQ
     # site policy, kernels (pure ops), the multi-process communication (parallel), weights one tensor at a time,
     # the teacher-forced trajectory comparison, compute-capability values (sm), the step-caching policy,
-    # OpenTelemetry spans (tracing)
+    # OpenTelemetry spans (tracing), a run folder's layout (runfolder)
     {"__init__", "errors", "config", "manifest", "metrics", "sampling", "trajectory", "onnx_tools", "prompts",
-     "site_policy", "parallel", "kernels", "weights", "sm", "caching", "tracing"},
+     "site_policy", "parallel", "kernels", "weights", "sm", "caching", "tracing", "runfolder"},
     {"models"},
     {"export"},
     {"calibrate"},
