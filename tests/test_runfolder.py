@@ -1,14 +1,18 @@
-"""RunFolder: the one layout of a run folder and its readers' typed errors."""
+"""RunFolder: the one layout of a run folder, its readers' typed errors, and no hand joins elsewhere."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 
+import trt_sora
 from trt_sora.errors import ArtifactError
 from trt_sora.manifest import write_json, write_manifest
 from trt_sora.runfolder import RunFolder
+
+PKG = Path(trt_sora.__file__).resolve().parent
 
 
 def test_layout_is_the_documented_one(tmp_path):
@@ -89,3 +93,38 @@ def test_report_is_rehashed_before_it_is_read(tmp_path):
     rf.parity_report.write_text(json.dumps({"passed": True, "candidate": {"x": 1}}))  # edited by hand
     with pytest.raises(ArtifactError, match=r"parity/report\.json .*parity/manifest\.json"):
         rf.read_report()
+
+
+# -- no other code joins run-folder subpaths ------------------------------------------------------------------
+_NAMES = (r"export|calib|quant|engine|parity|experts|high|low|manifest\.json|recipe\.yaml|pipeline\.json"
+          r"|experts\.json|report\.json|report\.md|build_report\.json|build_report\.md|stats\.safetensors"
+          r"|weights\.safetensors|model\.onnx|model\.qdq\.onnx|qdq_map\.json")
+#: ``x / "export"``, ``x / "model.onnx"``, ``x / MANIFEST``, ``rglob("export/...")``.
+HAND_JOIN = re.compile(rf'/\s*"({_NAMES})"|/\s*MANIFEST\b|glob\("({_NAMES})/')
+#: Lines that join one of these names but are not a run folder, each with why.
+ALLOWED: dict[str, str] = {
+    "manifest.py": "the manifest module itself: any stage folder's manifest.json, run folder or not",
+    "runfolder.py": "the layout",
+}
+
+
+def hand_joins(root: Path = PKG) -> list[str]:
+    out = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        if rel in ALLOWED:
+            continue
+        for i, line in enumerate(path.read_text().splitlines(), 1):
+            if HAND_JOIN.search(line.split("#")[0]):
+                out.append(f"{rel}:{i}: {line.strip()}")
+    return out
+
+
+def test_no_hand_joins_of_run_folder_paths():
+    assert hand_joins() == []
+
+
+def test_the_grep_finds_a_hand_join(tmp_path):
+    (tmp_path / "m.py").write_text('a = run / "parity" / "report.json"\nb = f / MANIFEST\n'
+                                   'c = Path(r).rglob("export/x")\nd = run / "config.json"\n')
+    assert [h.split(":")[1] for h in hand_joins(tmp_path)] == ["1", "2", "3"]

@@ -39,17 +39,12 @@ from pathlib import Path
 from trt_sora import __version__
 from trt_sora.config import Recipe, load_recipe, to_dict
 from trt_sora.errors import ArtifactError, ConfigError, ParityError
-from trt_sora.manifest import MANIFEST, folder_lock, read_json, sha256_file, sweep_dead_temps, verify_folder, write_json
+from trt_sora.manifest import folder_lock, read_json, sha256_file, sweep_dead_temps, verify_folder, write_json
+from trt_sora.runfolder import EXPERTS_JSON, RunFolder, manifest_path
 
 log = logging.getLogger("trt_sora")
 
 STAGES = ("export", "calibrate", "quantize", "build", "check")
-STATE = "pipeline.json"
-FOLDERS = {"export": "export", "calibrate": "calib", "quantize": "quant", "build": "engine", "check": "parity"}
-RECIPE_FILE = "recipe.yaml"
-#: The folder tying a pair of experts together (written by the export stage; see the module docstring).
-EXPERTS_FOLDER = "experts"
-EXPERTS_JSON = "experts.json"
 
 
 @dataclasses.dataclass
@@ -96,6 +91,7 @@ class EnginePipeline:
         self.adapter = get_adapter(self.recipe.model.default if model is None else model)
         self.buckets, self.bucket_source = self.adapter.buckets_for(self.recipe)
         self.run_dir = Path(out_root) / self.adapter.name / self.recipe.name
+        self.rf = RunFolder(self.run_dir)
         self.force = force
         self.progress = progress or (lambda o: None)
         self.on_wait = on_wait
@@ -104,7 +100,7 @@ class EnginePipeline:
         # {expert: its adapter}; one model is the pair-less {None: adapter}
         self.sides = {e: self.adapter.expert(e) for e in self.experts} or {None: self.adapter}
         self._models: dict = {}
-        self.state_path = self.run_dir / STATE
+        self.state_path = self.rf.state
         self.state = self._read_state()
 
     # -- helpers -------------------------------------------------------------------------
@@ -118,15 +114,18 @@ class EnginePipeline:
         if expert is None and self.experts and stage != "check":
             raise ConfigError(f"{self.adapter.name} is a pair of experts {list(self.experts)}: name the expert "
                               f"whose {stage} folder you want (folder({stage!r}, expert))")
-        root = self.run_dir if expert is None or stage == "check" else self.run_dir / expert
-        return root / FOLDERS.get(stage, stage)
+        return self.side(None if stage == "check" else expert).stage(stage)
+
+    def side(self, expert: str | None = None) -> RunFolder:
+        """The run folder, or one expert's folder of a pair."""
+        return self.rf if expert is None else self.rf.expert(expert)
 
     def folders(self, stage: str) -> list[Path]:
         """Every folder ``stage`` writes (one per expert of a pair; the export also writes ``experts/``)."""
         if stage == "check":
             return [self.folder("check")]
         out = [self.folder(stage, e) for e in self.sides]
-        return out + [self.run_dir / EXPERTS_FOLDER] if stage == "export" and self.experts else out
+        return out + [self.rf.experts_dir] if stage == "export" and self.experts else out
 
     def model_of(self, expert: str | None = None):
         """The loaded transformer (of one expert), loaded once."""
@@ -176,16 +175,16 @@ class EnginePipeline:
         if stage == "quantize":
             files = []
             for e in sides:
-                files.append(self.folder("export", e) / "model.onnx")
+                files.append(self.side(e).onnx_model)
                 if self.quantized:  # the stats, and the GPTQ-rounded weights when the calibration wrote them
-                    files += [self.folder("calibrate", e) / "stats.safetensors",
+                    files += [self.side(e).calib_stats,
                               *filter(None, [self._calib_output("weights", e)])]
             return _fingerprint("quantize", __version__, to_dict(r.quantization), _file_hashes(*files))
         if stage == "build":
             return _fingerprint("build", __version__, r.backend.value, r.compute_capability, to_dict(r.build),
                                 [b.to_yaml() for b in self.buckets],
-                                _file_hashes(*[self.folder("quantize", e) / "model.qdq.onnx" for e in sides]))
-        inputs = [f / MANIFEST for s in ("export", "calibrate", "quantize", "build") for f in self.folders(s)]
+                                _file_hashes(*[self.side(e).qdq_model for e in sides]))
+        inputs = [manifest_path(f) for s in ("export", "calibrate", "quantize", "build") for f in self.folders(s)]
         caching = [to_dict(r.caching)] if r.caching.enabled else []  # off: the fingerprint runs had before
         return _fingerprint("check", __version__, to_dict(r.parity), self.adapter.sampling.to_dict(),
                             _file_hashes(*inputs), *caching)
@@ -285,9 +284,9 @@ class EnginePipeline:
                 "experts": {e: {"folder": e, "serves": ("timestep >= " if e == self.experts[0] else "timestep < ") +
                                 f"{st.boundary_timestep:g}", "model": a.describe()}
                             for e, a in self.sides.items()}}
-        with staged_dir(self.run_dir / EXPERTS_FOLDER) as tmp:
+        with staged_dir(self.rf.experts_dir) as tmp:
             write_json(tmp / EXPERTS_JSON, pair)
-            write_manifest(tmp, stage="experts", inputs={e: file_entry(self.folder("export", e) / "model.onnx",
+            write_manifest(tmp, stage="experts", inputs={e: file_entry(self.side(e).onnx_model,
                                                                        self.run_dir) for e in self.experts},
                            config=st.to_dict(), results=pair, outputs={"experts": EXPERTS_JSON})
 
@@ -328,9 +327,9 @@ class EnginePipeline:
         def go():
             def one(e, a):
                 # unquantized recipes (bf16): the graph is only cast to the graph dtype, no stats
-                stats = self.folder("calibrate", e) / "stats.safetensors" if self.quantized else None
+                stats = self.side(e).calib_stats if self.quantized else None
                 weights = self._calib_output("weights", e) if self.quantized else None  # GPTQ-rounded, if any
-                res = quantize_onnx(self.folder("export", e) / "model.onnx", stats, self.recipe.quantization,
+                res = quantize_onnx(self.side(e).onnx_model, stats, self.recipe.quantization,
                                     self.folder("quantize", e), model_hash=a.spec.model_hash(), weights=weights)
                 c = res.counts
                 return (f"{self._tag(e)}{c['quantized_linears']} of {c['graph_linears']} linears quantized "
@@ -357,7 +356,7 @@ class EnginePipeline:
 
         def go():
             def one(e, a):
-                res = build_engine(self.folder("quantize", e) / "model.qdq.onnx", self.recipe, self.folder("build", e),
+                res = build_engine(self.side(e).qdq_model, self.recipe, self.folder("build", e),
                                    buckets=self.buckets, export_manifest=self.folder("export", e),
                                    model_name=f"{self.adapter.name}-{e}" if e else self.adapter.name)
                 an = res.report["analysis"]
@@ -375,9 +374,10 @@ class EnginePipeline:
         def go():
             rep = check_artifacts(self.run_dir, self.recipe, model=self.adapter)
             if not rep["passed"]:
-                raise ParityError(f"parity gates failed: {', '.join(rep['failed'])} (see {self.folder('check')}/"
-                                  "report.md); fix the artifact (recalibrate, or exclude the layer the report names) "
-                                  "and run again - nothing is served from this run until the check passes")
+                raise ParityError(f"parity gates failed: {', '.join(rep['failed'])} (see "
+                                  f"{self.rf.parity_report_md}); fix the artifact (recalibrate, or exclude the "
+                                  "layer the report names) and run again - nothing is served from this run until "
+                                  "the check passes")
             return "passed: " + ", ".join(c["level"] for c in rep["comparisons"])
 
         return self._run("check", go)
@@ -388,7 +388,7 @@ class EnginePipeline:
 
         from trt_sora.config import dump_recipe
 
-        path = self.run_dir / RECIPE_FILE
+        path = self.rf.recipe
         tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
         tmp.write_text(dump_recipe(self.recipe))
         os.replace(tmp, path)
@@ -409,7 +409,7 @@ class EnginePipeline:
         with folder_lock(self.run_dir, on_wait=self.on_wait), \
                 tracing.span("trt-sora engine", run=str(self.run_dir), recipe=self.recipe.name) as root:
             self.state = self._read_state()  # another run may have finished while we waited
-            for folder in [self.run_dir, *(self.run_dir / e for e in self.experts)]:
+            for folder in [self.run_dir, *(self.side(e).path for e in self.experts)]:
                 sweep_dead_temps(folder)
             self._record_recipe()
             for stage in selected:

@@ -39,6 +39,7 @@ from trt_sora.manifest import (
     write_json,
     write_manifest,
 )
+from trt_sora.runfolder import RunFolder, manifest_path
 
 log = logging.getLogger("trt_sora")
 
@@ -119,8 +120,8 @@ def _load_export_manifest(export_manifest, onnx_path: Path) -> dict | None:
     if export_manifest is not None:
         p = Path(export_manifest)
         return read_manifest(p.parent if p.is_file() else p, stage="export")
-    for cand in (onnx_path.parent, onnx_path.parent.parent / "export"):  # beside it, or build/<m>/<r>/export
-        mp = cand / "manifest.json"
+    for cand in (onnx_path.parent, RunFolder(onnx_path.parent.parent).export):  # beside it, or the run's export/
+        mp = manifest_path(cand)
         if mp.is_file():
             try:
                 m = json.loads(mp.read_text())

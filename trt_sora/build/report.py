@@ -31,9 +31,10 @@ from pathlib import Path
 from typing import Any
 
 from trt_sora.errors import BuildError
+from trt_sora.runfolder import BUILD_REPORT, BUILD_REPORT_MD
 
-REPORT_JSON = "build_report.json"
-REPORT_MD = "build_report.md"
+REPORT_JSON = BUILD_REPORT
+REPORT_MD = BUILD_REPORT_MD
 FAILED_JSON = "build_report.failed.json"
 FAILED_MD = "build_report.failed.md"
 

@@ -43,12 +43,13 @@ import torch
 
 from trt_sora.calibrate.fake_quant import fake_quant, qmax
 from trt_sora.errors import CalibrationError, ConfigError
+from trt_sora.runfolder import CALIB_WEIGHTS
 
 __all__ = ["WEIGHTS_FILE", "HessianHooks", "HessianPlan", "gptq_round", "hessians_file",
            "load_hessians", "load_rounded_weights", "plan_hessians", "save_hessians", "save_rounded_weights",
            "shared_inputs", "smallest_budget_gb"]
 
-WEIGHTS_FILE = "weights.safetensors"
+WEIGHTS_FILE = CALIB_WEIGHTS
 _FORMAT = "trt_sora.rounded_weights"
 
 

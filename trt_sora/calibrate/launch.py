@@ -30,6 +30,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from trt_sora.calibrate.shards import shard_folder
+from trt_sora.runfolder import CALIB_STATS, manifest_path
 
 log = logging.getLogger("trt_sora")
 
@@ -54,8 +55,8 @@ def shard_done(folder: Path, expect: Mapping) -> bool:
     ``{"experts": {expert: expect}}``) is finished when every expert's sub-folder is."""
     if "experts" in expect:
         return all(shard_done(folder / e, x) for e, x in expect["experts"].items())
-    path = folder / "manifest.json"
-    if not (folder / "stats.safetensors").is_file() or not path.is_file():
+    path = manifest_path(folder)
+    if not (folder / CALIB_STATS).is_file() or not path.is_file():
         return False
     try:
         m = json.loads(path.read_text())

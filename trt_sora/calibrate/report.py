@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from trt_sora.calibrate.fake_quant import fake_quant
+from trt_sora.runfolder import CALIB_REPORT
 
 log = logging.getLogger("trt_sora")
 
@@ -416,7 +417,7 @@ def write_report(out_dir: str | Path, stats, evaluation: Mapping[str, Any] | Non
                  + f" | {100 * r.get('clipped_fraction', 0):.3f}% | {_f(r.get('sqnr_fp8_e4m3'), '.1f')} | "
                    f"{_f(r.get('sqnr_int8'), '.1f')} | {_f(r.get('drift'), '.3g')} | {_f(r.get('cfg_ratio'), '.3g')} |")
     L.append("")
-    path = out_dir / "report.md"
+    path = out_dir / CALIB_REPORT
     path.write_text("\n".join(L), encoding="utf-8")
     log.info("wrote calibration report %s", path)
     return path

@@ -53,6 +53,7 @@ from trt_sora.calibrate.shards import shard_range
 from trt_sora.config.recipe import CalibConfig, CalibMethod, QuantConfig, QuantFormat
 from trt_sora.errors import CalibrationError, ConfigError
 from trt_sora.models.base import DTYPES
+from trt_sora.runfolder import CALIB_REPORT, CALIB_STATS
 
 log = logging.getLogger("trt_sora")
 
@@ -384,7 +385,7 @@ def _merged(folders: Sequence[str | Path], adapter, preset: CalibPreset, setting
     from trt_sora.calibrate.shards import merge_stats
     from trt_sora.calibrate.stats import CalibStats
 
-    stats = merge_stats([CalibStats.load(Path(f) / "stats.safetensors", validate=False) for f in folders])
+    stats = merge_stats([CalibStats.load(Path(f) / CALIB_STATS, validate=False) for f in folders])
     m = stats.metadata
     want = {"model_hash": adapter.spec.model_hash(), "preset": preset.name, "method": method,
             "num_steps": settings.num_steps, "guidance_scale": settings.guidance_scale, "shift": settings.shift}
@@ -727,7 +728,7 @@ def _write(adapter, model, stats, out_dir, *, rounded, ratios, rounding, config,
     from trt_sora.manifest import file_entry, staged_dir, write_manifest
 
     with staged_dir(out_dir) as tmp:
-        stats.save(tmp / "stats.safetensors")
+        stats.save(tmp / CALIB_STATS)
         hessian_files = [Path(f) for f in (rounding[2] or {}).get("hessian_files", [])]
         for f in hessian_files:  # a shard's: the merge rounds with them
             os.replace(f, tmp / f.name)
@@ -747,7 +748,7 @@ def _write(adapter, model, stats, out_dir, *, rounded, ratios, rounding, config,
         inputs = {"model": adapter.describe(), "preset": preset.to_dict(),
                   "text_encoder": text_encoder or adapter.spec.text_encoder or "default"}
         if from_shards:
-            inputs["shards"] = [file_entry(Path(f) / "stats.safetensors") for f in from_shards]
+            inputs["shards"] = [file_entry(Path(f) / CALIB_STATS) for f in from_shards]
         if pair is not None:
             results["expert"] = {"name": adapter.spec.expert, "steps_served": steps,
                                  "boundary_ratio": settings.boundary_ratio,
@@ -759,7 +760,7 @@ def _write(adapter, model, stats, out_dir, *, rounded, ratios, rounding, config,
             results["suggested_exclude"] = evaluation.get("skip", {}).get("patterns", [])
             if evaluation.get("peer"):
                 results["peer"] = evaluation["peer"]
-        outputs = {"stats": "stats.safetensors"}
+        outputs = {"stats": CALIB_STATS}
         record = {k: v for k, v in (rounding[2] or {}).items() if k != "hessian_files"}
         results["weight_rounding"] = {"method": "gptq" if rounding[0] else "nearest", "format": qfmt.value,
                                       "sites": len(rounded or ()), "note": rounding[1], **record}
@@ -772,7 +773,7 @@ def _write(adapter, model, stats, out_dir, *, rounded, ratios, rounding, config,
         if hessian_files:
             outputs["hessians"] = [f.name for f in hessian_files]
         if report_path is not None:
-            outputs["report"] = "report.md"
+            outputs["report"] = CALIB_REPORT
         manifest = write_manifest(
             tmp, stage="calibrate", inputs=inputs,
             config={"calibration": to_dict(config), "quant_format": qfmt.value,
@@ -780,6 +781,6 @@ def _write(adapter, model, stats, out_dir, *, rounded, ratios, rounding, config,
             results=results, outputs=outputs)
     out = Path(out_dir)
     log.info("calibration of %s: %d sites in %.1f s -> %s", adapter.name, len(stats.amax), seconds, out)
-    return CalibResult(stats=stats, stats_path=out / "stats.safetensors",
-                       report_path=(out / "report.md") if report else None, manifest=manifest,
+    return CalibResult(stats=stats, stats_path=out / CALIB_STATS,
+                       report_path=(out / CALIB_REPORT) if report else None, manifest=manifest,
                        evaluation=evaluation)

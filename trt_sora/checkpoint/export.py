@@ -27,6 +27,7 @@ from typing import Any
 from trt_sora.config.recipe import QuantConfig, QuantFormat
 from trt_sora.errors import ArtifactError, QuantizeError, require
 from trt_sora.manifest import read_manifest, sha256_file, staged_dir, write_manifest
+from trt_sora.runfolder import has_manifest
 
 log = logging.getLogger("trt_sora")
 
@@ -128,7 +129,7 @@ def _model_from_stats(stats_path: Path | None, model):
         return model
     if model is not None:
         return get_adapter(model)
-    if stats_path is None or not (stats_path.parent / "manifest.json").is_file():
+    if stats_path is None or not has_manifest(stats_path.parent):
         raise ArtifactError("cannot tell which model the stats belong to: pass model= (or --model), or use the "
                             "stats.safetensors inside a `trt-sora calibrate` folder (its manifest names the model)")
     entry = read_manifest(stats_path.parent, stage="calibrate")["inputs"]["model"]
@@ -146,7 +147,7 @@ def _rounded_weights(stats_path: Path | None, weights, fmt: QuantFormat):
     if weights is False:
         return None, None
     if weights is None:
-        if stats_path is None or not (stats_path.parent / "manifest.json").is_file():
+        if stats_path is None or not has_manifest(stats_path.parent):
             return None, None
         name = read_manifest(stats_path.parent, stage="calibrate").get("outputs", {}).get("weights")
         if not name:

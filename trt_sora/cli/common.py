@@ -31,10 +31,13 @@ def run_recipe(run, given: str | None = None):
 
     if given:
         return load_recipe(given), "--recipe"
+    from trt_sora.runfolder import RunFolder
+
     run = Path(run)
-    if (run / "recipe.yaml").is_file():
-        return load_recipe(run / "recipe.yaml"), f"{run}/recipe.yaml"
-    rep = run / "parity" / "report.json"
+    rf = RunFolder(run)
+    if rf.recipe.is_file():
+        return load_recipe(rf.recipe), f"{rf.recipe}"
+    rep = rf.parity_report
     if rep.is_file():
         name = json.loads(rep.read_text()).get("recipe")
         if name in list_recipes():

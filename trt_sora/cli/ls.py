@@ -4,6 +4,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from trt_sora.runfolder import RunFolder
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("ls", help="list artifacts (run folders): parity gates, backends, target GPU, sizes",
@@ -28,7 +30,7 @@ def _json(path: Path) -> dict:
 
 def _experts(run: Path) -> list[str]:
     """The expert folders of a pair's run folder (``experts/experts.json``), else ``[]``."""
-    return list(_json(run / "experts" / "experts.json").get("experts") or [])
+    return list(_json(RunFolder(run).experts_json).get("experts") or [])
 
 
 def describe_run(run: Path) -> dict:
@@ -38,13 +40,14 @@ def describe_run(run: Path) -> dict:
     from trt_sora.errors import TrtSoraError
 
     experts = _experts(run)
-    parts = [run / e for e in experts] or [run]
-    exp = _json(parts[0] / "export" / "manifest.json")
+    rf = RunFolder(run)
+    parts = [rf.expert(e) for e in experts] or [rf]
+    exp = _json(parts[0].manifest("export"))
     model = exp.get("results", {}).get("model", {})
-    rep = _json(run / "parity" / "report.json")
-    eng = _json(parts[0] / "engine" / "manifest.json").get("results", {})
-    plans = sorted(p for part in parts if (part / "engine").is_dir() for p in (part / "engine").glob("*.plan"))
-    qdqs = [part / "quant" / "model.qdq.onnx" for part in parts]
+    rep = _json(rf.parity_report)
+    eng = _json(parts[0].manifest("engine")).get("results", {})
+    plans = sorted(p for part in parts if part.engine.is_dir() for p in part.engine.glob("*.plan"))
+    qdqs = [part.qdq_model for part in parts]
     qdq = qdqs[0]
     try:
         recipe, source = run_recipe(run)
@@ -52,13 +55,13 @@ def describe_run(run: Path) -> dict:
     except TrtSoraError:
         recipe_name, source, target = None, None, None
     gate = "unchecked" if not rep else ("passed" if rep.get("passed") else "FAILED " + ",".join(rep.get("failed", [])))
-    backends = ["torch"] + (["ort (Q/DQ)" if qdq.is_file() else "ort"] if (parts[0] / "export" / "model.onnx").is_file()
+    backends = ["torch"] + (["ort (Q/DQ)" if qdq.is_file() else "ort"] if parts[0].onnx_model.is_file()
                             else [])
     if plans:
         backends.append(f"trt ({eng.get('backend', '?')}, SM{eng.get('sm', '?')})")
     if rep.get("backend") == "torch-fp8" and rep.get("passed"):
         backends.append("torch-fp8")
-    onnx = [part / "export" / "model.onnx" for part in parts]
+    onnx = [part.onnx_model for part in parts]
     return {
         "run": str(run), "model": model.get("ref"), "experts": experts, "recipe": recipe_name, "recipe_source": source,
         "parity": gate, "checked_backend": rep.get("backend"), "backends": backends,
@@ -73,8 +76,8 @@ def describe_run(run: Path) -> dict:
 def find_runs(root: Path) -> list[Path]:
     """Folders with ``export/manifest.json``; an expert's folder counts as its pair's run folder."""
     runs = set()
-    for p in Path(root).rglob("export/manifest.json"):
-        run = p.parent.parent
+    for rf in RunFolder.under(root):
+        run = rf.path
         if any(part.startswith(".") for part in run.relative_to(root).parts):
             continue
         runs.add(run.parent if run.name in _experts(run.parent) else run)

@@ -21,11 +21,12 @@ from trt_sora.errors import ExportError, require
 from trt_sora.manifest import file_entry, staged_dir, write_manifest
 from trt_sora.metrics import compare  # noqa: F401 (one metric implementation for every stage)
 from trt_sora.onnx_tools import ort_session  # noqa: F401 (re-exported: export verification's session)
+from trt_sora.runfolder import ONNX_MODEL
 
 log = logging.getLogger("trt_sora")
 
 PROTOBUF_LIMIT = 2_000_000_000  # bytes; larger models must use external data
-ONNX_NAME = "model.onnx"
+ONNX_NAME = ONNX_MODEL
 
 
 @dataclasses.dataclass(frozen=True)

@@ -36,33 +36,27 @@ from typing import Any
 from trt_sora.errors import ArtifactError
 from trt_sora.metrics import compare, frame_metrics
 from trt_sora.parity.metrics import gate_check
+from trt_sora.runfolder import PARITY_REPORT, PARITY_REPORT_MD, RunFolder
 
 log = logging.getLogger("trt_sora")
 
-REPORT_JSON = "report.json"
-REPORT_MD = "report.md"
+REPORT_JSON = PARITY_REPORT
+REPORT_MD = PARITY_REPORT_MD
 
 
 # -- artifacts ----------------------------------------------------------------------------------------
 def find_artifacts(run_dir: str | Path) -> dict[str, Path | None]:
     """Paths of one run's artifacts (``None`` where a stage has not run). The engine is the one its
     manifest lists (not whatever ``*.plan`` lies in the folder)."""
-    from trt_sora.manifest import MANIFEST, read_manifest
-
-    run = Path(run_dir)
-    if not (run / "export" / "model.onnx").is_file():
-        raise ArtifactError(f"{run} has no export/model.onnx; run `trt-sora export --out {run}/export` first")
-    engine = None
-    if (run / "engine" / MANIFEST).is_file():
-        listed = read_manifest(run / "engine", stage="build").get("outputs", {}).get("engines") or []
-        engine = run / "engine" / listed[0] if listed else None
-    q = run / "quant" / "model.qdq.onnx"
-    stats = run / "calib" / "stats.safetensors"
-    return {"export": run / "export" / "model.onnx",
+    rf = RunFolder(run_dir)
+    if not rf.onnx_model.is_file():
+        raise ArtifactError(f"{rf} has no export/model.onnx; run `trt-sora export --out {rf.export}` first")
+    q, stats = rf.qdq_model, rf.calib_stats
+    return {"export": rf.onnx_model,
             "qdq": q if q.is_file() else None,
-            "qdq_map": (run / "quant" / "qdq_map.json") if q.is_file() else None,
+            "qdq_map": rf.qdq_map if q.is_file() else None,
             "stats": stats if stats.is_file() else None,
-            "engine": engine}
+            "engine": rf.engine_plan()}
 
 
 def verify_run(run: Path, arts: dict[str, Path | None], recipe) -> None:
@@ -71,6 +65,7 @@ def verify_run(run: Path, arts: dict[str, Path | None], recipe) -> None:
     Q/DQ graph and statistics (else there is nothing quantized to check)."""
     from trt_sora.manifest import MANIFEST, verify_folder, verify_inputs
 
+    rf = RunFolder(run)
     fmt = recipe.quantization.format.value
     if fmt != "none" and (arts["qdq"] is None or arts["stats"] is None):
         missing = "quant/model.qdq.onnx" if arts["qdq"] is None else "calib/stats.safetensors"
@@ -78,10 +73,10 @@ def verify_run(run: Path, arts: dict[str, Path | None], recipe) -> None:
                             "Q/DQ candidate to check; run `trt-sora engine` (or calibrate + quantize) first")
     for folder, fix in (("export", "re-run `trt-sora export`"), ("calib", "re-run `trt-sora calibrate`"),
                         ("quant", "re-run `trt-sora quantize`"), ("engine", "re-run `trt-sora build`")):
-        if (run / folder / MANIFEST).is_file():
-            verify_folder(run / folder, fix=fix)
+        if rf.has_manifest(folder):
+            verify_folder(rf.stage(folder), fix=fix)
             if folder != "export":
-                verify_inputs(run / folder, fix=fix)
+                verify_inputs(rf.stage(folder), fix=fix)
         elif folder == "export" or (folder == "quant" and arts["qdq"] is not None):
             raise ArtifactError(f"{run}/{folder} has no {MANIFEST}: its files cannot be verified; {fix}")
 
@@ -92,17 +87,17 @@ def effective_buckets(recipe, adapter) -> tuple:
 
 
 def _adapter_for(run: Path, model):
-    from trt_sora.manifest import read_manifest
     from trt_sora.models import ModelAdapter, adapter_for_manifest, get_adapter
 
     if isinstance(model, ModelAdapter):
         return model
     if model is None:
-        if (run / "experts" / "manifest.json").is_file():  # a pair: its experts share one registry entry
-            pair = read_manifest(run / "experts", stage="experts")["results"]
+        rf = RunFolder(run)
+        if rf.is_pair:  # a pair: its experts share one registry entry
+            pair = rf.read_manifest("experts")["results"]
             return adapter_for_manifest(next(iter(pair["experts"].values()))["model"])
         find_artifacts(run)  # names the missing export first
-        return adapter_for_manifest(read_manifest(run / "export", stage="export")["results"]["model"])
+        return adapter_for_manifest(rf.read_manifest("export")["results"]["model"])
     return get_adapter(model)
 
 
@@ -324,10 +319,9 @@ def _open_side(side: _Side, backend: str, recipe, device) -> _Side:
     if backend == "trt":
         if arts["engine"] is None:
             raise ArtifactError(f"{side.root}/engine has no .plan; run `trt-sora build` or use backend='ort'")
-        from trt_sora.manifest import read_manifest
         from trt_sora.runners import TrtRunner
 
-        flavor = read_manifest(side.root / "engine", stage="build").get("results", {}).get("backend")
+        flavor = RunFolder(side.root).read_manifest("build").get("results", {}).get("backend")
         side.cand = TrtRunner(arts["engine"], flavor=flavor, name=f"trt:{arts['engine'].name}").activate()
     elif backend == "torch-fp8":
         side.cand = _torch_fp8_candidate(adapter, arts, recipe, device)
@@ -355,19 +349,21 @@ def _sides(run: Path, adapter, recipe) -> dict:
     pair (after the ``experts/`` folder that ties them is verified too)."""
     from trt_sora.manifest import MANIFEST, verify_folder
 
+    rf = RunFolder(run)
     if not adapter.experts:
         arts = find_artifacts(run)
         verify_run(run, arts, recipe)
         return {None: _Side(None, run, adapter, arts)}
-    if not (run / "experts" / MANIFEST).is_file():
+    if not rf.is_pair:
         raise ArtifactError(f"{run} is a run of the pair {adapter.name} but has no experts/{MANIFEST}; re-run "
                             "`trt-sora engine` (its export stage writes it)")
-    verify_folder(run / "experts", stage="experts", fix="re-run `trt-sora engine`")
+    verify_folder(rf.experts_dir, stage="experts", fix="re-run `trt-sora engine`")
     out = {}
     for e in adapter.experts:
-        arts = find_artifacts(run / e)
-        verify_run(run / e, arts, recipe)
-        out[e] = _Side(e, run / e, adapter.expert(e), arts)
+        side = rf.expert(e).path
+        arts = find_artifacts(side)
+        verify_run(side, arts, recipe)
+        out[e] = _Side(e, side, adapter.expert(e), arts)
     return out
 
 
@@ -381,7 +377,7 @@ def _plan_caching(recipe, adapter, settings, sides: dict):
     sched = adapter.scheduler(settings.shift)
     sched.set_timesteps(settings.num_steps)
     return plan_caching(recipe.caching, settings, [float(t) for t in sched.timesteps],
-                        {side.rel("step_ratios"): side.root / "calib" for side in sides.values()})
+                        {side.rel("step_ratios"): RunFolder(side.root).calib for side in sides.values()})
 
 
 def _expert_steps(adapter, settings) -> dict:
@@ -491,7 +487,7 @@ def check_artifacts(run_dir: str | Path, recipe, *, model=None, backend: str = "
     run = Path(run_dir)
     recipe = recipe if hasattr(recipe, "parity") else load_recipe(recipe)
     if write:  # a check that starts voids the old verdict: a crash or a refusal must not leave "passed" behind
-        invalidate(run / "parity")
+        invalidate(RunFolder(run).parity)
     adapter = _adapter_for(run, model)
     sides = _sides(run, adapter, recipe)
     plan = _plan(adapter, recipe, sides, backend)
@@ -714,7 +710,7 @@ def _write(run: Path, recipe, report: dict, inputs: dict) -> None:
     from trt_sora.manifest import staged_dir, write_json, write_manifest
     from trt_sora.parity.trajectory import plot
 
-    with staged_dir(run / "parity") as tmp:
+    with staged_dir(RunFolder(run).parity) as tmp:
         write_json(tmp / REPORT_JSON, report)
         (tmp / REPORT_MD).write_text(render_markdown(report))
         levels = {c["level"]: c for c in report["comparisons"]}

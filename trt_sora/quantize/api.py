@@ -27,11 +27,12 @@ from trt_sora.quantize import dtype as dtype_mod
 from trt_sora.quantize import fuse_qkv, qdq, tensors
 from trt_sora.quantize.plan import SitePlan, plan_sites
 from trt_sora.quantize.sites import find_attentions, find_linears, node_scopes
+from trt_sora.runfolder import QDQ_MAP, QDQ_MODEL, has_manifest
 
 log = logging.getLogger("trt_sora")
 
-QDQ_NAME = "model.qdq.onnx"
-MAP_NAME = "qdq_map.json"
+QDQ_NAME = QDQ_MODEL
+MAP_NAME = QDQ_MAP
 PROTOBUF_LIMIT = 2_000_000_000
 
 
@@ -74,7 +75,7 @@ def _load_stats(stats):
 
 
 def _export_manifest(onnx_path: Path) -> dict | None:
-    if not (onnx_path.parent / "manifest.json").is_file():
+    if not has_manifest(onnx_path.parent):
         return None
     try:
         return read_manifest(onnx_path.parent, stage="export")

@@ -23,7 +23,7 @@ from typing import Any
 
 from trt_sora.config.shapes import DIM_NAMES, ShapeProfile, check_point
 from trt_sora.errors import ArtifactError, BackendMissingError, ConfigError, NumericsError, ShapeError
-from trt_sora.manifest import read_manifest
+from trt_sora.runfolder import CALIB_STATS, QDQ_MAP, RunFolder
 from trt_sora.sm import sm_int
 
 log = logging.getLogger("trt_sora")
@@ -49,16 +49,7 @@ def _fix(run: Path, backend: str) -> str:
 def read_report(run: Path) -> dict | None:
     """``parity/report.json`` after re-hashing the parity folder against its manifest (a report edited
     by hand is not a report); None when no check ever finished."""
-    from trt_sora.manifest import read_json, verify_folder
-
-    if not (run / "parity").exists():
-        return None
-    verify_folder(run / "parity", stage="parity", fix=f"re-run `trt-sora check --run {run}`")
-    rep = read_json(run / "parity" / "report.json", what="parity report", fix=f"re-run `trt-sora check --run {run}`")
-    if not isinstance(rep, dict) or not isinstance(rep.get("candidate"), dict):
-        raise ArtifactError(f"{run}/parity/report.json is not a parity report of this trt_sora; re-run "
-                            f"`trt-sora check --run {run}`")
-    return rep
+    return RunFolder(run).read_report()
 
 
 def _gpu_sm(device: str | None = None) -> int | None:
@@ -124,15 +115,15 @@ def _verify_candidate_files(run: Path, rep: dict) -> dict[str, Path]:
     """Re-hash every file the checked candidate loaded (paths relative to the run folder)."""
     from trt_sora.manifest import verify_file
 
+    rf = RunFolder(run)
     files = rep["candidate"].get("files")
     if not isinstance(files, dict) or not files:
-        raise ArtifactError(f"{run}/parity/report.json lists no candidate files (an old report); re-run "
+        raise ArtifactError(f"{rf.parity_report} lists no candidate files (an old report); re-run "
                             f"`trt-sora check --run {run}`")
     out = {}
     for rel, sha in files.items():
-        p = Path(rel)
-        p = p if p.is_absolute() else run / p
-        verify_file(p, sha, None, recorded_in=f"{run}/parity/report.json (the checked candidate)",
+        p = rf.resolve(rel)
+        verify_file(p, sha, None, recorded_in=f"{rf.parity_report} (the checked candidate)",
                     fix=f"re-run the stage that writes it and `trt-sora check --run {run}`")
         out[rel] = p
     return out
@@ -150,7 +141,7 @@ def _auto_backend(run: Path, rep: dict | None, device: str | None) -> str:
     b = rep["candidate"].get("backend", rep.get("backend", "ort"))
     if b in ("ort", "torch"):
         sm = _gpu_sm(device)
-        if sm is not None and sm >= 89 and (run / "quant" / "qdq_map.json").is_file():
+        if sm is not None and sm >= 89 and RunFolder(run).qdq_map.is_file():
             log.info("runtime: serving ONNX Runtime (the checked backend). For FP8 tensor cores on this GPU run "
                      "`trt-sora check --run %s --backend torch-fp8` here first", run)
         return b
@@ -164,14 +155,15 @@ def _auto_backend(run: Path, rep: dict | None, device: str | None) -> str:
 
 def _buckets(run: Path, rep: dict | None) -> tuple[ShapeProfile, ...]:
     """Buckets: the engine manifest's, else the parity report's, else the export's whole range."""
-    for src in (run / "engine", run / "parity"):
-        if (src / "manifest.json").is_file():
-            res = read_manifest(src).get("results", {})
+    rf = RunFolder(run)
+    for src in ("engine", "parity"):
+        if rf.has_manifest(src):
+            res = rf.read_manifest(src, check_stage=False).get("results", {})
             if res.get("buckets"):
-                return tuple(ShapeProfile.from_yaml(b, where=f"{src.name} bucket") for b in res["buckets"])
+                return tuple(ShapeProfile.from_yaml(b, where=f"{src} bucket") for b in res["buckets"])
     if rep and rep.get("buckets"):
         return tuple(ShapeProfile.from_yaml(b) for b in rep["buckets"])
-    dyn = read_manifest(run / "export", stage="export")["results"]["dynamic"]
+    dyn = rf.read_manifest("export")["results"]["dynamic"]
     return (ShapeProfile.from_yaml({"name": "export-range", **dyn}),)
 
 
@@ -183,7 +175,7 @@ def buckets_of(artifact_dir) -> tuple[ShapeProfile, ...]:
 
 def _gpu_check(run: Path) -> None:
     """Engine manifest records ``results.sm`` and TensorRT version; compare with this machine."""
-    man = read_manifest(run / "engine")
+    man = RunFolder(run).read_manifest("engine", check_stage=False)
     res = man.get("results", {})
     import torch
 
@@ -463,8 +455,9 @@ def load(artifact_dir, backend: str = "auto", *, force: bool = False, concurrenc
         from trt_sora.config.base import did_you_mean
 
         raise ConfigError(f"unknown backend {backend!r}{did_you_mean(backend, BACKENDS)}; use one of {BACKENDS}")
-    pair = _read_pair(run)  # a pair of experts (Wan 2.2 A14B): high/ and low/ expert folders
-    exp = read_manifest((run / next(iter(pair["experts"])) if pair else run) / "export", stage="export")
+    rf = RunFolder(run)
+    pair = rf.read_pair()  # a pair of experts (Wan 2.2 A14B): high/ and low/ expert folders
+    exp = rf.export_side(pair).read_manifest("export")
     rep = read_report(run)
     if backend == "auto":
         backend = _auto_backend(run, rep, device)
@@ -498,7 +491,8 @@ def load(artifact_dir, backend: str = "auto", *, force: bool = False, concurrenc
     if pair:
         from trt_sora.runtime.experts import ExpertsRunner
 
-        per = {e: _make_runners(run / e, backend, {r: p for r, p in files.items() if r.startswith(f"{e}/")}, rep,
+        per = {e: _make_runners(rf.expert(e).path, backend, {r: p for r, p in files.items()
+                                                             if r.startswith(f"{e}/")}, rep,
                                 family.expert(e), **kw)[0] for e in pair["experts"]}
         runners = [ExpertsRunner(per, pair["boundary_timestep"])]
     else:
@@ -542,8 +536,9 @@ def _run_caching(run: Path, rep: dict | None) -> dict | None:
     (no recipe recorded) the setting its report checked."""
     from trt_sora.config import load_recipe, to_dict
 
-    if (run / "recipe.yaml").is_file():
-        c = load_recipe(run / "recipe.yaml").caching
+    rf = RunFolder(run)
+    if rf.recipe.is_file():
+        c = load_recipe(rf.recipe).caching
         return to_dict(c) if c.enabled else None
     return ((rep or {}).get("caching") or {}).get("setting")
 
@@ -585,19 +580,6 @@ def _served_caching(run: Path, rep: dict | None, backend: str, force: bool) -> S
     return ServedCache(rep["caching"], run) if wanted is not None else None
 
 
-def _read_pair(run: Path) -> dict | None:
-    """``experts/experts.json`` of a pair of experts (re-hashed against its manifest), or None."""
-    from trt_sora.manifest import read_json, verify_folder
-
-    if not (run / "experts" / "manifest.json").is_file():
-        return None
-    verify_folder(run / "experts", stage="experts", fix=f"re-run `trt-sora engine` for {run}")
-    pair = read_json(run / "experts" / "experts.json", what="experts file", fix="re-run `trt-sora engine`")
-    if not isinstance(pair, dict) or not isinstance(pair.get("experts"), dict) or pair.get("boundary_timestep") is None:
-        raise ArtifactError(f"{run}/experts/experts.json does not describe a pair of experts; re-run `trt-sora engine`")
-    return pair
-
-
 def _parallel(runners: list, backend: str, parallel, concurrency: int) -> list:
     """The backend runner under CFG-parallel x Ulysses, rank 0 leading (see ServingRunner.follow)."""
     from trt_sora.runners.parallel_runner import ParallelRunner
@@ -619,32 +601,30 @@ def _candidate_path(run: Path, files: Mapping[str, Path], suffix: str, fallback:
 def _make_runners(run: Path, backend: str, files, rep, family, *, concurrency, device, dtype, compile,
                   threads) -> list:
     """The backend runner(s) over exactly the verified files."""
+    rf = RunFolder(run)
     if backend == "trt":
-        plans = (read_manifest(run / "engine").get("outputs", {}).get("engines") or []) if (
-            run / "engine" / "manifest.json").is_file() else []
-        plan = _candidate_path(run, files, ".plan", run / "engine" / plans[0] if plans else None)
+        plan = _candidate_path(run, files, ".plan", rf.engine_plan(check_stage=False))
         if plan is None:
-            raise ArtifactError(f"{run}/engine has no engine; run `trt-sora build` or use backend='ort'")
+            raise ArtifactError(f"{rf.engine} has no engine; run `trt-sora build` or use backend='ort'")
         _gpu_check(run)
         from trt_sora.runners.trt_runner import TrtRunner
 
         dev = int(str(device).split(":")[-1]) if device and ":" in str(device) else 0
-        flavor = read_manifest(run / "engine").get("results", {}).get("backend")
+        flavor = rf.read_manifest("engine", check_stage=False).get("results", {}).get("backend")
         return [TrtRunner(plan, device=dev, contexts=concurrency, flavor=flavor).activate()]
     if backend == "torch-fp8":
         from trt_sora.runners.fp8_runner import AttentionPolicy, TorchFp8Runner
 
         ran = ((rep or {}).get("candidate") or {}).get("device") or {}
-        qmap = _candidate_path(run, files, "qdq_map.json", run / "quant" / "qdq_map.json")
-        stats = _candidate_path(run, files, "stats.safetensors", run / "calib" / "stats.safetensors")
+        qmap = _candidate_path(run, files, QDQ_MAP, rf.qdq_map)
+        stats = _candidate_path(run, files, CALIB_STATS, rf.calib_stats)
         return [TorchFp8Runner(family, qmap, stats, device=device or "cuda",
                                attention=AttentionPolicy.from_dict(ran.get("attention_policy")),
                                fast_accum=bool(ran.get("gemm_fast_accum", False))).activate()]
     if backend == "ort":
         from trt_sora.runners.ort_runner import OrtRunner, providers_for
 
-        qdq = run / "quant" / "model.qdq.onnx"
-        onnx = _candidate_path(run, files, ".onnx", qdq if qdq.is_file() else run / "export" / "model.onnx")
+        onnx = _candidate_path(run, files, ".onnx", rf.qdq_model if rf.qdq_model.is_file() else rf.onnx_model)
         # ORT's run() is thread-safe: share one session
         return [OrtRunner(onnx, threads=threads, providers=providers_for(device)).activate()]
     from trt_sora.runners.torch_runner import TorchRunner

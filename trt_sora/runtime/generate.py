@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 
 from trt_sora.errors import ConfigError, ShapeError
+from trt_sora.runfolder import RunFolder
 
 log = logging.getLogger("trt_sora")
 
@@ -208,11 +209,10 @@ class Generator:
     """
 
     def __init__(self, runner, *, text_encoder: str | None = None, adapter=None):
-        from trt_sora.manifest import read_manifest
-
         self.runner = runner
         self.run_dir = Path(getattr(runner, "run_dir", "."))
-        entry = read_manifest(_export_folder(self.run_dir), stage="export")["results"]["model"]
+        rf = RunFolder(self.run_dir)
+        entry = rf.export_side(rf.read_pair()).read_manifest("export")["results"]["model"]
         if adapter is None:
             from trt_sora.models import adapter_for_manifest
 
@@ -535,21 +535,11 @@ def _caching_metadata(served, cache, steps, settings) -> dict:
             "reused": reused, "calls": total - sum(len(v) for v in reused.values()), "calls_uncached": total}
 
 
-def _export_folder(run: Path) -> Path:
-    """``run/export``, or for a pair of experts the first expert's (the runtime's reader of
-    ``experts/experts.json``): every expert records the same model entry (the pair's name, sampling
-    settings and text encoder)."""
-    from trt_sora.runtime import _read_pair
-
-    pair = _read_pair(run)
-    return run / "export" if pair is None else run / next(iter(pair["experts"])) / "export"
-
-
 def _checked(run: Path) -> dict:
     """What the run folder's parity report says (passed, the backend and sampling it checked)."""
     import json
 
-    rep = run / "parity" / "report.json"
+    rep = RunFolder(run).parity_report
     if not rep.is_file():
         return {"passed": None, "note": "no parity/report.json"}
     d = json.loads(rep.read_text())

@@ -63,6 +63,7 @@ import numpy as np
 
 from trt_sora.errors import ConfigError, TrtSoraError
 from trt_sora.manifest import sha256_file, write_json, write_manifest
+from trt_sora.runfolder import RunFolder
 from trt_sora.runtime.generate import MAX_SCALE, ClipRequest, check_bounds
 from trt_sora.serve.quality import compare_clips, require_vmaf
 
@@ -450,7 +451,7 @@ def _image_sha256(image) -> str | None:
 
 def _artifact_identity(generator) -> dict:
     run = generator.run_dir
-    rep = run / "parity" / "report.json"
+    rep = RunFolder(run).parity_report
     cand = (json.loads(rep.read_text()).get("candidate") or {}) if rep.is_file() else {}
     return {"run": str(run), "backend": getattr(generator.runner, "backend", "?"),
             "candidate_sha256": cand.get("sha256"),
@@ -676,9 +677,7 @@ def _gate_bar(run: Path, gate: GateConfig) -> dict:
     bar, source = gate.min_psnr_db, "given"
     if bar is None:
         try:
-            from trt_sora.manifest import read_manifest
-
-            bar = float(read_manifest(run / "parity")["config"]["frames"]["min_psnr_db"])
+            bar = float(RunFolder(run).read_manifest("parity", check_stage=False)["config"]["frames"]["min_psnr_db"])
             source = f"{run}/parity manifest (parity.frames.min_psnr_db)"
         except (TrtSoraError, KeyError, TypeError, ValueError):
             bar, source = 25.0, "default 25 dB (no parity.frames gate recorded)"
