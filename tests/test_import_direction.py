@@ -24,7 +24,7 @@ LAYERS: list[set[str]] = [
     {"calibrate"},
     {"quantize", "checkpoint"},  # siblings: two consumers of the calibration (Q/DQ graph, ModelOpt checkpoint)
     {"build"},
-    {"runners"},
+    {"runners"},  # the runner lifecycle and the backend registry that parity and runtime both open through
     {"parity"},
     {"runtime"},
     {"pipeline"},

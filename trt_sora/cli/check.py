@@ -1,6 +1,8 @@
 """``trt-sora check --run DIR --recipe R``: the parity matrix; exit 1 when a gate fails."""
 from __future__ import annotations
 
+from trt_sora.runners.registry import BACKENDS
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("check", help="parity matrix (export / Q/DQ / quality; call, loop, frames) with gates",
@@ -10,9 +12,10 @@ def add_parser(sub) -> None:
     p.add_argument("--recipe", default=None, help="recipe name (recipes/*.yaml) or path; gates from its parity: "
                    "(default: the recipe recorded in the run folder)")
     p.add_argument("--model", default=None, help="override the model (default: the export manifest's)")
-    p.add_argument("--backend", choices=["ort", "trt", "torch-fp8"], default="ort",
+    p.add_argument("--backend", choices=[n for n, b in BACKENDS.items() if b.checked_as == n], default="ort",
                    help="candidate backend (default ort; torch-fp8: FP8 tensor-core GEMMs + Triton kernels on a GPU)")
-    p.add_argument("--device", default=None, help="torch-fp8: CUDA device (default cuda)")
+    p.add_argument("--device", default=None, help="the candidate's device (torch-fp8: default cuda; trt: cuda:N; "
+                   "ort: cpu or cuda[:N], default CUDA when onnxruntime-gpu has it)")
     p.add_argument("--text-embeddings", default=None, metavar="FILE",
                    help="precomputed embeddings of the model's held-out prompts (.safetensors, see "
                         "trt_sora.models.text.save_embeddings) for a machine without the text encoder")

@@ -4,11 +4,13 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from trt_sora.runners.registry import BACKENDS
+
 
 def add_runtime_args(p) -> None:
     """Arguments that load a run folder (shared by generate, batch and serve)."""
     p.add_argument("--run", required=True, help="run folder build/<model>/<recipe>/ (checked by `trt-sora check`)")
-    p.add_argument("--backend", default="auto", choices=["auto", "trt", "ort", "torch", "torch-fp8"],
+    p.add_argument("--backend", default="auto", choices=["auto", *BACKENDS],
                    help="runtime backend (default auto: TensorRT, else torch-fp8 on an FP8 GPU, else ONNX Runtime)")
     p.add_argument("--device", default=None, help="torch / trt device (default cuda when present)")
     p.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")

@@ -37,6 +37,7 @@ from trt_sora.errors import ArtifactError
 from trt_sora.metrics import compare, frame_metrics
 from trt_sora.parity.metrics import gate_check
 from trt_sora.runfolder import PARITY_REPORT, PARITY_REPORT_MD, RunFolder
+from trt_sora.runners.registry import OpenOptions, check_options, find_artifacts, get_backend
 
 log = logging.getLogger("trt_sora")
 
@@ -45,20 +46,6 @@ REPORT_MD = PARITY_REPORT_MD
 
 
 # -- artifacts ----------------------------------------------------------------------------------------
-def find_artifacts(run_dir: str | Path) -> dict[str, Path | None]:
-    """Paths of one run's artifacts (``None`` where a stage has not run). The engine is the one its
-    manifest lists (not whatever ``*.plan`` lies in the folder)."""
-    rf = RunFolder(run_dir)
-    if not rf.onnx_model.is_file():
-        raise ArtifactError(f"{rf} has no export/model.onnx; run `trt-sora export --out {rf.export}` first")
-    q, stats = rf.qdq_model, rf.calib_stats
-    return {"export": rf.onnx_model,
-            "qdq": q if q.is_file() else None,
-            "qdq_map": rf.qdq_map if q.is_file() else None,
-            "stats": stats if stats.is_file() else None,
-            "engine": rf.engine_plan()}
-
-
 def verify_run(run: Path, arts: dict[str, Path | None], recipe) -> None:
     """Before comparing anything: every stage folder holds what its manifest says, each stage was made
     from the files beside it (a quant/ from another export is stale), and an FP8/INT8 recipe has its
@@ -250,19 +237,6 @@ def _trajectory_level(traj, gate, measured, settings, note, ref_name: str, cand_
             "per_step": rows, "calls": traj.calls, "checks": checks, "passed": all(c["passed"] for c in checks)}
 
 
-def _torch_fp8_candidate(adapter, arts, recipe, device: str | None):
-    """The ``torch-fp8`` runner on this GPU, under the recipe's ``torch_fp8`` policy."""
-    from trt_sora.runners.fp8_runner import AttentionPolicy, TorchFp8Runner
-
-    if arts["qdq"] is None:
-        raise ArtifactError("backend torch-fp8 runs the calibrated Q/DQ sites; this run has no quant/ - run "
-                            "`trt-sora quantize` first")
-    tf = recipe.torch_fp8
-    return TorchFp8Runner(adapter, arts["qdq_map"], arts["stats"], device=device or "cuda",
-                          attention=AttentionPolicy.from_dict(tf.attention_policy()), cuda_graphs=tf.cuda_graphs,
-                          fast_accum=tf.gemm_fast_accum, name="torch-fp8").activate()
-
-
 @contextlib.contextmanager
 def _without_8bit_attention(cand):
     """The qdq level isolates the GEMM calibration (what the Q/DQ graph holds): a torch-fp8
@@ -291,7 +265,6 @@ class _Side:
     ref: Any = None
     export_ort: Any = None
     cand: Any = None
-    cand_onnx: Any = None
     fq: Any = None
     fq_floor: Any = None
     probes: list = dataclasses.field(default_factory=list)
@@ -307,30 +280,22 @@ class _Side:
         return [r for r in (self.ref, self.export_ort, self.cand, self.fq, self.fq_floor) if r is not None]
 
 
-def _open_side(side: _Side, backend: str, recipe, device) -> _Side:
-    """The side's reference (PyTorch fp32), export ORT, candidate and fake-quant runners."""
-    from trt_sora.runners import OrtRunner, TorchFakeQuantRunner, TorchRunner
+def _open_side(side: _Side, backend: str, recipe, options: OpenOptions) -> _Side:
+    """The side's reference (PyTorch fp32), export ORT, candidate and fake-quant runners. The candidate
+    opens through the registry with ``options``: the call and options ``runtime.load`` serves it with."""
+    from trt_sora.runners import TorchFakeQuantRunner
 
-    arts, adapter, pc = side.arts, side.adapter, recipe.parity
+    arts, adapter, pc, root = side.arts, side.adapter, recipe.parity, side.root
     ref_model = adapter.load("fp32", "cpu")
-    side.ref = TorchRunner(adapter, model=ref_model, name=side.level("torch-fp32")).activate()
-    side.export_ort = OrtRunner(arts["export"], name=f"ort:{side.rel('export/model.onnx')}").activate()
+    side.ref = get_backend("torch").open(root, {}, adapter, OpenOptions(device="cpu"), model=ref_model,
+                                         name=side.level("torch-fp32"))
+    side.export_ort = get_backend("ort").open(root, {"export": arts["export"]}, adapter, OpenOptions(),
+                                              name=f"ort:{side.rel('export/model.onnx')}")
     side.probes = probe_names(ref_model, adapter.block_container)
-    if backend == "trt":
-        if arts["engine"] is None:
-            raise ArtifactError(f"{side.root}/engine has no .plan; run `trt-sora build` or use backend='ort'")
-        from trt_sora.runners import TrtRunner
-
-        flavor = RunFolder(side.root).read_manifest("build").get("results", {}).get("backend")
-        side.cand = TrtRunner(arts["engine"], flavor=flavor, name=f"trt:{arts['engine'].name}").activate()
-    elif backend == "torch-fp8":
-        side.cand = _torch_fp8_candidate(adapter, arts, recipe, device)
-    elif arts["qdq"] is not None:
-        side.cand = OrtRunner(arts["qdq"], probe_source=arts["export"],
-                              name=f"ort:{side.rel('quant/model.qdq.onnx')}").activate()
-        side.cand_onnx = arts["qdq"]
+    if backend == "ort" and arts["qdq"] is None:  # the plain export is the candidate: one session
+        side.cand = side.export_ort
     else:
-        side.cand, side.cand_onnx = side.export_ort, arts["export"]
+        side.cand = get_backend(backend).open(root, arts, adapter, options, name=_candidate_name(side, backend))
     if arts["qdq"] is not None:
         side.fq = TorchFakeQuantRunner(adapter, arts["qdq_map"], arts["stats"], model=ref_model,
                                        name=side.level("torch-fakequant")).activate()
@@ -342,6 +307,12 @@ def _open_side(side: _Side, backend: str, recipe, device) -> _Side:
                                                  round_inputs=graph_dtype,
                                                  name=side.level(f"torch-fakequant-{graph_dtype}-inputs")).activate()
     return side
+
+
+def _candidate_name(side: _Side, backend: str) -> str:
+    if backend == "trt":
+        return f"trt:{side.arts['engine'].name}" if side.arts["engine"] is not None else "trt"
+    return f"ort:{side.rel('quant/model.qdq.onnx')}" if backend == "ort" else backend
 
 
 def _sides(run: Path, adapter, recipe) -> dict:
@@ -470,7 +441,8 @@ def check_artifacts(run_dir: str | Path, recipe, *, model=None, backend: str = "
         backend: candidate backend, ``"ort"`` (ONNX Runtime on the Q/DQ ONNX, else the plain export),
             ``"trt"`` (the engine; needs a GPU and TensorRT) or ``"torch-fp8"`` (the calibrated sites
             as FP8 tensor-core GEMMs + Triton kernels on this GPU; needs SM >= 8.9).
-        device: ``torch-fp8``: the CUDA device (default ``cuda``).
+        device: the candidate's device (``torch-fp8``: default ``cuda``; ``trt``: ``cuda:N``; ``ort``: its
+            providers, see :func:`trt_sora.runners.ort_runner.providers_for`).
         text_encoder: the loop's prompt encoder (None: the model's own; a ``.safetensors`` written by
             :func:`trt_sora.models.text.save_embeddings` holding the model's held-out prompts, for a GPU
             machine without the text encoder package).
@@ -491,15 +463,17 @@ def check_artifacts(run_dir: str | Path, recipe, *, model=None, backend: str = "
     adapter = _adapter_for(run, model)
     sides = _sides(run, adapter, recipe)
     plan = _plan(adapter, recipe, sides, backend)
+    options = check_options(backend, recipe, device)
     for side in sides.values():
-        _open_side(side, backend, recipe, device)
+        _open_side(side, backend, recipe, options)
     loop = _Loop.run(adapter, sides, plan, recipe.parity, seed, text_encoder)
     comparisons, localization = _compare(adapter, sides, plan, recipe.parity, loop, seed, localize_always)
     executed = _executed_on(backend, loop.lead.cand)
     for side in sides.values():
         for r in {id(x): x for x in side.runners()}.values():
             r.deactivate()
-    report, inputs = _report(run, recipe, adapter, sides, plan, comparisons, localization, executed, loop, t0)
+    report, inputs = _report(run, recipe, adapter, sides, plan, options, comparisons, localization, executed, loop,
+                             t0)
     if write:
         _write(run, recipe, report, inputs)
     log.info("parity %s: %s", "passed" if report["passed"] else "FAILED", ", ".join(
@@ -665,8 +639,8 @@ def _caching_level(loop: _Loop, ref_frames, decode, pc) -> dict:
             "point": loop.plan.loop_point}
 
 
-def _report(run: Path, recipe, adapter, sides: dict, plan: CheckPlan, comparisons: list, localization: dict,
-            executed: dict, loop: _Loop, t0: float) -> tuple[dict, dict]:
+def _report(run: Path, recipe, adapter, sides: dict, plan: CheckPlan, options, comparisons: list,
+            localization: dict, executed: dict, loop: _Loop, t0: float) -> tuple[dict, dict]:
     """``(report, inputs)``: the report's content and the artifacts it vouches for."""
     from trt_sora.manifest import file_entry
 
@@ -676,7 +650,7 @@ def _report(run: Path, recipe, adapter, sides: dict, plan: CheckPlan, comparison
               if v is not None}
     if plan.caching is not None:
         inputs.update({name: file_entry(path, run) for name, path in plan.caching.files.items()})
-    candidate = _merge_candidates({e: _candidate_entry(backend, s.cand.name, s.cand_onnx, s.arts,
+    candidate = _merge_candidates({e: _candidate_entry(backend, options, s.cand.name, s.arts,
                                                        {k: file_entry(v, run) for k, v in s.arts.items()
                                                         if v is not None}, executed)
                                    for e, s in sides.items()}, settings)
@@ -790,9 +764,10 @@ def _executed_on(backend: str, cand) -> dict[str, Any]:
     return {"device": "cuda" if any("CUDA" in p for p in providers) else "cpu", "providers": list(providers)}
 
 
-def _candidate_entry(backend: str, runner: str, cand_onnx, arts, inputs, executed: dict) -> dict[str, Any]:
+def _candidate_entry(backend: str, options: OpenOptions, runner: str, arts, inputs, executed: dict) -> dict[str, Any]:
     """What was checked: the backend, the runner, every file it loaded (paths relative to the run
-    folder, sha256) and where it executed. ``runtime.load`` serves only a match of this entry."""
+    folder, sha256), the options it opened with (``open``) and where it executed. ``runtime.load`` serves
+    only a match of this entry, opened with these options."""
     def files(*keys):
         out = {}
         for k in keys:
@@ -803,15 +778,10 @@ def _candidate_entry(backend: str, runner: str, cand_onnx, arts, inputs, execute
                     out[e["external_data"]["path"]] = e["external_data"]["sha256"]
         return out
 
-    if backend == "torch-fp8":
-        loaded, main = files("qdq_map", "stats"), inputs["qdq_map"]["path"]
-    elif backend == "trt":
-        loaded, main = files("engine"), inputs["engine"]["path"]
-    else:
-        key = "qdq" if arts["qdq"] is not None and cand_onnx == arts["qdq"] else "export"
-        loaded, main = files(key), inputs[key]["path"]
+    keys = get_backend(backend).loads(arts)
+    loaded, main = files(*keys), inputs[keys[0]]["path"]
     return {"runner": runner, "backend": backend, "path": main, "sha256": loaded[main], "files": loaded,
-            "executed": True, "device": executed}
+            "executed": True, "device": executed, "open": options.checked()}
 
 
 def _engine_status(plan: Path | None, backend: str, run: Path) -> dict[str, Any]:
