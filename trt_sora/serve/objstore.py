@@ -61,32 +61,37 @@ from pathlib import Path
 from typing import Any
 
 from trt_sora.errors import ConfigError, StorageError, TrtSoraError, require
-from trt_sora.manifest import FORMAT_VERSION, tool_versions
+from trt_sora.manifest import FORMAT_VERSION, sha256_file, tool_versions
 from trt_sora.serve.batch import DONE, GATE_FAILED
 
 log = logging.getLogger("trt_sora")
 
-__all__ = ["S3Out", "parse_url"]
+__all__ = ["S3Out", "S3Results", "parse_url"]
 
 _BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
 _CHUNK = 1 << 20
+_SHA_NPY = re.compile(r"[0-9a-f]{64}\.npy")
 _HELD: set[str] = set()  # tokens of the locks this process holds now
+_BATCH_RESUME = ("the batch stopped here: when the endpoint answers again, rerun the same command to resume (finished "
+                 "clips are kept and not uploaded again)")
+_BATCH_RETRY = "rerun the same command to resume (finished clips are kept)"
+_SERVE_RETRY = "the job failed; submit it again once the endpoint answers (its other results are kept)"
 _CREDENTIALS_FIX = ("set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) to a key allowed to read, "
                     "write and list the bucket")
 
 
-def parse_url(url: str) -> tuple[str, str]:
+def parse_url(url: str, flag: str = "--out") -> tuple[str, str]:
     """``(bucket, prefix)`` of ``s3://bucket[/prefix]`` (prefix without slashes at its ends; may be
-    empty); ConfigError naming the fix for anything else."""
+    empty); ConfigError naming the fix (and the option ``flag``) for anything else."""
     m = re.fullmatch(r"s3://([^/]*)(?:/(.*))?", str(url))
     if not m:
-        raise ConfigError(f"--out {url!r} is not an s3:// URL; use s3://bucket/prefix")
+        raise ConfigError(f"{flag} {url!r} is not an s3:// URL; use s3://bucket/prefix")
     bucket, prefix = m.group(1), (m.group(2) or "").strip("/")
     if not _BUCKET.fullmatch(bucket) or ".." in bucket:
-        raise ConfigError(f"--out {url!r}: {bucket!r} is not a bucket name (3-63 lowercase letters, digits, '.', "
+        raise ConfigError(f"{flag} {url!r}: {bucket!r} is not a bucket name (3-63 lowercase letters, digits, '.', "
                           "'-'); use s3://bucket/prefix")
     if prefix:
-        _check_rel(prefix, f"--out {url!r}")
+        _check_rel(prefix, f"{flag} {url!r}")
     return bucket, prefix
 
 
@@ -128,20 +133,23 @@ class S3Out:
     Args:
         url: ``s3://bucket[/prefix]``.
         fs: an ``s3fs.S3FileSystem`` (default: one from the AWS environment, no listing cache).
+        flag: the option that named the URL (in error messages).
 
     Raises:
         ConfigError: a malformed URL. BackendMissingError: s3fs missing.
         StorageError: no or refused credentials, no such bucket, an unreachable endpoint.
     """
 
-    def __init__(self, url: str, *, fs=None):
-        self.bucket, self.prefix = parse_url(url)
+    def __init__(self, url: str, *, fs=None, flag: str = "--out"):
+        self.bucket, self.prefix = parse_url(url, flag)
+        self.flag = flag
         self.root = f"s3://{self.bucket}/{self.prefix}" if self.prefix else f"s3://{self.bucket}"
         if fs is None:
             s3fs = require("s3fs", extra="s3")
             fs = s3fs.S3FileSystem(skip_instance_cache=True, use_listings_cache=False)
         self.fs = fs
         self.token = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"  # names this run's temporary keys
+        self.retry, self.resume = _BATCH_RETRY, _BATCH_RESUME  # what to do after a failed request
         self._scratch: Path | None = None
         self._listing: set[str] | None = None
         self._locked = False
@@ -177,10 +185,8 @@ class S3Out:
         if isinstance(exc, PermissionError):
             return StorageError(f"{what}: {self.endpoint()} refused the credentials ({exc}); {_CREDENTIALS_FIX}")
         if "Connect" in name or isinstance(exc, (ConnectionError, TimeoutError)):
-            return StorageError(f"{what}: lost the connection to {self.endpoint()} ({name}: {exc}); the batch stopped "
-                                "here: when the endpoint answers again, rerun the same command to resume (finished "
-                                "clips are kept and not uploaded again)")
-        return StorageError(f"{what}: {name}: {exc}; rerun the same command to resume (finished clips are kept)")
+            return StorageError(f"{what}: lost the connection to {self.endpoint()} ({name}: {exc}); {self.resume}")
+        return StorageError(f"{what}: {name}: {exc}; {self.retry}")
 
     @contextlib.contextmanager
     def _requests(self, what: str) -> Iterator[None]:
@@ -196,7 +202,7 @@ class S3Out:
             self.fs.call_s3("head_bucket", Bucket=self.bucket)
         except FileNotFoundError:
             raise StorageError(f"bucket {self.bucket!r} does not exist at {self.endpoint()}; create it (aws s3 mb "
-                               f"s3://{self.bucket}) or fix --out / AWS_ENDPOINT_URL") from None
+                               f"s3://{self.bucket}) or fix {self.flag} / AWS_ENDPOINT_URL") from None
         except Exception as exc:
             raise self._error(exc, f"checking bucket {self.bucket!r}") from None
 
@@ -321,22 +327,26 @@ class S3Out:
         to ``clips/<jid>.<fmt>`` and delete the temporary key; ``{"path", "sha256", "bytes"}``."""
         local = self._scratch_dir() / f"{jid}.{fmt}"
         write(local)
-        h = hashlib.sha256()
-        with open(local, "rb") as f:
-            while chunk := f.read(_CHUNK):
-                h.update(chunk)
-        sha, size = h.hexdigest(), local.stat().st_size
-        tmp, final = self.key("clips", f".{jid}.{fmt}.tmp-{self.token}"), self.key("clips", f"{jid}.{fmt}")
-        with self._requests(f"uploading {jid}.{fmt} to s3://{final}"):
+        sha, size = self.commit(local, f"clips/{jid}.{fmt}")
+        local.unlink()
+        return {"path": f"clips/{jid}.{fmt}", "sha256": sha, "bytes": size}
+
+    def commit(self, local: Path, rel: str) -> tuple[str, int]:
+        """Upload the file ``local`` as ``rel`` under the prefix, visible only when complete: under
+        the temporary key ``.<name>.tmp-<token>`` beside it (its sha256 as metadata), checked there,
+        copied to its final key, the temporary key deleted. ``(sha256, bytes)`` of the file."""
+        sha, size = sha256_file(local, cached=False), local.stat().st_size
+        folder, _, name = rel.rpartition("/")
+        tmp, final = self.key(*filter(None, (folder, f".{name}.tmp-{self.token}"))), self.key(rel)
+        with self._requests(f"uploading {name} to s3://{final}"):
             self.fs.put_file(str(local), tmp, Metadata={"sha256": sha})
             stored = self.fs.info(tmp)["size"]
             if stored != size:
                 raise StorageError(f"s3://{tmp} holds {stored} bytes after the upload of {size}; the endpoint lost "
-                                   "part of it: rerun the same command to upload it again")
+                                   f"part of it: {self.retry}")
             self.fs.copy(tmp, final)
             self.fs.rm_file(tmp)
-        local.unlink()
-        return {"path": f"clips/{jid}.{fmt}", "sha256": sha, "bytes": size}
+        return sha, size
 
     def write_record(self, jid: str, rec: dict) -> None:
         """The job's record, written last (one PUT: all or nothing)."""
@@ -363,3 +373,70 @@ class S3Out:
 
 def _json(data: Any) -> bytes:
     return (json.dumps(data, indent=2, default=str) + "\n").encode()
+
+
+class S3Results:
+    """A prefix of a bucket as the server's result store (``trt-sora serve --results s3://bucket/prefix``).
+
+    A finished clip's frames (``.npy``, written locally first) go up through :meth:`S3Out.commit`
+    (a temporary key, checked, copied, deleted: the final key only ever holds a whole clip), named
+    as the local file: ``<sha256>.npy`` with a job store (the row's ``result`` is that sha256, so
+    a result is found again after a restart), ``<job id>.npy`` without one. The local copy is then
+    removed: the bucket is where results live, the local folder a cache of the ones fetched.
+
+    One server per prefix: :meth:`prune` deletes the temporary keys of any other process (uploads a
+    crash or a lost connection cut off) and every ``<sha256>.npy`` no live job references.
+    """
+
+    def __init__(self, url: str, *, fs=None):
+        self.out = S3Out(url, fs=fs, flag="--results")
+        self.out.retry = self.out.resume = _SERVE_RETRY
+
+    def __str__(self) -> str:
+        return self.out.root
+
+    def put(self, local: Path) -> str:
+        """Upload ``local`` as the object of its name, then delete it; its sha256. StorageError when
+        the upload fails (no final key then: at most a temporary key, which :meth:`prune` removes)."""
+        sha, _ = self.out.commit(local, local.name)
+        local.unlink()
+        return sha
+
+    def fetch(self, name: str, sha256: str | None, dest: Path) -> Path:
+        """Download object ``name`` to ``dest`` (a temp file, checked against ``sha256``, renamed).
+        StorageError when the object is gone, unreadable, or holds other bytes."""
+        key, tmp = self.out.key(name), dest.with_name(f".{dest.name}.tmp-{self.out.token}")
+        with self.out._requests(f"reading s3://{key}"):
+            try:
+                self.out.fs.get_file(key, str(tmp))
+            except FileNotFoundError:
+                raise StorageError(f"s3://{key} is gone (deleted outside the server?); the result is lost: submit "
+                                   "the job again") from None
+        got = sha256_file(tmp, cached=False)
+        if sha256 is not None and got != sha256:
+            tmp.unlink(missing_ok=True)
+            raise StorageError(f"s3://{key} has sha256 {got[:12]}..., its job recorded {sha256[:12]}... (changed "
+                               "outside the server); the result is lost: submit the job again")
+        os.replace(tmp, dest)
+        return dest
+
+    def delete(self, name: str) -> None:
+        with self.out._requests(f"deleting s3://{self.out.key(name)}"):
+            try:
+                self.out.fs.rm_file(self.out.key(name))
+            except FileNotFoundError:
+                pass
+
+    def prune(self, live: set[str]) -> list[str]:
+        """Delete ``<sha256>.npy`` objects whose sha256 is not in ``live`` and other processes'
+        temporary keys; the names deleted."""
+        with self.out._requests(f"listing {self.out.root}"):
+            try:
+                names = [p.rsplit("/", 1)[-1] for p in self.out.fs.ls(self.out.root[5:], detail=False)]
+            except FileNotFoundError:
+                names = []
+        gone = [n for n in names if (n.startswith(".") and ".tmp-" in n and not n.endswith(self.out.token))
+                or (_SHA_NPY.fullmatch(n) and n[:-4] not in live)]
+        for n in gone:
+            self.delete(n)
+        return gone
