@@ -229,9 +229,10 @@ MUTATIONS = (
     # -- object storage (batch --out s3://) ------------------------------------------------------------------
     Mutation("s3-temp-key", "a clip object reaches its final key only through a checked temporary key",
              "serve/objstore.py",
-             'tmp, final = self.key("clips", f".{jid}.{fmt}.tmp-{self.token}"), self.key("clips", f"{jid}.{fmt}")',
-             'tmp = final = self.key("clips", f"{jid}.{fmt}")',
-             ("tests/serve/test_s3.py::test_objects_sha256_and_one_upload_per_file",)),
+             'tmp, final = self.key(*filter(None, (folder, f".{name}.tmp-{self.token}"))), self.key(rel)',
+             'tmp = final = self.key(rel)',
+             ("tests/serve/test_s3.py::test_objects_sha256_and_one_upload_per_file",
+              "tests/serve/test_s3.py::test_serve_upload_cut_off_leaves_no_visible_object")),
     Mutation("s3-resume-sha256", "resume re-hashes a finished clip's objects in the bucket", "serve/objstore.py",
              'if self._sha256(k) != (o.get("sha256"), o.get("bytes")):', "if False:",
              ("tests/serve/test_s3.py::test_resume_rehashes_the_objects_in_the_bucket",)),
@@ -244,6 +245,16 @@ MUTATIONS = (
     Mutation("s3-bucket-check", "a missing bucket is refused before a model loads", "serve/objstore.py",
              '            self.fs.call_s3("head_bucket", Bucket=self.bucket)', "            pass",
              ("tests/serve/test_s3.py::test_errors_before_the_model_loads",), fast=True),
+    # -- object storage (serve --results s3://) --------------------------------------------------------------
+    Mutation("serve-s3-fetch-sha256", "a result fetched from the bucket is checked against its job's sha256",
+             "serve/objstore.py", "        if sha256 is not None and got != sha256:", "        if False:",
+             ("tests/serve/test_s3.py::test_serve_results_live_in_the_bucket_across_restarts_until_swept",)),
+    Mutation("serve-s3-retention", "the retention sweep deletes the objects of the jobs it drops",
+             "serve/scheduler.py", "            self.remote.prune(self.store.live_results())", "            pass",
+             ("tests/serve/test_s3.py::test_serve_results_live_in_the_bucket_across_restarts_until_swept",)),
+    Mutation("serve-s3-orphan-temp-keys", "the sweep deletes the temporary keys of cut-off uploads",
+             "serve/objstore.py", '(n.startswith(".") and ".tmp-" in n and not n.endswith(self.out.token))',
+             "False", ("tests/serve/test_s3.py::test_serve_upload_cut_off_leaves_no_visible_object",)),
 )
 
 

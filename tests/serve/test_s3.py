@@ -333,3 +333,163 @@ def test_cli_kill_9_then_rerun_skips_finished_uploads(checked_run, s3, tmp_path)
     assert (summary["skipped"], summary["generated"], summary["finished"]) == (len(finished), n - len(finished), n)
     log = s3.stop()
     assert all(_uploads(log, f"c{i}.npy") == 1 for i in range(n))
+
+
+# -- trt-sora serve --results s3://bucket/prefix ---------------------------------------------------------
+
+
+def _serving(runner, tmp_path, **kw):
+    from trt_sora.serve.metrics import ServerMetrics
+    from trt_sora.serve.scheduler import Engine, ServeConfig
+
+    metrics = ServerMetrics()
+    engine = Engine(runner, ServeConfig(state_dir=str(tmp_path / "state"), results_dir="s3://clips/serve",
+                                        max_wait_s=0.0, **kw), metrics=metrics)
+    engine.start(block=True)
+    return engine, metrics
+
+
+def _npy(frames) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, frames)
+    return buf.getvalue()
+
+
+def test_serve_results_live_in_the_bucket_across_restarts_until_swept(tiny_runner, s3, tmp_path):
+    """A finished job's frames are one object ``<sha256>.npy`` (the sha256 of its bytes as the server
+    returns them = the job store row's = its metadata), nothing local; a second server process on the
+    same store fetches it back over HTTP from the bucket (the server's log shows the GET) with the
+    frames generate() makes; the retention sweep deletes the object of the job it drops."""
+    import sqlite3
+
+    from http_helpers import HANG, http_server
+
+    import trt_sora.runtime as rt
+    from trt_sora.runtime import ClipRequest
+    from trt_sora.serve.server import make_app
+
+    client = s3.client()
+    engine, _ = _serving(tiny_runner, tmp_path)
+    try:
+        job = engine.wait(engine.submit(ClipRequest("a red kite", seed=3, guidance=1.0)).id, HANG)
+    finally:
+        engine.close()
+    assert job.status == "done", job.error
+    objs = _keys(client, "serve/")
+    sha = hashlib.sha256(objs[f"{job.result_sha256}.npy"]).hexdigest()
+    with sqlite3.connect(tmp_path / "state" / "jobs.sqlite") as db:
+        assert db.execute("SELECT result FROM jobs WHERE id=?", (job.id,)).fetchone()[0] == sha
+    assert list(objs) == [f"{sha}.npy"] and job.result_sha256 == sha
+    head = client.head_object(Bucket="clips", Key=f"serve/{sha}.npy")
+    assert head["Metadata"]["sha256"] == sha
+    assert not list((tmp_path / "state" / "results").glob("*.npy"))  # the bucket holds it, not the disk
+    want = rt.generate(tiny_runner, "a red kite", seed=3, guidance=1.0)[0].frames
+    assert objs[f"{sha}.npy"] == _npy(want)
+
+    seen = len(s3.lines)
+    engine, metrics = _serving(tiny_runner, tmp_path, keep_results=1)
+    try:
+        with http_server(make_app(engine, metrics)) as http:
+            status, raw, _ = http("GET", f"/v1/jobs/{job.id}/result?format=npy")
+            assert status == 200 and raw == _npy(want)
+            assert ("GET", f"/clips/serve/{sha}.npy") in _requests(s3.lines[seen:])
+            status, raw, _ = http("GET", f"/v1/jobs/{job.id}/result?format=mp4")
+            assert status == 200 and raw[4:8] == b"ftyp"
+            newer = engine.wait(engine.submit(ClipRequest("a cat walks", seed=4, guidance=1.0)).id, HANG)
+            assert newer.status == "done" and engine.sweep() == [job.id]  # keep 1: the older job goes
+            assert list(_keys(client, "serve/")) == [f"{newer.result_sha256}.npy"]
+            key = f"serve/{newer.result_sha256}.npy"
+            client.put_object(Bucket="clips", Key=key, Body=_npy(want))  # another clip's bytes under its name
+            status, raw, _ = http("GET", f"/v1/jobs/{newer.id}/result?format=npy")
+            assert status == 502 and "changed outside the server" in json.loads(raw)["error"]
+            client.delete_object(Bucket="clips", Key=key)
+            status, raw, _ = http("GET", f"/v1/jobs/{newer.id}/result?format=npy")
+            assert status == 502 and re.search(r"s3://clips/serve/\w+\.npy is gone", json.loads(raw)["error"])
+    finally:
+        engine.close()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the worker's SystemExit
+@pytest.mark.parametrize("dies", ["s3", "server"])
+def test_serve_upload_cut_off_leaves_no_visible_object(tiny_runner, tmp_path, monkeypatch, dies):
+    """The upload of a finished clip is cut off once its bytes reached the temporary key. ``s3``: the
+    S3 server is killed (SIGKILL); the job fails with a StorageError naming the lost connection, and
+    the restarted S3 server (replaying its recording) holds only the temporary key. ``server``: the
+    trt-sora process dies there (its worker thread ends, the row stays running); the next process on
+    the store retries the job and commits it. Either way no final key appears for the cut upload, and
+    the next sweep deletes the orphaned temporary key."""
+    from http_helpers import HANG
+
+    from trt_sora.runtime import ClipRequest
+
+    recording = tmp_path / "moto-recording.jsonl"
+    first = Moto(tmp_path, recording=recording)
+    first.client().create_bucket(Bucket="clips")
+    _use(monkeypatch, first, tmp_path)
+    engine, _ = _serving(tiny_runner, tmp_path)
+    put, cut = engine.remote.out.fs.put_file, []
+
+    def put_then_die(local, key, **kw):
+        put(local, key, **kw)
+        cut.append(key.rsplit("/", 1)[-1])
+        if dies == "s3":
+            first.kill()
+        else:
+            raise SystemExit  # ends the worker thread here, as a killed process would stop
+    engine.remote.out.fs.put_file = put_then_die
+    try:
+        job = engine.submit(ClipRequest("a red kite", seed=3, guidance=1.0))
+        if dies == "s3":
+            assert engine.wait(job.id, HANG).status == "failed"
+            assert re.fullmatch(r"StorageError: uploading \w+\.npy to s3://clips/serve/\w+\.npy: lost the connection "
+                                r"to http://127\.0\.0\.1:\d+ .*the job failed; submit it again.*", job.error), job.error
+        else:
+            for t in engine._threads:
+                if t.name.startswith("trt-sora-worker"):
+                    t.join(HANG)
+            assert job.status == "running" and not job.done_event.is_set()
+    finally:
+        engine.close()
+    assert len(cut) == 1 and cut[0].startswith(".") and ".npy.tmp-" in cut[0]
+
+    if dies == "s3":
+        server = Moto(tmp_path, recording=recording)
+        _use(monkeypatch, server, tmp_path)
+        replay = urllib.request.Request(f"{server.url}/moto-api/recorder/replay-recording", method="POST")
+        with urllib.request.urlopen(replay, timeout=60) as reply:
+            assert reply.status == 200
+    else:
+        server = first
+    try:
+        client = server.client()
+        assert list(_keys(client, "serve/")) == [cut[0]]  # only the hidden temporary key
+        engine, _ = _serving(tiny_runner, tmp_path)
+        try:
+            again = engine.wait(job.id, HANG)
+            if dies == "s3":
+                assert again.status == "failed" and again.error == job.error
+                again = engine.wait(engine.submit(ClipRequest("a red kite", seed=3, guidance=1.0)).id, HANG)
+            assert again.status == "done" and again.attempts == (dies == "server")
+            engine.sweep()
+            assert list(_keys(client, "serve/")) == [f"{again.result_sha256}.npy"]
+        finally:
+            engine.close()
+    finally:
+        server.stop()
+
+
+def test_serve_results_errors_before_the_model_loads(tmp_path, s3):
+    """A missing bucket or a malformed URL is refused when the engine is made (before any load), naming
+    --results; --state-dir goes with an s3:// --results but not with a local one."""
+    from trt_sora.serve.scheduler import Engine, ServeConfig
+
+    def never():
+        raise AssertionError("the model was loaded before --results was checked")
+
+    with pytest.raises(StorageError, match=r"bucket 'nobucket' does not exist .*fix --results"):
+        Engine(never, ServeConfig(results_dir="s3://nobucket/x"))
+    with pytest.raises(ConfigError, match=r"--results 's3://Clips_/x': 'Clips_' is not a bucket name"):
+        Engine(never, ServeConfig(results_dir="s3://Clips_/x"))
+    with pytest.raises(ConfigError, match="give --state-dir or a local --results, not both"):
+        ServeConfig(state_dir=str(tmp_path), results_dir=str(tmp_path / "r"))
+    ServeConfig(state_dir=str(tmp_path), results_dir="s3://clips/x")

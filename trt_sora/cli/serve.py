@@ -29,7 +29,9 @@ def add_parser(sub) -> None:
                    "instead of the measured free memory")
     p.add_argument("--keep", type=int, default=1000, help="finished jobs kept for fetching (default 1000)")
     p.add_argument("--results", default=None, help="folder for the clips (default: a temp folder; with --state-dir: "
-                   "STATE_DIR/results)")
+                   "STATE_DIR/results), or s3://bucket/prefix: clips go up to that bucket (endpoint, credentials "
+                   "and region from the AWS variables or AWS_PROFILE), visible only once whole, fetched back by ID "
+                   "across restarts with --state-dir, deleted by the retention sweep")
     p.add_argument("--state-dir", default=None, help="durable job store (SQLite + clips by sha256): jobs are committed "
                    "before the 202, resumed after a restart or kill -9, results served by ID across restarts")
     p.add_argument("--retention-hours", type=float, default=None, help="drop finished jobs and their clips from "

@@ -179,7 +179,12 @@ class _Servicer:
         from trt_sora.serve.proto import trt_sora_pb2 as pb2
 
         boundary = {"box": pb2.Mp4Piece.BOX, "nal": pb2.Mp4Piece.NAL, "bytes": pb2.Mp4Piece.BYTES}
-        frames = np.load(job.result_path)
+        try:
+            frames = np.load(self.engine.result_file(job))
+        except TrtSoraError as exc:
+            import grpc
+
+            context.abort(grpc.StatusCode.INTERNAL, f"job {job.id}: {exc}")
         with tracing.span("encode_video", format="fmp4", scale=scale, job_id=job.id):
             stream = fragmented_mp4(frames, float(job.metadata.get("fps", 16)), scale=scale,
                                     max_piece=self.max_piece)

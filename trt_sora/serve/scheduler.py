@@ -77,14 +77,17 @@ class ServeConfig:
         memory_headroom: fraction of free memory kept free when sizing the batch cap.
         memory_budget_bytes: use this instead of the measured free memory (tests, shared GPUs).
         keep_results: finished jobs kept (older ones and their files are dropped).
-        results_dir: where clips are kept (default: a temp folder).
+        results_dir: where clips are kept (default: a temp folder), or ``s3://bucket/prefix``: the
+            clips go up to that bucket (:class:`~trt_sora.serve.objstore.S3Results`; credentials,
+            endpoint and region from the AWS variables), the local folder caching the ones fetched.
         warmup_steps: denoising steps of the warm-up generations.
         cfg: ``auto`` / ``batched`` / ``split``.
         max_steps: most denoising steps one request may ask for (more: refused with a ConfigError,
             HTTP 400), so one request cannot hold the workers for hours.
         state_dir: the durable job store's folder (:class:`~trt_sora.serve.store.JobStore`): jobs are
             committed there before they are accepted and resumed by the next start; results live in
-            its ``results/`` (``results_dir`` must then be unset). None: jobs live in memory only.
+            its ``results/`` (``results_dir`` must then be unset or an ``s3://`` URL). None: jobs
+            live in memory only.
         retention_s: finished jobs older than this are dropped from the store with their clips
             (None: kept until ``keep_results`` newer ones push them out).
         sweep_interval_s: how often the store's retention sweep runs.
@@ -114,9 +117,9 @@ class ServeConfig:
             raise ConfigError("max_wait_s must be >= 0 and memory_headroom in [0, 1)")
         if self.max_batch is not None and self.max_batch < 1:
             raise ConfigError(f"max_batch={self.max_batch} must be >= 1")
-        if self.state_dir and self.results_dir:
-            raise ConfigError("give --state-dir or --results, not both: the job store keeps its clips in "
-                              "STATE_DIR/results")
+        if self.state_dir and self.results_dir and not self.results_dir.startswith("s3://"):
+            raise ConfigError("give --state-dir or a local --results, not both: the job store keeps its clips in "
+                              "STATE_DIR/results (--results s3://bucket/prefix does go with --state-dir)")
         if self.retention_s is not None and not 0 < self.retention_s < float("inf"):
             raise ConfigError(f"retention_s={self.retention_s} must be a number of seconds > 0")
         if not 0 < self.sweep_interval_s < float("inf"):
@@ -261,13 +264,19 @@ class Engine:
         self._warm_clip_s: float | None = None
         self._resumed: list[JobState] = []
         self.store = None
+        self.remote = None  # S3Results: where finished clips go (config.results_dir an s3:// URL)
+        remote = config.results_dir if config.results_dir and config.results_dir.startswith("s3://") else None
+        if remote:
+            from trt_sora.serve.objstore import S3Results
+
+            self.remote = S3Results(remote)  # no bucket, credentials or endpoint: refused before the model loads
         if config.state_dir:
             from trt_sora.serve.store import JobStore
 
             self.store = JobStore(config.state_dir)
             self.results = self.store.results
             self._load_unfinished()
-        elif config.results_dir:
+        elif config.results_dir and not remote:
             self.results = Path(config.results_dir)
         else:
             import tempfile
@@ -492,12 +501,20 @@ class Engine:
     def sweep(self) -> list[str]:
         """Apply the retention (``retention_s``, ``keep_results``) to the store; returns dropped ids."""
         dropped = self.store.sweep(self._clock(), max_age_s=self.config.retention_s, keep=self.config.keep_results)
+        if self.remote is not None:  # the objects no row references, and uploads cut off
+            self.remote.prune(self.store.live_results())
         with self._cond:
             for i in dropped:
                 self._jobs.pop(i, None)
         if dropped:
             log.info("serve: retention dropped %d finished job(s)", len(dropped))
         return dropped
+
+    def _forget(self, name: str) -> None:
+        try:
+            self.remote.delete(name)
+        except TrtSoraError as exc:  # left in the bucket; logged, serving goes on
+            log.error("serve: %s", exc)
 
     def _sweeper(self) -> None:
         stop = threading.Event()
@@ -599,6 +616,8 @@ class Engine:
                 if self.store is None:
                     for p in self.results.glob(f"{j.id}.*"):
                         p.unlink(missing_ok=True)
+                    if self.remote is not None and j.result_path is not None:
+                        self._forget(j.result_path.name)
 
     # -- the batcher ------------------------------------------------------------------------------
     def _next_batch(self) -> list[JobState] | None:
@@ -662,18 +681,46 @@ class Engine:
                     self.metrics.stage_seconds.labels(stage=stage).observe(seconds[stage])
             self.metrics.batch_clips.observe(len(batch))
             self.metrics.batches.labels(clips=str(len(batch))).inc()
+        kept = []
         for job, clip in zip(batch, clips):
-            if self.store is not None:
-                job.result_sha256, job.result_path = self.store.put_result(clip.frames)
-            else:
-                path = self.results / f"{job.id}.npy"
-                tmp = path.with_name(f".{job.id}.tmp{os.getpid()}.npy")
-                np.save(tmp, clip.frames)
-                os.replace(tmp, path)
-                job.result_path = path
             job.metadata = clip.metadata
             _trace_stages(job, began, ended, calls)
-        self._finish(batch)
+            try:
+                self._keep(job, clip.frames)
+            except TrtSoraError as exc:  # the upload failed: this job fails, named; the others are kept
+                log.error("serve: job %s: %s", job.id, exc)
+                self._finish([job], error=f"{type(exc).__name__}: {exc}")
+                continue
+            kept.append(job)
+        self._finish(kept)
+
+    def _keep(self, job: JobState, frames) -> None:
+        """Write the job's frames: ``results/<sha256>.npy`` with a store, ``<id>.npy`` without (temp
+        file, then rename); then up to the bucket when results go to one."""
+        if self.store is not None:
+            job.result_sha256, job.result_path = self.store.put_result(frames)
+        else:
+            path = self.results / f"{job.id}.npy"
+            tmp = path.with_name(f".{job.id}.tmp{os.getpid()}.npy")
+            np.save(tmp, frames)
+            os.replace(tmp, path)
+            job.result_path = path
+        if self.remote is not None:
+            with tracing.span("upload", parent=job.span, job_id=job.id, to=str(self.remote)):
+                try:
+                    job.result_sha256 = self.remote.put(job.result_path)
+                except TrtSoraError:
+                    job.result_path.unlink(missing_ok=True)
+                    job.result_path = job.result_sha256 = None
+                    raise
+
+    def result_file(self, job: JobState) -> Path:
+        """The finished job's frames (``.npy``) on local disk; with results in a bucket, fetched from
+        it into the local cache and checked against the job's sha256 (StorageError when they cannot be)."""
+        path = job.result_path
+        if self.remote is not None and not path.is_file():
+            self.remote.fetch(path.name, job.result_sha256, path)
+        return path
 
     def _finish(self, batch: list[JobState], error: str | None = None) -> None:
         now = self._clock()

@@ -17,7 +17,8 @@ Errors are JSON ``{"error": "one line naming the problem and the fix"}``: 400 fo
 ``--max-steps``, a size no bucket takes, a query parameter of the wrong type), 401 without a valid
 key, 404 unknown job (or another key's) or route, 405 wrong method, 409 result not ready, 413 body
 past ``--max-body-bytes``, 429 queue full or the key's quota reached (``Retry-After`` from the
-queue's measured drain rate), 503 not ready / draining, 500 a failed job. Every answer is counted
+queue's measured drain rate), 503 not ready / draining, 500 a failed job, 502 a result the
+``--results s3://`` bucket cannot give back (gone, changed, unreachable). Every answer is counted
 in ``/metrics`` by route and code.
 
 Jobs: with ``--state-dir`` each accepted job is committed to the store
@@ -42,7 +43,7 @@ import threading
 import time
 
 from trt_sora import tracing
-from trt_sora.errors import ConfigError, ShapeError, require
+from trt_sora.errors import ConfigError, ShapeError, StorageError, require
 
 log = logging.getLogger("trt_sora")
 
@@ -249,8 +250,11 @@ def make_app(engine, metrics, *, max_body_bytes: int = MAX_BODY_BYTES, keys=None
         if job.status != "done":
             return error(409, f"job {job.id} is {job.status}; poll /v1/jobs/{job.id} until it is done")
         t0 = time.perf_counter()
-        with tracing.span("encode_video", format=fmt, scale=scale, job_id=job.id):
-            path = _encoded(job, fmt, scale, engine)
+        try:
+            with tracing.span("encode_video", format=fmt, scale=scale, job_id=job.id):
+                path = _encoded(job, fmt, scale, engine)
+        except StorageError as exc:  # results in a bucket that cannot give this one back
+            return error(502, f"job {job.id}: {exc}")
         metrics.stage_seconds.labels(stage="encode_video").observe(time.perf_counter() - t0)
         return FileResponse(path, media_type=MEDIA[fmt], filename=f"{job.id}.{fmt}",
                             headers={"X-Trt-Sora-Seed": str(job.request.seed)})
@@ -372,10 +376,10 @@ def _encoded(job, fmt: str, scale: int, engine):
     from trt_sora.runtime.video import write_clip
 
     if fmt == "npy" and scale == 1:
-        return job.result_path
+        return engine.result_file(job)
     path = engine.results / f"{job.id}.x{scale}.{fmt}"
     if not path.is_file():
-        write_clip(np.load(job.result_path), path, float(job.metadata.get("fps", 16)), scale=scale)
+        write_clip(np.load(engine.result_file(job)), path, float(job.metadata.get("fps", 16)), scale=scale)
     return path
 
 

@@ -170,6 +170,12 @@ class JobStore:
         return [JobRow(r[0], r[1], json.loads(r[2]), r[3], r[4], r[5], r[6], r[7],
                        None if r[8] is None else json.loads(r[8]), r[9], r[10], r[11]) for r in rows]
 
+    def live_results(self) -> set[str]:
+        """The sha256 of every result a row references, or one written and not yet referenced."""
+        with self._lock:
+            live = {r[0] for r in self._db.execute("SELECT result FROM jobs WHERE result IS NOT NULL")}
+            return live | self._pending
+
     # -- retention --------------------------------------------------------------------------------
     def sweep(self, now: float, *, max_age_s: float | None = None, keep: int | None = None) -> list[str]:
         """Drop finished jobs older than ``max_age_s`` (by finish time) and all but the ``keep`` newest
@@ -187,8 +193,7 @@ class JobStore:
             old = sorted(set(old))
             self._db.executemany("DELETE FROM jobs WHERE id=?", [(i,) for i in old])
             self._db.execute("COMMIT")
-            live = {r[0] for r in self._db.execute("SELECT result FROM jobs WHERE result IS NOT NULL")}
-            live |= self._pending
+        live = self.live_results()
         for p in self.results.glob("*.npy"):
             if _SHA.fullmatch(p.stem) and p.stem not in live:
                 p.unlink(missing_ok=True)
