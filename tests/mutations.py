@@ -125,7 +125,8 @@ MUTATIONS = (
     Mutation("served-options", "the runtime opens a backend with the options its check recorded",
              "runners/registry.py", '        checked = {k: cand["open"][k] for k in CHECKED if k in cand["open"]}',
              "        checked = {}",
-             ("tests/runners/test_backend_registry.py::test_the_options_a_report_records_are_the_options_served",), fast=True),
+             ("tests/runners/test_backend_registry.py::"
+              "test_the_options_a_report_records_are_the_options_served",), fast=True),
     Mutation("runtime-failed-gate", "the runtime refuses an artifact that failed its gates", "runtime/verify.py",
              '    if not rep.get("passed"):\n        return f"failed its parity gates',
              '    if False:\n        return f"',
