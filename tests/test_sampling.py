@@ -162,7 +162,7 @@ def test_samples_calibration_and_parity_default_to_the_model_settings():
     from trt_sora.config import list_recipes, load_recipe
     from trt_sora.models import get_adapter
     from trt_sora.models.moving_shapes.sample import SampleConfig
-    from trt_sora.parity.loop import parity_sampling
+    from trt_sora.sampling import resolve_sampling
 
     adapter = get_adapter("wan-shapes")
     model = adapter.sampling
@@ -173,7 +173,8 @@ def test_samples_calibration_and_parity_default_to_the_model_settings():
         recipe = load_recipe(name)
         settings, note = calibration_sampling(adapter, preset, recipe.calibration)
         assert settings == model and "the model's sampling settings" in note, name
-        settings, note = parity_sampling(adapter, recipe.parity)
+        settings, note = resolve_sampling(adapter, "the recipe", num_steps=recipe.parity.loop_steps,
+                                          guidance_scale=recipe.parity.guidance_scale)
         assert settings == model and "the model's sampling settings" in note, name
 
 
@@ -184,14 +185,14 @@ def test_a_shortened_trajectory_is_named_as_such():
     from trt_sora.calibrate.run import calibration_sampling
     from trt_sora.config import load_recipe
     from trt_sora.models import get_adapter
-    from trt_sora.parity.loop import parity_sampling
+    from trt_sora.sampling import resolve_sampling
 
     adapter = get_adapter("wan-shapes")
     recipe = load_recipe("rtx4090-fp8")
     cal = dataclasses.replace(recipe.calibration, num_steps=6)
     settings, note = calibration_sampling(adapter, load_preset("moving-shapes"), cal)
     assert settings.num_steps == 6 and "SHORTER than users sample" in note and "model: 20" in note
-    settings, note = parity_sampling(adapter, dataclasses.replace(recipe.parity, loop_steps=4))
+    settings, note = resolve_sampling(adapter, "the recipe", num_steps=4)
     assert settings.num_steps == 4 and "SHORTER" in note
 
 

@@ -65,7 +65,8 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
 
 __all__ = ["CFG_MODES", "EXPERTS", "CallInfo", "Conditioner", "ModelCall", "SampleResult", "SamplingSettings",
-           "StepRecord", "adapter_call", "expert_calls", "gaussian_noise", "runner_call", "sample"]
+           "StepRecord", "adapter_call", "expert_calls", "gaussian_noise", "resolve_sampling", "runner_call",
+           "sample"]
 
 #: How the two CFG branches reach the model: two calls, or one call at twice the batch.
 CFG_MODES = ("split", "batched")
@@ -161,6 +162,26 @@ class SamplingSettings:
         d = dataclasses.asdict(self)
         return {k: v for k, v in d.items() if v is not None or k not in ("boundary_ratio", "guidance_scale_2")}
 
+
+
+def resolve_sampling(adapter, source: str, *, num_steps: int | None = None, guidance_scale: float | None = None,
+                     shift: float | None = None) -> tuple[SamplingSettings, str]:
+    """``(settings, note)``: the model's deployment settings (``adapter.sampling``) with the given
+    (non-None) values of ``source`` (``"the recipe"``, ``"the preset/recipe"``) replacing them.
+
+    ``note`` names the model's settings when nothing changed, else each changed value beside the
+    model's, and flags a trajectory shorter than users sample (reports and stats carry it).
+    """
+    model = adapter.sampling
+    settings = model.override(num_steps=num_steps, guidance_scale=guidance_scale, shift=shift)
+    changed = [f"{k} {getattr(settings, k):g} (model: {getattr(model, k):g})"
+               for k in ("num_steps", "guidance_scale", "guidance_scale_2", "shift")
+               if getattr(settings, k) != getattr(model, k)]
+    if not changed:
+        return settings, (f"the model's sampling settings ({adapter.name}: {model.num_steps} steps, CFG "
+                          f"{model.guidance_scale:g}, shift {model.shift:g})")
+    short = " - SHORTER than users sample" if settings.num_steps < model.num_steps else ""
+    return settings, f"overridden by {source}: {', '.join(changed)}{short}"
 
 @dataclasses.dataclass(frozen=True)
 class CallInfo:

@@ -200,23 +200,14 @@ def branch_inputs(adapter, encode, preset: CalibPreset, prompts: list[str], shap
 
 
 def calibration_sampling(adapter, preset: CalibPreset, config: CalibConfig | None = None):
-    """``(settings, note)``: the trajectories calibration runs and where they come from.
+    """``(settings, note)``: the trajectories calibration runs (:func:`trt_sora.sampling.resolve_sampling`):
+    the model's own settings unless the preset pins a value or the recipe's ``calibration.num_steps``
+    sets the step count (the recipe wins over the preset)."""
+    from trt_sora.sampling import resolve_sampling
 
-    The model's deployment settings (``adapter.sampling``), unless the preset pins a value or the
-    recipe's ``calibration.num_steps`` sets the step count; ``note`` says which, and names a
-    shortened trajectory as such (the report and the stats metadata carry it).
-    """
-    model = adapter.sampling
-    settings = model.override(num_steps=preset.num_steps, guidance_scale=preset.guidance_scale, shift=preset.shift)
-    if config is not None and config.num_steps is not None:
-        settings = settings.override(num_steps=config.num_steps)
-    changed = [f"{k} {getattr(settings, k):g} (model: {getattr(model, k):g})"
-               for k in ("num_steps", "guidance_scale", "shift") if getattr(settings, k) != getattr(model, k)]
-    if not changed:
-        return settings, (f"the model's sampling settings ({adapter.name}: {model.num_steps} steps, CFG "
-                          f"{model.guidance_scale:g}, shift {model.shift:g})")
-    short = " - SHORTER than users sample" if settings.num_steps < model.num_steps else ""
-    return settings, f"overridden by the preset/recipe: {', '.join(changed)}{short}"
+    steps = config.num_steps if config is not None and config.num_steps is not None else preset.num_steps
+    return resolve_sampling(adapter, "the preset/recipe", num_steps=steps, guidance_scale=preset.guidance_scale,
+                            shift=preset.shift)
 
 
 def _negative_label(adapter, preset: CalibPreset) -> str:

@@ -406,11 +406,12 @@ def check_plan(run_dir: str | Path, recipe, *, model=None, backend: str = "ort")
 
 
 def _plan(adapter, recipe, sides: dict, backend: str) -> CheckPlan:
-    from trt_sora.parity.loop import parity_sampling
+    from trt_sora.sampling import resolve_sampling
 
     pc = recipe.parity
     buckets = effective_buckets(recipe, adapter)
-    settings, sampling_note = parity_sampling(adapter, pc)
+    settings, sampling_note = resolve_sampling(adapter, "the recipe", num_steps=pc.loop_steps,
+                                               guidance_scale=pc.guidance_scale)
     caching = _plan_caching(recipe, adapter, settings, sides)
     lp, batched = _loop_point(buckets)
     served = _expert_steps(adapter, settings)

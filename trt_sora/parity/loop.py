@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
-from typing import Any
 
 log = logging.getLogger("trt_sora")
 
@@ -17,19 +16,6 @@ HELD_OUT_PROMPTS = (
     "a close-up of a hummingbird hovering over a purple flower",
     "an old lighthouse on a cliff during a thunderstorm",
 )
-
-
-def parity_sampling(adapter, parity_config) -> tuple[Any, str]:
-    """``(settings, note)``: the trajectory the loop level runs - the model's sampling settings
-    (``adapter.sampling``) unless the recipe's ``parity.loop_steps`` / ``parity.guidance_scale``
-    override them; ``note`` says which and flags a loop shorter than users sample."""
-    model = adapter.sampling
-    settings = model.override(num_steps=parity_config.loop_steps, guidance_scale=parity_config.guidance_scale)
-    if settings == model:
-        return settings, f"the model's sampling settings ({settings.num_steps} steps, CFG {settings.guidance_scale:g})"
-    short = " - SHORTER than users sample" if settings.num_steps < model.num_steps else ""
-    return settings, (f"recipe override: {settings.num_steps} steps, CFG {settings.guidance_scale:g} (model: "
-                      f"{model.num_steps} steps, CFG {model.guidance_scale:g}){short}")
 
 
 def loop_inputs(adapter, point: Mapping[str, int], *, seed: int = 0, prompts=HELD_OUT_PROMPTS,
