@@ -81,7 +81,7 @@ def _heldout_inputs(adapter, model, preset, sites, seed: int):
     import torch
 
     from trt_sora.calibrate.data import CalibShape
-    from trt_sora.calibrate.run import branch_inputs, calibration_sampling
+    from trt_sora.calibrate.trajectories import branch_inputs, calibration_sampling
     from trt_sora.sampling import adapter_call, gaussian_noise, sample
 
     settings, _ = calibration_sampling(adapter, preset)

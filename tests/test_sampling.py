@@ -158,7 +158,7 @@ def test_samples_calibration_and_parity_default_to_the_model_settings():
     """What users run is what calibration and parity run with every shipped recipe (no shortening
     knob set), and what the model's own sampler runs."""
     from trt_sora.calibrate.data import load_preset
-    from trt_sora.calibrate.run import calibration_sampling
+    from trt_sora.calibrate.trajectories import calibration_sampling
     from trt_sora.config import list_recipes, load_recipe
     from trt_sora.models import get_adapter
     from trt_sora.models.moving_shapes.sample import SampleConfig
@@ -182,7 +182,7 @@ def test_a_shortened_trajectory_is_named_as_such():
     import dataclasses
 
     from trt_sora.calibrate.data import load_preset
-    from trt_sora.calibrate.run import calibration_sampling
+    from trt_sora.calibrate.trajectories import calibration_sampling
     from trt_sora.config import load_recipe
     from trt_sora.models import get_adapter
     from trt_sora.sampling import resolve_sampling

@@ -101,7 +101,7 @@ def test_step_ratios_match_the_recorded_trajectories(e2e, tiny_adapter, tiny_mod
 
     from trt_sora.caching import StepRatios
     from trt_sora.calibrate.data import load_preset, prompts_for_preset
-    from trt_sora.calibrate.run import _chunks, _noise, branch_inputs, calibration_sampling
+    from trt_sora.calibrate.trajectories import branch_inputs, calibration_sampling, chunks, noise
     from trt_sora.sampling import adapter_call, sample
 
     res, _ = e2e
@@ -111,17 +111,17 @@ def test_step_ratios_match_the_recorded_trajectories(e2e, tiny_adapter, tiny_mod
     preset = load_preset(str(out.parent / "p.yaml"))
     settings, _ = calibration_sampling(tiny_adapter, preset)
     prompts, encode = prompts_for_preset(preset), tiny_adapter.text_encoder(None)
-    plan = [(shape, chunk) for shape in preset.shapes for chunk in _chunks(prompts, shape.batch)]
+    plan = [(shape, chunk) for shape in preset.shapes for chunk in chunks(prompts, shape.batch)]
     want: dict = {"cond": [], "uncond": []}
     for k, (shape, chunk) in enumerate(plan):
         seed = preset.seed * 1_000_003 + k
         cond, uncond = branch_inputs(tiny_adapter, encode, preset, [p.prompt for p in chunk], shape, uses_cfg=True,
                                      seed=seed, device="cpu")
-        noise = _noise(tiny_adapter, shape, seed, "cpu")
-        traj = sample(adapter_call(tiny_adapter, tiny_model), noise, cond, uncond,
+        x0 = noise(tiny_adapter, shape, seed, "cpu")
+        traj = sample(adapter_call(tiny_adapter, tiny_model), x0, cond, uncond,
                       scheduler=tiny_adapter.scheduler(settings.shift), settings=settings, keep=("latents",),
                       conditioner=tiny_adapter)
-        entering = [noise] + [r.latents for r in traj.steps[:-1]]
+        entering = [x0] + [r.latents for r in traj.steps[:-1]]
         for b, c in (("cond", cond), ("uncond", uncond)):
             mags = []
             for x, r in zip(entering, traj.steps):

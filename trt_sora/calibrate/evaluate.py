@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from trt_sora.calibrate.data import prompts_for_preset
 from trt_sora.calibrate.fakequant_model import fake_quantized, quantized_sites
+from trt_sora.calibrate.trajectories import EVALUATION_SEEDS, calibration_sampling, heldout_prompts, trajectory_feeds
 from trt_sora.errors import ConfigError
 
 log = logging.getLogger("trt_sora")
@@ -109,7 +109,7 @@ def evaluate(adapter, model, stats, preset, quant_config, options, *, encode: Ca
         options: :class:`trt_sora.calibrate.run.ReportOptions` (``eval_steps`` overrides the step count).
         encode: the text encoder ``(prompts, text_len) -> [B, L, D]``.
         settings: the calibration's :class:`~trt_sora.sampling.SamplingSettings`
-            (default: :func:`trt_sora.calibrate.run.calibration_sampling`).
+            (default: :func:`trt_sora.calibrate.trajectories.calibration_sampling`).
         model_dtype: dtype fed to the model (default fp32).
         progress: ``progress("evaluate", done, total)``.
         weights: ``({site: W'}, format)``: GPTQ-rounded weights, used by every run in that format.
@@ -119,7 +119,6 @@ def evaluate(adapter, model, stats, preset, quant_config, options, *, encode: Ca
         method, format, cosine, max_abs, rel_l2, psnr_db), ``sensitivity`` (rows sorted worst first),
         ``skip`` (groups, patterns, YAML, verification metrics).
     """
-    from trt_sora.calibrate.run import _chunks, _noise, branch_inputs, calibration_sampling
     from trt_sora.metrics import compare
     from trt_sora.sampling import adapter_call, sample
 
@@ -130,17 +129,9 @@ def evaluate(adapter, model, stats, preset, quant_config, options, *, encode: Ca
     settings = settings or calibration_sampling(adapter, preset)[0]
     settings = settings.override(num_steps=options.eval_steps)
     steps = settings.num_steps
-    try:
-        prompts = prompts_for_preset(preset, split="heldout", num_prompts=options.eval_prompts)
-    except ConfigError:  # fewer held-out prompts than asked: take them all
-        prompts = prompts_for_preset(preset, split="heldout", num_prompts=None)
-    chunks = _chunks(prompts, shape.batch)
-    feeds = []
-    for k, chunk in enumerate(chunks):
-        seed = preset.seed * 1_000_003 + 500_000 + k
-        cond, uncond = branch_inputs(adapter, encode, preset, [p.prompt for p in chunk], shape,
-                                     uses_cfg=settings.uses_cfg, seed=seed, device=device)
-        feeds.append((_noise(adapter, shape, seed, device), cond, uncond, chunk))
+    prompts = heldout_prompts(preset, options.eval_prompts)
+    feeds = trajectory_feeds(adapter, encode, preset, prompts, shape,
+                             uses_cfg=settings.uses_cfg, device=device, offset=EVALUATION_SEEDS)
 
     fmt_main = quant_config.format.value
     methods = [stats.metadata.method] + sorted({m for per in stats.method_amax.values() for m in per})
@@ -150,7 +141,7 @@ def evaluate(adapter, model, stats, preset, quant_config, options, *, encode: Ca
     modules = dict(model.named_modules())
     w_bytes = sum(modules[s].weight.numel() * modules[s].weight.element_size() for s in candidates)
     cache = options.cache_weights if options.cache_weights is not None else w_bytes < (1 << 30)
-    per_run = len(chunks) * steps * len(settings.branches)
+    per_run = len(feeds) * steps * len(settings.branches)
     windows = _step_windows(steps)
     # reference, method x format table, one run per group, the skip-list check, the windows, the
     # worst window's complement; plus the teacher-forced per-step trajectory (one held-out chunk)

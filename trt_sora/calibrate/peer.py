@@ -31,6 +31,16 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from trt_sora.calibrate.trajectories import (
+    PEER_SEEDS,
+    branch_inputs,
+    calibration_sampling,
+    chunks,
+    heldout_prompts,
+    noise,
+    trajectory_feeds,
+    trajectory_seed,
+)
 from trt_sora.errors import ConfigError, require
 
 log = logging.getLogger("trt_sora")
@@ -102,7 +112,7 @@ def modelopt_peer(adapter, model, stats, preset, quant_config, *, encode: Callab
         quant_config: the recipe's ``quantization`` section (our sites).
         encode: the text encoder ``(prompts, text_len) -> [B, L, D]``.
         settings: the calibration's :class:`~trt_sora.sampling.SamplingSettings` (what ModelOpt's
-            calibration replays); default :func:`~trt_sora.calibrate.run.calibration_sampling`'s.
+            calibration replays); default :func:`~trt_sora.calibrate.trajectories.calibration_sampling`'s.
         model_dtype: dtype fed to the model (default: fp32).
         num_prompts: held-out prompts sampled (split ``heldout`` of the preset's prompt set).
         num_steps: sampling steps of the comparison; default the model's deployment step count
@@ -122,7 +132,6 @@ def modelopt_peer(adapter, model, stats, preset, quant_config, *, encode: Callab
 
     from trt_sora.calibrate.data import prompts_for_preset
     from trt_sora.calibrate.fakequant_model import fake_quantized, quantized_sites
-    from trt_sora.calibrate.run import _chunks, _noise, branch_inputs, calibration_sampling
     from trt_sora.metrics import compare
     from trt_sora.sampling import adapter_call
     from trt_sora.sampling import sample as run_sampler
@@ -142,20 +151,12 @@ def modelopt_peer(adapter, model, stats, preset, quant_config, *, encode: Callab
     eval_settings = adapter.sampling.override(num_steps=num_steps)  # what users run
     steps = eval_settings.num_steps
     shape = preset.shapes[0]
-    try:
-        prompts = prompts_for_preset(preset, split="heldout", num_prompts=num_prompts)
-    except ConfigError:
-        prompts = prompts_for_preset(preset, split="heldout", num_prompts=None)
-    feeds = []
-    for k, chunk in enumerate(_chunks(prompts, shape.batch)):
-        seed = preset.seed * 1_000_003 + 700_000 + k
-        # the unconditional branch users sample with: the model's own (not the preset's negative prompt)
-        cond, uncond = branch_inputs(adapter, encode, dataclasses.replace(preset, negative_prompt=None),
-                                     [p.prompt for p in chunk], shape, uses_cfg=eval_settings.uses_cfg, seed=seed,
-                                     device=device)
-        feeds.append((_noise(adapter, shape, seed, device), cond, uncond))
+    prompts = heldout_prompts(preset, num_prompts)
+    # the unconditional branch users sample with: the model's own (not the preset's negative prompt)
+    feeds = trajectory_feeds(adapter, encode, dataclasses.replace(preset, negative_prompt=None), prompts, shape,
+                             uses_cfg=eval_settings.uses_cfg, device=device, offset=PEER_SEEDS)
     calib_plan = [(shape_, chunk) for shape_ in preset.shapes
-                  for chunk in _chunks(prompts_for_preset(preset), shape_.batch)]
+                  for chunk in chunks(prompts_for_preset(preset), shape_.batch)]
     per_sample = len(feeds) * steps * len(eval_settings.branches)
     per_calib = len(calib_plan) * calib_settings.num_steps * len(calib_settings.branches)
     total, done = (5 + (weights is not None)) * per_sample + 2 * per_calib, 0
@@ -168,9 +169,9 @@ def modelopt_peer(adapter, model, stats, preset, quant_config, *, encode: Callab
 
     def sample(net, ctx=contextlib.nullcontext):
         outs = []
-        for noise, cond, uncond in feeds:
+        for x, cond, uncond, _ in feeds:
             with ctx():
-                outs.append(run_sampler(adapter_call(adapter, net), noise, cond, uncond,
+                outs.append(run_sampler(adapter_call(adapter, net), x, cond, uncond,
                                         scheduler=adapter.scheduler(eval_settings.shift), settings=eval_settings,
                                         cfg="split", dtype=model_dtype, hook=tick, conditioner=adapter,
                                         label="peer comparison, held-out prompts").latents)
@@ -178,10 +179,10 @@ def modelopt_peer(adapter, model, stats, preset, quant_config, *, encode: Callab
 
     def calibration_loop(net):  # our calibration trajectories, replayed (same prompts, noise, steps, CFG)
         for k, (shape_, chunk) in enumerate(calib_plan):
-            seed = preset.seed * 1_000_003 + k
+            seed = trajectory_seed(preset, k)
             cond, uncond = branch_inputs(adapter, encode, preset, [p.prompt for p in chunk], shape_,
                                          uses_cfg=calib_settings.uses_cfg, seed=seed, device=device)
-            run_sampler(adapter_call(adapter, net), _noise(adapter, shape_, seed, device), cond, uncond,
+            run_sampler(adapter_call(adapter, net), noise(adapter, shape_, seed, device), cond, uncond,
                         scheduler=adapter.scheduler(calib_settings.shift), settings=calib_settings, cfg="split",
                         dtype=model_dtype, hook=tick, label="ModelOpt calibration", conditioner=adapter)
 

@@ -11,7 +11,7 @@ What it runs, for every shape of the preset and every chunk of ``shape.batch``
 prompts (prompt set split ``preset.split``, ``preset.num_prompts`` of them,
 chosen by ``preset.seed``): one trajectory of :func:`trt_sora.sampling.sample` at the
 model's own sampling settings (``adapter.sampling``: the steps, CFG and shift users
-run; see :func:`calibration_sampling` for the explicit overrides), from seeded
+run; see :func:`~trt_sora.calibrate.trajectories.calibration_sampling` for the explicit overrides), from seeded
 Gaussian noise; the cond and uncond branches run as separate forwards
 (``cfg="split"``) so each batch is labelled with its branch. Every ``nn.Linear``
 input and every attention q/k/v (through the processor's observer seam) feeds all
@@ -48,8 +48,16 @@ from pathlib import Path
 from typing import Any
 
 from trt_sora.caching import RATIOS_FILE, MagnitudeRecorder, StepRatios
-from trt_sora.calibrate.data import CalibPreset, CalibShape, load_preset, prompts_for_preset
+from trt_sora.calibrate.data import CalibPreset, load_preset, prompts_for_preset
 from trt_sora.calibrate.shards import shard_range
+from trt_sora.calibrate.trajectories import (
+    branch_inputs,
+    calibration_sampling,
+    chunks,
+    compute_dtype,
+    noise,
+    trajectory_seed,
+)
 from trt_sora.config.recipe import CalibConfig, CalibMethod, QuantConfig, QuantFormat
 from trt_sora.errors import CalibrationError, ConfigError
 from trt_sora.models.base import DTYPES
@@ -130,6 +138,71 @@ class CalibResult:
     evaluation: dict | None = None
 
 
+@dataclasses.dataclass(frozen=True)
+class CalibrationRun:
+    """What one calibration pass runs with: the same for every side (a pair's experts share it).
+
+    Attributes:
+        config, quant_config, report_options: the recipe's sections and the report's options.
+        preset, prompts: the calibration preset and the prompts it selected.
+        settings, sampling_note: the trajectories' sampling settings and where they come from.
+        method, methods: the recipe's method, then every method collected (the chosen one first).
+        qfmt: the engine's format; cfg: ``"split"`` or ``"batched"``.
+        shard: ``(i, n)`` of a shard run, else None; pair: the pair's adapter, else None.
+        text_encoder, encode: the text source named, and the encoder ``(prompts, text_len) -> [B, L, D]``.
+        model_dtype, device: the dtype the model computes in and where it runs.
+        progress: ``progress(phase, done, total)``; report: write the report (and its evaluation).
+        t_start: ``time.perf_counter()`` when the pass began.
+    """
+
+    config: CalibConfig
+    quant_config: QuantConfig | None
+    report_options: ReportOptions | None
+    preset: CalibPreset
+    prompts: list
+    settings: Any
+    sampling_note: str
+    method: str
+    methods: tuple[str, ...]
+    qfmt: QuantFormat
+    cfg: str
+    shard: tuple[int, int] | None
+    pair: Any
+    text_encoder: str | None
+    encode: Callable
+    model_dtype: Any
+    device: Any
+    progress: Progress
+    report: bool
+    t_start: float
+
+
+@dataclasses.dataclass(frozen=True)
+class CalibratedSide:
+    """One side's results, ready to write (a pair has one per expert).
+
+    Attributes:
+        adapter, model, out_dir: the side's adapter, loaded transformer and calibration folder.
+        stats: its :class:`~trt_sora.calibrate.stats.CalibStats`.
+        rounded: ``{site: W'}`` GPTQ-rounded weights, or None.
+        ratios: step caching's :class:`~trt_sora.caching.StepRatios`, or None.
+        rounding: ``(HessianPlan or None, note, record)`` of :func:`_gptq_plan` and :func:`_gptq_passes`.
+        forwards: transformer calls observed; served: ``{step: timestep}`` the side served.
+        from_shards: the shard folders merged, or None.
+    """
+
+    adapter: Any
+    model: Any
+    out_dir: Any
+    stats: Any
+    rounded: dict | None
+    ratios: StepRatios | None
+    rounding: tuple
+    forwards: int
+    served: Mapping[int, float]
+    from_shards: Sequence[str | Path] | None
+
+
 def _method(value) -> str:
     key = getattr(value, "value", value)
     if key not in ALL_METHODS:
@@ -148,66 +221,6 @@ def observer_kwargs(config: CalibConfig, quant_format: QuantFormat | str) -> dic
         "percentile": {"percentile": float(config.percentile), "num_bins": int(config.num_bins)},
         "mse": {"fmt": fmt if fmt in ("fp8_e4m3", "int8") else "fp8_e4m3", "num_bins": int(config.num_bins)},
     }
-
-
-def _chunks(prompts: Sequence[Any], batch: int) -> list[list[Any]]:
-    """Consecutive chunks of ``batch`` prompts; the last one is filled by cycling from the start."""
-    out = []
-    for i in range(0, len(prompts), batch):
-        c = list(prompts[i:i + batch])
-        j = 0
-        while len(c) < batch:
-            c.append(prompts[j % len(prompts)])
-            j += 1
-        out.append(c)
-    return out
-
-
-def _noise(adapter, shape: CalibShape, seed: int, device):
-    """Seeded Gaussian latents ``[B, C, F, H, W]`` fp32, drawn on the CPU (same on every device)."""
-    from trt_sora.sampling import gaussian_noise
-
-    return gaussian_noise((shape.batch, adapter.latent_channels, shape.latent_frames, shape.latent_height,
-                           shape.latent_width), seed, device)
-
-
-def compute_dtype(model):
-    """The dtype most of ``model``'s parameters have (bf16 for a bf16 load that keeps norms in fp32)."""
-    counts: dict = {}
-    for p in model.parameters():
-        if p.is_floating_point():
-            counts[p.dtype] = counts.get(p.dtype, 0) + p.numel()
-    return max(counts, key=counts.get)
-
-
-def _to(cond: Mapping[str, Any], device) -> dict[str, Any]:
-    return {k: v.float().to(device) if v.is_floating_point() else v.to(device) for k, v in cond.items()}
-
-
-def branch_inputs(adapter, encode, preset: CalibPreset, prompts: list[str], shape: CalibShape, *, uses_cfg: bool,
-                  seed: int, device) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """``(cond, uncond)`` conditioning of one trajectory on ``device`` (the family's
-    :meth:`~trt_sora.models.base.ModelAdapter.conditioning`): the unconditional branch's is the preset's
-    negative prompt, else the model's own; an image-to-video model's image conditioning is seeded by ``seed``."""
-    from trt_sora.errors import ModelError
-
-    try:
-        cond, uncond = adapter.conditioning(encode, prompts, shape.as_dict(), negative=preset.negative_prompt,
-                                            seed=seed, cfg=uses_cfg)
-    except ModelError as exc:
-        raise CalibrationError(str(exc)) from None
-    return _to(cond, device), (_to(uncond, device) if uncond is not None else None)
-
-
-def calibration_sampling(adapter, preset: CalibPreset, config: CalibConfig | None = None):
-    """``(settings, note)``: the trajectories calibration runs (:func:`trt_sora.sampling.resolve_sampling`):
-    the model's own settings unless the preset pins a value or the recipe's ``calibration.num_steps``
-    sets the step count (the recipe wins over the preset)."""
-    from trt_sora.sampling import resolve_sampling
-
-    steps = config.num_steps if config is not None and config.num_steps is not None else preset.num_steps
-    return resolve_sampling(adapter, "the preset/recipe", num_steps=steps, guidance_scale=preset.guidance_scale,
-                            shift=preset.shift)
 
 
 def _negative_label(adapter, preset: CalibPreset) -> str:
@@ -281,9 +294,9 @@ def _resolve_preset(adapter, config: CalibConfig, preset) -> CalibPreset:
     return load_preset(preset or config.preset)
 
 
-def _collect(sides, models, lead, preset: CalibPreset, settings, plan, todo: range, *, encode, methods, okw,
-             cfg: str, model_dtype, timesteps: dict, forwards: dict, progress: Progress, total: int,
-             hessians: Mapping[Any, Any] | None = None, phase: str = "calibrate", recorder=None) -> dict | None:
+def _collect(run: CalibrationRun, sides, models, lead, plan, todo: range, *, timesteps: dict, forwards: dict,
+             total: int, hessians: Mapping[Any, Any] | None = None, phase: str = "calibrate",
+             recorder=None) -> dict | None:
     """Run the trajectories ``plan[k] for k in todo`` with the observers installed on every model
     (``sides``: ``{None: adapter}``, or ``{expert: adapter}`` for a pair switched at its boundary, each
     observing exactly the steps it serves); ``{side: {site: SiteStats}}``. ``hessians``: ``{side:
@@ -294,12 +307,14 @@ def _collect(sides, models, lead, preset: CalibPreset, settings, plan, todo: ran
     from trt_sora.calibrate.hooks import CollectionHooks
     from trt_sora.sampling import CallInfo, adapter_call, expert_calls, sample
 
+    preset, settings, progress = run.preset, run.settings, run.progress
     model_device = next(models[next(iter(sides))].parameters()).device
     observe = phase == "calibrate"
     done = 0
     progress(phase, 0, total)
     with contextlib.ExitStack() as stack:
-        hooks = {k: stack.enter_context(CollectionHooks(m, methods=methods, branches=settings.branches,
+        okw = observer_kwargs(run.config, run.qfmt)
+        hooks = {k: stack.enter_context(CollectionHooks(m, methods=run.methods, branches=settings.branches,
                                                         observer_kwargs=okw)) for k, m in models.items()} \
             if observe else {}
         for h in (hessians or {}).values():
@@ -318,13 +333,13 @@ def _collect(sides, models, lead, preset: CalibPreset, settings, plan, todo: ran
         call = expert_calls(settings, lambda e: adapter_call(sides[e], models[e]))
         for k in todo:  # k: the trajectory's index in the whole plan (it seeds the noise), shards included
             _, shape, chunk = plan[k]
-            seed = preset.seed * 1_000_003 + k
-            cond, uncond = branch_inputs(lead, encode, preset, [p.prompt for p in chunk], shape,
+            seed = trajectory_seed(preset, k)
+            cond, uncond = branch_inputs(lead, run.encode, preset, [p.prompt for p in chunk], shape,
                                          uses_cfg=settings.uses_cfg, seed=seed, device=model_device)
-            noise = _noise(lead, shape, seed, model_device)
+            x = noise(lead, shape, seed, model_device)
             label = f"shape {shape.as_dict()}, prompts {[p.id for p in chunk]}"
-            sample(call, noise, cond, uncond, scheduler=lead.scheduler(settings.shift), settings=settings,
-                   cfg=cfg if settings.uses_cfg else "split", dtype=model_dtype, hook=on_call, label=label,
+            sample(call, x, cond, uncond, scheduler=lead.scheduler(settings.shift), settings=settings,
+                   cfg=run.cfg if settings.uses_cfg else "split", dtype=run.model_dtype, hook=on_call, label=label,
                    conditioner=lead, cache=recorder if observe else None)
         if not observe:
             return None
@@ -503,16 +518,19 @@ def _calibrate(sides: Mapping[Any, Any], config: CalibConfig, out_dirs: Mapping[
     models = {k: models.get(k) if models.get(k) is not None else a.load(dtype or "fp32", str(device))
               for k, a in sides.items()}
     first = models[next(iter(sides))]
-    ctx = dict(method=method, methods=(method,) + tuple(m for m in ALL_METHODS if m != method), preset=preset,
-               model_dtype=compute_dtype(first), device=next(first.parameters()).device, qfmt=qfmt,
-               encode=lead.text_encoder(text_encoder), prompts=prompts, cfg=cfg, shard=shard, pair=pair)
-    settings, sampling_note = calibration_sampling(lead, preset, config)
     if cfg not in ("split", "batched"):
         raise ConfigError(f"cfg={cfg!r}: use 'split' or 'batched'")
-    plan = [(si, shape, chunk) for si, shape in enumerate(preset.shapes) for chunk in _chunks(prompts, shape.batch)]
+    settings, sampling_note = calibration_sampling(lead, preset, config)
+    run = CalibrationRun(
+        config=config, quant_config=quant_config, report_options=report_options, preset=preset, prompts=prompts,
+        settings=settings, sampling_note=sampling_note, method=method,
+        methods=(method,) + tuple(m for m in ALL_METHODS if m != method), qfmt=qfmt, cfg=cfg, shard=shard,
+        pair=pair, text_encoder=text_encoder, encode=lead.text_encoder(text_encoder),
+        model_dtype=compute_dtype(first), device=next(first.parameters()).device, progress=progress,
+        report=report and shard is None,  # the merged calibration reports: calibrate(from_shards=...)
+        t_start=t_start)
+    plan = [(si, shape, chunk) for si, shape in enumerate(preset.shapes) for chunk in chunks(prompts, shape.batch)]
     todo = range(len(plan)) if shard is None else shard_range(len(plan), *shard)
-    if shard is not None:
-        report = False  # the merged calibration reports: calibrate(from_shards=...)
     calls = 1 if cfg == "batched" or not settings.uses_cfg else len(settings.branches)
     total = 0 if from_shards else len(todo) * settings.num_steps * calls
     timesteps: dict[Any, dict[int, float]] = {k: {} for k in sides}
@@ -530,22 +548,20 @@ def _calibrate(sides: Mapping[Any, Any], config: CalibConfig, out_dirs: Mapping[
     else:
         log.info("calibrating %s: %d of %d trajectories x %d steps x %d branches (%s, cfg %s, methods %s; "
                  "sampling: %s)", lead.name, len(todo), len(plan), settings.num_steps, len(settings.branches),
-                 preset.name, cfg, ", ".join(ctx["methods"]), sampling_note)
+                 preset.name, cfg, ", ".join(run.methods), sampling_note)
 
     def trajectories(group: int, hessians: Mapping[Any, Any]) -> None:
         """Pass ``group`` over this run's trajectories: the first with the observers (-> ``stats``), the
         later GPTQ passes with only their group's Hessian hooks."""
         nonlocal t_collect
-        kw = dict(encode=ctx["encode"], methods=ctx["methods"], okw=observer_kwargs(config, qfmt), cfg=cfg,
-                  model_dtype=ctx["model_dtype"], timesteps=timesteps, forwards=forwards, progress=progress,
-                  total=total, hessians=hessians)
+        kw = dict(timesteps=timesteps, forwards=forwards, total=total, hessians=hessians)
         if group:
             n = max(pl.passes for pl in plans.values())
-            _collect(sides, models, lead, preset, settings, plan, todo, phase=f"gptq pass {group + 1}/{n}", **kw)
+            _collect(run, sides, models, lead, plan, todo, phase=f"gptq pass {group + 1}/{n}", **kw)
             return
-        sites = _collect(sides, models, lead, preset, settings, plan, todo, recorder=recorder, **kw)
-        stats.update({k: _reduce(models[k], sites[k], _metadata(a, settings, sampling_note, plan, todo, timesteps[k],
-                                                                t_start=t_start, **ctx)) for k, a in sides.items()})
+        sites = _collect(run, sides, models, lead, plan, todo, recorder=recorder, **kw)
+        stats.update({k: _reduce(models[k], sites[k], _metadata(run, a, plan, todo, timesteps[k]))
+                      for k, a in sides.items()})
         t_collect = time.perf_counter() - t_start
 
     with contextlib.ExitStack() as stack:
@@ -553,16 +569,11 @@ def _calibrate(sides: Mapping[Any, Any], config: CalibConfig, out_dirs: Mapping[
         rounded, record = _gptq_passes(plans, models, trajectories, stats, config, qfmt.value,
                                        shard_tmp=shard_tmp, from_shards=from_shards)
         ratios = {k: _step_ratios(recorder, timesteps[k], from_shards[k] if from_shards else None) for k in sides}
-        return {k: _write(a, models[k], stats[k], out_dirs[k], rounded=rounded.get(k) if shard is None else None,
-                          ratios=ratios[k],
-                          rounding=(gptq[k][0], gptq[k][1], record.get(k)), config=config, settings=settings,
-                          sampling_note=sampling_note, progress=progress, report=report, quant_config=quant_config,
-                          report_options=report_options, text_encoder=text_encoder, t_start=t_start,
-                          t_collect=t_collect, forwards=forwards[k],
-                          from_shards=from_shards[k] if from_shards else None,
-                          steps=sorted(timesteps[k]), timesteps=[timesteps[k][i] for i in sorted(timesteps[k])],
-                          **ctx)
-                for k, a in sides.items()}
+        return {k: _write(run, CalibratedSide(
+            adapter=a, model=models[k], out_dir=out_dirs[k], stats=stats[k],
+            rounded=rounded.get(k) if shard is None else None, ratios=ratios[k],
+            rounding=(gptq[k][0], gptq[k][1], record.get(k)), forwards=forwards[k], served=timesteps[k],
+            from_shards=from_shards[k] if from_shards else None), t_collect) for k, a in sides.items()}
 
 
 def _step_ratios(recorder: MagnitudeRecorder, served: Mapping[int, float], from_shards) -> StepRatios | None:
@@ -655,70 +666,71 @@ def _served(meta) -> dict[int, float]:
     return dict(zip(steps if steps is not None else range(len(meta.timesteps)), meta.timesteps))
 
 
-def _metadata(adapter, settings, sampling_note, plan, todo, served: Mapping[int, float], *, method, preset, prompts,
-              model_dtype, device, qfmt, cfg, shard, pair, t_start, **_):
+def _metadata(run: CalibrationRun, adapter, plan, todo, served: Mapping[int, float]):
     """The ``StatsMetadata`` of one model's statistics (a pair's expert: the steps it served)."""
     from trt_sora.calibrate.stats import StatsMetadata
 
+    settings, preset = run.settings, run.preset
     steps = sorted(served)
     meta = StatsMetadata(
-        method=method, num_samples=sum(plan[k][1].batch for k in todo),
+        method=run.method, num_samples=sum(plan[k][1].batch for k in todo),
         num_steps=settings.num_steps, timesteps=[served[i] for i in steps], branches=list(settings.branches),
         shapes=[s.as_dict() for s in preset.shapes], model=adapter.spec.ref,
         model_hash=adapter.spec.model_hash(), preset=preset.name, prompt_set=preset.prompt_set, seed=preset.seed,
         guidance_scale=settings.guidance_scale, shift=settings.shift,
-        extra={"sampling": sampling_note, "model_sampling": adapter.sampling.to_dict(),
-               "prompt_ids": [p.id for p in prompts], "negative_prompt": _negative_label(adapter, preset),
-               "model_dtype": str(model_dtype).replace("torch.", ""), "device": str(device),
-               "quant_format": qfmt.value, "cfg": cfg,
-               "collect_seconds": round(time.perf_counter() - t_start, 3)})
-    if shard is not None:
-        meta.extra.update({"shard": list(shard), "shard_trajectories": [todo.start, todo.stop]})
-    if pair is not None:
+        extra={"sampling": run.sampling_note, "model_sampling": adapter.sampling.to_dict(),
+               "prompt_ids": [p.id for p in run.prompts], "negative_prompt": _negative_label(adapter, preset),
+               "model_dtype": str(run.model_dtype).replace("torch.", ""), "device": str(run.device),
+               "quant_format": run.qfmt.value, "cfg": run.cfg,
+               "collect_seconds": round(time.perf_counter() - run.t_start, 3)})
+    if run.shard is not None:
+        meta.extra.update({"shard": list(run.shard), "shard_trajectories": [todo.start, todo.stop]})
+    if run.pair is not None:
         meta.extra.update(expert=adapter.spec.expert, steps_served=steps)
     return meta
 
 
-def _report(tmp, adapter, model, stats, rounded, rounding_note, *, config, settings, progress, quant_config,
-            report_options, preset, model_dtype, qfmt, encode, pair):
+def _report(tmp, run: CalibrationRun, side: CalibratedSide):
     """The calibration report in ``tmp``, with the PyTorch evaluation (and ModelOpt peer) it shows; a pair's
     experts get no evaluation (the parity check judges each). Returns ``(evaluation or None, report path)``."""
     from trt_sora.calibrate.report import write_report
 
-    opts = report_options or ReportOptions(eval_prompts=config.eval_prompts, eval_steps=config.eval_steps,
-                                           sensitivity=config.sensitivity)
-    qcfg = quant_config or QuantConfig(format=qfmt)
+    config, qfmt, rounded = run.config, run.qfmt, side.rounded
+    adapter, model, stats = side.adapter, side.model, side.stats
+    kw = dict(encode=run.encode, settings=run.settings, model_dtype=run.model_dtype, progress=run.progress)
+    opts = run.report_options or ReportOptions(eval_prompts=config.eval_prompts, eval_steps=config.eval_steps,
+                                               sensitivity=config.sensitivity)
+    qcfg = run.quant_config or QuantConfig(format=qfmt)
     if qcfg.format is QuantFormat.NONE:  # an unquantized recipe: still show what FP8 would cost
         qcfg = dataclasses.replace(qcfg, format=QuantFormat.FP8_E4M3)
     evaluation = None
-    if pair is None:
+    if run.pair is None:
         from trt_sora.calibrate import evaluate as ev
 
-        evaluation = ev.evaluate(adapter, model, stats, preset, qcfg, opts, encode=encode, settings=settings,
-                                 model_dtype=model_dtype, progress=progress,
-                                 weights=(rounded, qfmt.value) if rounded else None)
+        evaluation = ev.evaluate(adapter, model, stats, run.preset, qcfg, opts,
+                                 weights=(rounded, qfmt.value) if rounded else None, **kw)
         if opts.peer == "modelopt":
             from trt_sora.calibrate.peer import modelopt_peer
 
-            evaluation["peer"] = modelopt_peer(adapter, model, stats, preset, qcfg, encode=encode, settings=settings,
-                                               model_dtype=model_dtype, num_prompts=opts.peer_prompts,
-                                               num_steps=opts.peer_steps, progress=progress,
-                                               weights=rounded if qfmt is QuantFormat.FP8_E4M3 else None)
-    return evaluation, write_report(tmp, stats, evaluation, preset=preset, options=opts,
-                                    quant_format=qcfg.format.value, weight_rounding=rounding_note)
+            evaluation["peer"] = modelopt_peer(adapter, model, stats, run.preset, qcfg, num_prompts=opts.peer_prompts,
+                                               num_steps=opts.peer_steps,
+                                               weights=rounded if qfmt is QuantFormat.FP8_E4M3 else None, **kw)
+    return evaluation, write_report(tmp, stats, evaluation, preset=run.preset, options=opts,
+                                    quant_format=qcfg.format.value, weight_rounding=side.rounding[1])
 
 
-def _write(adapter, model, stats, out_dir, *, rounded, ratios, rounding, config, settings, sampling_note, progress,
-           report, quant_config, report_options, text_encoder, t_start, t_collect, forwards, from_shards, steps,
-           timesteps, method, methods, preset, model_dtype, qfmt, encode, cfg, shard, pair, **_) -> CalibResult:
-    """Write one calibration folder (stats, GPTQ-rounded weights when ``rounded``, the step caching's
-    output magnitude ratios ``ratios``, a shard's Hessians, report, manifest) atomically. ``rounding``:
-    ``(HessianPlan or None, note, record)`` of :func:`_gptq_plan` and :func:`_gptq_passes`."""
+def _write(run: CalibrationRun, side: CalibratedSide, t_collect: float) -> CalibResult:
+    """Write one side's calibration folder (stats, GPTQ-rounded weights, the step caching's output
+    magnitude ratios, a shard's Hessians, report, manifest) atomically; ``t_collect``: seconds the
+    trajectories took."""
     from trt_sora.calibrate.gptq import WEIGHTS_FILE, save_rounded_weights
     from trt_sora.config.base import to_dict
     from trt_sora.manifest import file_entry, staged_dir, write_manifest
 
-    with staged_dir(out_dir) as tmp:
+    adapter, stats, rounded, rounding, qfmt = side.adapter, side.stats, side.rounded, side.rounding, run.qfmt
+    config, settings, from_shards, pair = run.config, run.settings, side.from_shards, run.pair
+    steps = sorted(side.served)
+    with staged_dir(side.out_dir) as tmp:
         stats.save(tmp / CALIB_STATS)
         hessian_files = [Path(f) for f in (rounding[2] or {}).get("hessian_files", [])]
         for f in hessian_files:  # a shard's: the merge rounds with them
@@ -726,18 +738,16 @@ def _write(adapter, model, stats, out_dir, *, rounded, ratios, rounding, config,
         if rounded is not None:
             save_rounded_weights(tmp / WEIGHTS_FILE, rounded, {s: stats.amax[f"{s}.weight"] for s in rounded},
                                  qfmt.value, {"method": "gptq", "damp": config.gptq_damp, "sites": len(rounded)})
-        evaluation, report_path = (_report(tmp, adapter, model, stats, rounded, rounding[1], config=config,
-                                           settings=settings, progress=progress, quant_config=quant_config,
-                                           report_options=report_options, preset=preset, model_dtype=model_dtype,
-                                           qfmt=qfmt, encode=encode, pair=pair) if report else (None, None))
-        seconds = time.perf_counter() - t_start
-        results = {"num_sites": len(stats.amax), "method": method, "methods": list(methods), "cfg": cfg,
-                   "shard": list(shard) if shard else None, "from_shards": len(from_shards) if from_shards else None,
-                   "sampling": {**settings.to_dict(), "note": sampling_note},
+        evaluation, report_path = _report(tmp, run, side) if run.report else (None, None)
+        seconds = time.perf_counter() - run.t_start
+        results = {"num_sites": len(stats.amax), "method": run.method, "methods": list(run.methods), "cfg": run.cfg,
+                   "shard": list(run.shard) if run.shard else None,
+                   "from_shards": len(from_shards) if from_shards else None,
+                   "sampling": {**settings.to_dict(), "note": run.sampling_note},
                    "collect_seconds": round(t_collect, 3), "seconds": round(seconds, 3),
-                   "num_forwards": forwards, "timesteps": timesteps}
-        inputs = {"model": adapter.describe(), "preset": preset.to_dict(),
-                  "text_encoder": text_encoder or adapter.spec.text_encoder or "default"}
+                   "num_forwards": side.forwards, "timesteps": [side.served[i] for i in steps]}
+        inputs = {"model": adapter.describe(), "preset": run.preset.to_dict(),
+                  "text_encoder": run.text_encoder or adapter.spec.text_encoder or "default"}
         if from_shards:
             inputs["shards"] = [file_entry(Path(f) / CALIB_STATS) for f in from_shards]
         if pair is not None:
@@ -757,10 +767,10 @@ def _write(adapter, model, stats, out_dir, *, rounded, ratios, rounding, config,
                                       "sites": len(rounded or ()), "note": rounding[1], **record}
         if rounded is not None:
             outputs["weights"] = WEIGHTS_FILE
-        if ratios is not None:
-            ratios.save(tmp / RATIOS_FILE)
+        if side.ratios is not None:
+            side.ratios.save(tmp / RATIOS_FILE)
             outputs["step_ratios"] = RATIOS_FILE
-            results["step_ratios"] = ratios.summary()
+            results["step_ratios"] = side.ratios.summary()
         if hessian_files:
             outputs["hessians"] = [f.name for f in hessian_files]
         if report_path is not None:
@@ -768,10 +778,10 @@ def _write(adapter, model, stats, out_dir, *, rounded, ratios, rounding, config,
         manifest = write_manifest(
             tmp, stage="calibrate", inputs=inputs,
             config={"calibration": to_dict(config), "quant_format": qfmt.value,
-                    "quantization": to_dict(quant_config) if quant_config is not None else None},
+                    "quantization": to_dict(run.quant_config) if run.quant_config is not None else None},
             results=results, outputs=outputs)
-    out = Path(out_dir)
+    out = Path(side.out_dir)
     log.info("calibration of %s: %d sites in %.1f s -> %s", adapter.name, len(stats.amax), seconds, out)
     return CalibResult(stats=stats, stats_path=out / CALIB_STATS,
-                       report_path=(out / CALIB_REPORT) if report else None, manifest=manifest,
+                       report_path=(out / CALIB_REPORT) if run.report else None, manifest=manifest,
                        evaluation=evaluation)
