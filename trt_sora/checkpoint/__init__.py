@@ -5,8 +5,9 @@ transformer (FP8 weights with their scales, static input scales, the exclusions,
 ``quantization_config`` in ``config.json``). Light on purpose: importing
 ``trt_sora.checkpoint`` loads no torch. The public names resolve lazily:
 
-* :func:`export_checkpoint`, :class:`CheckpointResult`, :func:`checkpoint_plan` - :mod:`trt_sora.checkpoint.export`.
-* the format itself (names, scales, packing, ``ignore`` summary) - :mod:`trt_sora.checkpoint.modelopt_format`.
+* :func:`export_checkpoint`, :class:`CheckpointResult` - :mod:`trt_sora.checkpoint.export`.
+* the format itself (which sites, their scales, packing, ``ignore`` summary; :func:`checkpoint_plan`) -
+  :mod:`trt_sora.checkpoint.modelopt_format`.
 * ModelOpt as the reference (its own export with our amax; loading a checkpoint into its
   fake-quant quantizers) - :mod:`trt_sora.checkpoint.modelopt_interop` (needs ``nvidia-modelopt``).
 """
@@ -17,7 +18,7 @@ import importlib
 _LAZY = {
     "export_checkpoint": "trt_sora.checkpoint.export",
     "CheckpointResult": "trt_sora.checkpoint.export",
-    "checkpoint_plan": "trt_sora.checkpoint.export",
+    "checkpoint_plan": "trt_sora.checkpoint.modelopt_format",
 }
 
 __all__ = sorted(_LAZY)

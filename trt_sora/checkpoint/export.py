@@ -20,10 +20,10 @@ import json
 import logging
 import os
 import time
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from trt_sora.checkpoint.modelopt_format import checkpoint_plan
 from trt_sora.config.recipe import QuantConfig, QuantFormat
 from trt_sora.errors import ArtifactError, QuantizeError, require
 from trt_sora.manifest import read_manifest, sha256_file, staged_dir, write_manifest
@@ -31,13 +31,11 @@ from trt_sora.runfolder import has_manifest
 
 log = logging.getLogger("trt_sora")
 
-__all__ = ["CONFIG_NAME", "CheckpointResult", "FORMAT_REVISION", "checkpoint_plan", "export_checkpoint"]
+__all__ = ["CONFIG_NAME", "CheckpointResult", "FORMAT_REVISION", "export_checkpoint"]
 
 CONFIG_NAME = "config.json"
 #: The ModelOpt release whose unified HF export this layout reproduces (``producer.version``).
 FORMAT_REVISION = "0.47.0"
-#: Module types whose unquantized instances ModelOpt lists in ``ignore`` (linears and convolutions).
-_IGNORABLE = ("Linear", "Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,70 +53,6 @@ class CheckpointResult:
     @property
     def quantization_config(self) -> dict:
         return json.loads((self.folder / CONFIG_NAME).read_text())["quantization_config"]
-
-
-def checkpoint_plan(model, stats, config: QuantConfig, family_excludes: Mapping[str, str]) -> dict[str, Any]:
-    """Which linears are quantized with which amax, and what ``ignore`` lists.
-
-    Args:
-        model: the loaded diffusers transformer (module paths = state-dict prefixes).
-        stats: :class:`~trt_sora.calibrate.stats.CalibStats` (``<site>`` activation amax,
-            optional ``<site>.weight`` per-channel weight amax).
-        config: the recipe's ``quantization`` section (site policy and format).
-        family_excludes: the model family's default exclusions (``adapter.quant_excludes``).
-
-    Returns:
-        ``{"sites": {site: {"act_amax": float, "weight_amax": fp32 [out]}}, "excluded":
-        {site: reason}, "ignore": sorted patterns}``.
-
-    Raises:
-        QuantizeError: a site the policy quantizes has no (or no usable) activation amax.
-    """
-    import torch
-
-    from trt_sora.site_policy import site_policy
-
-    ignorable = tuple(getattr(torch.nn, n) for n in _IGNORABLE)
-    sites: dict[str, dict[str, Any]] = {}
-    excluded: dict[str, str] = {}
-    for name, mod in model.named_modules():
-        if not isinstance(mod, ignorable):
-            continue
-        linear = isinstance(mod, torch.nn.Linear)
-        quantize, why = site_policy(name, config, family_excludes) if linear else (False, "convolution")
-        if not quantize:
-            excluded[name] = why
-            continue
-        if name not in stats.amax:
-            raise QuantizeError(f"site {name!r} is quantized by the recipe's policy but the stats have no amax for "
-                                "it; recalibrate this model (trt-sora calibrate) or add it to quantization.exclude")
-        act = _positive(name, stats.amax[name], "activation amax")
-        w = stats.amax.get(f"{name}.weight")
-        if w is None:  # stats without weight amax: max |W| per output row, as the Q/DQ pass does
-            w = mod.weight.detach().float().abs().amax(dim=1).cpu()
-        w = torch.as_tensor(w, dtype=torch.float32).reshape(-1)
-        if w.numel() != mod.weight.shape[0]:
-            raise QuantizeError(f"site {name!r}: weight amax has {w.numel()} values but the weight has "
-                                f"{mod.weight.shape[0]} output channels; the stats belong to another model - "
-                                "recalibrate")
-        _positive(f"{name}.weight", w, "weight amax")
-        sites[name] = {"act_amax": act, "weight_amax": w}
-    if not sites:
-        raise QuantizeError("no linear is quantized under the recipe's quantization policy; check "
-                            "quantization.include/exclude (or use the unquantized model as it is)")
-    from trt_sora.checkpoint.modelopt_format import summarize_excludes
-
-    return {"sites": sites, "excluded": excluded, "ignore": sorted(summarize_excludes(excluded, sites))}
-
-
-def _positive(site: str, a, what: str) -> float:
-    import torch
-
-    t = torch.as_tensor(a, dtype=torch.float32)
-    if t.numel() == 0 or not bool(torch.isfinite(t).all()) or not float(t.min()) > 0:
-        raise QuantizeError(f"site {site!r}: {what} {t.flatten()[:4].tolist()} is not finite and > 0; recalibrate "
-                            "(NaN/inf or all-zero activations) or exclude the site (quantization.exclude)")
-    return float(t.max())
 
 
 def _model_from_stats(stats_path: Path | None, model):

@@ -30,14 +30,14 @@ This module loads no torch at import time; the packing functions import it.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
-from trt_sora.config.recipe import QuantFormat
-from trt_sora.errors import ConfigError
+from trt_sora.config.recipe import QuantConfig, QuantFormat
+from trt_sora.errors import ConfigError, QuantizeError
 
-__all__ = ["QUANT_ALGO", "SCALE_KEYS", "WEIGHT_PER_CHANNEL", "input_scale", "pack_weight", "quant_algo",
-           "quantization_config", "summarize_excludes"]
+__all__ = ["QUANT_ALGO", "SCALE_KEYS", "WEIGHT_PER_CHANNEL", "checkpoint_plan", "input_scale", "pack_weight",
+           "quant_algo", "quantization_config", "summarize_excludes"]
 
 #: Our format -> ModelOpt's ``quant_algo``.
 QUANT_ALGO: dict[QuantFormat, str] = {
@@ -168,3 +168,69 @@ def input_scale(amax, fmt: QuantFormat | str):
 
     f = _fmt(fmt)
     return (torch.as_tensor(amax, dtype=torch.float32).detach().cpu().max() / _QMAX[f]).reshape(())
+
+
+#: Module types whose unquantized instances ModelOpt lists in ``ignore`` (linears and convolutions).
+_IGNORABLE = ("Linear", "Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d")
+
+
+def checkpoint_plan(model, stats, config: QuantConfig, family_excludes: Mapping[str, str]) -> dict[str, Any]:
+    """Which linears are quantized with which amax, and what ``ignore`` lists.
+
+    Args:
+        model: the loaded diffusers transformer (module paths = state-dict prefixes).
+        stats: :class:`~trt_sora.calibrate.stats.CalibStats` (``<site>`` activation amax,
+            optional ``<site>.weight`` per-channel weight amax).
+        config: the recipe's ``quantization`` section (site policy and format).
+        family_excludes: the model family's default exclusions (``adapter.quant_excludes``).
+
+    Returns:
+        ``{"sites": {site: {"act_amax": float, "weight_amax": fp32 [out]}}, "excluded":
+        {site: reason}, "ignore": sorted patterns}``.
+
+    Raises:
+        QuantizeError: a site the policy quantizes has no (or no usable) activation amax.
+    """
+    import torch
+
+    from trt_sora.site_policy import site_policy
+
+    ignorable = tuple(getattr(torch.nn, n) for n in _IGNORABLE)
+    sites: dict[str, dict[str, Any]] = {}
+    excluded: dict[str, str] = {}
+    for name, mod in model.named_modules():
+        if not isinstance(mod, ignorable):
+            continue
+        linear = isinstance(mod, torch.nn.Linear)
+        quantize, why = site_policy(name, config, family_excludes) if linear else (False, "convolution")
+        if not quantize:
+            excluded[name] = why
+            continue
+        if name not in stats.amax:
+            raise QuantizeError(f"site {name!r} is quantized by the recipe's policy but the stats have no amax for "
+                                "it; recalibrate this model (trt-sora calibrate) or add it to quantization.exclude")
+        act = _positive(name, stats.amax[name], "activation amax")
+        w = stats.amax.get(f"{name}.weight")
+        if w is None:  # stats without weight amax: max |W| per output row, as the Q/DQ pass does
+            w = mod.weight.detach().float().abs().amax(dim=1).cpu()
+        w = torch.as_tensor(w, dtype=torch.float32).reshape(-1)
+        if w.numel() != mod.weight.shape[0]:
+            raise QuantizeError(f"site {name!r}: weight amax has {w.numel()} values but the weight has "
+                                f"{mod.weight.shape[0]} output channels; the stats belong to another model - "
+                                "recalibrate")
+        _positive(f"{name}.weight", w, "weight amax")
+        sites[name] = {"act_amax": act, "weight_amax": w}
+    if not sites:
+        raise QuantizeError("no linear is quantized under the recipe's quantization policy; check "
+                            "quantization.include/exclude (or use the unquantized model as it is)")
+    return {"sites": sites, "excluded": excluded, "ignore": sorted(summarize_excludes(excluded, sites))}
+
+
+def _positive(site: str, a, what: str) -> float:
+    import torch
+
+    t = torch.as_tensor(a, dtype=torch.float32)
+    if t.numel() == 0 or not bool(torch.isfinite(t).all()) or not float(t.min()) > 0:
+        raise QuantizeError(f"site {site!r}: {what} {t.flatten()[:4].tolist()} is not finite and > 0; recalibrate "
+                            "(NaN/inf or all-zero activations) or exclude the site (quantization.exclude)")
+    return float(t.max())

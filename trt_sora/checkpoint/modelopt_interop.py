@@ -18,6 +18,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from trt_sora.checkpoint.modelopt_format import checkpoint_plan
 from trt_sora.config.recipe import QuantConfig, QuantFormat
 from trt_sora.errors import ArtifactError, require
 
@@ -99,8 +100,6 @@ def reference_export(model, stats, config: QuantConfig, out_dir, *, dtype, famil
     ``model`` is the transformer loaded in ``dtype`` (a torch dtype); ``family_excludes`` its family's
     default exclusions (``adapter.quant_excludes``); returns ``out_dir``.
     """
-    from trt_sora.checkpoint.export import checkpoint_plan
-
     require("modelopt", extra="modelopt", pip=_MO)
     from modelopt.torch.export import export_hf_checkpoint
 

@@ -64,7 +64,7 @@ def load_runner(args):
     """The run folder's runner; with ``--parallel``, ranks != 0 follow rank 0's calls and exit here."""
     import trt_sora.runtime as rt
 
-    parallel = _parallel(args)
+    parallel = parallel_from_args(args)
     runner = rt.load(args.run, backend=args.backend, force=args.force, device=args.device, threads=args.threads,
                      parallel=parallel)
     if parallel is not None:
@@ -79,7 +79,8 @@ def load_runner(args):
     return runner
 
 
-def _parallel(args):
+def parallel_from_args(args):
+    """The ``--parallel`` option's ``ParallelConfig`` once this torchrun rank joined its process group, or None."""
     import os
 
     if not getattr(args, "parallel", None):

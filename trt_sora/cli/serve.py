@@ -87,9 +87,9 @@ def run(args) -> int:
         grpc_config = GrpcConfig(host=args.host, port=args.grpc_port, max_message_bytes=args.max_body_bytes,
                                  max_streams=args.grpc_max_streams)
 
-    from trt_sora.cli.generate import _parallel
+    from trt_sora.cli.generate import parallel_from_args
 
-    parallel = _parallel(args)
+    parallel = parallel_from_args(args)
     if parallel is not None:
         import torch.distributed as dist
 

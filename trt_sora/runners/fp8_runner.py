@@ -136,11 +136,11 @@ class TorchFp8Runner(Runner):
                  load_dtype: str | None = None, name: str | None = None, plan: Mapping[str, SitePlan] | None = None,
                  model=None):
         super().__init__()
-        from trt_sora.runners.torch_runner import _adapter
+        from trt_sora.runners.torch_runner import as_adapter
 
         if mode not in ("fused", "gemm"):
             raise ValueError(f"mode {mode!r}: use 'fused' or 'gemm'")
-        self.adapter = _adapter(model_ref)
+        self.adapter = as_adapter(model_ref)
         self.qdq_map, self.stats, self._given_plan, self._given_model = qdq_map, stats, plan, model
         self.device, self.mode = device, mode
         self.attention = attention or AttentionPolicy(enabled=mode == "fused")

@@ -14,7 +14,8 @@ from trt_sora.runners.base import Runner, is_torch, to_numpy
 log = logging.getLogger("trt_sora")
 
 
-def _adapter(model_ref):
+def as_adapter(model_ref):
+    """The family adapter of ``model_ref`` (a model ref such as ``"wan-tiny"``, or an adapter as it is)."""
     from trt_sora.models import ModelAdapter, get_adapter
 
     return model_ref if isinstance(model_ref, ModelAdapter) else get_adapter(model_ref)
@@ -38,7 +39,7 @@ class TorchRunner(Runner):
     def __init__(self, model_ref, *, dtype: str = "fp32", device: str = "cpu", model=None,
                  compile: bool = False, name: str | None = None):
         super().__init__()
-        self.adapter = _adapter(model_ref)
+        self.adapter = as_adapter(model_ref)
         self.dtype, self.device = dtype, device
         self._given_model = model
         self.model = None

@@ -16,7 +16,7 @@ def make_pipeline(runner, *, text_encoder: str | None = None):
     ``num_inference_steps``/``guidance_scale`` (the artifact's sampling settings),
     ``max_sequence_length`` (the bucket's text length); any of them can still be passed.
     """
-    from trt_sora.runtime import as_diffusers_transformer
+    from trt_sora.runtime._diffusers import make_transformer
     from trt_sora.runtime.generate import generator_for
 
     gen = generator_for(runner, text_encoder=text_encoder)
@@ -27,5 +27,5 @@ def make_pipeline(runner, *, text_encoder: str | None = None):
     if s.guidance_scale_2 is not None:  # a pair of experts: the drop-in routes by timestep, the pipeline's guidance
         defaults["guidance_scale_2"] = s.guidance_scale_2
     encode = gen.adapter.text_encoder(text_encoder)
-    return gen.adapter.diffusers_pipeline(as_diffusers_transformer(runner), encode=encode,
+    return gen.adapter.diffusers_pipeline(make_transformer(runner), encode=encode,
                                           scheduler=gen.adapter.scheduler(s.shift), defaults=defaults)

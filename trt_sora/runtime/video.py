@@ -19,8 +19,9 @@ import numpy as np
 
 from trt_sora.errors import ConfigError, TrtSoraError, require
 
-__all__ = ["FORMATS", "VideoError", "check_image_path", "contact_sheet", "ffmpeg_exe", "has_ffmpeg_filter",
-           "read_image", "read_video", "write_clip", "write_gif", "write_mp4", "write_png_sheet"]
+__all__ = ["FORMATS", "VideoError", "check_frames", "check_image_path", "contact_sheet", "ffmpeg_exe",
+           "has_ffmpeg_filter", "read_image", "read_video", "upscale_frames", "write_clip", "write_gif", "write_mp4",
+           "write_png_sheet"]
 
 #: File suffix -> what is written.
 FORMATS = {".mp4": "H.264 MP4 (yuv420p)", ".gif": "animated GIF", ".png": "PNG contact sheet of the frames",
@@ -47,14 +48,16 @@ def has_ffmpeg_filter(name: str) -> bool:
     return any(line.split()[1:2] == [name] for line in out.stdout.splitlines() if line.strip())
 
 
-def _check(frames) -> np.ndarray:
+def check_frames(frames) -> np.ndarray:
+    """``frames`` as a contiguous uint8 ``[num_frames, height, width, 3]`` array (ConfigError otherwise)."""
     x = np.asarray(frames)
     if x.dtype != np.uint8 or x.ndim != 4 or x.shape[-1] != 3 or x.shape[0] < 1:
         raise ConfigError(f"frames must be uint8 [num_frames, height, width, 3], got {x.dtype} {tuple(x.shape)}")
     return np.ascontiguousarray(x)
 
 
-def _upscale(x: np.ndarray, scale: int) -> np.ndarray:
+def upscale_frames(x: np.ndarray, scale: int) -> np.ndarray:
+    """``x`` ``[F, H, W, 3]`` with each pixel repeated ``scale`` times along height and width."""
     if scale < 1:
         raise ConfigError(f"scale={scale} must be an integer >= 1")
     return x if scale == 1 else x.repeat(scale, axis=1).repeat(scale, axis=2)
@@ -76,7 +79,7 @@ def _atomic(path: Path) -> Iterator[Path]:
 def write_mp4(frames, path, fps: float, *, scale: int = 1, crf: int = 18) -> Path:
     """H.264 MP4 (yuv420p, odd sizes padded to even, ``+faststart``); ``scale`` upsamples by
     pixel repetition first (a 32x32 clip is hard to see). Returns ``path``."""
-    x = _upscale(_check(frames), scale)
+    x = upscale_frames(check_frames(frames), scale)
     f, h, w, _ = x.shape
     with _atomic(Path(path)) as tmp:
         cmd = [ffmpeg_exe(), "-hide_banner", "-loglevel", "error", "-y", "-f", "rawvideo", "-pix_fmt", "rgb24",
@@ -92,7 +95,7 @@ def write_gif(frames, path, fps: float, *, scale: int = 1) -> Path:
     """Animated GIF (looping); ``scale`` as in :func:`write_mp4`."""
     from PIL import Image
 
-    x = _upscale(_check(frames), scale)
+    x = upscale_frames(check_frames(frames), scale)
     images = [Image.fromarray(fr) for fr in x]
     with _atomic(Path(path)) as tmp:
         images[0].save(tmp, format="GIF", save_all=True, append_images=images[1:],
@@ -102,7 +105,7 @@ def write_gif(frames, path, fps: float, *, scale: int = 1) -> Path:
 
 def contact_sheet(clips: Sequence, *, scale: int = 1, gap: int = 2) -> np.ndarray:
     """One image of clips: row ``i`` holds clip ``i``'s frames left to right, white gaps. uint8 ``[H', W', 3]``."""
-    xs = [_upscale(_check(c), scale) for c in clips]
+    xs = [upscale_frames(check_frames(c), scale) for c in clips]
     f = max(x.shape[0] for x in xs)
     h = max(x.shape[1] for x in xs)
     w = max(x.shape[2] for x in xs)
@@ -135,7 +138,7 @@ def write_clip(frames, path, fps: float, *, scale: int = 1) -> Path:
     if suffix == ".npy":
         with _atomic(path) as tmp:
             with open(tmp, "wb") as fh:
-                np.save(fh, _check(frames))
+                np.save(fh, check_frames(frames))
         return path
     raise ConfigError(f"cannot write {path.name}: unknown suffix {suffix or '(none)'!r}; use one of "
                       f"{', '.join(FORMATS)}")

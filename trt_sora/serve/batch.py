@@ -66,17 +66,17 @@ from trt_sora.manifest import sha256_file, write_json, write_manifest
 from trt_sora.runfolder import RunFolder
 from trt_sora.runtime.generate import MAX_SCALE, ClipRequest, check_bounds
 from trt_sora.serve.quality import compare_clips, require_vmaf
+from trt_sora.serve.records import DONE, FAILED, GATE_FAILED
 
 log = logging.getLogger("trt_sora")
 
 __all__ = ["BatchConfig", "BatchSummary", "GateConfig", "Job", "LocalExecutor", "check_jobs", "is_remote",
-           "is_transient", "open_output", "read_jobs", "run_batch"]
+           "is_oom", "is_transient", "open_output", "read_jobs", "run_batch"]
 
 FORMATS = ("mp4", "gif", "png", "npy")
 _ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
 _ID_FIX = "an id names the job's files: use 1-128 letters, digits, '-' or '_' (or leave it out: line-<n>)"
 MAX_RETRY_WAIT = 3600.0  # the first backoff; it doubles per retry
-DONE, FAILED, GATE_FAILED = "done", "failed", "gate_failed"
 GATE_REFERENCES = ("torch", "ort")
 
 
@@ -270,7 +270,7 @@ def is_transient(exc: BaseException) -> bool:
                                       "temporarily unavailable", "failed to allocate")))
 
 
-def _is_oom(exc: BaseException) -> bool:
+def is_oom(exc: BaseException) -> bool:
     return isinstance(exc, MemoryError) or "out of memory" in str(exc).lower() or \
         "outofmemory" in type(exc).__name__.lower() or "failed to allocate" in str(exc).lower()
 
@@ -608,7 +608,7 @@ def _on_error(out: _Out, grp, exc, attempts, config: BatchConfig, records, state
     left = [p for p in grp if attempts[p[0].id] <= config.retries]
     if transient and left:
         log.warning("batch: %s failed (%s: %s); will retry", ", ".join(p[0].id for p in grp), type(exc).__name__, exc)
-        if len(left) > 1 and _is_oom(exc):
+        if len(left) > 1 and is_oom(exc):
             return [left[:len(left) // 2], left[len(left) // 2:]]
         return [left]
     if not transient and len(grp) > 1:

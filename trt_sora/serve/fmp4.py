@@ -23,7 +23,7 @@ import threading
 from collections.abc import Iterable, Iterator
 
 from trt_sora.errors import ConfigError
-from trt_sora.runtime.video import VideoError, _check, _upscale, ffmpeg_exe
+from trt_sora.runtime.video import VideoError, check_frames, ffmpeg_exe, upscale_frames
 
 __all__ = ["BOX", "BYTES", "MAX_PIECE_BYTES", "NAL", "Piece", "fragmented_mp4", "pieces", "top_level_boxes"]
 
@@ -51,7 +51,7 @@ def fragmented_mp4(frames, fps: float, *, scale: int = 1, crf: int = 18,
     ffmpeg fails (the pieces sent so far then lack a ``last`` one)."""
     if max_piece < 2 * FRAGMENT_MARGIN:
         raise ConfigError(f"max_piece={max_piece} must be at least {2 * FRAGMENT_MARGIN} bytes")
-    x = _upscale(_check(frames), scale)
+    x = upscale_frames(check_frames(frames), scale)
     f, h, w, _ = x.shape
     cmd = [ffmpeg_exe(), "-hide_banner", "-loglevel", "error", "-f", "rawvideo", "-pix_fmt", "rgb24",
            "-s", f"{w}x{h}", "-r", f"{fps:g}", "-i", "-", "-vf", "pad=ceil(iw/2)*2:ceil(ih/2)*2",

@@ -62,7 +62,7 @@ from typing import Any
 
 from trt_sora.errors import ConfigError, StorageError, TrtSoraError, require
 from trt_sora.manifest import FORMAT_VERSION, sha256_file, tool_versions
-from trt_sora.serve.batch import DONE, GATE_FAILED
+from trt_sora.serve.records import DONE, GATE_FAILED
 
 log = logging.getLogger("trt_sora")
 

@@ -652,7 +652,7 @@ class Engine:
             self._run(batch)
 
     def _run(self, batch: list[JobState], retried: bool = False) -> None:
-        from trt_sora.serve.batch import _is_oom, is_transient
+        from trt_sora.serve.batch import is_oom, is_transient
 
         calls: list = []
         hook = _hooks(self.metrics.sampler_hook() if self.metrics else None,
@@ -664,7 +664,7 @@ class Engine:
                                        hook=hook)
             ended = time.time_ns()
         except Exception as exc:
-            if len(batch) > 1 and (not is_transient(exc) or _is_oom(exc)):
+            if len(batch) > 1 and (not is_transient(exc) or is_oom(exc)):
                 half = len(batch) // 2  # find the job at fault / fit in memory: smaller batches
                 self._run(batch[:half], retried)
                 self._run(batch[half:], retried)

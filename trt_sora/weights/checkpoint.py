@@ -28,12 +28,12 @@ PROVENANCE = "trt_sora_random_init.json"
 
 def shard_plan(specs, shard_bytes: int) -> list[list]:
     """Consecutive groups of ``(name, shape, dtype)`` of at most ``shard_bytes`` each (one tensor may exceed it)."""
-    from trt_sora.weights.safetensors_io import _nbytes
+    from trt_sora.weights.safetensors_io import nbytes
 
     shards: list[list] = [[]]
     size = 0
     for spec in specs:
-        n = _nbytes(spec[1], spec[2])
+        n = nbytes(spec[1], spec[2])
         if shards[-1] and size + n > shard_bytes:
             shards.append([])
             size = 0
@@ -61,7 +61,7 @@ def write_random_checkpoint(adapter, out_dir: str | Path, *, dtype: str = "bf16"
 
     from trt_sora.manifest import staged_dir
     from trt_sora.weights import RANDOM_INIT_VERSION
-    from trt_sora.weights.safetensors_io import _nbytes, write_safetensors
+    from trt_sora.weights.safetensors_io import nbytes, write_safetensors
     from trt_sora.weights.sources import read_as
 
     model_ref = adapter.spec.ref
@@ -72,7 +72,7 @@ def write_random_checkpoint(adapter, out_dir: str | Path, *, dtype: str = "bf16"
     empty = adapter.load_empty(dtype)
     source = adapter.weight_source()
     specs = [(n, tuple(p.shape), p.dtype) for n, p in empty.named_parameters()]
-    total = sum(_nbytes(s, d) for _, s, d in specs)
+    total = sum(nbytes(s, d) for _, s, d in specs)
     shards = shard_plan(specs, shard_bytes)
     done = 0
 

@@ -98,7 +98,7 @@ def write_safetensors(path: str | os.PathLike, specs: Sequence[tuple[str, Sequen
     header: dict = {"__metadata__": dict(metadata or {})} if metadata else {}
     offset = 0
     for name, shape, dtype in specs:
-        n = _nbytes(shape, dtype)
+        n = nbytes(shape, dtype)
         header[name] = {"dtype": _NAMES[dtype], "shape": [int(s) for s in shape], "data_offsets": [offset, offset + n]}
         offset += n
     raw = json.dumps(header, separators=(",", ":")).encode()
@@ -124,7 +124,8 @@ def write_safetensors(path: str | os.PathLike, specs: Sequence[tuple[str, Sequen
     return path.stat().st_size
 
 
-def _nbytes(shape: Iterable[int], dtype: torch.dtype) -> int:
+def nbytes(shape: Iterable[int], dtype: torch.dtype) -> int:
+    """Bytes of a tensor of ``shape`` and ``dtype``."""
     n = 1
     for s in shape:
         n *= int(s)
