@@ -91,6 +91,10 @@ MUTATIONS = (
     Mutation("family-excludes-ignored", "the family's default exclusions keep its layers unquantized", "site_policy.py",
              "        for pat, why in family_excludes.items():", "        for pat, why in {}.items():",
              ("tests/calibrate/test_fakequant_model.py::test_policy_default_exclusions",), fast=True),
+    Mutation("import-cycle", "no module imports one that imports it back, lazily or not", "calibrate/trajectories.py",
+             "    return gaussian_noise((shape.batch,",
+             "    from trt_sora.calibrate.run import ALL_METHODS  # noqa\n    return gaussian_noise((shape.batch,",
+             ("tests/test_import_direction.py::test_no_import_cycles",), fast=True),
     # -- need run folders (export + calibration + quantize [+ check]) ------------------------------------------
     Mutation("torch-fp8-gelu-scale", "GELU output quantized at the FFN-down input's scale", "models/wan_fp8.py",
              "        h = ops.gelu_quant(self.ff1(y), self.ff2.act_scale)",

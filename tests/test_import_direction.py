@@ -1,5 +1,7 @@
 """No stage imports a later one: every ``trt_sora`` import (module level or inside a function)
-points down this stack. Shared helpers live in the neutral base layer."""
+points down this stack. Shared helpers live in the neutral base layer. No module imports one that
+imports it back, directly or through others: a heavy optional dependency stays lazy through a
+function-level import of a module below, never of one above."""
 from __future__ import annotations
 
 import ast
@@ -83,3 +85,91 @@ def test_the_checker_sees_lazy_and_relative_imports(tmp_path):
     f.write_text("def g():\n    from trt_sora.calibrate.data import load_prompts\n"
                  "from ..parity import metrics\nimport trt_sora.export.exporter\nfrom . import wan\n")
     assert _imports(f, tmp_path / "trt_sora") == [(2, "calibrate"), (3, "parity"), (4, "export"), (5, "models")]
+
+
+def _module(rel: Path) -> str:
+    """Dotted module of a file under trt_sora/: ``calibrate/run.py`` -> ``calibrate.run``,
+    ``runtime/__init__.py`` -> ``runtime``, ``__init__.py`` -> ``""`` (the package)."""
+    parts = list(rel.with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _module_edges(path: Path, root: Path, modules: set[str]) -> set[str]:
+    """Every trt_sora module ``path`` imports (lazy ones included): ``from pkg import mod`` names the
+    submodule ``pkg.mod``, ``from pkg import name`` the package ``pkg``."""
+    rel = path.relative_to(root)
+    pkg = _module(rel).split(".") if rel.name == "__init__.py" else list(rel.parent.parts)
+    pkg = [p for p in pkg if p]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = pkg[: len(pkg) - node.level + 1] + (node.module.split(".") if node.module else [])
+            elif node.module and node.module.split(".")[0] == "trt_sora":
+                base = node.module.split(".")[1:]
+            else:
+                continue
+            for a in node.names:
+                sub = ".".join(base + [a.name])
+                out.add(sub if sub in modules else ".".join(base))
+        elif isinstance(node, ast.Import):
+            out |= {a.name.split(".", 1)[1] for a in node.names if a.name.startswith("trt_sora.")}
+    return out & modules - {_module(rel)}
+
+
+def _cycles(root: Path) -> list[list[str]]:
+    """The import cycles among the modules under ``root``: every strongly connected component of
+    more than one module (Tarjan), each sorted."""
+    files = {_module(p.relative_to(root)): p for p in root.rglob("*.py") if "__pycache__" not in p.parts}
+    graph = {m: sorted(_module_edges(p, root, set(files))) for m, p in files.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while not comp or comp[-1] != v:
+                comp.append(stack.pop())
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(out)
+
+
+def test_no_import_cycles():
+    cycles = _cycles(ROOT)
+    assert not cycles, ("modules that import each other (move what they share into a module both import, "
+                        f"below them): {cycles}")
+
+
+def test_the_cycle_checker_sees_lazy_and_relative_imports(tmp_path):
+    """A cycle closed by a function-level relative import, one through a package's ``__init__`` and
+    one over three modules are found; imports that only point down are not cycles."""
+    root = tmp_path / "trt_sora"
+    files = {
+        "calibrate/__init__.py": "from .data import load\n",
+        "calibrate/data.py": "def load():\n    from trt_sora.calibrate import run\n",
+        "calibrate/run.py": "def f():\n    from .evaluate import g\n",
+        "calibrate/evaluate.py": "from trt_sora.errors import E\ndef g():\n    from . import run\n",
+        "runtime/__init__.py": "from trt_sora.runtime.generate import generate\n",
+        "runtime/generate.py": "def generate():\n    from trt_sora.runtime import load\n",
+        "a.py": "import trt_sora.b\n", "b.py": "import trt_sora.c\n", "c.py": "from . import a\n",
+        "errors.py": "", "d.py": "from trt_sora import errors\nfrom trt_sora.calibrate import run\n",
+    }
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    assert _cycles(root) == [["a", "b", "c"], ["calibrate.evaluate", "calibrate.run"], ["runtime", "runtime.generate"]]
