@@ -20,7 +20,7 @@ LAYERS: list[set[str]] = [
     # the teacher-forced trajectory comparison, compute-capability values (sm), the step-caching policy,
     # OpenTelemetry spans (tracing), a run folder's layout (runfolder)
     {"__init__", "errors", "config", "manifest", "metrics", "sampling", "trajectory", "onnx_tools", "prompts",
-     "site_policy", "parallel", "kernels", "weights", "sm", "caching", "tracing", "runfolder"},
+     "site_policy", "parallel", "kernels", "weights", "sm", "caching", "tracing", "runfolder", "formats"},
     {"models"},
     {"export"},
     {"calibrate"},

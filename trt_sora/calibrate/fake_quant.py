@@ -29,34 +29,12 @@ from torch import Tensor
 
 from trt_sora.config.recipe import QuantFormat
 from trt_sora.errors import CalibrationError, ConfigError
+from trt_sora.formats import FP8_E4M3_MAX, INT8_MAX, qmax, quant_format
 
 __all__ = [
     "FP8_E4M3_MAX", "INT8_MAX", "QuantError", "QuantFormat", "fake_quant", "fake_quant_fp8_e4m3",
     "fake_quant_int8", "qmax", "quant_error", "scale_from_amax",
 ]
-
-FP8_E4M3_MAX = 448.0
-INT8_MAX = 127.0
-
-
-def qmax(fmt: QuantFormat | str) -> float:
-    """Largest representable magnitude the scale maps ``amax`` onto (448 for FP8 E4M3, 127 for INT8)."""
-    fmt = _format(fmt)
-    return FP8_E4M3_MAX if fmt is QuantFormat.FP8_E4M3 else INT8_MAX
-
-
-def _format(fmt: QuantFormat | str) -> QuantFormat:
-    try:
-        f = QuantFormat(fmt)
-    except ValueError:
-        from trt_sora.config.base import did_you_mean
-
-        choices = [QuantFormat.FP8_E4M3.value, QuantFormat.INT8.value]
-        raise ConfigError(f"unknown quantization format {fmt!r}{did_you_mean(fmt, choices)}; "
-                          f"use one of {choices}") from None
-    if f is QuantFormat.NONE:
-        raise ConfigError("quantization format 'none' has no fake-quant; use 'fp8_e4m3' or 'int8'")
-    return f
 
 
 def _broadcast_amax(x: Tensor, amax: Tensor | float, axis: int | None) -> Tensor:
@@ -122,7 +100,7 @@ def fake_quant_fp8_e4m3(x: Tensor, amax: Tensor | float, *, axis: int | None = N
 
 def fake_quant(x: Tensor, amax: Tensor | float, fmt: QuantFormat | str, *, axis: int | None = None) -> Tensor:
     """Dispatch to :func:`fake_quant_fp8_e4m3` or :func:`fake_quant_int8` by ``fmt``."""
-    f = _format(fmt)
+    f = quant_format(fmt)
     if f is QuantFormat.FP8_E4M3:
         return fake_quant_fp8_e4m3(x, amax, axis=axis)
     return fake_quant_int8(x, amax, axis=axis)

@@ -29,9 +29,10 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 import torch
 import torch.nn.functional as F
 
-from trt_sora.calibrate.fake_quant import _format, fake_quant
+from trt_sora.calibrate.fake_quant import fake_quant
 from trt_sora.config.recipe import QuantConfig, QuantFormat
 from trt_sora.errors import CalibrationError
+from trt_sora.formats import quant_format
 
 log = logging.getLogger("trt_sora")
 
@@ -96,7 +97,7 @@ def fake_quantized(model: torch.nn.Module, act_amax: Mapping[str, torch.Tensor |
         CalibrationError: a selected linear has no amax, or an amax is not finite.
         ConfigError: unknown ``fmt``.
     """
-    fmt = _format(fmt).value
+    fmt = quant_format(fmt).value
     if sites is None:
         selected: Callable[[str], bool] = lambda n: n in act_amax  # noqa: E731
     elif callable(sites):

@@ -41,8 +41,9 @@ from typing import Any
 
 import torch
 
-from trt_sora.calibrate.fake_quant import fake_quant, qmax
+from trt_sora.calibrate.fake_quant import fake_quant
 from trt_sora.errors import CalibrationError, ConfigError
+from trt_sora.formats import qmax
 from trt_sora.runfolder import CALIB_WEIGHTS
 
 __all__ = ["WEIGHTS_FILE", "HessianHooks", "HessianPlan", "gptq_round", "hessians_file",

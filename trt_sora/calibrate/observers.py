@@ -499,9 +499,9 @@ class MseObserver(HistogramObserver):
 
     def __init__(self, name: str = "<unnamed>", *, axis: int | None = None, fmt: str = "fp8_e4m3",
                  num_bins: int = 2048, num_candidates: int = 256) -> None:
-        from trt_sora.calibrate.fake_quant import _format
+        from trt_sora.formats import quant_format
 
-        self.fmt = _format(fmt).value
+        self.fmt = quant_format(fmt).value
         if isinstance(num_candidates, bool) or not isinstance(num_candidates, int) or num_candidates < 1:
             raise ConfigError(f"site {name!r}: num_candidates={num_candidates!r} must be an integer >= 1")
         self.num_candidates = num_candidates

@@ -35,6 +35,7 @@ from typing import Any
 
 from trt_sora.config.recipe import QuantConfig, QuantFormat
 from trt_sora.errors import ConfigError, QuantizeError
+from trt_sora.formats import QMAX
 
 __all__ = ["QUANT_ALGO", "SCALE_KEYS", "WEIGHT_PER_CHANNEL", "checkpoint_plan", "input_scale", "pack_weight",
            "quant_algo", "quantization_config", "summarize_excludes"]
@@ -48,7 +49,6 @@ QUANT_ALGO: dict[QuantFormat, str] = {
 WEIGHT_PER_CHANNEL: dict[QuantFormat, bool] = {QuantFormat.FP8_E4M3: False, QuantFormat.INT8: True}
 #: Tensor names a quantized linear adds beside its ``weight``.
 SCALE_KEYS = ("weight_scale", "input_scale")
-_QMAX = {QuantFormat.FP8_E4M3: 448.0, QuantFormat.INT8: 127.0}
 
 
 def _fmt(fmt: QuantFormat | str) -> QuantFormat:
@@ -152,10 +152,10 @@ def pack_weight(weight, amax, fmt: QuantFormat | str, dtype=None):
     if dtype is not None:
         w = w.to(dtype)
     if f is QuantFormat.FP8_E4M3:
-        scale = a.max().reshape(()) / _QMAX[f]
+        scale = a.max().reshape(()) / QMAX[f]
         scale = torch.where(scale > 0, scale, torch.ones_like(scale))
         return (w / scale).to(torch.float8_e4m3fn), scale
-    scale = a.reshape(-1) / _QMAX[f]
+    scale = a.reshape(-1) / QMAX[f]
     if scale.numel() == 1 and w.shape[0] != 1:
         scale = scale.expand(w.shape[0]).clone()
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
@@ -167,7 +167,7 @@ def input_scale(amax, fmt: QuantFormat | str):
     import torch
 
     f = _fmt(fmt)
-    return (torch.as_tensor(amax, dtype=torch.float32).detach().cpu().max() / _QMAX[f]).reshape(())
+    return (torch.as_tensor(amax, dtype=torch.float32).detach().cpu().max() / QMAX[f]).reshape(())
 
 
 #: Module types whose unquantized instances ModelOpt lists in ``ignore`` (linears and convolutions).

@@ -21,6 +21,7 @@ from typing import Any
 from trt_sora.checkpoint.modelopt_format import checkpoint_plan
 from trt_sora.config.recipe import QuantConfig, QuantFormat
 from trt_sora.errors import ArtifactError, require
+from trt_sora.formats import QMAX
 
 log = logging.getLogger("trt_sora")
 
@@ -28,7 +29,6 @@ __all__ = ["compare_checkpoints", "load_fake_quant", "read_checkpoint", "referen
 
 _MO = "pip install 'trt_sora[modelopt]'  (nvidia-modelopt)"
 _NUM_BITS = {QuantFormat.FP8_E4M3: (4, 3), QuantFormat.INT8: 8}
-_QMAX = {QuantFormat.FP8_E4M3: 448.0, QuantFormat.INT8: 127.0}
 
 
 def _mtq():
@@ -173,7 +173,7 @@ def load_fake_quant(folder, model):
     fmt = {"FP8": QuantFormat.FP8_E4M3, "W8A8_SQ_PER_CHANNEL": QuantFormat.INT8}.get(algo)
     if fmt is None:
         raise ArtifactError(f"{folder}: quant_algo {algo!r} is not one this loader reads (FP8, W8A8_SQ_PER_CHANNEL)")
-    qmax = _QMAX[fmt]
+    qmax = QMAX[fmt]
     quantized = sorted(k[:-len(".weight_scale")] for k in tensors if k.endswith(".weight_scale"))
     for m in quantized:
         if any(fnmatch.fnmatchcase(m, p) for p in qc.get("ignore", [])):

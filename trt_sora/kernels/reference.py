@@ -13,7 +13,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-FP8_MAX = 448.0
+from trt_sora.formats import FP8_E4M3_MAX as FP8_MAX
+from trt_sora.formats import INT8_MAX
+
 FP8 = torch.float8_e4m3fn
 
 __all__ = ["FP8", "FP8_MAX", "attention", "attention_fp8", "block_quant", "dequant_scale", "example_qkv", "gelu_quant",
@@ -82,8 +84,6 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     c, s = cos[None, :, None, 0::2], sin[None, :, None, 1::2]
     return torch.stack([x1 * c - x2 * s, x1 * s + x2 * c], -1).flatten(-2).to(x.dtype)
 
-
-INT8_MAX = 127.0
 
 
 def quantize_int8(x: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:

@@ -19,15 +19,9 @@ import numpy as np
 
 from trt_sora.config.recipe import DType, QuantFormat
 from trt_sora.errors import QuantizeError
+from trt_sora.formats import FP8_E4M3_MAX, qmax
 from trt_sora.quantize.dtype import np_dtype
 from trt_sora.quantize.sites import Attention, Linear
-
-FP8_MAX = 448.0
-INT8_MAX = 127.0
-
-
-def qmax(fmt: QuantFormat) -> float:
-    return FP8_MAX if fmt is QuantFormat.FP8_E4M3 else INT8_MAX
 
 
 def stored_scale(amax: np.ndarray, fmt: QuantFormat, dtype: DType, what: str) -> np.ndarray:
@@ -58,7 +52,7 @@ def quantize_weight(w: np.ndarray, scale: np.ndarray, axis: int, fmt: QuantForma
         return np.clip(np.rint(x, out=x), -128, 127, out=x).astype(np.int8)
     import ml_dtypes
 
-    return np.clip(x, -FP8_MAX, FP8_MAX, out=x).astype(ml_dtypes.float8_e4m3fn)
+    return np.clip(x, -FP8_E4M3_MAX, FP8_E4M3_MAX, out=x).astype(ml_dtypes.float8_e4m3fn)
 
 
 def zero_point(fmt: QuantFormat, n: int | None = None) -> np.ndarray:
