@@ -24,3 +24,19 @@ def test_sm_values_order_as_numbers():
 def test_parse_sm_refuses_other_values(bad):
     with pytest.raises(ConfigError, match="compute capability"):
         parse_sm(bad)
+
+
+def test_reports_read_back_in_either_form():
+    """The parity report writes "9.0" (sm_dotted), the build report 90: both read as one integer, and a
+    report without one reads as None (the runtime then refuses a GPU backend)."""
+    from trt_sora.sm import sm_dotted, sm_or_none
+
+    assert [sm_dotted(v) for v in (90, "sm_100", (12, 1), "8.9")] == ["9.0", "10.0", "12.1", "8.9"]
+    assert sm_int(sm_dotted(120)) == 120 and sm_or_none("9.0") == sm_or_none(90) == 90
+    assert sm_or_none(None) is None and sm_or_none("hopper") is None
+
+
+def test_a_device_that_is_not_cuda_has_no_sm():
+    from trt_sora.sm import device_sm
+
+    assert device_sm("cpu") is None

@@ -12,6 +12,7 @@ from types import ModuleType
 
 from trt_sora.config.recipe import Backend, QuantFormat
 from trt_sora.errors import BackendMissingError, ConfigError
+from trt_sora.sm import FP8_MIN_SM
 
 log = logging.getLogger("trt_sora")
 
@@ -34,7 +35,6 @@ INSTALL: dict[Backend, str] = {
 #: SM80 (A100), SM90 (H100/H200) and SM100 need full TensorRT.
 RTX_SUPPORTED_SM: tuple[int, ...] = (75, 86, 89, 120, 121)
 #: FP8 GEMMs need Ada (8.9) or newer.
-FP8_MIN_SM = 89
 
 
 def check_target(backend: Backend, sm: int, quant_format: QuantFormat | str | None = None) -> None:

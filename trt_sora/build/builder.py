@@ -40,6 +40,7 @@ from trt_sora.manifest import (
     write_manifest,
 )
 from trt_sora.runfolder import RunFolder, manifest_path
+from trt_sora.sm import sm_int
 
 log = logging.getLogger("trt_sora")
 
@@ -57,8 +58,7 @@ class BuildTarget:
 
     @property
     def sm(self) -> int:
-        major, minor = (int(x) for x in str(self.compute_capability).split("."))
-        return major * 10 + minor
+        return sm_int(self.compute_capability)
 
 
 @dataclasses.dataclass(frozen=True)

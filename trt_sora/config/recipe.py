@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from trt_sora.config.base import did_you_mean, from_dict, to_dict
 from trt_sora.config.shapes import DIM_NAMES, DimRange, ShapeProfile
 from trt_sora.errors import ConfigError
+from trt_sora.sm import sm_dotted, sm_int
 
 RECIPE_FORMAT_VERSION = 1
 
@@ -389,11 +390,12 @@ class Recipe:
                 f"(this trt_sora reads {RECIPE_FORMAT_VERSION})"
             )
         try:
-            major, minor = (int(x) for x in str(self.compute_capability).split("."))
-        except ValueError:
+            dotted = sm_dotted(self.compute_capability) == str(self.compute_capability)
+        except ConfigError:
+            dotted = False
+        if not dotted:
             raise ConfigError(
-                f"recipe {self.name!r}: compute_capability {self.compute_capability!r} must look like '8.9'"
-            ) from None
+                f"recipe {self.name!r}: compute_capability {self.compute_capability!r} must look like '8.9'")
         if not self.buckets:
             raise ConfigError(f"recipe {self.name!r}: needs at least one bucket")
         names = [b.name for b in self.buckets]
@@ -411,8 +413,7 @@ class Recipe:
     @property
     def sm(self) -> int:
         """Compute capability as an int, e.g. ``89``."""
-        major, minor = (int(x) for x in self.compute_capability.split("."))
-        return major * 10 + minor
+        return sm_int(self.compute_capability)
 
 
 def recipe_from_dict(data: dict) -> Recipe:

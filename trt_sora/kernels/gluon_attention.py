@@ -34,6 +34,8 @@ import math
 
 import torch
 
+from trt_sora.sm import HOPPER_SM, device_sm
+
 try:  # Gluon ships with Triton >= 3.4; without it the Triton kernel serves every GPU
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -256,7 +258,7 @@ def available(device=None) -> bool:
     device of compute capability 9.x (its TMA / wgmma / setmaxnreg code is Hopper's)."""
     if not HAVE_GLUON or not torch.cuda.is_available():
         return False
-    return torch.cuda.get_device_capability(device)[0] == 9
+    return device_sm(device) // 10 == HOPPER_SM // 10
 
 
 def attention_fp8_ws(q8, q_scale, k8, k_scale, vt8, v_scale, *, out_scale=None, config=None):

@@ -15,6 +15,7 @@ import triton.language as tl
 
 from trt_sora.kernels import gluon_attention
 from trt_sora.kernels.reference import FP8, FP8_MAX
+from trt_sora.sm import HOPPER_SM, device_sm
 
 SCALE_BLOCK = 128  # tokens per Q / K quantization block = the attention kernel's tile (one scale per tile)
 #: Warps of the fused-QKV epilogue's three launches (per-token RMS, per-head tile pass, K/V quantization).
@@ -543,7 +544,7 @@ def attention_fp8(q8, q_scale, k8, k_scale, vt8, v_scale, *, out_scale=None, tma
     o = torch.empty((b, s, h * d), device=q8.device, dtype=FP8 if out_scale is not None else torch.bfloat16)
     qk_scale = 1.0 / math.sqrt(d) * 1.4426950408889634
     if tma is None:
-        tma = ATTN_TMA and torch.cuda.get_device_capability(q8.device)[0] >= 9
+        tma = ATTN_TMA and device_sm(q8.device) >= HOPPER_SM
     k_arg, v_arg = kv_descriptors(k8, vt8) if tma else (k8, vt8)
     grid = lambda meta: (triton.cdiv(s, meta["BLOCK_M"]), b * h)  # noqa: E731
     _attn_fp8_kernel[grid](q8, q_scale, k_arg, k_scale, v_arg, v_scale, o, out_scale if out_scale is not None else o,

@@ -38,6 +38,7 @@ from trt_sora.metrics import compare, frame_metrics
 from trt_sora.parity.metrics import gate_check
 from trt_sora.runfolder import PARITY_REPORT, PARITY_REPORT_MD, RunFolder
 from trt_sora.runners.registry import OpenOptions, check_options, find_artifacts, get_backend
+from trt_sora.sm import device_sm, sm_dotted
 
 log = logging.getLogger("trt_sora")
 
@@ -757,10 +758,10 @@ def _executed_on(backend: str, cand) -> dict[str, Any]:
 
         from trt_sora.runners.trt_runner import import_tensorrt
 
-        major, minor = torch.cuda.get_device_capability(cand.device)
         trt = cand._trt if hasattr(cand, "_trt") else import_tensorrt()
         return {"device": f"cuda:{cand.device}", "gpu": torch.cuda.get_device_name(cand.device),
-                "sm": f"{major}.{minor}", "runtime": trt.__name__, "runtime_version": str(trt.__version__)}
+                "sm": sm_dotted(device_sm(cand.device)), "runtime": trt.__name__,
+                "runtime_version": str(trt.__version__)}
     providers = getattr(cand, "providers_in_use", None) or []
     return {"device": "cuda" if any("CUDA" in p for p in providers) else "cpu", "providers": list(providers)}
 

@@ -24,12 +24,11 @@ from typing import Any
 from trt_sora.config.recipe import TorchFp8Config
 from trt_sora.errors import ArtifactError, BackendMissingError
 from trt_sora.runners.base import Runner, is_torch, to_numpy
+from trt_sora.sm import FP8_MIN_SM, device_sm, sm_dotted
 
 log = logging.getLogger("trt_sora")
 
-__all__ = ["AttentionPolicy", "SitePlan", "TorchFp8Runner", "fp8_plan", "MIN_SM"]
-
-MIN_SM = 89  # FP8 E4M3 tensor cores: Ada (8.9) and Hopper (9.0) and newer
+__all__ = ["AttentionPolicy", "SitePlan", "TorchFp8Runner", "fp8_plan"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,9 +94,9 @@ def check_device(device: str) -> str:
     if not torch.cuda.is_available():
         raise BackendMissingError("backend torch-fp8 needs an NVIDIA GPU (SM >= 8.9) and a CUDA build of torch; "
                                   "none is visible - use backend='ort' here")
-    major, minor = torch.cuda.get_device_capability(torch.device(device))
-    if major * 10 + minor < MIN_SM:
-        raise BackendMissingError(f"backend torch-fp8 needs FP8 tensor cores (SM >= 8.9); this GPU is SM{major}{minor} "
+    sm = device_sm(device)
+    if sm < FP8_MIN_SM:
+        raise BackendMissingError(f"backend torch-fp8 needs FP8 tensor cores (SM >= 8.9); this GPU is SM{sm} "
                                   f"({torch.cuda.get_device_name(torch.device(device))}) - use backend='ort'")
     try:
         import triton  # noqa: F401
@@ -274,8 +273,7 @@ class TorchFp8Runner(Runner):
                                 "fp8_attention_layers": self.last_counts.get("fp8_attention", 0),
                                 "bf16_attention_layers": self.last_counts.get("bf16_attention", 0)}
         if dev.startswith("cuda") and torch.cuda.is_available():
-            major, minor = torch.cuda.get_device_capability(torch.device(dev))
-            info.update({"gpu": torch.cuda.get_device_name(torch.device(dev)), "sm": f"{major}.{minor}",
+            info.update({"gpu": torch.cuda.get_device_name(torch.device(dev)), "sm": sm_dotted(device_sm(dev)),
                          "torch": torch.__version__})
             if info["fp8_attention_layers"]:
                 from trt_sora.kernels.triton_ops import attention_kernel

@@ -25,7 +25,7 @@ from typing import Any
 from trt_sora.config.recipe import TorchFp8Config
 from trt_sora.errors import ArtifactError, BackendMissingError, ConfigError
 from trt_sora.runfolder import RunFolder
-from trt_sora.sm import sm_int
+from trt_sora.sm import device_sm, sm_dotted, sm_int
 
 #: the run-folder files a backend can load, by artifact key (the engine is the one its manifest lists)
 ARTIFACT_SUFFIXES = {"export": "export/model.onnx", "qdq": "quant/model.qdq.onnx", "qdq_map": "quant/qdq_map.json",
@@ -215,15 +215,14 @@ def gpu_check(run: Path) -> None:
 
     if not torch.cuda.is_available():
         raise BackendMissingError("backend 'trt' needs an NVIDIA GPU; none is visible - use backend='ort' or 'torch'")
-    major, minor = torch.cuda.get_device_capability()
-    here = major * 10 + minor
+    here = device_sm()
     sm = res.get("sm") or res.get("compute_capability") or man.get("config", {}).get("compute_capability")
     if sm is not None:
         want = sm_int(sm)
         if want != here:
             raise ArtifactError(f"the engine was built for SM{want} but this GPU is SM{here} "
                                 f"({torch.cuda.get_device_name()}); rebuild with a recipe for compute_capability "
-                                f"{major}.{minor}")
+                                f"{sm_dotted(here)}")
     built = res.get("backend_version") or res.get("tensorrt_version") or man.get("tools", {}).get(
         "tensorrt") or man.get("tools", {}).get("tensorrt-rtx-cu13")
     from trt_sora.runners.trt_runner import import_tensorrt

@@ -26,12 +26,12 @@ from trt_sora.runtime.serving import InputError, ServingRunner
 from trt_sora.runtime.verify import (
     auto_backend,
     buckets_of,
-    gpu_sm,
     mismatch,
     read_report,
     served_buckets,
     vouched_files,
 )
+from trt_sora.sm import device_sm
 
 log = logging.getLogger("trt_sora")
 
@@ -96,7 +96,7 @@ def load(artifact_dir, backend: str = "auto", *, force: bool = False, concurrenc
         backend = auto_backend(run, rep, device)
     res = exp["results"]
     model_hash = pair["model_hash"] if pair else (res.get("model") or {}).get("model_hash")
-    here = gpu_sm(device if backend != "trt" else (device or "cuda"))
+    here = device_sm(device if backend != "trt" else (device or "cuda"))
     files, verified = vouched_files(run, rep, backend, here, model_hash, force)
     buckets = served_buckets(run, rep)
     from trt_sora.models import adapter_for_manifest

@@ -10,10 +10,10 @@ import logging
 from pathlib import Path
 
 from trt_sora.config.shapes import ShapeProfile
-from trt_sora.errors import ArtifactError, ConfigError
+from trt_sora.errors import ArtifactError
 from trt_sora.runfolder import RunFolder
 from trt_sora.runners.registry import get_backend
-from trt_sora.sm import sm_int
+from trt_sora.sm import FP8_MIN_SM, device_sm, sm_or_none
 
 log = logging.getLogger("trt_sora")
 
@@ -29,26 +29,6 @@ def read_report(run: Path) -> dict | None:
     """``parity/report.json`` after re-hashing the parity folder against its manifest (a report edited
     by hand is not a report); None when no check ever finished."""
     return RunFolder(run).read_report()
-
-
-def gpu_sm(device: str | None = None) -> int | None:
-    """SM of the CUDA device as an int (90 for an H100/H200), or None without a CUDA GPU / torch."""
-    try:
-        import torch
-
-        if not torch.cuda.is_available() or (device is not None and not str(device).startswith("cuda")):
-            return None
-        major, minor = torch.cuda.get_device_capability(torch.device(device or "cuda"))
-        return major * 10 + minor
-    except ImportError:
-        return None
-
-
-def _sm_int(sm) -> int | None:
-    try:
-        return sm_int(sm) if sm is not None else None
-    except ConfigError:
-        return None
 
 
 def mismatch(rep: dict | None, backend: str, here_sm: int | None, model_hash: str | None = None) -> str | None:
@@ -76,7 +56,7 @@ def mismatch(rep: dict | None, backend: str, here_sm: int | None, model_hash: st
     if not cand.get("executed"):
         return f"records a {backend} candidate that never executed"
     if b.same_sm:
-        ran = _sm_int((cand.get("device") or {}).get("sm"))
+        ran = sm_or_none((cand.get("device") or {}).get("sm"))
         where = (cand.get("device") or {}).get("gpu") or (cand.get("device") or {}).get("device") or "?"
         least = f"SM >= {b.min_sm // 10}.{b.min_sm % 10}" if b.min_sm else ""
         if ran is None:
@@ -145,15 +125,15 @@ def auto_backend(run: Path, rep: dict | None, device: str | None) -> str:
         return "ort"
     b = rep["candidate"].get("backend", rep.get("backend", "ort"))
     if not get_backend(b).same_sm:
-        sm = gpu_sm(device)
-        if sm is not None and sm >= 89 and RunFolder(run).qdq_map.is_file():
+        sm = device_sm(device)
+        if sm is not None and sm >= FP8_MIN_SM and RunFolder(run).qdq_map.is_file():
             log.info("runtime: serving ONNX Runtime (the checked backend). For FP8 tensor cores on this GPU run "
                      "`trt-sora check --run %s --backend torch-fp8` here first", run)
         return b
-    ran = _sm_int((rep["candidate"].get("device") or {}).get("sm"))
-    if gpu_sm(device) is None or gpu_sm(device) != ran:
+    ran, here = sm_or_none((rep["candidate"].get("device") or {}).get("sm")), device_sm(device)
+    if here is None or here != ran:
         raise ArtifactError(f"{run} was checked on backend {b!r} (SM{ran}), which cannot serve on this machine "
-                            f"({'SM' + str(gpu_sm(device)) if gpu_sm(device) else 'no CUDA GPU'}); load it on that "
+                            f"({'SM' + str(here) if here else 'no CUDA GPU'}); load it on that "
                             f"GPU, or run `trt-sora check --run {run} --backend ort` here and load backend='ort'")
     return b
 
