@@ -324,8 +324,8 @@ def timed_calls(fn, iters: int, warmup: int = 2):
 def calibrate_plan(model, fwd, inputs, family_excludes):
     """Input amax of every linear the recipe's default policy quantizes, grouped like the Q/DQ graph."""
     from trt_sora.config.recipe import QuantConfig
-    from trt_sora.quantize.policy import site_policy
     from trt_sora.runners.fp8_runner import SitePlan
+    from trt_sora.site_policy import site_policy
 
     amax, hooks = {}, []
     for name, m in model.named_modules():
