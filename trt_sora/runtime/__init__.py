@@ -139,9 +139,10 @@ def as_diffusers_transformer(runner, *, dtype=None, device=None):
 
 
 def diffusers_pipeline(runner, **kwargs):
-    """A ready diffusers pipeline over ``runner`` (see :func:`trt_sora.runtime._pipeline.make_pipeline`)."""
-    from trt_sora.runtime._pipeline import make_pipeline  # not "diffusers_pipeline": importing that
-    # submodule would rebind this function's name on the package to the module (a second call then fails)
+    """A ready diffusers pipeline over ``runner`` (see
+    :func:`trt_sora.runtime._diffusers_pipeline.make_pipeline`)."""
+    from trt_sora.runtime._diffusers_pipeline import make_pipeline  # not "diffusers_pipeline": importing
+    # that submodule would rebind this function's name on the package to the module (a second call fails)
 
     return make_pipeline(runner, **kwargs)
 
