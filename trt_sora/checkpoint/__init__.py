@@ -5,7 +5,7 @@ transformer (FP8 weights with their scales, static input scales, the exclusions,
 ``quantization_config`` in ``config.json``). Light on purpose: importing
 ``trt_sora.checkpoint`` loads no torch. The public names resolve lazily:
 
-* :func:`export_checkpoint`, :class:`CheckpointResult` - :mod:`trt_sora.checkpoint.export`.
+* :func:`export_checkpoint`, :class:`CheckpointResult` - :mod:`trt_sora.checkpoint.writer`.
 * the format itself (which sites, their scales, packing, ``ignore`` summary; :func:`checkpoint_plan`) -
   :mod:`trt_sora.checkpoint.modelopt_format`.
 * ModelOpt as the reference (its own export with our amax; loading a checkpoint into its
@@ -16,8 +16,8 @@ from __future__ import annotations
 import importlib
 
 _LAZY = {
-    "export_checkpoint": "trt_sora.checkpoint.export",
-    "CheckpointResult": "trt_sora.checkpoint.export",
+    "export_checkpoint": "trt_sora.checkpoint.writer",
+    "CheckpointResult": "trt_sora.checkpoint.writer",
     "checkpoint_plan": "trt_sora.checkpoint.modelopt_format",
 }
 
