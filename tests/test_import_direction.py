@@ -18,8 +18,9 @@ LAYERS: list[set[str]] = [
     # neutral: errors, config, manifests, metrics, the sampler, ONNX helpers, prompt sets, the Q/DQ
     # site policy, kernels (pure ops), the multi-process communication (parallel), weights one tensor at a time,
     # the teacher-forced trajectory comparison, compute-capability values (sm), the step-caching policy,
-    # OpenTelemetry spans (tracing), a run folder's layout (runfolder)
-    {"__init__", "errors", "config", "manifest", "metrics", "sampling", "trajectory", "onnx_tools", "prompts",
+    # OpenTelemetry spans (tracing), a run folder's layout (runfolder),
+    # the quantized formats' qmax (formats)
+    {"__init__", "errors", "config", "manifest", "metrics", "sampling", "teacher_forcing", "onnx_tools", "prompts",
      "site_policy", "parallel", "kernels", "weights", "sm", "caching", "tracing", "runfolder", "formats"},
     {"models"},
     {"export"},

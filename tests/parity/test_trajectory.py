@@ -9,7 +9,7 @@ torch = pytest.importorskip("torch")
 from trt_sora.config import ParityGate  # noqa: E402
 from trt_sora.parity.trajectory import judge  # noqa: E402
 from trt_sora.sampling import SamplingSettings, gaussian_noise  # noqa: E402
-from trt_sora.trajectory import measured_contribution, reference_with_candidate  # noqa: E402
+from trt_sora.teacher_forcing import measured_contribution, reference_with_candidate  # noqa: E402
 
 ST = SamplingSettings(num_steps=6, guidance_scale=4.0, shift=2.0)
 

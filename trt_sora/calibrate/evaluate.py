@@ -335,7 +335,7 @@ def _per_step_view(adapter, model, feed, settings, amax, fmt, sites, stats, cach
     """One held-out trajectory with the fake-quantized model teacher-forced on the unquantized one's
     inputs: per step the worst call's cosine / PSNR and the update's contribution estimate (dB)."""
     from trt_sora.sampling import adapter_call
-    from trt_sora.trajectory import reference_with_candidate
+    from trt_sora.teacher_forcing import reference_with_candidate
 
     noise, cond, uncond, _ = feed
     state = {"quantized": False}

@@ -503,7 +503,7 @@ class _Loop:
     def run(cls, adapter, sides: dict, plan: CheckPlan, pc, seed: int, text_encoder) -> _Loop:
         from trt_sora.parity.loop import loop_inputs
         from trt_sora.sampling import runner_call
-        from trt_sora.trajectory import reference_with_candidate
+        from trt_sora.teacher_forcing import reference_with_candidate
 
         def calls(attr):  # the transformer call of each side: one call, or {expert: call}
             if None in sides:
@@ -565,7 +565,7 @@ def _compare(adapter, sides: dict, plan: CheckPlan, pc, loop: _Loop, seed: int,
 def _measured(loop: _Loop, pc) -> dict:
     """What a step alone does to the clip, measured, for every step whose calls miss the per-call gate."""
     from trt_sora.parity.trajectory import judge
-    from trt_sora.trajectory import measured_contribution
+    from trt_sora.teacher_forcing import measured_contribution
 
     measured = {}
     if pc.trajectory.min_contribution_db is not None:

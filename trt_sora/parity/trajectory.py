@@ -1,6 +1,6 @@
 """The trajectory level: the candidate judged on every transformer call of the deployed sampling loop.
 
-The measurements come from :mod:`trt_sora.trajectory` (teacher-forced per-call metrics along the
+The measurements come from :mod:`trt_sora.teacher_forcing` (teacher-forced per-call metrics along the
 reference trajectory at the model's sampling settings, each step's update contribution, and the
 measured contribution of a step). At the last steps the update is scaled by a sigma step of
 ~0.004-0.05, so a call far below the per-call gate may still leave the clip untouched.
@@ -15,7 +15,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from trt_sora.trajectory import TrajectoryRun
+from trt_sora.teacher_forcing import TrajectoryRun
 
 __all__ = ["judge", "plot", "step_table"]
 
