@@ -5,6 +5,8 @@ function-level import of a module below, never of one above."""
 from __future__ import annotations
 
 import ast
+import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -118,36 +120,24 @@ def _module_edges(path: Path, root: Path, modules: set[str]) -> set[str]:
     return out & modules - {_module(rel)}
 
 
+def _metrics():
+    """benchmarks/architecture_metrics.py, whose Tarjan components count the cycles it reports."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "architecture_metrics.py"
+    spec = importlib.util.spec_from_file_location("architecture_metrics", path)
+    mod = sys.modules.get(spec.name)
+    if mod is None:
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = mod  # dataclasses look the module up by name
+        spec.loader.exec_module(mod)
+    return mod
+
+
 def _cycles(root: Path) -> list[list[str]]:
     """The import cycles among the modules under ``root``: every strongly connected component of
-    more than one module (Tarjan), each sorted."""
+    more than one module, each sorted."""
     files = {_module(p.relative_to(root)): p for p in root.rglob("*.py") if "__pycache__" not in p.parts}
     graph = {m: sorted(_module_edges(p, root, set(files))) for m, p in files.items()}
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    out = []
-
-    def visit(v: str) -> None:
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        for w in graph[v]:
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in stack:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            comp = []
-            while not comp or comp[-1] != v:
-                comp.append(stack.pop())
-            if len(comp) > 1:
-                out.append(sorted(comp))
-
-    for v in sorted(graph):
-        if v not in index:
-            visit(v)
-    return sorted(out)
+    return _metrics().strongly_connected(graph)
 
 
 def test_no_import_cycles():
