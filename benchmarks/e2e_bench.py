@@ -136,9 +136,19 @@ def measure(args) -> dict:
         with torch.inference_mode():
             return fwd(*[inputs[n] for n in adapter.input_names])
 
-    m["eager_bf16_split_step_s"] = loop(eager, "split")
-    save()
-    if dev.startswith("cuda"):
+    def attempt(name: str, fn) -> None:  # one path's failure is recorded, and the next path still runs
+        if name not in args.paths:
+            return
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - a benchmark row, not a library call
+            m[f"{name}_error"] = f"{type(e).__name__}: {e}"[:2000]
+        save()
+
+    def run_eager() -> None:
+        m["eager_bf16_split_step_s"] = loop(eager, "split")
+
+    def run_ours() -> None:
         import sys
 
         from trt_sora.runners.fp8_runner import AttentionPolicy, TorchFp8Runner
@@ -148,21 +158,50 @@ def measure(args) -> dict:
 
         feeds = {"hidden_states": noise.bfloat16(), "timestep": torch.full((1,), 700.0, device=dev),
                  "encoder_hidden_states": emb[:1].bfloat16()}
-        plan = calibrate_plan(model, lambda *a: fwd(*a), [feeds[n] for n in adapter.input_names])
+        plan = calibrate_plan(model, lambda *a: fwd(*a), [feeds[n] for n in adapter.input_names],
+                              adapter.quant_excludes)
         runner = TorchFp8Runner(adapter, None, plan=plan, device=dev, model=model, mode="fused",
                                 attention=AttentionPolicy(enabled=True), cuda_graphs=True).activate()
-        m["ours_fp8_batched_graph_step_s"] = loop(runner_call(runner), "batched")
-        m["ours_report"] = {k: v for k, v in runner.report().items() if isinstance(v, (int, float, str, bool))}
-        save()
-        runner.deactivate()
-        del runner
+        try:
+            m["ours_fp8_batched_graph_step_s"] = loop(runner_call(runner), "batched")
+            m["ours_report"] = {k: v for k, v in runner.report().items() if isinstance(v, (int, float, str, bool))}
+        finally:
+            runner.deactivate()
+
+    def compiled_loop(key: str) -> None:
+        """WanPipeline's documented compile (regional: each transformer block), split CFG; then undone."""
+        t0 = time.perf_counter()
+        model.compile_repeated_blocks(fullgraph=True)
+        try:
+            m[key] = loop(eager, "split")
+            m[key.replace("_step_s", "_wall_with_compile_s")] = time.perf_counter() - t0
+        finally:
+            for sub in model.modules():
+                if getattr(sub, "_compiled_call_impl", None) is not None:
+                    sub._compiled_call_impl = None
+            torch._dynamo.reset()
+
+    def run_torchao() -> None:  # last: quantize_ swaps the weights in place
+        from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
+
+        t0 = time.perf_counter()
+        bf16_linear = lambda mod, fqn: isinstance(mod, torch.nn.Linear) and mod.weight.dtype == torch.bfloat16  # noqa: E731
+        quantize_(model, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()), filter_fn=bf16_linear)
+        m["torchao_quantize_s"] = time.perf_counter() - t0
+        compiled_loop("torchao_fp8_rowwise_compile_split_step_s")
+
+    attempt("eager", run_eager)
+    if dev.startswith("cuda"):
+        attempt("ours", run_ours)
+        attempt("compile", lambda: compiled_loop("compile_bf16_split_step_s"))
+        attempt("torchao", run_torchao)
     del model, fwd
     if dev.startswith("cuda"):
         torch.cuda.empty_cache()
 
     # VAE decode of one clip's latents, fp32 and bf16
     z = torch.randn(1, 16, lat["latent_frames"], lat["latent_height"], lat["latent_width"], device=dev)
-    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)) if "vae" in args.paths else ():
         vae = vae_for(args.model, dev, dtype)
         with torch.inference_mode():
             x, m[f"vae_decode_{name}_s"] = timed(lambda v=vae, d=dtype: v.decode(z.to(d), return_dict=False)[0], dev)
@@ -172,36 +211,47 @@ def measure(args) -> dict:
         del vae
         if dev.startswith("cuda"):
             torch.cuda.empty_cache()
-    pixels = ((x[0].float().clamp(-1, 1) + 1) * 127.5).round().byte().permute(1, 2, 3, 0).cpu().numpy()
+    if "mp4" in args.paths:  # MP4 encode (CPU: ffmpeg) of the decoded frames (noise frames without a decode)
+        from trt_sora.runtime.video import write_clip
 
-    # MP4 encode (CPU: ffmpeg)
-    from trt_sora.runtime.video import write_clip
-
-    out = Path(args.tmp) / "e2e_clip.mp4"
-    _, m["mp4_encode_s"] = timed(lambda: write_clip(pixels, out, 16.0), "cpu")
-    m["mp4_bytes"] = out.stat().st_size
+        pixels = ((x[0].float().clamp(-1, 1) + 1) * 127.5).round().byte().permute(1, 2, 3, 0).cpu().numpy() \
+            if "vae" in args.paths else torch.randint(0, 256, (frames, height, width, 3), dtype=torch.uint8).numpy()
+        out = Path(args.tmp) / "e2e_clip.mp4"
+        _, m["mp4_encode_s"] = timed(lambda: write_clip(pixels, out, 16.0), "cpu")
+        m["mp4_bytes"] = out.stat().st_size
     return res
 
 
 def compose(res: dict, clip_steps: int, cache_saved: float | None) -> dict:
-    """Seconds per clip from the measured units (stated, so a reader can redo the sum)."""
+    """Seconds per clip from the measured units (stated, so a reader can redo the sum). A row whose step
+    was not measured is left out; a stage not measured in this run is left out of every row (named)."""
     m = res["measured"]
-    rows = {"eager_bf16 (WanPipeline: split CFG, fp32 VAE)": (m["eager_bf16_split_step_s"], m["vae_decode_fp32_s"])}
-    if "ours_fp8_batched_graph_step_s" in m:
-        rows["ours torch-fp8 (batched CFG, CUDA graph, bf16 VAE)"] = (m["ours_fp8_batched_graph_step_s"],
-                                                                      m["vae_decode_bf16_s"])
-        if cache_saved:
-            rows[f"ours torch-fp8 + step cache ({cache_saved:.0%} of calls saved)"] = (
-                m["ours_fp8_batched_graph_step_s"] * (1 - cache_saved), m["vae_decode_bf16_s"])
+    fp32_vae, bf16_vae = m.get("vae_decode_fp32_s"), m.get("vae_decode_bf16_s")
+    rows = {"eager_bf16 (WanPipeline: split CFG, fp32 VAE)": ("eager_bf16_split_step_s", fp32_vae, 0.0),
+            "compile_bf16 (WanPipeline + regional torch.compile, fp32 VAE)": ("compile_bf16_split_step_s",
+                                                                               fp32_vae, 0.0),
+            "torchao FP8 rowwise + compile (diffusers' FP8 recipe, fp32 VAE)": (
+                "torchao_fp8_rowwise_compile_split_step_s", fp32_vae, 0.0),
+            "ours torch-fp8 (batched CFG, CUDA graph, bf16 VAE)": ("ours_fp8_batched_graph_step_s", bf16_vae, 0.0)}
+    if cache_saved:
+        rows[f"ours torch-fp8 + step cache ({cache_saved:.0%} of calls saved)"] = (
+            "ours_fp8_batched_graph_step_s", bf16_vae, cache_saved)
+    missing = [k for k in ("text_encode_s", "mp4_encode_s") if k not in m] + \
+        [k for k in ("vae_decode_fp32_s", "vae_decode_bf16_s") if k not in m]
     table = {}
-    for name, (step, decode) in rows.items():
-        total = m["text_encode_s"] + clip_steps * step + decode + m["mp4_encode_s"]
-        table[name] = {"text_encode_s": m["text_encode_s"], "steps": clip_steps, "step_s": step,
-                       "denoise_s": clip_steps * step, "decode_s": decode, "mp4_s": m["mp4_encode_s"], "clip_s": total}
-    base = next(iter(table.values()))["clip_s"]
+    for name, (key, decode, saved) in rows.items():
+        if key not in m:
+            continue
+        step = m[key] * (1 - saved)
+        total = m.get("text_encode_s", 0.0) + clip_steps * step + (decode or 0.0) + m.get("mp4_encode_s", 0.0)
+        table[name] = {"text_encode_s": m.get("text_encode_s"), "steps": clip_steps, "step_s": step,
+                       "denoise_s": clip_steps * step, "decode_s": decode, "mp4_s": m.get("mp4_encode_s"),
+                       "clip_s": total}
+    base = table.get("eager_bf16 (WanPipeline: split CFG, fp32 VAE)", {}).get("clip_s")
     for row in table.values():
-        row["speedup_vs_eager"] = base / row["clip_s"]
-    return {"clip_steps": clip_steps, "composition": "text_encode + steps * step + decode + mp4", "rows": table}
+        row["speedup_vs_eager"] = base / row["clip_s"] if base else None
+    return {"clip_steps": clip_steps, "composition": "text_encode + steps * step + decode + mp4",
+            "stages_not_measured": missing, "rows": table}
 
 
 def main() -> None:
@@ -210,6 +260,9 @@ def main() -> None:
     ap.add_argument("--size", default="480p", choices=list(SIZES))
     ap.add_argument("--steps", type=int, default=4, help="timed denoising steps per path (after 2 warm-up steps)")
     ap.add_argument("--clip-steps", type=int, default=50)
+    ap.add_argument("--paths", default="eager,ours,compile,torchao,vae,mp4",
+                    help="what to measure (comma list): eager, ours, compile, torchao (diffusers' documented FP8: "
+                    "torchao rowwise + regional compile), vae, mp4")
     ap.add_argument("--cache-saved", type=float, default=None, help="fraction of transformer calls the checked "
                     "step cache saved (a row of its own)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -218,6 +271,7 @@ def main() -> None:
     ap.add_argument("--compose-from", default=None, help="recompose a measured JSON (e.g. with --cache-saved) "
                     "instead of measuring")
     args = ap.parse_args()
+    args.paths = set(args.paths.split(","))
     res = json.loads(Path(args.compose_from).read_text()) if args.compose_from else measure(args)
     res["per_clip"] = compose(res, args.clip_steps, args.cache_saved)
     text = json.dumps(res, indent=2, default=str)

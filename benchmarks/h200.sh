@@ -50,8 +50,8 @@ part() {  # name, limit_s, command...
 
 for p in "$@"; do
   case $p in
-    e2e) part e2e 540 python3 benchmarks/e2e_bench.py ${E2E_ARGS:-} --out "$OUT/e2e.json" ;;
-    tests) part tests 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels tests/runtime/test_torch_fp8.py tests/models/test_wan.py tests/calibrate/test_shards.py tests/calibrate/test_histogram.py ;;
+    e2e) part e2e ${E2E_LIMIT:-540} python3 benchmarks/e2e_bench.py ${E2E_ARGS:-} --out "$OUT/e2e.json" ;;
+    tests) part tests 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels tests/runtime/test_torch_fp8.py tests/runtime/test_generate.py tests/runtime/test_runtime.py tests/runtime/test_trt_gpu.py tests/models/test_wan.py tests/calibrate/test_shards.py tests/calibrate/test_histogram.py ;;
     calib13) part calib13 300 bash -c "python3 benchmarks/calib_overhead.py --model wan2.1-t2v-1.3b --cfg split --variants ${CALIB_VARIANTS:-r2,shipped} --out $OUT/calib13_split.json && python3 benchmarks/calib_overhead.py --model wan2.1-t2v-1.3b --cfg batched --variants ${CALIB_VARIANTS:-r2,shipped} --out $OUT/calib13_batched.json" ;;
     calib14) part calib14 360 python3 benchmarks/calib_overhead.py --model wan2.1-t2v-14b --cfg batched --reps 3 --variants ${CALIB14_VARIANTS:-shipped} --out "$OUT/calib14_batched.json" ;;
     attn_model) part attn_model 400 python3 benchmarks/fp8_bench.py --parts attention_in_model \
