@@ -190,7 +190,7 @@ MUTATIONS = (
              "            if hmac.compare_digest(d, digest) and found is None:", "            if found is None:",
              ("tests/serve/test_auth.py::test_keys_are_identified_by_id_never_by_a_prefix",), fast=True),
     Mutation("auth-own-jobs", "a key sees only its own jobs", "serve/server.py",
-             "        if job is None or (keys is not None and job.key_id != caller(request)):",
+             "        if job is None or (self.keys is not None and job.key_id != _caller(request)):",
              "        if job is None:",
              ("tests/serve/test_auth.py::test_a_key_sees_its_own_jobs_within_its_quota",)),
     Mutation("serve-retry-after-rate", "Retry-After is one job's share of the measured drain time",

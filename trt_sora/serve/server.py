@@ -79,30 +79,56 @@ def make_app(engine, metrics, *, max_body_bytes: int = MAX_BODY_BYTES, keys=None
     (and ``/metrics`` when ``metrics_open``) then needs ``Authorization: Bearer KEY`` (401 without),
     and a key sees only its own jobs."""
     fastapi = require("fastapi", extra="serve")
-    from fastapi import Request
-    from fastapi.responses import FileResponse, JSONResponse, Response
 
     app = fastapi.FastAPI(title="trt_sora", version="1", docs_url="/docs")
-    open_paths = {"/healthz", "/readyz"} | ({"/metrics"} if metrics_open else set())
-
-    def error(status: int, message: str, headers: dict | None = None):
-        return JSONResponse({"error": message}, status_code=status, headers=headers)
-
-    _json_errors(app, error)
-
+    _json_errors(app, _error)
     if keys is not None:
-        @app.middleware("http")
-        async def authenticate(request: Request, call_next):
-            if request.url.path in open_paths:
-                return await call_next(request)
-            key_id = keys.identify(request.headers.get("authorization"))
-            if key_id is None:
-                metrics.rejected.labels(reason="unauthorized").inc()
-                had = "an unknown key" if request.headers.get("authorization") else "no key"
-                return error(401, f"{had}: send `Authorization: Bearer KEY` with a key of this server's "
-                                  "--api-keys-file", {"WWW-Authenticate": "Bearer"})
-            request.state.key_id = key_id
+        open_paths = {"/healthz", "/readyz"} | ({"/metrics"} if metrics_open else set())
+        _add_auth(app, keys, metrics, open_paths)
+    _add_metering(app, metrics)
+    if tracing.enabled():
+        _add_tracing(app)
+    jobs = _Jobs(engine, metrics, keys, max_body_bytes, body_timeout_s)
+    _add_job_routes(app, jobs)
+    _add_result_routes(app, jobs)
+    _add_health_routes(app, engine, metrics)
+    return app
+
+
+def _error(status: int, message: str, headers: dict | None = None):
+    """The server's one error form: JSON ``{"error": message}``."""
+    from fastapi.responses import JSONResponse
+
+    return JSONResponse({"error": message}, status_code=status, headers=headers)
+
+
+def _caller(request) -> str | None:
+    """The key id the auth middleware found for ``request`` (None without keys)."""
+    return getattr(request.state, "key_id", None)
+
+
+def _add_auth(app, keys, metrics, open_paths: set[str]) -> None:
+    """401 for a request to a path outside ``open_paths`` without a known key; else the key's id on
+    ``request.state.key_id``."""
+    from fastapi import Request
+
+    @app.middleware("http")
+    async def authenticate(request: Request, call_next):
+        if request.url.path in open_paths:
             return await call_next(request)
+        key_id = keys.identify(request.headers.get("authorization"))
+        if key_id is None:
+            metrics.rejected.labels(reason="unauthorized").inc()
+            had = "an unknown key" if request.headers.get("authorization") else "no key"
+            return _error(401, f"{had}: send `Authorization: Bearer KEY` with a key of this server's "
+                               "--api-keys-file", {"WWW-Authenticate": "Bearer"})
+        request.state.key_id = key_id
+        return await call_next(request)
+
+
+def _add_metering(app, metrics) -> None:
+    """Every answer counted by route, method and code, and timed by route."""
+    from fastapi import Request
 
     @app.middleware("http")
     async def measure(request: Request, call_next):
@@ -113,35 +139,48 @@ def make_app(engine, metrics, *, max_body_bytes: int = MAX_BODY_BYTES, keys=None
         metrics.http_seconds.labels(route=path).observe(time.perf_counter() - t0)
         return response
 
-    if tracing.enabled():
-        @app.middleware("http")
-        async def trace(request: Request, call_next):
-            """A span per request (the parent of a submitted job's span); its id in ``X-Trace-Id``."""
-            with tracing.span(f"{request.method} {request.url.path}", **{"http.method": request.method}) as s:
-                request.state.span = s
-                response = await call_next(request)
-                s.update_name(f"{request.method} {_route_of(app, request.scope)}")
-                s.set_attribute("http.status_code", response.status_code)
-                response.headers["X-Trace-Id"] = tracing.trace_id(s)
-                return response
 
-    def caller(request: Request) -> str | None:
-        return getattr(request.state, "key_id", None)
+def _add_tracing(app) -> None:
+    from fastapi import Request
 
-    def lookup(request: Request, job_id: str):
+    @app.middleware("http")
+    async def trace(request: Request, call_next):
+        """A span per request (the parent of a submitted job's span); its id in ``X-Trace-Id``."""
+        with tracing.span(f"{request.method} {request.url.path}", **{"http.method": request.method}) as s:
+            request.state.span = s
+            response = await call_next(request)
+            s.update_name(f"{request.method} {_route_of(app, request.scope)}")
+            s.set_attribute("http.status_code", response.status_code)
+            response.headers["X-Trace-Id"] = tracing.trace_id(s)
+            return response
+
+
+@dataclasses.dataclass(frozen=True)
+class _Jobs:
+    """What the job and result routes share: reading a request into a ``ClipRequest``, submitting it,
+    finding a key's job, and answering with its clip."""
+
+    engine: object
+    metrics: object
+    keys: object
+    max_body_bytes: int
+    body_timeout_s: float
+
+    def lookup(self, request, job_id: str):
         """The job, or None when it is unknown or another key's (a key sees only its own jobs)."""
-        job = engine.get(job_id)
-        if job is None or (keys is not None and job.key_id != caller(request)):
+        job = self.engine.get(job_id)
+        if job is None or (self.keys is not None and job.key_id != _caller(request)):
             return None
         return job
 
-    async def read_body(request: Request) -> bytes:
+    async def read_body(self, request) -> bytes:
         """The body, refused (BodyTooLarge) as soon as it is known to pass ``max_body_bytes``: by its
         Content-Length, else while it streams in; BodyTimeout when it takes past ``body_timeout_s``,
         ClientGone when the client hangs up first."""
         import anyio
         from starlette.requests import ClientDisconnect
 
+        max_body_bytes, body_timeout_s = self.max_body_bytes, self.body_timeout_s
         fix = (f"the limit is {max_body_bytes} bytes (`trt-sora serve --max-body-bytes`); a request is a "
                "small JSON object")
         declared = request.headers.get("content-length")
@@ -162,10 +201,10 @@ def make_app(engine, metrics, *, max_body_bytes: int = MAX_BODY_BYTES, keys=None
             raise ClientGone(f"the client closed the connection after {size} bytes of the body") from None
         return b"".join(chunks)
 
-    async def parse(request: Request):
+    async def parse(self, request):
         from trt_sora.runtime.generate import ClipRequest
 
-        raw = await read_body(request)
+        raw = await self.read_body(request)
         try:
             body = json.loads(raw.decode("utf-8") or "null")
         except UnicodeDecodeError as exc:
@@ -183,39 +222,75 @@ def make_app(engine, metrics, *, max_body_bytes: int = MAX_BODY_BYTES, keys=None
                               '("data:image/png;base64,..."), not a path')
         return ClipRequest.from_dict(body, where="request body")
 
-    def submit_or_error(request: Request, req, key_id):
+    def refused(self, exc: ConfigError):
+        reason, status = {BodyTooLarge: ("body_too_large", 413), BodyTimeout: ("body_timeout", 408),
+                          ClientGone: ("client_gone", 499)}.get(type(exc), ("bad_request", 400))
+        self.metrics.rejected.labels(reason=reason).inc()
+        return _error(status, str(exc))
+
+    def submit_or_error(self, request, req):
         from trt_sora.serve.scheduler import Draining, NotReady, QueueFull, QuotaExceeded
 
+        engine, rejected, key_id = self.engine, self.metrics.rejected, _caller(request)
         try:
             job = engine.submit(req, key_id=key_id, trace_parent=getattr(request.state, "span", None))
             log.info("serve: job %s accepted%s", job.id, f" for key {key_id}" if key_id else "")
             return job, None
         except QueueFull as exc:
-            metrics.rejected.labels(reason="queue_full").inc()
-            return None, error(429, str(exc), {"Retry-After": str(engine.retry_after())})
+            rejected.labels(reason="queue_full").inc()
+            return None, _error(429, str(exc), {"Retry-After": str(engine.retry_after())})
         except QuotaExceeded as exc:
-            metrics.rejected.labels(reason="quota").inc()
-            return None, error(429, str(exc), {"Retry-After": str(engine.retry_after())})
+            rejected.labels(reason="quota").inc()
+            return None, _error(429, str(exc), {"Retry-After": str(engine.retry_after())})
         except (Draining, NotReady) as exc:
-            metrics.rejected.labels(reason="draining" if isinstance(exc, Draining) else "not_ready").inc()
-            return None, error(503, str(exc), {"Retry-After": "5"})
+            rejected.labels(reason="draining" if isinstance(exc, Draining) else "not_ready").inc()
+            return None, _error(503, str(exc), {"Retry-After": "5"})
         except (ConfigError, ShapeError) as exc:
-            metrics.rejected.labels(reason="bad_request").inc()
-            return None, error(400, str(exc))
+            rejected.labels(reason="bad_request").inc()
+            return None, _error(400, str(exc))
 
-    def refused(exc: ConfigError):
-        reason, status = {BodyTooLarge: ("body_too_large", 413), BodyTimeout: ("body_timeout", 408),
-                          ClientGone: ("client_gone", 499)}.get(type(exc), ("bad_request", 400))
-        metrics.rejected.labels(reason=reason).inc()
-        return error(status, str(exc))
+    def result_response(self, job, fmt: str, scale: int):
+        from fastapi.responses import FileResponse
+
+        bad = _bad_output(fmt, scale)
+        if bad is not None:
+            return bad
+        if job.status == "failed":
+            return _error(500, f"job {job.id} failed: {job.error}")
+        if job.status != "done":
+            return _error(409, f"job {job.id} is {job.status}; poll /v1/jobs/{job.id} until it is done")
+        t0 = time.perf_counter()
+        try:
+            with tracing.span("encode_video", format=fmt, scale=scale, job_id=job.id):
+                path = _encoded(job, fmt, scale, self.engine)
+        except StorageError as exc:  # results in a bucket that cannot give this one back
+            return _error(502, f"job {job.id}: {exc}")
+        self.metrics.stage_seconds.labels(stage="encode_video").observe(time.perf_counter() - t0)
+        return FileResponse(path, media_type=MEDIA[fmt], filename=f"{job.id}.{fmt}",
+                            headers={"X-Trt-Sora-Seed": str(job.request.seed)})
+
+
+def _bad_output(fmt: str, scale: int):
+    """A 400 for a clip format or scale the result routes do not give, else None."""
+    if fmt not in MEDIA:
+        return _error(400, f"format={fmt!r}; use one of {', '.join(MEDIA)}")
+    if scale < 1 or scale > 16:
+        return _error(400, f"scale={scale} must be in 1..16")
+    return None
+
+
+def _add_job_routes(app, jobs: _Jobs) -> None:
+    """``POST /v1/jobs`` (202 once accepted) and ``GET /v1/jobs/{id}`` (its status, long-polled)."""
+    from fastapi import Request
+    from fastapi.responses import JSONResponse
 
     @app.post("/v1/jobs", status_code=202)
     async def submit(request: Request):
         try:
-            req = await parse(request)
+            req = await jobs.parse(request)
         except ConfigError as exc:
-            return refused(exc)
-        job, err = submit_or_error(request, req, caller(request))
+            return jobs.refused(exc)
+        job, err = jobs.submit_or_error(request, req)
         if err is not None:
             return err
         return JSONResponse({**job.view(), "links": {"status": f"/v1/jobs/{job.id}",
@@ -226,64 +301,49 @@ def make_app(engine, metrics, *, max_body_bytes: int = MAX_BODY_BYTES, keys=None
         import anyio
 
         if not 0 <= wait <= MAX_POLL_WAIT_S:
-            return error(400, f"wait={wait} must be seconds in [0, {MAX_POLL_WAIT_S:g}]")
-        job = lookup(request, job_id)
+            return _error(400, f"wait={wait} must be seconds in [0, {MAX_POLL_WAIT_S:g}]")
+        job = jobs.lookup(request, job_id)
         if job is None:
-            return error(404, f"no job {job_id!r} (unknown, or dropped after keep_results newer jobs)")
+            return _error(404, f"no job {job_id!r} (unknown, or dropped after keep_results newer jobs)")
         if wait > 0:
             await anyio.to_thread.run_sync(job.done_event.wait, wait)
         return job.view()
 
-    def bad_output(fmt: str, scale: int):
-        if fmt not in MEDIA:
-            return error(400, f"format={fmt!r}; use one of {', '.join(MEDIA)}")
-        if scale < 1 or scale > 16:
-            return error(400, f"scale={scale} must be in 1..16")
-        return None
 
-    def result_response(job, fmt: str, scale: int):
-        bad = bad_output(fmt, scale)
-        if bad is not None:
-            return bad
-        if job.status == "failed":
-            return error(500, f"job {job.id} failed: {job.error}")
-        if job.status != "done":
-            return error(409, f"job {job.id} is {job.status}; poll /v1/jobs/{job.id} until it is done")
-        t0 = time.perf_counter()
-        try:
-            with tracing.span("encode_video", format=fmt, scale=scale, job_id=job.id):
-                path = _encoded(job, fmt, scale, engine)
-        except StorageError as exc:  # results in a bucket that cannot give this one back
-            return error(502, f"job {job.id}: {exc}")
-        metrics.stage_seconds.labels(stage="encode_video").observe(time.perf_counter() - t0)
-        return FileResponse(path, media_type=MEDIA[fmt], filename=f"{job.id}.{fmt}",
-                            headers={"X-Trt-Sora-Seed": str(job.request.seed)})
+def _add_result_routes(app, jobs: _Jobs) -> None:
+    """``GET /v1/jobs/{id}/result`` (the clip of a done job) and ``POST /v1/generate`` (submit and wait)."""
+    from fastapi import Request
 
     @app.get("/v1/jobs/{job_id}/result")
     def result(request: Request, job_id: str, format: str = "mp4", scale: int = 1):
-        job = lookup(request, job_id)
+        job = jobs.lookup(request, job_id)
         if job is None:
-            return error(404, f"no job {job_id!r}")
-        return result_response(job, format, scale)
+            return _error(404, f"no job {job_id!r}")
+        return jobs.result_response(job, format, scale)
 
     @app.post("/v1/generate")
     async def generate(request: Request, format: str = "mp4", scale: int = 1, timeout: float = 600.0):
         import anyio
 
         try:
-            req = await parse(request)
+            req = await jobs.parse(request)
         except ConfigError as exc:
-            return refused(exc)
+            return jobs.refused(exc)
         if not 0 < timeout < float("inf"):
-            return error(400, f"timeout={timeout} must be a number of seconds > 0")
-        bad = bad_output(format, scale)  # before any work, not after the clip is made
+            return _error(400, f"timeout={timeout} must be a number of seconds > 0")
+        bad = _bad_output(format, scale)  # before any work, not after the clip is made
         if bad is not None:
             return bad
-        job, err = submit_or_error(request, req, caller(request))
+        job, err = jobs.submit_or_error(request, req)
         if err is not None:
             return err
         await anyio.to_thread.run_sync(job.done_event.wait, timeout)
-        return result_response(job, format, scale)
+        return jobs.result_response(job, format, scale)
+
+
+def _add_health_routes(app, engine, metrics) -> None:
+    """``/v1/info``, ``/healthz`` (the process runs), ``/readyz`` (warm, not draining), ``/metrics``."""
+    from fastapi.responses import Response
 
     @app.get("/v1/info")
     def info():
@@ -299,14 +359,12 @@ def make_app(engine, metrics, *, max_body_bytes: int = MAX_BODY_BYTES, keys=None
             return {"status": "ready", "backend": engine.generator.runner.backend,
                     "batch_cap": engine.memory.get("cap")}
         why = ("failed: " + engine.failed) if engine.failed else "draining" if engine.draining else "warming up"
-        return error(503, why)
+        return _error(503, why)
 
     @app.get("/metrics")
     def prometheus():
         body, ctype = metrics.exposition()
         return Response(body, media_type=ctype)
-
-    return app
 
 
 def _route_of(app, scope) -> str:
