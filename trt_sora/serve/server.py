@@ -110,10 +110,8 @@ def _caller(request) -> str | None:
 def _add_auth(app, keys, metrics, open_paths: set[str]) -> None:
     """401 for a request to a path outside ``open_paths`` without a known key; else the key's id on
     ``request.state.key_id``."""
-    from fastapi import Request
-
     @app.middleware("http")
-    async def authenticate(request: Request, call_next):
+    async def authenticate(request, call_next):
         if request.url.path in open_paths:
             return await call_next(request)
         key_id = keys.identify(request.headers.get("authorization"))
@@ -128,10 +126,8 @@ def _add_auth(app, keys, metrics, open_paths: set[str]) -> None:
 
 def _add_metering(app, metrics) -> None:
     """Every answer counted by route, method and code, and timed by route."""
-    from fastapi import Request
-
     @app.middleware("http")
-    async def measure(request: Request, call_next):
+    async def measure(request, call_next):
         t0 = time.perf_counter()
         response = await call_next(request)
         path = _route_of(app, request.scope)
@@ -141,11 +137,9 @@ def _add_metering(app, metrics) -> None:
 
 
 def _add_tracing(app) -> None:
-    from fastapi import Request
-
+    """A span per request (the parent of a submitted job's span); its id in ``X-Trace-Id``."""
     @app.middleware("http")
-    async def trace(request: Request, call_next):
-        """A span per request (the parent of a submitted job's span); its id in ``X-Trace-Id``."""
+    async def trace(request, call_next):
         with tracing.span(f"{request.method} {request.url.path}", **{"http.method": request.method}) as s:
             request.state.span = s
             response = await call_next(request)
