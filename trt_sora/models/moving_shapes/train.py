@@ -23,6 +23,8 @@ it, encoded here with :mod:`.text`.
 from __future__ import annotations
 
 import argparse
+import copy
+import dataclasses
 import json
 import logging
 import math
@@ -30,8 +32,13 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch
+
+from trt_sora.models import frame_embed
 
 from . import data
+from .probe import probe_clip
+from .sample import SampleConfig, sample
 
 log = logging.getLogger("trt_sora")
 
@@ -71,7 +78,6 @@ def needed_captions() -> list[str]:
 
 def make_embeddings(path: Path, text_len: int) -> None:
     """Encode :func:`needed_captions` with MiniLM into a fp16 safetensors file."""
-    import torch
     from safetensors.torch import save_file
 
     from . import text
@@ -84,8 +90,6 @@ def make_embeddings(path: Path, text_len: int) -> None:
 
 def load_embeddings(path: Path | None, text_len: int):
     """(captions -> row index, float16 tensor [N, text_len, 384])."""
-    import torch
-
     if path is None:
         from . import text
 
@@ -116,8 +120,6 @@ def sample_sigmas(n: int, generator, device, hi_fraction: float = 0.0):
     follow it, so a model trained on logit-normal alone learns the axis of
     motion from the verb and never the sign.
     """
-    import torch
-
     s = torch.sigmoid(torch.randn(n, generator=generator))
     u = torch.rand(n, generator=generator)
     s = torch.where(torch.rand(n, generator=generator) < 0.1, u, s)
@@ -148,11 +150,6 @@ def evaluate(model, cap_index, emb, device, dtype, settings, n_seeds: int = 1, t
     direction -> probed direction) and how often the *axis* of the motion is
     right: a model that knows the axis but not the sign sits at ~50 % motion.
     """
-    import torch
-
-    from .probe import probe_clip
-    from .sample import SampleConfig, sample
-
     specs = data.all_caption_specs(split)
     if split != "heldout":  # an even spread over the (larger) training set
         specs = specs[:: max(1, len(specs) // (limit or len(specs)))]
@@ -202,7 +199,7 @@ def save_frames_png(clips, captions, path: Path) -> None:
     img.save(path)
 
 
-def main(argv=None) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--embeddings", type=Path, default=None)
@@ -235,17 +232,17 @@ def main(argv=None) -> int:
     p.add_argument("--compile", action="store_true", help="torch.compile the training forward (falls back to eager)")
     p.add_argument("--eval-only", action="store_true", help="evaluate --init and exit (no training)")
     p.add_argument("--quick-eval", action="store_true", help="one sampler setting, held-out and train captions")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
 
     if args.make_embeddings:
         make_embeddings(args.make_embeddings, args.text_len)
         return 0
 
-    import copy
-
-    import torch
-    from diffusers import WanTransformer3DModel
 
     t_start = time.time()
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -255,17 +252,71 @@ def main(argv=None) -> int:
     torch.manual_seed(args.seed)
     args.out.mkdir(parents=True, exist_ok=True)
 
-    cap_index, emb_table = load_embeddings(args.embeddings, args.text_len)
-    emb_table = emb_table.to(device)
-    train_specs = data.all_caption_specs("train")
-    cap_ids = torch.tensor(
-        [[cap_index[s.caption(t)] for t in data.TRAIN_TEMPLATES] for s in train_specs], device=device
-    )
-    empty_id = cap_index[""]
+    train_data = _TrainData.load(args, device)
+    model, cfg, prior = _load_model(args)
+    model = model.to(device).train()
+    ema = copy.deepcopy(model).eval().requires_grad_(False)
+    log.info("params %.2fM, device %s, train captions %d", sum(p.numel() for p in model.parameters()) / 1e6,
+             device, train_data.cap_ids.numel())
+    if args.eval_only:
+        args.steps = 0
+    step, curve, train_s = _train(args, model, ema, train_data, device, amp)
+    if not args.eval_only:
+        _save(ema, args.out, f"final step {step}")
+
+    run = _run_record(args, model, cfg, prior, step, curve, train_s, device)
+    if not args.no_eval:
+        model_eval = (model if args.eval_only else ema).eval().to(torch.float32)
+        run.update(_probe_evaluations(args, model_eval, train_data, device, amp))
+        _save_samples(args, model_eval, train_data, device, amp)
+    run["total_seconds"] = round(time.time() - t_start, 1)
+    (args.out / "train_log.json").write_text(json.dumps(run, indent=1))
+    log.info("done: %d steps in %.0fs, final loss %s", step, train_s, run["final_loss"])
+    return 0
+
+
+@dataclasses.dataclass
+class _TrainData:
+    """The caption embeddings on the training device and the training captions (spec x template)."""
+
+    cap_index: dict  # caption -> row of ``emb_table``
+    emb_table: object  # [N, text_len, 384]
+    specs: list
+    cap_ids: object  # [len(specs), len(TRAIN_TEMPLATES)] rows of ``emb_table``
+    empty_id: int  # the row of ""
+
+    @classmethod
+    def load(cls, args, device) -> _TrainData:
+        cap_index, emb_table = load_embeddings(args.embeddings, args.text_len)
+        specs = data.all_caption_specs("train")
+        cap_ids = torch.tensor(
+            [[cap_index[s.caption(t)] for t in data.TRAIN_TEMPLATES] for s in specs], device=device
+        )
+        return cls(cap_index, emb_table.to(device), specs, cap_ids, cap_index[""])
+
+    def batch(self, args, step: int, device):
+        """Step ``step``'s clips, rendered from fresh seeds, and their captions' embeddings ``(x0, cond)``."""
+        rng = np.random.default_rng([args.seed, step])
+        idx = rng.integers(0, len(self.specs), size=args.batch)
+        tmpl = rng.integers(0, len(data.TRAIN_TEMPLATES), size=args.batch)
+        seeds = rng.integers(0, data.HELDOUT_SEED_START, size=args.batch)
+        clips = [data.sample_clip_spec(self.specs[i], int(s)) for i, s in zip(idx, seeds)]
+        x0 = data.render_batch(clips, device)
+        ids = self.cap_ids[torch.from_numpy(idx).to(device), torch.from_numpy(tmpl).to(device)]
+        # classifier-free guidance: drop the text, half to zeros, half to the encoding of ""
+        drop = torch.from_numpy(rng.random(args.batch) < args.drop_text).to(device)
+        to_empty = torch.from_numpy(rng.random(args.batch) < 0.5).to(device)
+        ids = torch.where(drop & to_empty, torch.full_like(ids, self.empty_id), ids)
+        cond = self.emb_table[ids].float() * (~(drop & ~to_empty)).float().view(-1, 1, 1)
+        return x0, cond
+
+
+def _load_model(args):
+    """``(model, config, prior train log)``: ``--init``'s weights or a fresh model, with the frame
+    embedding attached when ``--frame-embed`` asks for it."""
+    from diffusers import WanTransformer3DModel
 
     cfg = model_config(layers=args.layers, heads=args.heads)
-    from trt_sora.models import frame_embed
-
     if args.init:
         model = frame_embed.load(args.init, torch.float32)
         cfg = {k: model.config[k] for k in cfg}
@@ -279,37 +330,34 @@ def main(argv=None) -> int:
         if args.frame_init_std > 0:
             # a non-zero start: with W = 0 the data's time symmetry keeps W's gradient near zero
             torch.nn.init.normal_(model.patch_embedding.frame_weight, std=args.frame_init_std)
-    has_frame_embed = isinstance(model.patch_embedding, frame_embed.FrameEmbeddedConv3d)
-    model = model.to(device).train()
-    ema = copy.deepcopy(model).eval().requires_grad_(False)
-    n_params = sum(p.numel() for p in model.parameters())
-    log.info("params %.2fM, device %s, train captions %d", n_params / 1e6, device, cap_ids.numel())
+    return model, cfg, prior
+
+
+def _optimizer(model, args, device):
+    """AdamW; the frame embedding's weight learns ``--frame-lr-mult`` times faster (the group's ``mult``)."""
     frame_params = [p for n, p in model.named_parameters() if n == frame_embed.PARAM_NAME]
     other_params = [p for n, p in model.named_parameters() if n != frame_embed.PARAM_NAME]
     groups = [{"params": other_params, "mult": 1.0}]
     groups += [{"params": frame_params, "mult": args.frame_lr_mult}] if frame_params else []
-    opt = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.99), weight_decay=0.01, fused=device.type == "cuda")
-    gen = torch.Generator().manual_seed(args.seed)
+    return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.99), weight_decay=0.01, fused=device.type == "cuda")
+
+
+def _save(ema, out: Path, tag: str) -> None:
+    """The EMA weights as fp16 safetensors in ``out`` (the EMA model stays fp32)."""
+    ema.to(torch.float16).save_pretrained(str(out), safe_serialization=True)
+    ema.to(torch.float32)
+    log.info("saved %s", tag)
+
+
+def _train(args, model, ema, train_data: _TrainData, device, amp):
+    """The training loop until ``--steps`` or ``--minutes``: cosine learning rate after a warm-up,
+    EMA, a checkpoint every ``--save-every`` seconds. Returns ``(steps, loss curve, seconds)``."""
+    opt = _optimizer(model, args, device)
+    step_fn = _TrainStep(model, opt, args, device, amp)
     budget = args.minutes * 60
-
-    def save(tag: str) -> None:
-        ema.to(torch.float16).save_pretrained(str(args.out), safe_serialization=True)
-        ema.to(torch.float32)
-        log.info("saved %s", tag)
-
-    fwd = model
-    if args.compile:
-        try:
-            fwd = torch.compile(model)
-        except Exception as exc:  # noqa: BLE001 - an optimisation only
-            log.warning("torch.compile unavailable (%s); eager", exc)
-    if args.eval_only:
-        args.steps = 0
-
     curve, window, last_save = [], [], time.time()
     t_loop = time.time()
     step = 0
-    progress = 0.0
     while step < args.steps:
         elapsed = time.time() - t_loop
         progress = max(step / args.steps, elapsed / budget)
@@ -318,64 +366,80 @@ def main(argv=None) -> int:
         lr = args.lr * min(1.0, (step + 1) / args.warmup) * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * progress)))
         for g in opt.param_groups:
             g["lr"] = lr * g["mult"]
+        loss, gnorm = step_fn(*train_data.batch(args, step, device))
+        _ema_update(ema, model, min(args.ema, (1 + step) / (10 + step)))
+        window.append(loss.detach())
+        step += 1
+        if step % 25 == 0:
+            curve.append(_curve_point(window, step, lr, gnorm, t_loop))
+        if time.time() - last_save > args.save_every:
+            _save(ema, args.out, f"step {step}")
+            last_save = time.time()
+    return step, curve, time.time() - t_loop
 
-        rng = np.random.default_rng([args.seed, step])
-        idx = rng.integers(0, len(train_specs), size=args.batch)
-        tmpl = rng.integers(0, len(data.TRAIN_TEMPLATES), size=args.batch)
-        seeds = rng.integers(0, data.HELDOUT_SEED_START, size=args.batch)
-        clips = [data.sample_clip_spec(train_specs[i], int(s)) for i, s in zip(idx, seeds)]
-        x0 = data.render_batch(clips, device)
-        ids = cap_ids[torch.from_numpy(idx).to(device), torch.from_numpy(tmpl).to(device)]
-        # classifier-free guidance: drop the text, half to zeros, half to the encoding of ""
-        drop = torch.from_numpy(rng.random(args.batch) < args.drop_text).to(device)
-        to_empty = torch.from_numpy(rng.random(args.batch) < 0.5).to(device)
-        ids = torch.where(drop & to_empty, torch.full_like(ids, empty_id), ids)
-        cond = emb_table[ids].float() * (~(drop & ~to_empty)).float().view(-1, 1, 1)
 
-        sigma = sample_sigmas(args.batch, gen, device, args.hi_sigma)
-        noise = torch.randn(x0.shape, generator=gen).to(device)
+class _TrainStep:
+    """One optimiser step of flow matching on a batch; the forward is compiled with ``--compile``
+    and falls back to eager for good when compiling fails."""
+
+    def __init__(self, model, opt, args, device, amp):
+        self.model, self.opt, self.args, self.device, self.amp = model, opt, args, device, amp
+        self.gen = torch.Generator().manual_seed(args.seed)
+        self.fwd = model
+        if args.compile:
+            try:
+                self.fwd = torch.compile(model)
+            except Exception as exc:  # noqa: BLE001 - an optimisation only
+                log.warning("torch.compile unavailable (%s); eager", exc)
+
+    def __call__(self, x0, cond):
+        args, device = self.args, self.device
+        sigma = sample_sigmas(args.batch, self.gen, device, args.hi_sigma)
+        noise = torch.randn(x0.shape, generator=self.gen).to(device)
         s = sigma.view(-1, 1, 1, 1, 1)
         xt = (1 - s) * x0 + s * noise
         target = noise - x0
-        with torch.autocast(device.type, dtype=amp, enabled=amp != torch.float32):
-            try:
-                pred = fwd(hidden_states=xt, timestep=sigma * 1000, encoder_hidden_states=cond, return_dict=False)[0]
-            except Exception as exc:  # noqa: BLE001 - a failed compile falls back to eager
-                if fwd is model:
-                    raise
-                log.warning("compiled forward failed (%s); eager from here", str(exc).splitlines()[0][:200])
-                fwd = model
-                pred = fwd(hidden_states=xt, timestep=sigma * 1000, encoder_hidden_states=cond, return_dict=False)[0]
+        with torch.autocast(device.type, dtype=self.amp, enabled=self.amp != torch.float32):
+            pred = self.forward(hidden_states=xt, timestep=sigma * 1000, encoder_hidden_states=cond)
         if args.fg_weight != 1.0:
             loss = (foreground_weights(x0, args.fg_weight) * (pred.float() - target) ** 2).mean()
         else:
             loss = torch.nn.functional.mse_loss(pred.float(), target)
-        opt.zero_grad(set_to_none=True)
+        self.opt.zero_grad(set_to_none=True)
         loss.backward()
-        gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        decay = min(args.ema, (1 + step) / (10 + step))
-        with torch.no_grad():
-            for pe, pm in zip(ema.parameters(), model.parameters()):
-                pe.lerp_(pm, 1 - decay)
+        gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.opt.step()
+        return loss, gnorm
 
-        window.append(loss.detach())
-        step += 1
-        if step % 25 == 0:
-            mean = torch.stack(window).mean().item()
-            window.clear()
-            curve.append({"step": step, "loss": mean, "lr": lr, "grad_norm": float(gnorm),
-                          "t": round(time.time() - t_loop, 1)})
-            if step % 200 == 0:
-                log.info("step %d loss %.4f lr %.2e gnorm %.2f %.1fs", step, mean, lr, float(gnorm),
-                         time.time() - t_loop)
-        if time.time() - last_save > args.save_every:
-            save(f"step {step}")
-            last_save = time.time()
-    train_s = time.time() - t_loop
-    if not args.eval_only:
-        save(f"final step {step}")
+    def forward(self, **inputs):
+        try:
+            return self.fwd(**inputs, return_dict=False)[0]
+        except Exception as exc:  # noqa: BLE001 - a failed compile falls back to eager
+            if self.fwd is self.model:
+                raise
+            log.warning("compiled forward failed (%s); eager from here", str(exc).splitlines()[0][:200])
+            self.fwd = self.model
+            return self.fwd(**inputs, return_dict=False)[0]
 
+
+def _ema_update(ema, model, decay: float) -> None:
+    with torch.no_grad():
+        for pe, pm in zip(ema.parameters(), model.parameters()):
+            pe.lerp_(pm, 1 - decay)
+
+
+def _curve_point(window: list, step: int, lr: float, gnorm, t_loop: float) -> dict:
+    """The mean loss of the steps in ``window`` (emptied) as a loss-curve point; logged every 200 steps."""
+    mean = torch.stack(window).mean().item()
+    window.clear()
+    if step % 200 == 0:
+        log.info("step %d loss %.4f lr %.2e gnorm %.2f %.1fs", step, mean, lr, float(gnorm), time.time() - t_loop)
+    return {"step": step, "loss": mean, "lr": lr, "grad_norm": float(gnorm), "t": round(time.time() - t_loop, 1)}
+
+
+def _run_record(args, model, cfg, prior, step, curve, train_s, device) -> dict:
+    """``train_log.json``'s run facts and loss curve (a continued run keeps the earlier runs' records)."""
+    has_frame_embed = isinstance(model.patch_embedding, frame_embed.FrameEmbeddedConv3d)
     run = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
@@ -384,7 +448,7 @@ def main(argv=None) -> int:
         "clips_seen": step * args.batch,
         "train_seconds": round(train_s, 1),
         "final_loss": float(np.mean([c["loss"] for c in curve[-4:]])) if curve else None,
-        "params": n_params,
+        "params": sum(p.numel() for p in model.parameters()),
         "frame_embedding": has_frame_embed,
         "frame_weight_norm": float(model.patch_embedding.frame_weight.detach().norm()) if has_frame_embed else None,
         "args": {k: str(v) for k, v in vars(args).items()},
@@ -395,35 +459,33 @@ def main(argv=None) -> int:
         earlier = {k: v for k, v in prior.items() if k != "previous_runs"}
         run["previous_runs"] = prior.get("previous_runs", []) + [earlier]
         run["steps_total"] = prior.get("steps_total", prior.get("steps", 0)) + step
-    if not args.no_eval:
-        model_eval = (model if args.eval_only else ema).eval().to(torch.float32)
-        if args.quick_eval:
-            quick = [(args.eval_steps, 4.0, 2.0)]
-            run["eval_heldout"] = evaluate(model_eval, cap_index, emb_table, device, amp, quick, n_seeds=2,
-                                           limit=args.eval_limit)
-            run["eval_train"] = evaluate(model_eval, cap_index, emb_table, device, amp, quick, n_seeds=2,
-                                         limit=args.eval_limit, split="train")
-        else:
-            settings = [(args.eval_steps, g, sh) for sh in (1.0, 2.0, 3.0) for g in (3.0, 5.0)]
-            settings += [(max(2, args.eval_steps // 2), 4.0, 2.0)]
-            run["eval_heldout"] = evaluate(model_eval, cap_index, emb_table, device, amp, settings, n_seeds=2,
-                                           limit=args.eval_limit)
-            run["eval_heldout_template"] = evaluate(
-                model_eval, cap_index, emb_table, device, amp, [(args.eval_steps, 4.0, 2.0)], n_seeds=2,
-                template=data.HELDOUT_TEMPLATE, limit=args.eval_limit
-            )
-        from .sample import SampleConfig, sample
+    return run
 
-        specs = data.all_caption_specs("heldout")[::11][: min(8, args.eval_limit or 8)]
-        caps = [s.caption() for s in specs]
-        with torch.autocast(device.type, dtype=amp, enabled=amp != torch.float32):
-            clips = sample(model_eval, emb_table[[cap_index[c] for c in caps]].float(),
-                           SampleConfig(steps=args.eval_steps, seed=7), dtype=torch.float32)
-        save_frames_png(clips, caps, args.out / "samples.png")
-    run["total_seconds"] = round(time.time() - t_start, 1)
-    (args.out / "train_log.json").write_text(json.dumps(run, indent=1))
-    log.info("done: %d steps in %.0fs, final loss %s", step, train_s, run["final_loss"])
-    return 0
+
+def _probe_evaluations(args, model, train_data: _TrainData, device, amp) -> dict:
+    """:func:`evaluate` at the sampler settings ``--quick-eval`` (one, held-out and train captions) or
+    the full sweep (held-out captions, and the held-out template) asks for."""
+    cap_index, emb = train_data.cap_index, train_data.emb_table
+    if args.quick_eval:
+        quick = [(args.eval_steps, 4.0, 2.0)]
+        return {"eval_heldout": evaluate(model, cap_index, emb, device, amp, quick, n_seeds=2, limit=args.eval_limit),
+                "eval_train": evaluate(model, cap_index, emb, device, amp, quick, n_seeds=2, limit=args.eval_limit,
+                                       split="train")}
+    settings = [(args.eval_steps, g, sh) for sh in (1.0, 2.0, 3.0) for g in (3.0, 5.0)]
+    settings += [(max(2, args.eval_steps // 2), 4.0, 2.0)]
+    return {"eval_heldout": evaluate(model, cap_index, emb, device, amp, settings, n_seeds=2, limit=args.eval_limit),
+            "eval_heldout_template": evaluate(model, cap_index, emb, device, amp, [(args.eval_steps, 4.0, 2.0)],
+                                              n_seeds=2, template=data.HELDOUT_TEMPLATE, limit=args.eval_limit)}
+
+
+def _save_samples(args, model, train_data: _TrainData, device, amp) -> None:
+    """``samples.png``: up to 8 held-out captions sampled at ``--eval-steps``, every frame."""
+    specs = data.all_caption_specs("heldout")[::11][: min(8, args.eval_limit or 8)]
+    caps = [s.caption() for s in specs]
+    with torch.autocast(device.type, dtype=amp, enabled=amp != torch.float32):
+        clips = sample(model, train_data.emb_table[[train_data.cap_index[c] for c in caps]].float(),
+                       SampleConfig(steps=args.eval_steps, seed=7), dtype=torch.float32)
+    save_frames_png(clips, caps, args.out / "samples.png")
 
 
 if __name__ == "__main__":
