@@ -17,6 +17,7 @@ the peak = the reference's max - min):
 """
 from __future__ import annotations
 
+import fnmatch
 import logging
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -27,6 +28,8 @@ import torch
 from trt_sora.calibrate.fakequant_model import fake_quantized, quantized_sites
 from trt_sora.calibrate.trajectories import EVALUATION_SEEDS, calibration_sampling, heldout_prompts, trajectory_feeds
 from trt_sora.errors import ConfigError
+from trt_sora.metrics import compare
+from trt_sora.sampling import adapter_call, sample
 
 log = logging.getLogger("trt_sora")
 
@@ -119,143 +122,184 @@ def evaluate(adapter, model, stats, preset, quant_config, options, *, encode: Ca
         method, format, cosine, max_abs, rel_l2, psnr_db), ``sensitivity`` (rows sorted worst first),
         ``skip`` (groups, patterns, YAML, verification metrics).
     """
-    from trt_sora.metrics import compare
-    from trt_sora.sampling import adapter_call, sample
+    ev = _Evaluation(adapter, model, stats, preset, quant_config, options, encode=encode, settings=settings,
+                     model_dtype=model_dtype, progress=progress, weights=weights)
+    ev.progress("evaluate", 0, ev.total)
+    with _counting_flops(model) as flops:
+        ev.reference()
+    comparison = ev.comparison()
+    sensitivity = ev.sensitivity()
+    skip, kept = ev.skip_list(sensitivity, comparison)
+    per_step = ev.per_step()
+    window_rows, tradeoff = ev.tradeoff(flops, skip, kept, per_step)
+    fmt_main, linear_total = ev.fmt_main, sum(flops.values()) or 1.0
+    return {
+        **ev.setup(), "comparison": comparison, "sensitivity": sensitivity, "skip": skip,
+        "per_step": per_step, "step_windows": window_rows, "tradeoff": tradeoff,
+        "target_psnr_db": options.target_psnr_db if options.target_psnr_db is not None else
+        {"fp8_e4m3": 35.0, "int8": 30.0}.get(fmt_main),
+        "linear_flops": {"total_per_call": linear_total, "quantized_fraction": _flop_fraction(flops, ev.candidates)},
+    }
 
-    progress = progress or (lambda phase, done, total: None)
-    device = next(model.parameters()).device
-    model_dtype = model_dtype or torch.float32
-    shape = preset.shapes[0]
-    settings = settings or calibration_sampling(adapter, preset)[0]
-    settings = settings.override(num_steps=options.eval_steps)
-    steps = settings.num_steps
-    prompts = heldout_prompts(preset, options.eval_prompts)
-    feeds = trajectory_feeds(adapter, encode, preset, prompts, shape,
-                             uses_cfg=settings.uses_cfg, device=device, offset=EVALUATION_SEEDS)
 
-    fmt_main = quant_config.format.value
-    methods = [stats.metadata.method] + sorted({m for per in stats.method_amax.values() for m in per})
-    formats = list(dict.fromkeys(options.formats))
-    candidates = [s for s in quantized_sites(model, quant_config, adapter.quant_excludes) if s in stats.amax]
-    groups = layer_groups(candidates, options.sensitivity, adapter.layer_kinds)
-    modules = dict(model.named_modules())
-    w_bytes = sum(modules[s].weight.numel() * modules[s].weight.element_size() for s in candidates)
-    cache = options.cache_weights if options.cache_weights is not None else w_bytes < (1 << 30)
-    per_run = len(feeds) * steps * len(settings.branches)
-    windows = _step_windows(steps)
-    # reference, method x format table, one run per group, the skip-list check, the windows, the
-    # worst window's complement; plus the teacher-forced per-step trajectory (one held-out chunk)
-    total = per_run * (1 + len(methods) * len(formats) + len(groups) + 1 + len(windows) + (len(windows) > 1)) \
-        + steps * len(settings.branches)
-    done = 0
+def _flop_fraction(flops: Mapping[str, float], sites: Sequence[str]) -> float:
+    """The share of the linear FLOPs of one call that ``sites`` compute."""
+    return sum(flops.get(s, 0) for s in sites) / (sum(flops.values()) or 1.0)
 
-    def count(_call):
-        nonlocal done
-        done += 1
-        progress("evaluate", done, total)
 
-    def run(quant: Mapping[str, torch.Tensor] | None, fmt: str | None, sites=None, steps_quantized=None):
+class _Evaluation:
+    """One evaluation: the held-out trajectories, the sites and groups it quantizes, its progress
+    count, and the unquantized reference every run is compared with."""
+
+    def __init__(self, adapter, model, stats, preset, quant_config, options, *, encode, settings, model_dtype,
+                 progress, weights):
+        self.adapter, self.model, self.stats, self.options, self.weights = adapter, model, stats, options, weights
+        self.progress = progress or (lambda phase, done, total: None)
+        self.model_dtype = model_dtype or torch.float32
+        self.shape = preset.shapes[0]
+        settings = settings or calibration_sampling(adapter, preset)[0]
+        self.settings = settings.override(num_steps=options.eval_steps)
+        self.steps = steps = self.settings.num_steps
+        self.prompts = heldout_prompts(preset, options.eval_prompts)
+        self.feeds = trajectory_feeds(adapter, encode, preset, self.prompts, self.shape,
+                                      uses_cfg=self.settings.uses_cfg, device=next(model.parameters()).device,
+                                      offset=EVALUATION_SEEDS)
+        self.fmt_main = quant_config.format.value
+        self.methods = [stats.metadata.method] + sorted({m for per in stats.method_amax.values() for m in per})
+        self.formats = list(dict.fromkeys(options.formats))
+        self.candidates = [s for s in quantized_sites(model, quant_config, adapter.quant_excludes) if s in stats.amax]
+        self.groups = layer_groups(self.candidates, options.sensitivity, adapter.layer_kinds)
+        self.main_amax = _act_amax(stats, stats.metadata.method, self.candidates)
+        modules = dict(model.named_modules())
+        w_bytes = sum(modules[s].weight.numel() * modules[s].weight.element_size() for s in self.candidates)
+        self.cache = options.cache_weights if options.cache_weights is not None else w_bytes < (1 << 30)
+        self.per_run = len(self.feeds) * steps * len(self.settings.branches)
+        self.windows = windows = _step_windows(steps)
+        # reference, method x format table, one run per group, the skip-list check, the windows, the
+        # worst window's complement; plus the teacher-forced per-step trajectory (one held-out chunk)
+        self.total = self.per_run * (1 + len(self.methods) * len(self.formats) + len(self.groups) + 1 + len(windows)
+                                     + (len(windows) > 1)) + steps * len(self.settings.branches)
+        self.done = 0
+
+    def count(self, _call=None, calls: int = 1) -> None:
+        self.done += calls
+        self.progress("evaluate", self.done, self.total)
+
+    def rounded(self, fmt: str | None):
+        """The GPTQ-rounded weights when they are in ``fmt``, else None (nearest rounding)."""
+        return self.weights[0] if self.weights is not None and self.weights[1] == fmt else None
+
+    def run(self, quant: Mapping[str, torch.Tensor] | None, fmt: str | None, sites=None, steps_quantized=None):
         """Final latents of every held-out trajectory; ``steps_quantized``: the steps run quantized
         (None = all), the others on the unquantized linears."""
+        adapter, model, settings = self.adapter, self.model, self.settings
         outs = []
         at: dict[str, int] = {}
 
         def hook(call):
             at["step"] = call.step
-            count(call)
-        for noise, cond, uncond, chunk in feeds:
-            kw = dict(scheduler=adapter.scheduler(settings.shift), settings=settings, cfg="split", dtype=model_dtype,
-                      hook=hook, label=f"evaluation, held-out prompts {[p.id for p in chunk]}",
+            self.count(call)
+        for noise, cond, uncond, chunk in self.feeds:
+            kw = dict(scheduler=adapter.scheduler(settings.shift), settings=settings, cfg="split",
+                      dtype=self.model_dtype, hook=hook, label=f"evaluation, held-out prompts {[p.id for p in chunk]}",
                       conditioner=adapter)
             if quant is None:
                 outs.append(sample(adapter_call(adapter, model), noise, cond, uncond, **kw).latents)
             else:
-                weight_amax = {s: stats.amax[f"{s}.weight"] for s in quant if f"{s}.weight" in stats.amax}
+                weight_amax = {s: self.stats.amax[f"{s}.weight"] for s in quant if f"{s}.weight" in self.stats.amax}
                 on = None if steps_quantized is None else (lambda: at["step"] in steps_quantized)
-                rounded = weights[0] if weights is not None and weights[1] == fmt else None
-                with fake_quantized(model, quant, fmt, sites=sites, weight_amax=weight_amax, cache_weights=cache,
-                                    enabled=on, weights=rounded):
+                with fake_quantized(model, quant, fmt, sites=sites, weight_amax=weight_amax, cache_weights=self.cache,
+                                    enabled=on, weights=self.rounded(fmt)):
                     outs.append(sample(adapter_call(adapter, model), noise, cond, uncond, **kw).latents)
         return torch.cat(outs).cpu()
 
-    progress("evaluate", 0, total)
-    with _counting_flops(model) as flops:
-        ref = run(None, None)
-    peak = float(ref.max() - ref.min())
+    def reference(self) -> None:
+        """The unquantized model's final latents, and the PSNR peak (their max - min)."""
+        self.ref = self.run(None, None)
+        self.peak = float(self.ref.max() - self.ref.min())
 
-    def metrics(got) -> dict[str, float]:
-        m = compare(ref, got, peak=peak)
+    def metrics(self, got) -> dict[str, float]:
+        m = compare(self.ref, got, peak=self.peak)
         return {k: float(m[k]) for k in ("cosine", "max_abs", "rel_l2", "psnr_db")}
 
-    comparison = []
-    for method in methods:
-        amax = _act_amax(stats, method, candidates)
-        for fmt in formats:
-            row = {"method": method, "format": fmt, **metrics(run(amax, fmt, candidates))}
-            comparison.append(row)
-            log.info("calibrator %s %s: cosine %.6f psnr %.2f dB", method, fmt, row["cosine"], row["psnr_db"])
+    def comparison(self) -> list[dict]:
+        """Every collected method x format with all sites quantized."""
+        rows = []
+        for method in self.methods:
+            amax = _act_amax(self.stats, method, self.candidates)
+            for fmt in self.formats:
+                row = {"method": method, "format": fmt, **self.metrics(self.run(amax, fmt, self.candidates))}
+                rows.append(row)
+                log.info("calibrator %s %s: cosine %.6f psnr %.2f dB", method, fmt, row["cosine"], row["psnr_db"])
+        return rows
 
-    main_amax = _act_amax(stats, stats.metadata.method, candidates)
-    sensitivity = []
-    for g in groups:
-        row = {"group": g["name"], "type": g["type"], "num_sites": len(g["sites"]), "patterns": g["patterns"],
-               **metrics(run(main_amax, fmt_main, g["sites"]))}
-        sensitivity.append(row)
-    sensitivity.sort(key=lambda r: (-r["rel_l2"], r["group"]))
+    def sensitivity(self) -> list[dict]:
+        """One layer group quantized at a time (the recipe's method and format), worst first."""
+        rows = [{"group": g["name"], "type": g["type"], "num_sites": len(g["sites"]), "patterns": g["patterns"],
+                 **self.metrics(self.run(self.main_amax, self.fmt_main, g["sites"]))} for g in self.groups]
+        rows.sort(key=lambda r: (-r["rel_l2"], r["group"]))
+        return rows
 
-    skip = _skip_list(sensitivity, options.max_skip)
-    full = next((r for r in comparison if r["method"] == stats.metadata.method and r["format"] == fmt_main), None)
-    if skip["groups"]:
-        import fnmatch
+    def skip_list(self, sensitivity, comparison) -> tuple[dict[str, Any], list[str] | None]:
+        """The suggested skip list, verified by one run without its sites; ``(skip, sites kept)``."""
+        skip = _skip_list(sensitivity, self.options.max_skip)
+        full = next((r for r in comparison if r["method"] == self.stats.metadata.method
+                     and r["format"] == self.fmt_main), None)
+        kept = None
+        if skip["groups"]:
+            kept = [s for s in self.candidates if not any(fnmatch.fnmatchcase(s, p) for p in skip["patterns"])]
+            skip["with_skip"] = self.metrics(self.run(self.main_amax, self.fmt_main, kept))
+            skip["num_sites_kept"] = len(kept)
+        else:  # no skip-list run: its share of the progress is done
+            self.count(calls=self.per_run)
+        skip["all_quantized"] = {k: full[k] for k in ("cosine", "max_abs", "rel_l2", "psnr_db")} if full else None
+        return skip, kept
 
-        kept = [s for s in candidates if not any(fnmatch.fnmatchcase(s, p) for p in skip["patterns"])]
-        skip["with_skip"] = metrics(run(main_amax, fmt_main, kept))
-        skip["num_sites_kept"] = len(kept)
-    else:  # no skip-list run: its share of the progress is done
-        done += per_run
-        progress("evaluate", done, total)
-    skip["all_quantized"] = {k: full[k] for k in ("cosine", "max_abs", "rel_l2", "psnr_db")} if full else None
+    def per_step(self) -> list[dict]:
+        """Which steps' quantization reaches the clip (:func:`_per_step_view` on the first held-out chunk)."""
+        return _per_step_view(self.adapter, self.model, self.feeds[0], self.settings, self.main_amax, self.fmt_main,
+                              self.candidates, self.stats, self.cache, self.model_dtype, self.count,
+                              self.rounded(self.fmt_main))
 
-    # -- per step: which steps' quantization reaches the clip, and what keeping them unquantized buys -------
-    per_step = _per_step_view(adapter, model, feeds[0], settings, main_amax, fmt_main, candidates, stats, cache,
-                              model_dtype, count,
-                              weights[0] if weights is not None and weights[1] == fmt_main else None)
-    linear_total = sum(flops.values()) or 1.0
-    frac = lambda sites: sum(flops.get(s, 0) for s in sites) / linear_total  # noqa: E731
-    window_rows = []
-    for lo, hi in windows:  # one window of steps quantized alone: its share of the final error
-        got = run(main_amax, fmt_main, candidates, steps_quantized=set(range(lo, hi)))
-        window_rows.append({"steps": [lo, hi], **metrics(got)})
-    tradeoff = [{"option": "all steps, every quantized linear", "fp8_linear_flop_fraction": frac(candidates),
-                 **skip["all_quantized"]}] if full else []
-    if skip.get("with_skip"):
-        tradeoff.append({"option": f"skip list ({', '.join(skip['groups'])})", "fp8_linear_flop_fraction":
-                         frac(kept), **skip["with_skip"], "recipe": {"exclude": skip["patterns"]}})
-    worst = min(window_rows, key=lambda r: r["psnr_db"]) if window_rows else None
-    if worst is not None and len(windows) > 1:
-        keep = set(range(steps)) - set(range(*worst["steps"]))
-        got = run(main_amax, fmt_main, candidates, steps_quantized=keep)
-        lo, hi = worst["steps"]
-        tradeoff.append({"option": f"steps {lo}-{hi - 1} unquantized (the window that costs most)",
-                         "fp8_linear_flop_fraction": frac(candidates) * len(keep) / steps, **metrics(got),
-                         "recipe": {"unquantized_steps": [lo, hi], "timesteps": _window_timesteps(per_step, lo, hi)}})
-    return {
-        "eval": {"prompt_ids": [p.id for p in prompts], "shape": shape.as_dict(), "num_steps": steps,
-                 "guidance_scale": settings.guidance_scale, "shift": settings.shift,
-                 "model_num_steps": adapter.sampling.num_steps,
-                 "psnr_peak": peak, "psnr_peak_def": "reference final latent max - min",
-                 "ref_max_abs": float(ref.abs().max())},
-        "quantized_sites": candidates,
-        "excluded_sites": [s for s in stats.amax if s not in candidates and not s.endswith(".weight")
-                           and s not in stats.metadata.extra.get("attention_sites", [])],
-        "methods": methods, "formats": formats,
-        "sensitivity_method": stats.metadata.method, "sensitivity_format": fmt_main,
-        "comparison": comparison, "sensitivity": sensitivity, "skip": skip,
-        "per_step": per_step, "step_windows": window_rows, "tradeoff": tradeoff,
-        "target_psnr_db": options.target_psnr_db if options.target_psnr_db is not None else
-        {"fp8_e4m3": 35.0, "int8": 30.0}.get(fmt_main),
-        "linear_flops": {"total_per_call": linear_total, "quantized_fraction": frac(candidates)},
-    }
+    def tradeoff(self, flops, skip, kept, per_step) -> tuple[list[dict], list[dict]]:
+        """``(window rows, tradeoff rows)``: each window of steps quantized alone, and what the skip list
+        or keeping the costliest window unquantized buys against its share of the linear FLOPs."""
+        steps, amax, fmt, sites = self.steps, self.main_amax, self.fmt_main, self.candidates
+        window_rows = []
+        for lo, hi in self.windows:  # one window of steps quantized alone: its share of the final error
+            window_rows.append({"steps": [lo, hi], **self.metrics(self.run(amax, fmt, sites,
+                                                                           steps_quantized=set(range(lo, hi))))})
+        tradeoff = [{"option": "all steps, every quantized linear", "fp8_linear_flop_fraction":
+                     _flop_fraction(flops, sites), **skip["all_quantized"]}] if skip["all_quantized"] else []
+        if skip.get("with_skip"):
+            tradeoff.append({"option": f"skip list ({', '.join(skip['groups'])})", "fp8_linear_flop_fraction":
+                             _flop_fraction(flops, kept), **skip["with_skip"], "recipe": {"exclude": skip["patterns"]}})
+        worst = min(window_rows, key=lambda r: r["psnr_db"]) if window_rows else None
+        if worst is not None and len(self.windows) > 1:
+            keep = set(range(steps)) - set(range(*worst["steps"]))
+            got = self.run(amax, fmt, sites, steps_quantized=keep)
+            lo, hi = worst["steps"]
+            tradeoff.append({"option": f"steps {lo}-{hi - 1} unquantized (the window that costs most)",
+                             "fp8_linear_flop_fraction": _flop_fraction(flops, sites) * len(keep) / steps,
+                             **self.metrics(got), "recipe": {"unquantized_steps": [lo, hi],
+                                                             "timesteps": _window_timesteps(per_step, lo, hi)}})
+        return window_rows, tradeoff
+
+    def setup(self) -> dict[str, Any]:
+        """The report's setup keys: prompts, shape, sampling, PSNR peak, sites, methods and formats."""
+        stats, settings = self.stats, self.settings
+        return {
+            "eval": {"prompt_ids": [p.id for p in self.prompts], "shape": self.shape.as_dict(),
+                     "num_steps": self.steps, "guidance_scale": settings.guidance_scale, "shift": settings.shift,
+                     "model_num_steps": self.adapter.sampling.num_steps,
+                     "psnr_peak": self.peak, "psnr_peak_def": "reference final latent max - min",
+                     "ref_max_abs": float(self.ref.abs().max())},
+            "quantized_sites": self.candidates,
+            "excluded_sites": [s for s in stats.amax if s not in self.candidates and not s.endswith(".weight")
+                               and s not in stats.metadata.extra.get("attention_sites", [])],
+            "methods": self.methods, "formats": self.formats,
+            "sensitivity_method": stats.metadata.method, "sensitivity_format": self.fmt_main,
+        }
 
 
 def _skip_list(rows: Sequence[Mapping[str, Any]], max_skip: int) -> dict[str, Any]:
@@ -334,7 +378,6 @@ def _per_step_view(adapter, model, feed, settings, amax, fmt, sites, stats, cach
                    rounded=None) -> list[dict]:
     """One held-out trajectory with the fake-quantized model teacher-forced on the unquantized one's
     inputs: per step the worst call's cosine / PSNR and the update's contribution estimate (dB)."""
-    from trt_sora.sampling import adapter_call
     from trt_sora.teacher_forcing import reference_with_candidate
 
     noise, cond, uncond, _ = feed
