@@ -31,6 +31,10 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import torch
+
+from trt_sora.calibrate.data import prompts_for_preset
+from trt_sora.calibrate.fakequant_model import fake_quantized, quantized_sites
 from trt_sora.calibrate.trajectories import (
     PEER_SEEDS,
     branch_inputs,
@@ -42,6 +46,9 @@ from trt_sora.calibrate.trajectories import (
     trajectory_seed,
 )
 from trt_sora.errors import ConfigError, require
+from trt_sora.metrics import compare
+from trt_sora.sampling import adapter_call
+from trt_sora.sampling import sample as run_sampler
 
 log = logging.getLogger("trt_sora")
 
@@ -128,14 +135,6 @@ def modelopt_peer(adapter, model, stats, preset, quant_config, *, encode: Callab
     """
     import importlib.metadata
 
-    import torch
-
-    from trt_sora.calibrate.data import prompts_for_preset
-    from trt_sora.calibrate.fakequant_model import fake_quantized, quantized_sites
-    from trt_sora.metrics import compare
-    from trt_sora.sampling import adapter_call
-    from trt_sora.sampling import sample as run_sampler
-
     mtq = _modelopt()
     if getattr(quant_config.format, "value", quant_config.format) != "fp8_e4m3":
         raise ConfigError("the ModelOpt peer comparison is FP8 (ModelOpt's diffusers FP8 recipe); run it with an "
@@ -144,110 +143,146 @@ def modelopt_peer(adapter, model, stats, preset, quant_config, *, encode: Callab
         raise ConfigError(f"the ModelOpt peer comparison needs the module filter ModelOpt's diffusers example applies "
                           f"to model family {adapter.family!r}, which declares none (ModelAdapter.modelopt_exclude); "
                           "leave --peer out for this model")
-    progress = progress or (lambda phase, done, total: None)
-    device = next(model.parameters()).device
-    model_dtype = model_dtype or torch.float32
-    calib_settings = settings or calibration_sampling(adapter, preset)[0]
-    eval_settings = adapter.sampling.override(num_steps=num_steps)  # what users run
-    steps = eval_settings.num_steps
-    shape = preset.shapes[0]
-    prompts = heldout_prompts(preset, num_prompts)
-    # the unconditional branch users sample with: the model's own (not the preset's negative prompt)
-    feeds = trajectory_feeds(adapter, encode, dataclasses.replace(preset, negative_prompt=None), prompts, shape,
-                             uses_cfg=eval_settings.uses_cfg, device=device, offset=PEER_SEEDS)
-    calib_plan = [(shape_, chunk) for shape_ in preset.shapes
-                  for chunk in chunks(prompts_for_preset(preset), shape_.batch)]
-    per_sample = len(feeds) * steps * len(eval_settings.branches)
-    per_calib = len(calib_plan) * calib_settings.num_steps * len(calib_settings.branches)
-    total, done = (5 + (weights is not None)) * per_sample + 2 * per_calib, 0
+    run = _PeerRun(adapter, model, preset, encode=encode, settings=settings, model_dtype=model_dtype,
+                   num_prompts=num_prompts, num_steps=num_steps, progress=progress, extra=weights is not None)
+    run.progress("peer", 0, run.total)
+    run.reference()
+    ours_sites, ours_excl = _our_rows(run, stats, quant_config, weights)
+    replay = _modelopt_rows(run, mtq, stats, ours_sites, ours_excl)
+    return {
+        "setup": run.setup(), "rows": run.rows, "replay_max_rel_diff": replay,
+        "modelopt_version": importlib.metadata.version("nvidia-modelopt"),
+        "modelopt_recipe": MODELOPT_PRESET, "modelopt_exclude": adapter.modelopt_exclude,
+    }
 
-    def tick(*_):
-        nonlocal done
-        done += 1
-        progress("peer", done, total)
+
+class _PeerRun:
+    """The peer comparison's held-out samples (at the deployment settings) against the unquantized
+    reference, its replay of our calibration trajectories, and its progress count and rows."""
+
+    def __init__(self, adapter, model, preset, *, encode, settings, model_dtype, num_prompts, num_steps, progress,
+                 extra: bool):
+        self.adapter, self.model, self.preset, self.encode = adapter, model, preset, encode
+        self.progress = progress or (lambda phase, done, total: None)
+        self.device = next(model.parameters()).device
+        self.model_dtype = model_dtype or torch.float32
+        self.calib_settings = settings or calibration_sampling(adapter, preset)[0]
+        self.eval_settings = adapter.sampling.override(num_steps=num_steps)  # what users run
+        self.shape = preset.shapes[0]
+        self.prompts = heldout_prompts(preset, num_prompts)
+        # the unconditional branch users sample with: the model's own (not the preset's negative prompt)
+        self.feeds = trajectory_feeds(adapter, encode, dataclasses.replace(preset, negative_prompt=None), self.prompts,
+                                      self.shape, uses_cfg=self.eval_settings.uses_cfg, device=self.device,
+                                      offset=PEER_SEEDS)
+        self.calib_plan = [(shape_, chunk) for shape_ in preset.shapes
+                           for chunk in chunks(prompts_for_preset(preset), shape_.batch)]
+        per_sample = len(self.feeds) * self.eval_settings.num_steps * len(self.eval_settings.branches)
+        per_calib = len(self.calib_plan) * self.calib_settings.num_steps * len(self.calib_settings.branches)
+        self.total, self.done = (5 + extra) * per_sample + 2 * per_calib, 0
+        self.rows: list[dict[str, Any]] = []
+
+    def tick(self, *_):
+        self.done += 1
+        self.progress("peer", self.done, self.total)
         return contextlib.nullcontext()
 
-    def sample(net, ctx=contextlib.nullcontext):
+    def sample(self, net, ctx=contextlib.nullcontext):
+        """The final samples of the held-out prompts with ``net`` (inside ``ctx()``), on the CPU."""
+        adapter, settings = self.adapter, self.eval_settings
         outs = []
-        for x, cond, uncond, _ in feeds:
+        for x, cond, uncond, _ in self.feeds:
             with ctx():
                 outs.append(run_sampler(adapter_call(adapter, net), x, cond, uncond,
-                                        scheduler=adapter.scheduler(eval_settings.shift), settings=eval_settings,
-                                        cfg="split", dtype=model_dtype, hook=tick, conditioner=adapter,
+                                        scheduler=adapter.scheduler(settings.shift), settings=settings,
+                                        cfg="split", dtype=self.model_dtype, hook=self.tick, conditioner=adapter,
                                         label="peer comparison, held-out prompts").latents)
         return torch.cat(outs).cpu()
 
-    def calibration_loop(net):  # our calibration trajectories, replayed (same prompts, noise, steps, CFG)
-        for k, (shape_, chunk) in enumerate(calib_plan):
+    def calibration_loop(self, net):
+        """Our calibration trajectories, replayed with ``net`` (same prompts, noise, steps, CFG)."""
+        adapter, preset, settings = self.adapter, self.preset, self.calib_settings
+        for k, (shape_, chunk) in enumerate(self.calib_plan):
             seed = trajectory_seed(preset, k)
-            cond, uncond = branch_inputs(adapter, encode, preset, [p.prompt for p in chunk], shape_,
-                                         uses_cfg=calib_settings.uses_cfg, seed=seed, device=device)
-            run_sampler(adapter_call(adapter, net), noise(adapter, shape_, seed, device), cond, uncond,
-                        scheduler=adapter.scheduler(calib_settings.shift), settings=calib_settings, cfg="split",
-                        dtype=model_dtype, hook=tick, label="ModelOpt calibration", conditioner=adapter)
+            cond, uncond = branch_inputs(adapter, self.encode, preset, [p.prompt for p in chunk], shape_,
+                                         uses_cfg=settings.uses_cfg, seed=seed, device=self.device)
+            run_sampler(adapter_call(adapter, net), noise(adapter, shape_, seed, self.device), cond, uncond,
+                        scheduler=adapter.scheduler(settings.shift), settings=settings, cfg="split",
+                        dtype=self.model_dtype, hook=self.tick, label="ModelOpt calibration", conditioner=adapter)
 
-    progress("peer", 0, total)
-    ref = sample(model)
-    peak = float(ref.max() - ref.min())
-    ours_sites = [s for s in quantized_sites(model, quant_config, adapter.quant_excludes) if s in stats.amax]
+    def reference(self) -> None:
+        """The unquantized model's samples, and the PSNR peak (their max - min)."""
+        self.ref = self.sample(self.model)
+        self.peak = float(self.ref.max() - self.ref.min())
+
+    def add(self, name, calibrator, weights, got, sites, excluded, seconds) -> None:
+        """A row: ``got`` against the reference."""
+        m = compare(self.ref, got, peak=self.peak)
+        self.rows.append({"name": name, "calibrator": calibrator, "weights": weights, "sites": len(sites),
+                          "excluded": excluded, "calib_seconds": round(seconds, 2),
+                          **{k: float(m[k]) for k in ("cosine", "psnr_db", "rel_l2", "max_abs")}})
+        log.info("peer %s: cosine %.6f, PSNR %.2f dB", name, m["cosine"], m["psnr_db"])
+
+    def setup(self) -> dict[str, Any]:
+        s = self.eval_settings
+        return {"prompt_ids": [p.id for p in self.prompts], "num_steps": s.num_steps,
+                "deployment_steps": self.adapter.sampling.num_steps,
+                "guidance_scale": s.guidance_scale, "shift": s.shift, "shape": self.shape.as_dict(),
+                "psnr_peak": self.peak, "psnr_peak_def": "reference final sample max - min",
+                "calib_preset": self.preset.name, "calib_trajectories": len(self.calib_plan),
+                "calib_steps": self.calib_settings.num_steps}
+
+
+def _our_rows(run: _PeerRun, stats, quant_config, weights) -> tuple[list[str], list[str]]:
+    """Our calibration as the engine runs it (and with nearest rounding when ``weights`` are GPTQ-rounded)
+    and as the checkpoint stores it; ``(our sites, the linears we leave out)``."""
+    model = run.model
+    ours_sites = [s for s in quantized_sites(model, quant_config, run.adapter.quant_excludes) if s in stats.amax]
     act = {s: stats.amax[s] for s in ours_sites}
     w_pc = {s: stats.amax[f"{s}.weight"] for s in ours_sites if f"{s}.weight" in stats.amax}
     w_pt = {s: a.max().expand_as(a) for s, a in w_pc.items()}
     ours_time = float(stats.metadata.extra.get("collect_seconds", float("nan")))
-    rows = []
-
-    def add(name, calibrator, weights, got, sites, excluded, seconds):
-        m = compare(ref, got, peak=peak)
-        rows.append({"name": name, "calibrator": calibrator, "weights": weights, "sites": len(sites),
-                     "excluded": excluded, "calib_seconds": round(seconds, 2),
-                     **{k: float(m[k]) for k in ("cosine", "psnr_db", "rel_l2", "max_abs")}})
-        log.info("peer %s: cosine %.6f, PSNR %.2f dB", name, m["cosine"], m["psnr_db"])
-
     method = stats.metadata.method
     ours_excl = [s for s in (n for n, mod in model.named_modules() if isinstance(mod, torch.nn.Linear))
                  if s not in ours_sites]
-    add("trt_sora (engine)", method, "per channel" + (", GPTQ-rounded" if weights is not None else ""),
-        sample(model, lambda: fake_quantized(model, act, "fp8_e4m3", sites=ours_sites, weight_amax=w_pc,
-                                             weights=weights)),
-        ours_sites, ours_excl, ours_time)
-    if weights is not None:
-        add("trt_sora (engine, nearest rounding)", method, "per channel",
-            sample(model, lambda: fake_quantized(model, act, "fp8_e4m3", sites=ours_sites, weight_amax=w_pc)),
+    run.add("trt_sora (engine)", method, "per channel" + (", GPTQ-rounded" if weights is not None else ""),
+            run.sample(model, lambda: fake_quantized(model, act, "fp8_e4m3", sites=ours_sites, weight_amax=w_pc,
+                                                     weights=weights)),
             ours_sites, ours_excl, ours_time)
-    add("trt_sora (checkpoint)", method, "per tensor",
-        sample(model, lambda: fake_quantized(model, act, "fp8_e4m3", sites=ours_sites, weight_amax=w_pt)),
-        ours_sites, ours_excl, ours_time)
+    if weights is not None:
+        run.add("trt_sora (engine, nearest rounding)", method, "per channel",
+                run.sample(model, lambda: fake_quantized(model, act, "fp8_e4m3", sites=ours_sites, weight_amax=w_pc)),
+                ours_sites, ours_excl, ours_time)
+    run.add("trt_sora (checkpoint)", method, "per tensor",
+            run.sample(model, lambda: fake_quantized(model, act, "fp8_e4m3", sites=ours_sites, weight_amax=w_pt)),
+            ours_sites, ours_excl, ours_time)
+    return ours_sites, ours_excl
 
-    recipe_net = copy.deepcopy(model)  # as ModelOpt's diffusers example: quantize + calibrate, then the filter
-    rx = re.compile(adapter.modelopt_exclude)
+
+def _modelopt_rows(run: _PeerRun, mtq, stats, ours_sites: Sequence[str], ours_excl: list[str]) -> float | None:
+    """ModelOpt's FP8 recipe (its diffusers example: quantize + calibrate, then the family's filter) and
+    its max calibrator on our sites, both over our calibration trajectories; the replay check."""
+    recipe_net = copy.deepcopy(run.model)
+    rx = re.compile(run.adapter.modelopt_exclude)
     t0 = time.perf_counter()
     with _quiet():
-        mtq.quantize(recipe_net, modelopt_recipe_config(), forward_loop=calibration_loop)
+        mtq.quantize(recipe_net, modelopt_recipe_config(), forward_loop=run.calibration_loop)
         mtq.disable_quantizer(recipe_net, lambda name: rx.match(name) is not None)
     t_recipe = time.perf_counter() - t0
     mo_sites = _quantized(recipe_net)
     mo_excl = [n for n, mod in recipe_net.named_modules() if isinstance(mod, torch.nn.Linear) and n not in mo_sites]
-    add("ModelOpt FP8 recipe", "max", "per tensor", sample(recipe_net), mo_sites, mo_excl, t_recipe)
+    run.add("ModelOpt FP8 recipe", "max", "per tensor", run.sample(recipe_net), mo_sites, mo_excl, t_recipe)
     del recipe_net
 
-    sites_net = copy.deepcopy(model)
+    sites_net = copy.deepcopy(run.model)
     t0 = time.perf_counter()
     with _quiet():
-        mtq.quantize(sites_net, _our_sites_config(ours_sites), forward_loop=calibration_loop)
+        mtq.quantize(sites_net, _our_sites_config(ours_sites), forward_loop=run.calibration_loop)
     t_sites = time.perf_counter() - t0
     replay = _replay_check(sites_net, stats, ours_sites)
-    add("ModelOpt max on our sites", "max", "per tensor", sample(sites_net), _quantized(sites_net), ours_excl, t_sites)
+    run.add("ModelOpt max on our sites", "max", "per tensor", run.sample(sites_net), _quantized(sites_net), ours_excl,
+            t_sites)
     del sites_net
-    return {
-        "setup": {"prompt_ids": [p.id for p in prompts], "num_steps": steps,
-                  "deployment_steps": adapter.sampling.num_steps,
-                  "guidance_scale": eval_settings.guidance_scale, "shift": eval_settings.shift,
-                  "shape": shape.as_dict(),
-                  "psnr_peak": peak, "psnr_peak_def": "reference final sample max - min", "calib_preset": preset.name,
-                  "calib_trajectories": len(calib_plan), "calib_steps": calib_settings.num_steps},
-        "rows": rows, "replay_max_rel_diff": replay, "modelopt_version": importlib.metadata.version("nvidia-modelopt"),
-        "modelopt_recipe": MODELOPT_PRESET, "modelopt_exclude": adapter.modelopt_exclude,
-    }
+    return replay
 
 
 def _replay_check(net, stats, sites: Sequence[str]) -> float | None:
