@@ -60,6 +60,9 @@ MUTATIONS = (
              "    y = d * tl.rsqrt(tl.sum(d * d, 0) / C + eps)",
              "    y = d * tl.rsqrt(tl.sum(d * d, 0) / (C + 1) + eps)",
              ("tests/kernels/test_triton_interpret.py",), fast=True),
+    Mutation("kernel-per-token-modulation", "the fused kernels read each token's own AdaLN vectors",
+             "kernels/triton_ops.py", "    vec = b * VB + (row - b * S) * VS", "    vec = b * VB",
+             ("tests/kernels/test_triton_interpret.py",), fast=True),
     # -- gates -------------------------------------------------------------------------------------------------
     Mutation("gate-max-abs", "a max_abs gate fails past its threshold", "parity/metrics.py",
              '    add("max_abs", metrics.get("max_abs"), gate.max_abs, "<=")',
@@ -100,6 +103,28 @@ MUTATIONS = (
              "        h = ops.gelu_quant(self.ff1(y), self.ff2.act_scale)",
              "        h = ops.gelu_quant(self.ff1(y), self.ff1.act_scale)",
              ("tests/runtime/test_torch_fp8.py::test_every_gemm_reads_its_input_at_the_plans_scale",)),
+    Mutation("torch-fp8-i2v-image-kv-scale", "I2V image tokens quantized at their own K/V GEMM's scale",
+             "models/wan_fp8.py",
+             "        k, v = self.kv_img(ops.quantize(img, self.kv_img.act_scale)).chunk(2, dim=-1)",
+             "        k, v = self.kv_img(ops.quantize(img, self.kv2.act_scale)).chunk(2, dim=-1)",
+             ("tests/runtime/test_torch_fp8_wan_variants.py::test_cpu_blocks_match_the_fake_quant_runner"
+              "[i2v-False]",)),
+    Mutation("torch-fp8-i2v-image-kv-bf16", "I2V image K/V run as the planned FP8 GEMM", "models/wan_fp8.py",
+             "                                      plan, counters)\n            self.register_buffer(\"nki\"",
+             "                                      {}, counters)\n            self.register_buffer(\"nki\"",
+             ("tests/runtime/test_torch_fp8_wan_variants.py::test_cpu_blocks_match_the_fake_quant_runner"
+              "[i2v-False]",)),
+    Mutation("torch-fp8-i2v-image-attention-dropped", "I2V cross-attention adds the image tokens' attention",
+             "models/wan_fp8.py",
+             "        return ops.quantize(ops.heads_to_tokens(att) + ops.heads_to_tokens(att_img), "
+             "self.out2.act_scale)",
+             "        return ops.heads_to_tokens(att, self.out2.act_scale)",
+             ("tests/runtime/test_torch_fp8_wan_variants.py::test_cpu_blocks_match_the_fake_quant_runner"
+              "[i2v-False]",)),
+    Mutation("torch-fp8-ti2v-one-timestep", "TI2V tokens modulated by their own frame's timestep", "models/wan_fp8.py",
+             "        mod = self.table + temb.float()",
+             "        mod = self.table + (temb[:, :1] if temb.dim() == 4 else temb).float()",
+             ("tests/runtime/test_torch_fp8_wan_variants.py::test_ti2v_block_modulates_each_token_by_its_own_frame",)),
     Mutation("quantize-shared-amax", "a shared input takes its members' largest amax", "quantize/api.py",
              "        amax = max(plan.act_amax[s] for s in sites)", "        amax = plan.act_amax[sites[0]]",
              ("tests/quantize/test_quantize.py::test_shared_input_takes_the_largest_members_amax",)),

@@ -122,6 +122,28 @@ def test_residual_norm_quant(t, variant):
 
 
 @interp
+@pytest.mark.parametrize("variant", ["residual_gate_mod", "gated_add"])
+def test_per_token_modulation_reads_each_rows_own_vectors(t, variant):
+    """Wan 2.2 TI2V: the AdaLN vectors are per token, [B, S, C] views of one [B, S, 6, C] tensor
+    (row stride 6C), as the fused block slices them; every row must read its own."""
+    g = torch.Generator().manual_seed(5)
+    b, s, c = 2, 37, 64
+    x = torch.randn(b, s, c, generator=g).to(torch.bfloat16)
+    r = torch.randn(b, s, c, generator=g).to(torch.bfloat16)
+    gate, ms, mh = (torch.randn(b, s, 6, c, generator=g) * 0.3).unbind(-2)[:3]
+    assert gate.stride() == (s * 6 * c, 6 * c, 1)
+    sc = torch.tensor(6.0 / 448)
+    if variant == "gated_add":
+        _bf16_close(t.gated_add(x, r, gate), (x.float() + r.float() * gate).to(torch.bfloat16))
+        return
+    kw = dict(branch=r, gate=gate, mod_scale=ms, mod_shift=mh, act_scale=sc)
+    xa, ya = t.residual_norm_quant(x, **kw)
+    xb, yb = ref.residual_norm_quant(x, **kw)
+    _bf16_close(xa, xb)
+    _fp8_close(ya, yb, sc, max_mismatch=0.08)
+
+
+@interp
 def test_elementwise_kernels(t):
     g = torch.Generator().manual_seed(0)
     h = (torch.randn(3, 50, 64, generator=g) * 3).to(torch.bfloat16)

@@ -28,11 +28,11 @@ def residual_norm_quant(x, **kw):
 
 
 def gated_add(x, branch, gate):
-    """``bf16(x + branch * gate)``; [B, S, C] with ``gate`` [B, C] fp32 (the FFN residual)."""
+    """``bf16(x + branch * gate)``; [B, S, C] with ``gate`` [B, C] or per token [B, S, C] fp32 (the FFN residual)."""
     t = _tri(x)
     if t:
         return t.gated_add(x, branch, gate)
-    return (x.float() + branch.float() * gate[:, None, :]).to(x.dtype)
+    return (x.float() + branch.float() * ref.per_row(gate)).to(x.dtype)
 
 
 def gelu_quant(h, act_scale):

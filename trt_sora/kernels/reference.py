@@ -19,8 +19,8 @@ from trt_sora.formats import INT8_MAX
 FP8 = torch.float8_e4m3fn
 
 __all__ = ["FP8", "FP8_MAX", "attention", "attention_fp8", "block_quant", "dequant_scale", "example_qkv", "gelu_quant",
-           "heads_to_tokens", "quantize", "quantize_int8", "qkv_rmsnorm_rope", "residual_norm_quant", "rms_stats",
-           "vt_key_order", "vt_natural"]
+           "heads_to_tokens", "per_row", "quantize", "quantize_int8", "qkv_rmsnorm_rope", "residual_norm_quant",
+           "rms_stats", "vt_key_order", "vt_natural"]
 
 
 def dequant_scale(amax: torch.Tensor) -> torch.Tensor:
@@ -34,6 +34,11 @@ def quantize(x: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
 
 
+def per_row(v: torch.Tensor) -> torch.Tensor:
+    """An AdaLN vector against [B, S, C] rows: [B, C] (per sample) -> [B, 1, C]; [B, S, C] (per token) as is."""
+    return v[:, None, :] if v.dim() == 2 else v
+
+
 def residual_norm_quant(x: torch.Tensor, *, branch: torch.Tensor | None = None, gate: torch.Tensor | None = None,
                         weight: torch.Tensor | None = None, bias: torch.Tensor | None = None,
                         mod_scale: torch.Tensor | None = None, mod_shift: torch.Tensor | None = None,
@@ -43,7 +48,8 @@ def residual_norm_quant(x: torch.Tensor, *, branch: torch.Tensor | None = None, 
     Args:
         x: [B, S, C] bf16 residual stream.
         branch: [B, S, C] bf16 branch output added to ``x`` first (``x + branch * gate``, in fp32).
-        gate / mod_scale / mod_shift: [B, C] fp32 per-sample AdaLN vectors.
+        gate / mod_scale / mod_shift: [B, C] fp32 per-sample AdaLN vectors, or [B, S, C] per token
+            (Wan 2.2 TI2V's per-frame timesteps).
         weight / bias: [C] LayerNorm affine (fp32), or None.
         act_scale: fp32 scalar dequant scale of the consumer linear's input; None -> bf16 output.
 
@@ -51,12 +57,12 @@ def residual_norm_quant(x: torch.Tensor, *, branch: torch.Tensor | None = None, 
     and ``bf16(LN(x_new) * (1 + mod_scale) + mod_shift)`` [B, S, C], FP8 when ``act_scale`` is given.
     """
     if branch is not None:
-        add = branch.float() * gate[:, None, :] if gate is not None else branch.float()
+        add = branch.float() * per_row(gate) if gate is not None else branch.float()
         x = (x.float() + add).to(x.dtype)
     n = F.layer_norm(x.float(), (x.shape[-1],), None if weight is None else weight.float(),
                      None if bias is None else bias.float(), eps)
     if mod_scale is not None:
-        n = n * (1 + mod_scale[:, None, :]) + mod_shift[:, None, :]
+        n = n * (1 + per_row(mod_scale)) + per_row(mod_shift)
     y = n.to(x.dtype)
     return x, (quantize(y, act_scale) if act_scale is not None else y)
 

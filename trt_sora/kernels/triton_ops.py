@@ -42,19 +42,31 @@ def _qi8(x, s):
 
 
 # -- residual + LayerNorm + modulation + quantize ---------------------------------------------------
+def _vec_strides(*vecs) -> tuple[int, int]:
+    """``(batch, token)`` element strides shared by the fp32 AdaLN vectors: [B, C] per sample (token
+    stride 0) or [B, S, C] per token (Wan 2.2 TI2V), any row strides, channels contiguous."""
+    given = [v for v in vecs if v is not None]
+    strides = {(v.stride(0), v.stride(1) if v.dim() == 3 else 0) for v in given}
+    if len(strides) > 1 or any(v.stride(-1) != 1 or v.dtype != torch.float32 for v in given):
+        raise ValueError("the AdaLN vectors of one kernel must be fp32 views with the same row strides and "
+                         f"contiguous channels, got strides {sorted(strides)}")
+    return strides.pop() if strides else (0, 0)
+
+
 @triton.jit
-def _res_norm_quant_kernel(X, R, G, W, BI, MS, MH, XO, Y, SC, S, C, eps,
+def _res_norm_quant_kernel(X, R, G, W, BI, MS, MH, XO, Y, SC, S, C, eps, VB, VS,
                            HAS_R: tl.constexpr, HAS_G: tl.constexpr, HAS_W: tl.constexpr, HAS_MOD: tl.constexpr,
                            QUANT: tl.constexpr, BLOCK_C: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     b = row // S
+    vec = b * VB + (row - b * S) * VS  # this row's AdaLN vectors: per sample (VS = 0) or per token
     cols = tl.arange(0, BLOCK_C)
     m = cols < C
     x = tl.load(X + row * C + cols, mask=m, other=0.0).to(tl.float32)
     if HAS_R:
         r = tl.load(R + row * C + cols, mask=m, other=0.0).to(tl.float32)
         if HAS_G:
-            r = r * tl.load(G + b * C + cols, mask=m, other=0.0)
+            r = r * tl.load(G + vec + cols, mask=m, other=0.0)
         xb = (x + r).to(tl.bfloat16)
         tl.store(XO + row * C + cols, xb, mask=m)
         x = xb.to(tl.float32)
@@ -64,7 +76,7 @@ def _res_norm_quant_kernel(X, R, G, W, BI, MS, MH, XO, Y, SC, S, C, eps,
     if HAS_W:
         y = y * tl.load(W + cols, mask=m, other=0.0) + tl.load(BI + cols, mask=m, other=0.0)
     if HAS_MOD:
-        y = y * (1.0 + tl.load(MS + b * C + cols, mask=m, other=0.0)) + tl.load(MH + b * C + cols, mask=m, other=0.0)
+        y = y * (1.0 + tl.load(MS + vec + cols, mask=m, other=0.0)) + tl.load(MH + vec + cols, mask=m, other=0.0)
     yb = y.to(tl.bfloat16)
     if QUANT:
         tl.store(Y + row * C + cols, _q8(yb.to(tl.float32), tl.load(SC)), mask=m)
@@ -79,12 +91,13 @@ def residual_norm_quant(x, *, branch=None, gate=None, weight=None, bias=None, mo
     y = torch.empty((b, s, c), device=x.device, dtype=FP8 if act_scale is not None else torch.bfloat16)
     xo = torch.empty_like(x) if branch is not None else x
     dummy = x
+    vb, vs = _vec_strides(gate, mod_scale, mod_shift)
     block_c = triton.next_power_of_2(c)
     _res_norm_quant_kernel[(b * s,)](
         x, branch if branch is not None else dummy, gate if gate is not None else dummy,
         weight if weight is not None else dummy, bias if bias is not None else dummy,
         mod_scale if mod_scale is not None else dummy, mod_shift if mod_shift is not None else dummy,
-        xo, y, act_scale if act_scale is not None else dummy, s, c, eps,
+        xo, y, act_scale if act_scale is not None else dummy, s, c, eps, vb, vs,
         HAS_R=branch is not None, HAS_G=gate is not None, HAS_W=weight is not None, HAS_MOD=mod_scale is not None,
         QUANT=act_scale is not None, BLOCK_C=block_c, num_warps=min(16, max(4, block_c // 512)))
     return xo, y
@@ -92,22 +105,25 @@ def residual_norm_quant(x, *, branch=None, gate=None, weight=None, bias=None, mo
 
 # -- gated residual add ------------------------------------------------------------------------------
 @triton.jit
-def _gated_add_kernel(X, R, G, Y, S, C, N, BLOCK: tl.constexpr):
+def _gated_add_kernel(X, R, G, Y, S, C, N, GB, GS, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < N
     row = offs // C
-    g = tl.load(G + (row // S) * C + offs % C, mask=m, other=0.0)
+    b = row // S
+    g = tl.load(G + b * GB + (row - b * S) * GS + offs % C, mask=m, other=0.0)
     x = tl.load(X + offs, mask=m, other=0.0).to(tl.float32)
     r = tl.load(R + offs, mask=m, other=0.0).to(tl.float32)
     tl.store(Y + offs, (x + r * g).to(tl.bfloat16), mask=m)
 
 
 def gated_add(x, branch, gate):
-    """``bf16(x + branch * gate)``: [B, S, C] bf16, ``gate`` [B, C] fp32; one pass."""
+    """``bf16(x + branch * gate)``: [B, S, C] bf16, ``gate`` [B, C] or per token [B, S, C] fp32; one pass."""
     b, s, c = x.shape
     y = torch.empty_like(x)
     n = x.numel()
-    _gated_add_kernel[(triton.cdiv(n, 4096),)](x, branch, gate, y, s, c, n, BLOCK=4096, num_warps=8)
+    gb, gs = _vec_strides(gate)
+    _gated_add_kernel[(triton.cdiv(n, 4096),)](x, branch, gate, y, s, c, n, gb, gs, BLOCK=4096,
+                                               num_warps=8)
     return y
 
 

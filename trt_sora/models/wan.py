@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from trt_sora.errors import ModelError, require
-from trt_sora.models.base import ModelAdapter, ModelSpec, torch_dtype, torch_fp8_unsupported, transformer_folder
+from trt_sora.models.base import ModelAdapter, ModelSpec, torch_dtype, transformer_folder
 
 CLASS_NAME = "WanTransformer3DModel"
 
@@ -301,13 +301,8 @@ class WanAdapter(ModelAdapter):
         return out
 
     def torch_fp8_rewrite(self):
-        """Wan text-to-video blocks on FP8 GEMMs and fused kernels (:func:`trt_sora.models.wan_fp8.prepare`)."""
-        if self.is_i2v:
-            raise torch_fp8_unsupported(self, "image-to-video Wan blocks (added K/V projections) have no "
-                                        "torch-fp8 fused block yet")
-        if self.frame_timesteps:
-            raise torch_fp8_unsupported(self, "Wan 2.2 TI2V's per-token timestep embedding has no torch-fp8 fused "
-                                        "block yet")
+        """Wan blocks on FP8 GEMMs and fused kernels (:func:`trt_sora.models.wan_fp8.prepare`): text-to-video,
+        Wan 2.1 I2V (image K/V), Wan 2.2 TI2V (per-token modulation) and each expert of a Wan 2.2 pair."""
         from trt_sora.models import wan_fp8
 
         return wan_fp8.prepare

@@ -15,6 +15,12 @@ One block, top to bottom (``q8`` = FP8 E4M3; every quantize fused into the kerne
     c   = cross_attention(y2 @ Wq2, q8(ctx) @ Wkv2) -> q8         FP8 GEMMs, cuDNN BF16 SDPA (text keys)
     x, y3 = x + c @ Wo2, q8(LN(x) * (1 + c_scale) + c_shift)      FP8 GEMM, residual_norm_quant
     x   = x + (q8(GELU(y3 @ W1)) @ W2) * c_gate                   FP8 GEMMs, gelu_quant, gated_add
+
+Wan 2.1 I2V: the context starts with the CLIP image tokens (``image_len`` of them, the processor's);
+the same queries attend to them through the added K/V projections (one FP8 GEMM, ``q8(img) @ Wkv_img``)
+and both attentions are summed in bf16 before ``Wo2``. Wan 2.2 TI2V: ``temb`` is per token
+([B, S, 6, C], a timestep per latent frame), so every AdaLN vector is a [B, S, C] view the kernels
+read per row.
 """
 from __future__ import annotations
 
@@ -24,6 +30,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from trt_sora.errors import ModelError
 from trt_sora.kernels import ops
 from trt_sora.kernels.fp8_linear import Fp8Linear, Gemm
 
@@ -53,18 +60,17 @@ def _fused_gemm(mods: list[tuple[str, torch.nn.Linear]], plan, counters) -> Gemm
 
 
 class FusedWanBlock(torch.nn.Module):
-    """``WanTransformerBlock`` (text-to-video) with FP8 GEMMs and fused quantization.
+    """``WanTransformerBlock`` (text-to-video, I2V, TI2V) with FP8 GEMMs and fused quantization.
 
-    ``forward(hidden_states [B, S, C] bf16, encoder_hidden_states [B, L, C], temb [B, 6, C],
-    rotary_emb (cos, sin) [1, S, 1, D])`` as diffusers calls it. ``fp8_attention`` switches the
-    self-attention kernel (FP8 Triton vs cuDNN BF16); the runner sets it per call.
+    ``forward(hidden_states [B, S, C] bf16, encoder_hidden_states [B, L, C] (I2V: image tokens
+    first), temb [B, 6, C] (TI2V: [B, S, 6, C]), rotary_emb (cos, sin) [1, S, 1, D])`` as diffusers
+    calls it. ``fp8_attention`` switches the self-attention kernel (FP8 Triton vs cuDNN BF16); the
+    runner sets it per call.
     """
 
     def __init__(self, blk, name: str, plan: Mapping[str, Any], counters: dict):
         super().__init__()
         a1, a2 = blk.attn1, blk.attn2
-        if a2.add_k_proj is not None:
-            raise ValueError("image-to-video Wan blocks (added K/V projections) are not supported by torch-fp8 yet")
         self.name, self.counters = name, counters
         self.heads = a1.heads
         self.eps = blk.norm1.eps
@@ -75,6 +81,16 @@ class FusedWanBlock(torch.nn.Module):
         self.q2 = Gemm(a2.to_q.weight, a2.to_q.bias, *_site(plan, f"{name}.attn2.to_q"), counters)
         self.kv2 = _fused_gemm([(f"{name}.attn2.to_{x}", getattr(a2, f"to_{x}")) for x in "kv"], plan, counters)
         self.out2 = Gemm(a2.to_out[0].weight, a2.to_out[0].bias, *_site(plan, f"{name}.attn2.to_out.0"), counters)
+        self.image_len, self.kv_img = 0, None
+        if a2.add_k_proj is not None:  # Wan 2.1 I2V
+            self.image_len = int(getattr(a2.processor, "image_len", 0))
+            if self.image_len <= 0:
+                raise ModelError(f"{name}: an image-to-video Wan block needs its image token count; load the model "
+                                 "through trt_sora's WanAdapter (it sets the processor's image_len)")
+            self.kv_img = _fused_gemm([(f"{name}.attn2.add_{x}_proj", getattr(a2, f"add_{x}_proj")) for x in "kv"],
+                                      plan, counters)
+            self.register_buffer("nki", a2.norm_added_k.weight.detach().to(torch.bfloat16), persistent=False)
+            self.img_eps = a2.norm_added_k.eps
         ff = blk.ffn.net
         self.ff1 = Gemm(ff[0].proj.weight, ff[0].proj.bias, *_site(plan, f"{name}.ffn.net.0.proj"), counters)
         self.ff2 = Gemm(ff[2].weight, ff[2].bias, *_site(plan, f"{name}.ffn.net.2"), counters)
@@ -89,9 +105,8 @@ class FusedWanBlock(torch.nn.Module):
 
     def forward(self, hidden_states, encoder_hidden_states, temb, rotary_emb):
         x = hidden_states.to(torch.bfloat16).contiguous()
-        b, s, c = x.shape
-        mod = (self.table + temb.float()).contiguous()  # [B, 6, C]
-        shift, scale, gate, c_shift, c_scale, c_gate = (mod[:, i].contiguous() for i in range(6))
+        mod = self.table + temb.float()  # [B, 6, C], or per token [B, S, 6, C] (TI2V)
+        shift, scale, gate, c_shift, c_scale, c_gate = mod.unbind(-2)  # views the kernels read by stride
         cos, sin = (t.reshape(t.shape[1], -1).float().contiguous() for t in rotary_emb)  # all S tokens' rows
         fp8_attn = self.fp8_attention
         self.counters["fp8_attention" if fp8_attn else "bf16_attention"] = \
@@ -103,17 +118,29 @@ class FusedWanBlock(torch.nn.Module):
         # 2. cross-attention (text keys: short, cuDNN BF16)
         x, y = ops.residual_norm_quant(x, branch=self.out1(att), gate=gate, weight=self.n2w, bias=self.n2b,
                                        eps=self.eps, act_scale=self.q2.act_scale)
-        ctx = encoder_hidden_states.to(torch.bfloat16)
-        q = F.rms_norm(self.q2(y), (c,), self.nq2, self.qk_eps)
-        k, v = self.kv2(ops.quantize(ctx, self.kv2.act_scale)).chunk(2, dim=-1)
-        k = F.rms_norm(k, (c,), self.nk2, self.qk_eps)
-        q, k, v = (t.unflatten(-1, (self.heads, -1)).transpose(1, 2) for t in (q, k, v))
-        att2 = ops.heads_to_tokens(ops.sdpa_bf16(q, k, v), self.out2.act_scale)
+        att2 = self._cross_attention(y, encoder_hidden_states.to(torch.bfloat16))
         # 3. feed-forward
         x, y = ops.residual_norm_quant(x, branch=self.out2(att2), eps=self.eps, mod_scale=c_scale, mod_shift=c_shift,
                                        act_scale=self.ff1.act_scale)
         h = ops.gelu_quant(self.ff1(y), self.ff2.act_scale)
         return ops.gated_add(x, self.ff2(h), c_gate).to(hidden_states.dtype)
+
+    def _heads(self, t):
+        return t.unflatten(-1, (self.heads, -1)).transpose(1, 2)
+
+    def _cross_attention(self, y, ctx):
+        """Queries from ``y`` over the text tokens (I2V: and over the leading image tokens, summed in
+        bf16): the ``to_out`` input [B, S, C], FP8 at its scale. Short contexts: cuDNN BF16 SDPA."""
+        c = y.shape[-1]
+        img, txt = ctx[:, :self.image_len], ctx[:, self.image_len:]
+        q = self._heads(F.rms_norm(self.q2(y), (c,), self.nq2, self.qk_eps))
+        k, v = self.kv2(ops.quantize(txt, self.kv2.act_scale)).chunk(2, dim=-1)
+        att = ops.sdpa_bf16(q, self._heads(F.rms_norm(k, (c,), self.nk2, self.qk_eps)), self._heads(v))
+        if self.kv_img is None:
+            return ops.heads_to_tokens(att, self.out2.act_scale)
+        k, v = self.kv_img(ops.quantize(img, self.kv_img.act_scale)).chunk(2, dim=-1)
+        att_img = ops.sdpa_bf16(q, self._heads(F.rms_norm(k, (c,), self.nki, self.img_eps)), self._heads(v))
+        return ops.quantize(ops.heads_to_tokens(att) + ops.heads_to_tokens(att_img), self.out2.act_scale)
 
 
 def _blocks(model):

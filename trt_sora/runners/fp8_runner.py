@@ -63,7 +63,8 @@ class AttentionPolicy:
         enabled: FP8 attention at all.
         exclude: fnmatch patterns over block paths (``blocks.0``, ``blocks.3?``) kept in BF16.
         timesteps: ``(lo, hi)``: FP8 only for calls whose timestep lies in ``[lo, hi]`` (0-1000;
-            e.g. ``(200, 1000)`` keeps the low-noise end of the trajectory in BF16).
+            e.g. ``(200, 1000)`` keeps the low-noise end of the trajectory in BF16). A call with a
+            timestep per frame (Wan 2.2 TI2V) is at its largest one, the step's.
     """
 
     enabled: bool = True
@@ -218,7 +219,7 @@ class TorchFp8Runner(Runner):
 
         as_torch = is_torch(next(iter(feeds.values())))
         inputs = self._to_torch(feeds)
-        t = float(inputs[self.input_names.index("timestep")].reshape(-1)[0])
+        t = float(inputs[self.input_names.index("timestep")].max())  # per-frame timesteps: the step's
         with self._lock, torch.inference_mode():
             flags = self._set_attention(t)
             if self._graphs_on():
