@@ -139,7 +139,8 @@ def auto_backend(run: Path, rep: dict | None, device: str | None) -> str:
 
 
 def served_buckets(run: Path, rep: dict | None) -> tuple[ShapeProfile, ...]:
-    """Buckets: the engine manifest's, else the parity report's, else the export's whole range."""
+    """Buckets: the engine manifest's, else the parity report's, else the export's whole range (a
+    pair's: its first expert's export; an unchecked pair loads this way only with ``force``)."""
     rf = RunFolder(run)
     for src in ("engine", "parity"):
         if rf.has_manifest(src):
@@ -148,7 +149,7 @@ def served_buckets(run: Path, rep: dict | None) -> tuple[ShapeProfile, ...]:
                 return tuple(ShapeProfile.from_yaml(b, where=f"{src} bucket") for b in res["buckets"])
     if rep and rep.get("buckets"):
         return tuple(ShapeProfile.from_yaml(b) for b in rep["buckets"])
-    dyn = rf.read_manifest("export")["results"]["dynamic"]
+    dyn = rf.export_side(rf.read_pair()).read_manifest("export")["results"]["dynamic"]  # a pair: its experts'
     return (ShapeProfile.from_yaml({"name": "export-range", **dyn}),)
 
 
