@@ -16,8 +16,9 @@ Parts (``--parts``):
   kernel's time per layer in a profiled call, then the kernel alone on block 0's captured inputs
   and on the synthetic ones (bf16 and FP8 output), the autotuner's pick, and the SM clock / power
   nvidia-smi saw during each phase.
-* ``models``: one transformer call of Wan 1.3B / 14B (random weights, real sizes) per resolution
-  and batch: eager BF16 (cuDNN SDPA), ``torch.compile`` BF16 (diffusers' regional compilation),
+* ``models``: one transformer call of Wan 1.3B / 14B (or any Wan variant: ``wan2.1-i2v-14b``,
+  ``wan2.2-ti2v-5b``, ``wan2.2-t2v-a14b`` as its high-noise expert; random weights, real sizes) per
+  resolution and batch: eager BF16 (cuDNN SDPA), ``torch.compile`` BF16 (diffusers' regional compilation),
   and the torch-fp8 ladder: FP8 GEMMs (eager quantize) -> + fused quantization -> + 8-bit
   attention -> + CUDA graph (GEMMs with fast accumulation, as the recipes ship; rung
   ``fp8_fused_attn8_graph_exactacc``: the full rung with exact accumulation;
@@ -238,8 +239,17 @@ def call_inputs(adapter, size: str, batch: int) -> tuple[dict, list]:
     h, w = SIZES[size]
     point = {"batch": batch, "latent_frames": 21, "latent_height": h, "latent_width": w, "text_len": 512}
     feeds = adapter.example_inputs(point, dtype="bf16", device="cuda", seed=1)
-    feeds["timestep"] = torch.full((batch,), 700.0, device="cuda")
+    feeds["timestep"] = torch.full_like(feeds["timestep"], 700.0)  # TI2V: [B, latent_frames]
     return point, [feeds[n] for n in adapter.input_names]
+
+
+def bench_adapter(name: str):
+    """The adapter of one benchmarked transformer: a pair of experts (Wan 2.2 A14B) is benchmarked as
+    its high-noise expert (both experts have one architecture; each call runs one of them)."""
+    from trt_sora.models import get_adapter
+
+    adapter = get_adapter(name)
+    return adapter.expert(adapter.experts[0]) if adapter.experts else adapter
 
 
 def attention_in_model_part(name: str = "wan2.1-t2v-14b") -> dict:
@@ -344,6 +354,8 @@ def calibrate_plan(model, fwd, inputs, family_excludes):
             key = blk + ".attn1.qkv"
         elif rest[:1] == "2" and n.rsplit(".", 1)[1] in ("to_k", "to_v"):
             key = "text.kv"  # every block's cross K/V reads the one text tensor
+        elif rest[:1] == "2" and n.rsplit(".", 1)[1] in ("add_k_proj", "add_v_proj"):
+            key = "image.kv"  # Wan 2.1 I2V: and its image K/V the one image-token tensor
         groups.setdefault(key, []).append(n)
     plan = {}
     for members in groups.values():
@@ -395,10 +407,9 @@ def model_part(name: str, size: str, batch: int, iters: int, rungs: list[str], s
 
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from trt_sora.models import get_adapter
     from trt_sora.runners.fp8_runner import AttentionPolicy, TorchFp8Runner
 
-    adapter = get_adapter(name)
+    adapter = bench_adapter(name)
     point, inputs = call_inputs(adapter, size, batch)
     res = {"model": name, "size": size, "batch": batch, "point": point,
            "flops": model_flops(dict(adapter.spec.config), point), "rungs": {}}
@@ -512,10 +523,8 @@ def main(argv=None) -> None:
         out["attention"] = attention_part()
         print(json.dumps(out["attention"]), flush=True)
     if "models" in parts:
-        from trt_sora.models import get_adapter
-
         for m in a.models.split(","):
-            model = get_adapter(m).load("bf16", "cuda")  # once per model: every size and batch shares it
+            model = bench_adapter(m).load("bf16", "cuda")  # once per model: every size and batch shares it
             points = ([(p.split(":")[0], int(p.split(":")[1])) for p in a.points.split(",")] if a.points else
                       [(sz, int(b)) for sz in a.sizes.split(",") for b in a.batches.split(",")])
             for sz, b in points:
