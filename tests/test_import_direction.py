@@ -21,9 +21,9 @@ LAYERS: list[set[str]] = [
     # site policy, kernels (pure ops), the multi-process communication (parallel), weights one tensor at a time,
     # the teacher-forced trajectory comparison, compute-capability values (sm), the step-caching policy,
     # OpenTelemetry spans (tracing), a run folder's layout (runfolder),
-    # the quantized formats' qmax (formats)
+    # the quantized formats' qmax (formats), the sparse-attention pattern (sparse)
     {"__init__", "errors", "config", "manifest", "metrics", "sampling", "teacher_forcing", "onnx_tools", "prompts",
-     "site_policy", "parallel", "kernels", "weights", "sm", "caching", "tracing", "runfolder", "formats"},
+     "site_policy", "parallel", "kernels", "weights", "sm", "caching", "tracing", "runfolder", "formats", "sparse"},
     {"models"},
     {"export"},
     {"calibrate"},

@@ -164,7 +164,8 @@ def test_attention_configs_give_identical_results(s):
         o = torch.full((b, s, h * d), float("nan"), device="cuda", dtype=torch.bfloat16)
         grid = (triton.cdiv(s, cfg.kwargs["BLOCK_M"]), b * h)
         t._attn_fp8_kernel.fn[grid](q8, qs, kv[tma][0], ks, kv[tma][1], vs, o, o, s, sp, h, qs.shape[-1],
-                                    1.4426950408889634 / d ** 0.5, s.bit_length(), D=d, OUT_FP8=False, BLOCK_N=blk,
+                                    1.4426950408889634 / d ** 0.5, s.bit_length(), qs, qs, qs, 0, D=d, OUT_FP8=False,
+                                    SPARSE=False, BLOCK_N=blk,
                                     TMA=tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **cfg.kwargs)
         assert not o.isnan().any()
         outs.append(o)

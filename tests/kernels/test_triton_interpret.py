@@ -207,8 +207,8 @@ def test_attention_configs_match_fp32_attention_and_each_other(t, qkv_case):
             grid = (triton.cdiv(s, cfg.kwargs["BLOCK_M"]), b * h)
             # .fn: the kernel without its autotuner, which would time configs on a GPU
             t._attn_fp8_kernel.fn[grid](q8, qs, k8, ks, vt8, vs, o, osc if fp8 else o, s, vt8.shape[-1], h,
-                                        qs.shape[-1], 1.4426950408889634 / d ** 0.5, s.bit_length(), D=d,
-                                        OUT_FP8=fp8, BLOCK_N=t.SCALE_BLOCK, TMA=False, **cfg.kwargs)
+                                        qs.shape[-1], 1.4426950408889634 / d ** 0.5, s.bit_length(), qs, qs, qs, 0,
+                                        D=d, OUT_FP8=fp8, SPARSE=False, BLOCK_N=t.SCALE_BLOCK, TMA=False, **cfg.kwargs)
             outs.setdefault(fp8, []).append(o)
     for fp8, (a, b_) in outs.items():
         assert torch.equal(_bits(a), _bits(b_)), fp8
@@ -216,3 +216,46 @@ def test_attention_configs_match_fp32_attention_and_each_other(t, qkv_case):
     assert not o.isnan().any()
     assert torch.nn.functional.cosine_similarity(o.flatten(), want.flatten(), dim=0).item() >= 0.999
     _fp8_close(outs[True][0], ref.quantize(outs[False][0], osc), osc, max_mismatch=0.05)
+
+
+def _run_attention(t, ops8, cfg, blocks=None):
+    import triton
+
+    q8, qs, k8, ks, vt8, vs = ops8
+    b, h, s, d = q8.shape
+    o = torch.full((b, s, h * d), float("nan")).to(torch.bfloat16)
+    kidx, kcnt, krag = blocks if blocks is not None else (qs, qs, qs)
+    t._attn_fp8_kernel.fn[(triton.cdiv(s, cfg.kwargs["BLOCK_M"]), b * h)](
+        q8, qs, k8, ks, vt8, vs, o, o, s, vt8.shape[-1], h, qs.shape[-1], 1.4426950408889634 / d ** 0.5,
+        s.bit_length(), kidx, kcnt, krag, kidx.shape[-1] if blocks is not None else 0, D=d, OUT_FP8=False,
+        SPARSE=blocks is not None, BLOCK_N=t.SCALE_BLOCK, TMA=False, **cfg.kwargs)
+    return o
+
+
+@interp
+def test_block_sparse_attention_skips_exactly_the_masked_key_tiles(t):
+    """The kernel's sparse path over :func:`trt_sora.sparse.kernel_blocks` (a ragged last tile, tiles that
+    straddle the grid's rows) against fp32 attention over the same mask, both configs the same bits; with
+    every tile listed it is the dense kernel, bit for bit."""
+    from trt_sora.sparse import kernel_blocks, token_mask
+
+    grid, tile, window = (6, 8, 13), (1, 8, 16), (0, 0, 0)
+    s, h = 624, 2
+    qkv, wq, wk, cos, sin = ref.example_qkv(1, s, h, 64, seed=2, device="cpu")
+    ops8 = t.qkv_rmsnorm_rope(qkv, wq, wk, cos, sin, h, fp8=True)
+    q, k, v = ref.qkv_rmsnorm_rope(qkv, wq, wk, cos, sin, h, fp8=False)
+    mask = torch.from_numpy(token_mask(grid, tile, window, order="tile"))
+    assert 0.3 < mask.float().mean() < 0.9
+    blocks = tuple(torch.from_numpy(a) for a in kernel_blocks(grid, tile, window))
+    outs = [_run_attention(t, ops8, cfg, blocks) for cfg in t._attn_configs()]
+    assert torch.equal(outs[0], outs[1])
+    got = outs[0].float().flatten()
+    masked = ref.heads_to_tokens(torch.nn.functional.scaled_dot_product_attention(
+        q.float(), k.float(), v.float(), attn_mask=mask)).float().flatten()
+    dense = ref.heads_to_tokens(ref.attention(q, k, v)).float().flatten()
+    cos_ = torch.nn.functional.cosine_similarity
+    assert cos_(got, masked, dim=0).item() >= 0.999
+    assert cos_(got, dense, dim=0).item() < 0.99  # the mask changes the answer: skipping is not a no-op
+    full = tuple(torch.from_numpy(a) for a in kernel_blocks(grid, tile, (3, 1, 1)))
+    for cfg in t._attn_configs():
+        assert torch.equal(_run_attention(t, ops8, cfg, full), _run_attention(t, ops8, cfg))

@@ -23,6 +23,7 @@ from trt_sora.config.recipe import (
     QuantConfig,
     QuantFormat,
     Recipe,
+    SparseAttentionConfig,
     TorchFp8Config,
     recipe_from_dict,
     recipe_to_dict,
@@ -34,7 +35,8 @@ __all__ = [
     "AttentionMode", "Backend", "BuildConfig", "BuildRequirements", "CacheMethod", "CachingConfig", "CalibConfig",
     "CalibMethod",
     "DIM_NAMES", "DType", "DimRange", "ExportConfig", "ExternalData", "ModelConfig", "ParityConfig",
-    "ParityGate", "QuantConfig", "QuantFormat", "Recipe", "ShapeProfile", "TorchFp8Config", "check_point",
+    "ParityGate", "QuantConfig", "QuantFormat", "Recipe", "ShapeProfile", "SparseAttentionConfig", "TorchFp8Config",
+    "check_point",
     "from_dict", "to_dict", "load_recipe", "dump_recipe", "recipe_dirs", "list_recipes",
     "recipe_from_dict", "recipe_to_dict", "repo_root", "data_dir",
 ]

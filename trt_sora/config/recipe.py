@@ -304,6 +304,55 @@ class CachingConfig:
         return self.method is not CacheMethod.NONE
 
 
+_Window = tuple[int, int, int]
+
+
+@dataclasses.dataclass(frozen=True)
+class SparseAttentionConfig:
+    """Sparse self-attention: a 3-D tile pattern over latent frames x height x width tokens.
+
+    Tokens are grouped into tiles of ``tile`` (frames, height, width) tokens and ordered tile by tile;
+    that order is cut into blocks of ``tile``'s volume. A query block attends a key block when one of
+    their tiles lies within ``window`` tile distances of the other on every axis, or when the key block
+    holds a token of the first ``global_frames`` latent frames (:mod:`trt_sora.sparse`). The first
+    ``dense_steps`` denoising steps and the layers matching ``dense_layers`` (fnmatch over block paths,
+    ``blocks.0``) stay dense. ``window`` fixes every other layer's window; without it the calibrate
+    stage measures, per layer, the attention mass outside each of ``candidates`` (narrowest first) and
+    each layer takes the narrowest whose mass stays <= ``mass_budget`` (none: the layer stays dense).
+    ``check`` runs the candidate with the pattern and gates its clip; ``enabled: false`` is off.
+    """
+
+    enabled: bool = False
+    tile: _Window = (1, 8, 16)
+    window: _Window | None = None
+    candidates: tuple[_Window, ...] = ((0, 1, 1), (1, 1, 1), (1, 2, 2), (2, 2, 2))
+    mass_budget: float = 0.05
+    dense_steps: int = 2
+    dense_layers: tuple[str, ...] = ()
+    global_frames: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tile", tuple(self.tile))
+        object.__setattr__(self, "candidates", tuple(tuple(c) for c in self.candidates))
+        object.__setattr__(self, "dense_layers", tuple(self.dense_layers))
+        if self.window is not None:
+            object.__setattr__(self, "window", tuple(self.window))
+        if len(self.tile) != 3 or min(self.tile) < 1:
+            raise ConfigError(f"sparse_attention.tile={list(self.tile)} must be 3 positive token counts "
+                              "(latent frames, height, width after patching)")
+        for where, w in [("window", self.window)] + [(f"candidates[{i}]", c) for i, c in enumerate(self.candidates)]:
+            if w is not None and (len(w) != 3 or min(w) < 0):
+                raise ConfigError(f"sparse_attention.{where}={list(w)} must be 3 tile distances >= 0 "
+                                  "(frames, height, width)")
+        if self.window is None and not self.candidates:
+            raise ConfigError("sparse_attention: give a window or candidates for the calibrate stage to choose from")
+        _in_range("sparse_attention.mass_budget", self.mass_budget, 0.0, 1.0, lo_open=True,
+                  meaning=" (the attention mass a layer's window may leave out)")
+        if self.dense_steps < 0 or self.global_frames < 0:
+            raise ConfigError(f"sparse_attention.dense_steps={self.dense_steps} and global_frames="
+                              f"{self.global_frames} must be >= 0")
+
+
 @dataclasses.dataclass(frozen=True)
 class ParityGate:
     """Thresholds for one comparison; ``None`` disables that metric's gate."""
@@ -382,6 +431,7 @@ class Recipe:
     parity: ParityConfig = ParityConfig()
     torch_fp8: TorchFp8Config = TorchFp8Config()
     caching: CachingConfig = CachingConfig()
+    sparse_attention: SparseAttentionConfig = SparseAttentionConfig()
 
     def __post_init__(self) -> None:
         if self.format_version != RECIPE_FORMAT_VERSION:

@@ -63,7 +63,15 @@ def sdpa_bf16(q, k, v):
     return F.scaled_dot_product_attention(q, k, v)
 
 
-def self_attention(qkv, wq, wk, cos, sin, heads: int, eps: float, *, fp8: bool, out_scale=None, seq=None):
+def _rows(x, idx):
+    """``x[:, idx]`` for any dtype (FP8 gathered as bytes)."""
+    if x.element_size() == 1:
+        return x.view(torch.uint8)[:, idx].view(x.dtype)
+    return x[:, idx]
+
+
+def self_attention(qkv, wq, wk, cos, sin, heads: int, eps: float, *, fp8: bool, out_scale=None, seq=None,
+                   sparse=None):
     """Fused-QKV output [B, S, 3C] -> attention output [B, S, C] token-major (``to_out``'s input):
     RMSNorm across heads on Q and K, RoPE, attention (FP8 with per-block Q/K scales and K
     smoothing when ``fp8``, else BF16 SDPA); FP8 at ``out_scale`` when given.
@@ -71,10 +79,18 @@ def self_attention(qkv, wq, wk, cos, sin, heads: int, eps: float, *, fp8: bool, 
     ``seq`` (:class:`trt_sora.parallel.SeqShard`, Ulysses): ``qkv`` holds this rank's tokens; the
     per-token RMS statistics (over all heads) are taken here, then one all-to-all gives every rank
     all tokens of its heads, the epilogue and attention run on those, and a second all-to-all
-    returns this rank's tokens with every head. ``cos``/``sin`` cover all tokens."""
+    returns this rank's tokens with every head. ``cos``/``sin`` cover all tokens.
+
+    ``sparse`` (:class:`trt_sora.sparse.TileSparse`): block-sparse attention; the tokens run in its tile
+    order (``qkv`` rows and RoPE rows permuted, the output put back), the 8-bit kernel over its key
+    tiles, the references over its mask."""
     t = _tri(qkv)
     k_ = t or ref
     rstd = None
+    if sparse is not None:
+        if seq is not None:
+            raise ValueError("sparse attention under Ulysses is not supported; run it with ulysses=1")
+        qkv, cos, sin = _rows(qkv, sparse.perm), cos[sparse.perm], sin[sparse.perm]
     if seq is not None:
         b, s_loc = qkv.shape[:2]
         rstd = seq.all_gather_rows(k_.rms_stats(qkv, eps).view(b, s_loc, 2)).reshape(-1, 2).contiguous()
@@ -83,13 +99,16 @@ def self_attention(qkv, wq, wk, cos, sin, heads: int, eps: float, *, fp8: bool, 
         heads //= seq.size
     if not fp8:
         q, k, v = k_.qkv_rmsnorm_rope(qkv, wq, wk, cos, sin, heads, eps, fp8=False, rstd=rstd)
-        out = heads_to_tokens(sdpa_bf16(q, k, v), out_scale)
+        out = heads_to_tokens(sdpa_bf16(q, k, v) if sparse is None else sparse.attend_tile(q, k, v), out_scale)
     elif t:
         out = t.attention_fp8(*t.qkv_rmsnorm_rope(qkv, wq, wk, cos, sin, heads, eps, fp8=True, rstd=rstd),
-                              out_scale=out_scale)
+                              out_scale=out_scale, blocks=None if sparse is None else sparse.kernel_blocks)
     else:
         q8, qs, k8, ks, v8, vs, _ = ref.qkv_rmsnorm_rope(qkv, wq, wk, cos, sin, heads, eps, fp8=True, rstd=rstd)
-        out = ref.heads_to_tokens(ref.attention_fp8(q8, qs, k8, ks, v8, vs), out_scale)
+        out = ref.heads_to_tokens(ref.attention_fp8(q8, qs, k8, ks, v8, vs, mask=None if sparse is None else
+                                                    sparse.mask_tile), out_scale)
+    if sparse is not None:
+        return _rows(out, sparse.inv)
     return out if seq is None else seq.heads_to_tokens(out)
 
 

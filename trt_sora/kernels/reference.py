@@ -151,14 +151,17 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor
     return F.scaled_dot_product_attention(q.float(), k.float(), v.float())
 
 
-def attention_fp8(q8, q_scale, k8, k_scale, v8, v_scale, block: int = 128) -> torch.Tensor:
+def attention_fp8(q8, q_scale, k8, k_scale, v8, v_scale, block: int = 128, mask=None) -> torch.Tensor:
     """What the 8-bit kernel computes, up to its online-softmax order: dequantized INT8 Q/K per
     block, probabilities quantized as ``fp8(p * 448) / 448`` against the row max, FP8 V per channel.
-    Returns [B, H, S, D] fp32."""
+    ``mask`` [S, S] bool (True: attend; :func:`trt_sora.sparse.token_mask`): the block-sparse kernel's
+    keys. Returns [B, H, S, D] fp32."""
     s = q8.shape[2]
     qd = q8.float() * q_scale.repeat_interleave(block, dim=2)[:, :, :s, None]
     kd = k8.float() * k_scale.repeat_interleave(block, dim=2)[:, :, :s, None]
     logits = qd @ kd.transpose(-1, -2) / q8.shape[-1] ** 0.5
+    if mask is not None:
+        logits = logits.masked_fill(~mask, float("-inf"))
     p = torch.exp(logits - logits.amax(-1, keepdim=True))
     pq = (p * FP8_MAX).to(FP8).float() / FP8_MAX
     return (pq @ (v8.float() * v_scale[:, :, None, :])) / p.sum(-1, keepdim=True)

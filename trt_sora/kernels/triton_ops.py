@@ -451,14 +451,15 @@ def _v_tile(VT8, vp, bh, n0, D: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.con
         return tl.load(vp + n0)
 
 
-@triton.autotune(configs=_attn_configs(), key=["D", "S_LOG2", "TMA"])
+@triton.autotune(configs=_attn_configs(), key=["D", "S_LOG2", "TMA", "SPARSE"])
 @triton.jit
-def _attn_fp8_kernel(Q8, QS, K8, KS, VT8, VS, O, OSC, S, S_pad, H, nblk, qk_scale, S_LOG2,
+def _attn_fp8_kernel(Q8, QS, K8, KS, VT8, VS, O, OSC, S, S_pad, H, nblk, qk_scale, S_LOG2, KIDX, KCNT, KRAG, KSTRIDE,
                      D: tl.constexpr, OUT_FP8: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr,
-                     BLOCK_M: tl.constexpr, PIPE: tl.constexpr):
+                     SPARSE: tl.constexpr, BLOCK_M: tl.constexpr, PIPE: tl.constexpr):
     """One (query tile of BLOCK_M rows, batch x head); key tiles of BLOCK_N = the scale block, so
     each K tile has one scale and each query tile lies inside one Q scale block. TMA: ``K8``/``VT8``
-    are tensor descriptors (zero-filled past S), else pointers."""
+    are tensor descriptors (zero-filled past S), else pointers. SPARSE: only the full key tiles
+    ``KIDX[qb, :KCNT[qb]]`` of the query's 128-row block ``qb``, and the ragged last one when ``KRAG[qb]``."""
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -479,7 +480,14 @@ def _attn_fp8_kernel(Q8, QS, K8, KS, VT8, VS, O, OSC, S, S_pad, H, nblk, qk_scal
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     n_full = S // BLOCK_N
-    if PIPE:  # tile j+1's Q K^T issued before tile j's softmax (Triton waits on it at once); last tile masked
+    if SPARSE:  # the listed key tiles only (ascending; the ragged last one below)
+        qb = (pid_m * BLOCK_M) // BLOCK_N
+        for jj in range(0, tl.load(KCNT + qb)):
+            j = tl.load(KIDX + qb * KSTRIDE + jj)
+            qk = tl.dot(q, tl.trans(_k_tile(K8, kp, bh, j * BLOCK_N, S, D, BLOCK_N, TMA, False)))
+            m_i, l_i, acc = _attn_tile(qk, qsc * tl.load(KS + bh * nblk + j), m_i, l_i, acc,
+                                       _v_tile(VT8, vp, bh, j * BLOCK_N, D, BLOCK_N, TMA))
+    elif PIPE:  # tile j+1's Q K^T issued before tile j's softmax (Triton waits on it at once); last tile masked
         qk = tl.dot(q, tl.trans(_k_tile(K8, kp, bh, 0, S, D, BLOCK_N, TMA, True)))
         for j in range(0, n_full):
             qk_next = tl.dot(q, tl.trans(_k_tile(K8, kp, bh, (j + 1) * BLOCK_N, S, D, BLOCK_N, TMA, True)))
@@ -494,7 +502,9 @@ def _attn_fp8_kernel(Q8, QS, K8, KS, VT8, VS, O, OSC, S, S_pad, H, nblk, qk_scal
     if n_full * BLOCK_N < S:  # the ragged last block: keys past S are masked out of the softmax
         LOG2_448: tl.constexpr = 8.807354922057604
         nm = (n_full * BLOCK_N + offs_n) < S
-        if not PIPE:
+        if SPARSE:  # a ragged tile outside the pattern: every key masked, the tile adds exactly nothing
+            nm = nm & (tl.load(KRAG + (pid_m * BLOCK_M) // BLOCK_N) != 0)
+        if SPARSE or not PIPE:
             qk = tl.dot(q, tl.trans(_k_tile(K8, kp, bh, n_full * BLOCK_N, S, D, BLOCK_N, TMA, True)))
         c = qsc * tl.load(KS + bh * nblk + n_full)
         sc = (qk + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
@@ -541,7 +551,7 @@ def attention_kernel(device=None) -> str:
 
 
 def attention_fp8(q8, q_scale, k8, k_scale, vt8, v_scale, *, out_scale=None, tma: bool | None = None,
-                  ws: bool | None = None):
+                  ws: bool | None = None, blocks=None):
     """Softmax attention on 8-bit operands -> [B, S, H*D] token-major (``to_out``'s input layout):
     INT8 Q K^T and FP8 P V on tensor cores (SageAttention2's 8-bit recipe), fp32 online softmax.
 
@@ -550,7 +560,11 @@ def attention_fp8(q8, q_scale, k8, k_scale, vt8, v_scale, *, out_scale=None, tma
     ``to_out`` linear's static input scale). ``ws``: the warp-specialized Gluon kernel, the same bits
     (default: :func:`attention_kernel`). ``tma``, an option of the Triton kernel (so a given ``tma`` picks
     it): key/value tiles through tensor descriptors (default :data:`ATTN_TMA` on SM >= 9.0).
+    ``blocks``: block-sparse attention, ``(kidx, kcnt, ragged)`` int32 on the device as
+    :func:`trt_sora.sparse.kernel_blocks` gives them (the Triton kernel: skipped key tiles are never loaded).
     """
+    if blocks is not None:
+        ws = False
     if ws is None:
         ws = tma is None and attention_kernel(q8.device) == "gluon-ws"
     if ws:
@@ -563,9 +577,11 @@ def attention_fp8(q8, q_scale, k8, k_scale, vt8, v_scale, *, out_scale=None, tma
         tma = ATTN_TMA and device_sm(q8.device) >= HOPPER_SM
     k_arg, v_arg = kv_descriptors(k8, vt8) if tma else (k8, vt8)
     grid = lambda meta: (triton.cdiv(s, meta["BLOCK_M"]), b * h)  # noqa: E731
+    kidx, kcnt, krag = blocks if blocks is not None else (q_scale, q_scale, q_scale)  # unread when dense
     _attn_fp8_kernel[grid](q8, q_scale, k_arg, k_scale, v_arg, v_scale, o, out_scale if out_scale is not None else o,
-                           s, s_pad, h, q_scale.shape[-1], qk_scale, max(1, s).bit_length(), D=d,
-                           OUT_FP8=out_scale is not None, BLOCK_N=SCALE_BLOCK, TMA=tma)
+                           s, s_pad, h, q_scale.shape[-1], qk_scale, max(1, s).bit_length(), kidx, kcnt, krag,
+                           kidx.shape[-1] if blocks is not None else 0, D=d,
+                           OUT_FP8=out_scale is not None, BLOCK_N=SCALE_BLOCK, TMA=tma, SPARSE=blocks is not None)
     return o
 
 
