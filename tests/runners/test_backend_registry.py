@@ -8,6 +8,7 @@ import pytest
 from run_folders import RECIPE
 
 import trt_sora
+from trt_sora.errors import ConfigError
 from trt_sora.runners import registry
 
 ROOT = Path(trt_sora.__file__).resolve().parent
@@ -86,6 +87,17 @@ def test_the_options_a_report_records_are_the_options_served(backend):
             "enabled": False, "exclude": ["blocks.0"], "timesteps": [100.0, 900.0]}}
     else:
         assert checked.checked() == registry.OpenOptions().checked()
+
+
+def test_a_sparse_plan_is_checked_and_served_as_recorded_and_dense_graphs_refuse_it(tmp_path):
+    sparse = {"tile": [1, 8, 16], "global_frames": 1, "dense_above": 800.0,
+              "windows": {"blocks.0": None, "*": [1, 1, 1]}}
+    checked = dataclasses.replace(registry.OpenOptions(), sparse=sparse)
+    rep = json.loads(json.dumps({"candidate": {"backend": "torch-fp8", "open": checked.checked()}}))
+    assert registry.served_options(rep).sparse == sparse
+    for backend in ("ort", "trt"):
+        with pytest.raises(ConfigError, match="sparse attention runs on torch and torch-fp8"):
+            registry.get_backend(backend).open(tmp_path, {}, None, checked)
 
 
 def test_a_report_without_recorded_options_serves_the_policy_it_executed():

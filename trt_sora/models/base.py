@@ -503,6 +503,19 @@ class ModelAdapter(Conditioner, abc.ABC):
 
         raise ConfigError(f"model family {self.family!r} has no sequence-parallel (Ulysses) path; use ulysses=1")
 
+    def sparse_attention_sites(self, model) -> dict[str, Any]:
+        """``{block path: object with a ``sparse`` seam}`` for each self-attention of a loaded ``model`` (the
+        seam: None for dense, or :class:`trt_sora.sparse.TileSparse`), a capability a family may provide."""
+        from trt_sora.errors import ConfigError
+
+        raise ConfigError(f"model family {self.family!r} has no sparse attention path; set "
+                          "sparse_attention.enabled: false")
+
+    def token_grid(self, hidden_shape: Sequence[int]) -> tuple[int, int, int]:
+        """The self-attention's token grid (latent frames, height, width after patching) for the transformer
+        input ``hidden_states`` of ``hidden_shape`` [B, C, F, H, W]; tokens in raster order over it."""
+        return tuple(int(n) // p for n, p in zip(hidden_shape[2:5], self.patch_size))  # type: ignore[return-value]
+
     def torch_fp8_rewrite(self) -> Callable[..., list]:
         """The torch-fp8 backend's block rewrite, a capability a family may provide:
         ``rewrite(model, plan, *, fused, counters, fast_accum) -> blocks`` turns a loaded model's

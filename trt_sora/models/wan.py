@@ -134,6 +134,7 @@ class WanExportAttnProcessor:
     def __init__(self, observer: Callable[[str, Any], None] | None = None, image_len: int = 0):
         self.observer = observer
         self.seq = None  # a trt_sora.parallel.SeqShard under Ulysses (self-attention only)
+        self.sparse = None  # trt_sora.sparse's seam: the self-attention as sparse(q, k, v) [B, H, S, D]
         self.image_len = int(image_len)  # image-to-video: leading image tokens of the cross-attention context
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
@@ -170,8 +171,11 @@ class WanExportAttnProcessor:
             heads //= seq.size
             q, k, v = (seq.tokens_to_heads(t.flatten(2)).unflatten(2, (heads, d)) for t in (q, k, v))
         qt = q.transpose(1, 2)
-        out = F.scaled_dot_product_attention(qt, k.transpose(1, 2), v.transpose(1, 2), attn_mask=attention_mask,
-                                             dropout_p=0.0, is_causal=False)
+        if self.sparse is not None and encoder_hidden_states is None:
+            out = self.sparse(qt, k.transpose(1, 2), v.transpose(1, 2))
+        else:
+            out = F.scaled_dot_product_attention(qt, k.transpose(1, 2), v.transpose(1, 2), attn_mask=attention_mask,
+                                                 dropout_p=0.0, is_causal=False)
         out = out.transpose(1, 2).flatten(2, 3).type_as(q)
         if image is not None:  # image-to-video: the same queries over the image tokens, summed
             k_i = attn.norm_added_k(attn.add_k_proj(image)).unflatten(2, (attn.heads, -1))
@@ -596,6 +600,11 @@ class WanAdapter(ModelAdapter):
 
         blocks[0].register_forward_pre_hook(shard)
         blocks[-1].register_forward_hook(lambda _m, _args, out: seq.gather(out, dim=1))
+
+    def sparse_attention_sites(self, model) -> dict[str, Any]:
+        """Each block's self-attention: the processor of ``attn1``, or the torch-fp8 fused block itself."""
+        return {f"blocks.{i}": blk if hasattr(blk, "sparse") else blk.attn1.processor
+                for i, blk in enumerate(model.blocks)}
 
     @property
     def vae_scale(self) -> tuple[int, int]:

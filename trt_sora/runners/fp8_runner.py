@@ -119,6 +119,7 @@ class TorchFp8Runner(Runner):
         mode: ``"fused"`` (fused quantization + Triton kernels, the product) or ``"gemm"`` (only
             the linears swapped for FP8 GEMMs that quantize their input eagerly; a benchmark rung).
         attention: :class:`AttentionPolicy` (``mode="fused"`` only).
+        sparse: a :class:`trt_sora.sparse.SparsePlan`: block-sparse self-attention per call (None: dense).
         cuda_graphs: capture one CUDA graph per input shape and attention pattern, replay after.
         fast_accum: the FP8 GEMMs accumulate with cuBLASLt's fast accumulation (recipe
             ``torch_fp8.gemm_fast_accum``, whose default is this one's; CUDA only: the CPU reference
@@ -134,7 +135,7 @@ class TorchFp8Runner(Runner):
                  attention: AttentionPolicy | None = None, cuda_graphs: bool = True,
                  fast_accum: bool = TorchFp8Config.gemm_fast_accum,
                  load_dtype: str | None = None, name: str | None = None, plan: Mapping[str, SitePlan] | None = None,
-                 model=None):
+                 model=None, sparse=None):
         super().__init__()
         from trt_sora.runners.torch_runner import as_adapter
 
@@ -144,6 +145,7 @@ class TorchFp8Runner(Runner):
         self.qdq_map, self.stats, self._given_plan, self._given_model = qdq_map, stats, plan, model
         self.device, self.mode = device, mode
         self.attention = attention or AttentionPolicy(enabled=mode == "fused")
+        self.sparse = sparse
         self.cuda_graphs = cuda_graphs
         self.fast_accum = bool(fast_accum)
         self.load_dtype = load_dtype
@@ -178,6 +180,7 @@ class TorchFp8Runner(Runner):
                               fast_accum=self.fast_accum)
         self.model = model
         self._fwd = self.adapter.export_module(model).eval()
+        self._sites = self.adapter.sparse_attention_sites(model) if self.sparse is not None else {}
         self._pool = torch.cuda.graph_pool_handle() if self._graphs_on() else None
         log.info("%s: %d FP8 sites, mode %s, attention %s", self.name, len(self.plan), self.mode,
                  self.attention.to_dict())
@@ -208,11 +211,16 @@ class TorchFp8Runner(Runner):
             out.append(t.to(self.device, torch.float32 if n == "timestep" else torch.bfloat16).contiguous())
         return out
 
-    def _set_attention(self, timestep: float) -> tuple[bool, ...]:
+    def _set_attention(self, timestep: float, hidden_shape) -> tuple:
+        """Each block's attention for one call: FP8 or BF16, and its sparse seam; the graph key part."""
         flags = tuple(self.mode == "fused" and self.attention.on(b.name, timestep) for b in self.blocks)
         for b, f in zip(self.blocks, flags):
             b.fp8_attention = f
-        return flags
+        if self.sparse is None:  # dense (the check's qdq level turns a sparse plan off for a while)
+            for site in self._sites.values():
+                site.sparse = None
+            return flags
+        return flags + self.sparse.set(self._sites, self.adapter.token_grid(hidden_shape), timestep, self.device)
 
     def _infer_impl(self, feeds):
         import torch
@@ -221,7 +229,7 @@ class TorchFp8Runner(Runner):
         inputs = self._to_torch(feeds)
         t = float(inputs[self.input_names.index("timestep")].max())  # per-frame timesteps: the step's
         with self._lock, torch.inference_mode():
-            flags = self._set_attention(t)
+            flags = self._set_attention(t, inputs[0].shape)
             if self._graphs_on():
                 y = self._replay(inputs, flags)
             else:
@@ -267,6 +275,7 @@ class TorchFp8Runner(Runner):
         info: dict[str, Any] = {"backend": "torch-fp8", "mode": self.mode, "device": dev,
                                 "quantized_sites": len(getattr(self, "plan", {})),
                                 "attention_policy": self.attention.to_dict(),
+                                "sparse_attention": None if self.sparse is None else self.sparse.to_dict(),
                                 "gemm_fast_accum": self.fast_accum and dev.startswith("cuda"),
                                 "cuda_graphs": len(self.graphs),
                                 "fp8_gemms_per_call": self.last_counts.get("fp8_gemm", 0),

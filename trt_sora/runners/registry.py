@@ -7,7 +7,7 @@ checked and what is served are built by one call.
 
 Options flow in two groups (:class:`OpenOptions`):
 
-* checked (``cuda_graphs``, ``attention``, ``fast_accum``): how the backend computes. The check takes
+* checked (``cuda_graphs``, ``attention``, ``fast_accum``, ``sparse``): how the backend computes. The check takes
   them from the recipe (:func:`check_options`) and records them in the report's candidate (``open``);
   the runtime opens the served runner with the recorded values (:func:`served_options`), never its own.
 * resources (``device``, ``dtype``, ``compile``, ``threads``, ``contexts``): where and how wide it runs.
@@ -26,13 +26,16 @@ from trt_sora.config.recipe import TorchFp8Config
 from trt_sora.errors import ArtifactError, BackendMissingError, ConfigError
 from trt_sora.runfolder import RunFolder
 from trt_sora.sm import device_sm, sm_dotted, sm_int
+from trt_sora.sparse import SparsePlan
 
 #: the run-folder files a backend can load, by artifact key (the engine is the one its manifest lists)
 ARTIFACT_SUFFIXES = {"export": "export/model.onnx", "qdq": "quant/model.qdq.onnx", "qdq_map": "quant/qdq_map.json",
                      "stats": "calib/stats.safetensors", "engine": ".plan"}
 
 #: the options a parity report vouches for; the runtime serves these as recorded
-CHECKED = ("cuda_graphs", "attention", "fast_accum")
+CHECKED = ("cuda_graphs", "attention", "fast_accum", "sparse")
+#: the backends that run sparse self-attention (the ONNX graph and the engine hold dense attention)
+SPARSE_BACKENDS = ("torch", "torch-fp8")
 
 
 def find_artifacts(run_dir: str | Path) -> dict[str, Path | None]:
@@ -72,11 +75,13 @@ class OpenOptions:
     cuda_graphs: bool = True  # trt, torch-fp8: capture and replay CUDA graphs
     attention: Mapping[str, Any] | None = None  # torch-fp8: the 8-bit attention policy (None: its default)
     fast_accum: bool = TorchFp8Config.gemm_fast_accum  # torch-fp8: cuBLASLt fast accumulation
+    sparse: Mapping[str, Any] | None = None  # torch, torch-fp8: a trt_sora.sparse.SparsePlan's dict (None: dense)
 
     def checked(self) -> dict[str, Any]:
-        """The options a parity report records and vouches for."""
+        """The options a parity report records and vouches for (``sparse`` only when on: a dense report reads
+        as before it existed)."""
         return {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in dataclasses.asdict(self).items()
-                if k in CHECKED}
+                if k in CHECKED and not (k == "sparse" and v is None)}
 
 
 def check_options(backend: str, recipe, device: str | None) -> OpenOptions:
@@ -138,8 +143,17 @@ class Backend:
         return self._open(Path(root), arts, family, options, name=name, model=model)
 
 
+def _dense_only(backend: str, options: OpenOptions) -> None:
+    if options.sparse:
+        raise ConfigError(f"backend {backend!r} runs the dense attention its graph holds; sparse attention runs on "
+                          f"{' and '.join(SPARSE_BACKENDS)}: check and serve with one of them, or set "
+                          "sparse_attention.enabled: false")
+
+
 def _open_trt(root: Path, arts, family, options: OpenOptions, *, name, model):
     from trt_sora.runners.trt_runner import TrtRunner
+
+    _dense_only("trt", options)
 
     plan = arts.get("engine")
     if plan is None:
@@ -159,13 +173,16 @@ def _open_torch_fp8(root: Path, arts, family, options: OpenOptions, *, name, mod
                             "or calib/stats.safetensors - run `trt-sora quantize` first")
     return TorchFp8Runner(family, arts["qdq_map"], arts["stats"], device=options.device or "cuda",
                           attention=AttentionPolicy.from_dict(options.attention), cuda_graphs=options.cuda_graphs,
-                          fast_accum=options.fast_accum, name=name).activate()
+                          fast_accum=options.fast_accum, name=name,
+                          sparse=SparsePlan.from_dict(options.sparse)).activate()
 
 
 def _open_ort(root: Path, arts, family, options: OpenOptions, *, name, model):
     """ONNX Runtime on the Q/DQ graph when there is one, else the plain export (ORT's run() is thread-safe:
     one session serves every caller)."""
     from trt_sora.runners.ort_runner import OrtRunner, providers_for
+
+    _dense_only("ort", options)
 
     qdq, export = arts.get("qdq"), arts.get("export")
     onnx = qdq if qdq is not None else export
@@ -186,7 +203,7 @@ def _open_torch(root: Path, arts, family, options: OpenOptions, *, name, model):
     if model is None:
         model = family.load(options.dtype, device)
     return TorchRunner(family, dtype=options.dtype, device=device, model=model, compile=options.compile,
-                       name=name).activate()
+                       name=name, sparse=SparsePlan.from_dict(options.sparse)).activate()
 
 
 BACKENDS: dict[str, Backend] = {b.name: b for b in (

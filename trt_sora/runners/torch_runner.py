@@ -1,6 +1,7 @@
 """PyTorch runners: the reference model and its fake-quantized twin (simulated Q/DQ)."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -30,6 +31,7 @@ class TorchRunner(Runner):
         device: ``"cpu"`` / ``"cuda"`` / ``"cuda:1"``.
         model: an already loaded module (shared between runners; not freed on deactivate).
         compile: wrap the forward in ``torch.compile`` (GPU benchmarking).
+        sparse: a :class:`trt_sora.sparse.SparsePlan`: the self-attentions masked per call (None: dense).
 
     ``infer`` feeds: ``hidden_states`` [B, C, F, H, W], ``timestep`` [B] fp32,
     ``encoder_hidden_states`` [B, L, D]; returns ``{"sample": [B, C, F, H, W]}`` as numpy fp32
@@ -37,9 +39,11 @@ class TorchRunner(Runner):
     """
 
     def __init__(self, model_ref, *, dtype: str = "fp32", device: str = "cpu", model=None,
-                 compile: bool = False, name: str | None = None):
+                 compile: bool = False, name: str | None = None, sparse=None):
         super().__init__()
         self.adapter = as_adapter(model_ref)
+        self.sparse = sparse
+        self._sites: dict[str, Any] = {}
         self.dtype, self.device = dtype, device
         self._given_model = model
         self.model = None
@@ -58,6 +62,7 @@ class TorchRunner(Runner):
         self.model = self._load_model()
         module = self.adapter.export_module(self.model).eval()
         self._fwd = torch.compile(module) if self.compile else module
+        self._sites = self.adapter.sparse_attention_sites(self.model) if self.sparse is not None else {}
 
     def _deactivate_impl(self) -> None:
         self.model = None
@@ -81,10 +86,18 @@ class TorchRunner(Runner):
 
         as_torch = is_torch(next(iter(feeds.values())))
         inputs = self._to_torch(feeds)
-        with torch.inference_mode():
+        with torch.inference_mode(), self._sparse_call(inputs):
             y = self._fwd(*[inputs[n] for n in self.input_names])
         name = self.output_names[0]
         return {name: y if as_torch else to_numpy(y, "float32")}
+
+    def _sparse_call(self, inputs: Mapping[str, Any]):
+        """The sparse plan's seams for one call (a no-op when dense): the token grid of ``hidden_states``,
+        the timestep of the call."""
+        if self.sparse is None:
+            return contextlib.nullcontext()
+        grid = self.adapter.token_grid(inputs[self.input_names[0]].shape)
+        return self.sparse.applied(self._sites, grid, float(inputs["timestep"].reshape(-1)[0]), self.device)
 
     def infer_probes(self, feeds, probes: Sequence[str]):
         """Also capture the outputs of the modules named in ``probes`` (module paths relative to
