@@ -241,18 +241,19 @@ def _trajectory_level(traj, gate, measured, settings, note, ref_name: str, cand_
 @contextlib.contextmanager
 def _without_8bit_attention(cand):
     """The qdq level isolates the GEMM calibration (what the Q/DQ graph holds): a torch-fp8
-    candidate runs it with BF16 attention; every other level runs the deployed policy."""
-    pol = getattr(cand, "attention", None)
+    candidate runs it with dense BF16 attention; every other level runs the deployed policy and
+    sparse pattern."""
+    pol, sparse = getattr(cand, "attention", None), getattr(cand, "sparse", None)
     if pol is None:
         yield
         return
     import dataclasses
 
-    cand.attention = dataclasses.replace(pol, enabled=False)
+    cand.attention, cand.sparse = dataclasses.replace(pol, enabled=False), None
     try:
         yield
     finally:
-        cand.attention = pol
+        cand.attention, cand.sparse = pol, sparse
 
 
 @dataclasses.dataclass
@@ -352,6 +353,19 @@ def _plan_caching(recipe, adapter, settings, sides: dict):
                         {side.rel("step_ratios"): RunFolder(side.root).calib for side in sides.values()})
 
 
+def _plan_sparse(recipe, adapter, settings, sides: dict, backend: str):
+    """The recipe's sparse attention at the loop's settings (None when off), resolved before any runner opens
+    so a backend or calibration that cannot carry it is refused first."""
+    if not recipe.sparse_attention.enabled:
+        return None
+    from trt_sora.parity.sparse import plan_sparse_check
+
+    sched = adapter.scheduler(settings.shift)
+    sched.set_timesteps(settings.num_steps)
+    return plan_sparse_check(recipe.sparse_attention, backend, [float(t) for t in sched.timesteps],
+                             {side.rel("attention_mass"): RunFolder(side.root).calib for side in sides.values()})
+
+
 def _expert_steps(adapter, settings) -> dict:
     """``{expert or None: [steps it serves]}`` of the sampling loop."""
     sched = adapter.scheduler(settings.shift)
@@ -377,6 +391,7 @@ class CheckPlan:
         served: ``{expert or None: [steps it serves]}``.
         keep: the trajectory steps whose call inputs the single-call levels reuse.
         caching: the recipe's cache schedules at the loop's settings (None: caching off).
+        sparse: the recipe's sparse attention at the loop's settings, opened on the candidate (None: dense).
     """
 
     backend: str
@@ -389,6 +404,7 @@ class CheckPlan:
     served: dict
     keep: tuple[int, ...]
     caching: Any = None
+    sparse: Any = None
 
     @property
     def cfg(self) -> str:
@@ -422,7 +438,7 @@ def _plan(adapter, recipe, sides: dict, backend: str) -> CheckPlan:
               if name != "qdq" or side.arts["qdq"] is not None]
     levels += ["trajectory", "loop", "frames"] + (["caching"] if caching is not None else [])
     return CheckPlan(backend, tuple(levels), tuple(buckets), settings, sampling_note, lp, batched, served,
-                     tuple(keep), caching)
+                     tuple(keep), caching, _plan_sparse(recipe, adapter, settings, sides, backend))
 
 
 def check_artifacts(run_dir: str | Path, recipe, *, model=None, backend: str = "ort", write: bool = True,
@@ -466,11 +482,16 @@ def check_artifacts(run_dir: str | Path, recipe, *, model=None, backend: str = "
     sides = _sides(run, adapter, recipe)
     plan = _plan(adapter, recipe, sides, backend)
     options = check_options(backend, recipe, device)
+    if plan.sparse is not None:
+        options = dataclasses.replace(options, sparse=plan.sparse.plan.to_dict())
     for side in sides.values():
         _open_side(side, backend, recipe, options)
     loop = _Loop.run(adapter, sides, plan, recipe.parity, seed, text_encoder)
     comparisons, localization = _compare(adapter, sides, plan, recipe.parity, loop, seed, localize_always)
     executed = _executed_on(backend, loop.lead.cand)
+    if plan.sparse is not None:
+        loop.sparse_record = plan.sparse.record(list(adapter.sparse_attention_sites(loop.lead.ref.model)),
+                                                adapter.token_grid(loop.noise.shape))
     for side in sides.values():
         for r in {id(x): x for x in side.runners()}.values():
             r.deactivate()
@@ -498,6 +519,7 @@ class _Loop:
     cand_calls: Any
     traj: Any = None
     cache_result: Any = None
+    sparse_record: Any = None
 
     @classmethod
     def run(cls, adapter, sides: dict, plan: CheckPlan, pc, seed: int, text_encoder) -> _Loop:
@@ -652,6 +674,8 @@ def _report(run: Path, recipe, adapter, sides: dict, plan: CheckPlan, options, c
               if v is not None}
     if plan.caching is not None:
         inputs.update({name: file_entry(path, run) for name, path in plan.caching.files.items()})
+    if plan.sparse is not None:
+        inputs.update({name: file_entry(path, run) for name, path in plan.sparse.files.items()})
     candidate = _merge_candidates({e: _candidate_entry(backend, options, s.cand.name, s.arts,
                                                        {k: file_entry(v, run) for k, v in s.arts.items()
                                                         if v is not None}, executed)
@@ -677,6 +701,8 @@ def _report(run: Path, recipe, adapter, sides: dict, plan: CheckPlan, options, c
         report["boundary_ratio"] = settings.boundary_ratio
     if loop.cache_result is not None:
         report["caching"] = loop.cache_result
+    if loop.sparse_record is not None:
+        report["sparse_attention"] = loop.sparse_record
     return report, inputs
 
 
@@ -727,7 +753,7 @@ def _single_call_levels(side: _Side, samples, pc, comparisons: list, localizatio
     if fq is not None:
         with _without_8bit_attention(cand):
             run_level("qdq", fq, cand, pc.qdq, "Q/DQ correctness: PyTorch fake-quant (same stats) vs the Q/DQ "
-                      "candidate" + (" (its GEMMs: 8-bit attention off at this level)"
+                      "candidate" + (" (its GEMMs: 8-bit and sparse attention off at this level)"
                                      if backend == "torch-fp8" else ""),
                       floor_ref=side.fq_floor)
         if side.fq_floor is not None:  # only the qdq level needs it: free its model copy now
@@ -849,6 +875,10 @@ def render_markdown(report: dict) -> str:
         from trt_sora.parity.caching import render
 
         lines += render(report["caching"])
+    if report.get("sparse_attention"):
+        from trt_sora.parity.sparse import render as render_sparse
+
+        lines += render_sparse(report["sparse_attention"])
     for level, loc in report.get("localization", {}).items():
         lines += ["", f"## Where the error starts ({level})", "",
                   f"First layer where the error jumps: **{loc['first_jump']}** (block {loc['block']}); "
