@@ -50,7 +50,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-SIZES = {"480p": (60, 104), "720p": (90, 160)}
+SIZES = {"480p": (480, 832), "720p": (720, 1280)}  # pixels; TI2V's 16x VAE makes 720p its 704 x 1280
 CEILING = {"fp8_tflops": 1450.0, "bf16_tflops": 790.0}  # _scaled_mm / bf16 mm at 8192^3 on our H200
 
 
@@ -234,10 +234,12 @@ class GpuSampler:
                 "temp_c_max": max(cols[2])}
 
 
-def call_inputs(adapter, size: str, batch: int) -> tuple[dict, list]:
-    """``(point, inputs)`` of one benchmark call: 81 frames (21 latent), text 512, timestep 700, on cuda."""
+def call_inputs(adapter, size: str, batch: int, frames: int = 81) -> tuple[dict, list]:
+    """``(point, inputs)`` of one benchmark call: ``frames`` pixel frames (81: 21 latent) at ``size``
+    (height rounded down to what the VAE and patch divide), text 512, timestep 700, on cuda."""
     h, w = SIZES[size]
-    point = {"batch": batch, "latent_frames": 21, "latent_height": h, "latent_width": w, "text_len": 512}
+    unit = adapter.vae_scale[1] * adapter.patch_size[1]
+    point = {"batch": batch, "text_len": 512, **adapter.latent_size(frames, h // unit * unit, w)}
     feeds = adapter.example_inputs(point, dtype="bf16", device="cuda", seed=1)
     feeds["timestep"] = torch.full_like(feeds["timestep"], 700.0)  # TI2V: [B, latent_frames]
     return point, [feeds[n] for n in adapter.input_names]
@@ -398,7 +400,7 @@ def model_flops(cfg, point) -> dict:
 
 
 def model_part(name: str, size: str, batch: int, iters: int, rungs: list[str], save=lambda res: None, *,
-               model, profile: bool = True) -> dict:
+               model, profile: bool = True, frames: int = 81) -> dict:
     """One model x size x batch. ``model``: the random-init model (its weights are drawn on the CPU, ~110 s
     for 14B, so :func:`main` builds it once for every size and batch); every rung runs on a GPU copy of
     it; ``save(res)`` after each rung, so a run cut off by its time limit keeps what it measured.
@@ -410,7 +412,7 @@ def model_part(name: str, size: str, batch: int, iters: int, rungs: list[str], s
     from trt_sora.runners.fp8_runner import AttentionPolicy, TorchFp8Runner
 
     adapter = bench_adapter(name)
-    point, inputs = call_inputs(adapter, size, batch)
+    point, inputs = call_inputs(adapter, size, batch, frames)
     res = {"model": name, "size": size, "batch": batch, "point": point,
            "flops": model_flops(dict(adapter.spec.config), point), "rungs": {}}
     fwd = adapter.export_module(model)
@@ -505,6 +507,7 @@ def main(argv=None) -> None:
     ap.add_argument("--points", default=None,
                     help="size:batch list (e.g. 480p:2,720p:1,720p:2) instead of every --sizes x --batches pair")
     ap.add_argument("--no-profile", action="store_true", help="skip the profiler splits (two calls per run)")
+    ap.add_argument("--frames", type=int, default=81, help="pixel frames of a models call (Wan 2.2 TI2V ships 121)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     if a.out:
@@ -536,7 +539,7 @@ def main(argv=None) -> None:
                         Path(a.out).write_text(json.dumps(out, indent=1))
 
                 r = model_part(m, sz, b, a.iters, a.rungs.split(","), save, model=model,
-                               profile=not a.no_profile)
+                               profile=not a.no_profile, frames=a.frames)
                 print(json.dumps({k: r[k] for k in ("model", "size", "batch")} | {
                     k: {kk: v.get(kk) for kk in ("s", "speedup_vs_eager_bf16", "speedup_vs_compile_bf16",
                                                    "cosine_vs_eager_bf16", "fp8_gemms_per_call",
