@@ -157,3 +157,13 @@ def test_hunyuan_tiny_serves_what_passed(hunyuan_run):
     bad["encoder_attention_mask_2"] = bad["encoder_attention_mask_2"][:, :3]  # disagrees with its stream
     with pytest.raises(rt.InputError):
         r.infer(bad)
+
+
+def test_frame_decoder_is_one_group_the_whole_decode(tiny):
+    """AutoencoderKLHunyuanVideo15 decodes every latent frame in one pass (no per-frame feature cache):
+    a stream gets the clip as one group, the decoder's frames exactly."""
+    adapter = tiny[0]
+    z = torch.randn((1, adapter.latent_channels, 2, 2, 2), generator=torch.Generator().manual_seed(0))
+    parts = list(adapter.frame_decoder()[0](z))
+    assert len(parts) == 1 and parts[0].shape[2] == 5
+    assert torch.equal(parts[0], adapter.decoder()[0](z))

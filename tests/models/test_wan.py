@@ -98,3 +98,26 @@ def test_random_init_is_the_same_model_on_every_device(tiny_adapter, dtype):
     assert cpu.keys() == gpu.keys()
     for k, v in gpu.items():
         assert v.is_cuda and torch.equal(v.cpu(), cpu[k]), k
+
+
+@pytest.mark.parametrize("name, groups", [("wan-tiny", [1, 4, 4, 4]), ("wan-ti2v-tiny", [1, 4, 4, 4]),
+                                          ("wan-shapes", [1, 1, 1, 1])])
+def test_frame_groups_are_the_one_shot_decode_bit_for_bit(name, groups):
+    """Latent frame by latent frame (1 pixel frame, then 4; pixel-space: 1 each), concatenated: exactly
+    diffusers' AutoencoderKLWan.decode of the un-normalised latents (fp32 CPU), the seeded tiny VAEs
+    of Wan 2.1 and Wan 2.2 (2x2 pixel patches)."""
+    adapter = get_adapter(name)
+    z = torch.randn((1, adapter.latent_channels, len(groups), 4, 6), generator=torch.Generator().manual_seed(0))
+    decode_groups, _ = adapter.frame_decoder()
+    parts = list(decode_groups(z))
+    assert [p.shape[2] for p in parts] == groups
+    vae, _ = adapter.vae()
+    if vae is None:
+        want = z.clamp(-1, 1)
+    else:
+        mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1)
+        std = torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1)
+        with torch.inference_mode():
+            want = vae.decode(z * std + mean, return_dict=False)[0]
+    assert torch.equal(torch.cat(parts, dim=2), want)
+    assert torch.equal(adapter.decoder()[0](z), want)

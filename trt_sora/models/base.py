@@ -16,7 +16,7 @@ import abc
 import dataclasses
 import hashlib
 import json
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -428,6 +428,14 @@ class ModelAdapter(Conditioner, abc.ABC):
         """``(decode, description)``: latents ``[B, C, F, H, W]`` -> frames ``[B, 3, F', H', W']``
         fp32 in ``[-1, 1]`` (the family's latent decoder), computed on ``device`` in ``dtype``
         (default: CPU, fp32) and returned there."""
+
+    def frame_decoder(self, device=None, dtype=None) -> tuple[Callable[[Any], Iterator[Any]], str]:
+        """``(decode_groups, description)``: as :meth:`decoder`, but ``decode_groups(z)`` yields the
+        frames ``[B, 3, f, H', W']`` of successive groups of latent frames as each is decoded (a
+        stream sends them before the clip is whole); concatenated along frames they equal
+        ``decode(z)``. Default: one group, the whole clip (a decoder that needs every latent frame)."""
+        decode, desc = self.decoder(device, dtype)
+        return (lambda z: iter([decode(z)])), desc
 
     def vae_on(self, device=None, dtype=None) -> tuple[Any, str]:
         """``(vae, description)`` of :meth:`vae` on ``device`` in ``dtype`` (a copy made once per

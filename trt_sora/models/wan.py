@@ -13,6 +13,7 @@ latent decoder (Wan VAE; Wan 2.2's 48-channel VAE for TI2V).
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -645,25 +646,34 @@ class WanAdapter(ModelAdapter):
         return vae.eval().requires_grad_(False), desc
 
     def decoder(self, device=None, dtype=None):
+        """Latents -> frames: :meth:`frame_decoder`'s groups, concatenated."""
+        import torch
+
+        groups, desc = self.frame_decoder(device, dtype)
+        return (lambda z: torch.cat(list(groups(z)), dim=2)), desc
+
+    def frame_decoder(self, device=None, dtype=None):
         """Latents -> frames through :meth:`vae` (un-normalised with its ``latents_mean`` /
-        ``latents_std``, as WanPipeline does) on ``device`` in ``dtype``; pixel-space models: the
-        latents, clamped."""
+        ``latents_std``, as WanPipeline does) on ``device`` in ``dtype``, yielded latent frame by latent
+        frame as :func:`causal_decode` makes them (1 pixel frame, then 4 a latent frame); pixel-space
+        models: each latent frame, clamped."""
         import torch
 
         vae, desc = self.vae_on(device, dtype)
         if vae is None:
-            return (lambda z: z.float().clamp(-1, 1)), desc
+            return (lambda z: (z[:, :, i:i + 1].float().clamp(-1, 1) for i in range(z.shape[2]))), desc
         mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1).to(device)
         std = torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1).to(device)
         dtype = dtype or torch.float32
+        lock = self._once(f"_decode_lock_{device}_{dtype}", threading.Lock)  # the VAE's cache is its own state
 
-        def decode(z):
+        def decode_groups(z):
             with torch.inference_mode():
-                z = z.to(device=mean.device, dtype=torch.float32) * std + mean
-                x = vae.decode(z.to(dtype), return_dict=False)[0]
-            return x.float().clamp(-1, 1)
+                z = (z.to(device=mean.device, dtype=torch.float32) * std + mean).to(dtype)
+            with lock:
+                yield from causal_decode(vae, z)
 
-        return decode, desc
+        return decode_groups, desc
 
     def diffusers_pipeline(self, transformer, *, encode, scheduler, defaults, transformer_2=None):
         """A ready ``WanPipeline`` (see :func:`diffusers_pipeline`): the checkpoint's VAE, or
@@ -762,6 +772,37 @@ def diffusers_pipeline(transformer, *, encode, vae, scheduler, defaults: Mapping
     return ArtifactWanPipeline(tokenizer=None, text_encoder=None, vae=vae, scheduler=scheduler,
                                transformer=transformer, transformer_2=transformer_2, boundary_ratio=boundary_ratio,
                                expand_timesteps=expand_timesteps)
+
+
+def causal_decode(vae, z):
+    """``AutoencoderKLWan.decode(z)`` (diffusers' ``_decode``, the same calls in the same order) one
+    latent frame at a time: yields the frames ``[B, 3, f, H, W]`` fp32 in ``[-1, 1]`` of each latent
+    frame as it is decoded, its causal feature cache carrying the earlier ones. A tiled or sliced
+    decode is one group (``vae.decode``)."""
+    import torch
+    from diffusers.models.autoencoders.autoencoder_kl_wan import unpatchify
+
+    h, w = z.shape[-2:]
+    ratio = vae.spatial_compression_ratio
+    if (vae.use_tiling and (w > vae.tile_sample_min_width // ratio or h > vae.tile_sample_min_height // ratio)) \
+            or (vae.use_slicing and z.shape[0] > 1):
+        with torch.inference_mode():
+            yield vae.decode(z, return_dict=False)[0].float().clamp(-1, 1)
+        return
+    vae.clear_cache()
+    try:
+        with torch.inference_mode():
+            x = vae.post_quant_conv(z)
+        for i in range(z.shape[2]):
+            with torch.inference_mode():
+                vae._conv_idx = [0]
+                out = vae.decoder(x[:, :, i:i + 1], feat_cache=vae._feat_map, feat_idx=vae._conv_idx,
+                                  first_chunk=i == 0)
+                if vae.config.patch_size is not None:
+                    out = unpatchify(out, patch_size=vae.config.patch_size)
+            yield out.float().clamp(-1, 1)
+    finally:
+        vae.clear_cache()
 
 
 def _random_vae(z_dim: int, wan22: bool):
