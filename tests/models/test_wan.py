@@ -121,3 +121,20 @@ def test_frame_groups_are_the_one_shot_decode_bit_for_bit(name, groups):
             want = vae.decode(z * std + mean, return_dict=False)[0]
     assert torch.equal(torch.cat(parts, dim=2), want)
     assert torch.equal(adapter.decoder()[0](z), want)
+
+
+@pytest.mark.gpu
+def test_frame_groups_on_the_gpu_are_the_one_shot_decode():
+    """The served decode (bf16 on CUDA): the same calls in the same order as vae.decode, so the same
+    bits."""
+    adapter = get_adapter("wan-tiny")
+    z = torch.randn((1, 16, 5, 8, 12), generator=torch.Generator().manual_seed(0))
+    decode_groups, desc = adapter.frame_decoder("cuda", torch.bfloat16)
+    got = torch.cat(list(decode_groups(z)), dim=2)
+    vae, _ = adapter.vae_on("cuda", torch.bfloat16)
+    mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1).cuda()
+    std = torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1).cuda()
+    with torch.inference_mode():
+        want = vae.decode((z.cuda() * std + mean).to(torch.bfloat16), return_dict=False)[0].float()
+    assert "bfloat16 on cuda" in desc and got.shape[2] == 17
+    assert torch.equal(got, want)

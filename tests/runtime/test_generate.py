@@ -235,6 +235,22 @@ def test_token_counts_are_what_the_encoders_keep():
     assert [n["text_len_2"] for n in hy.token_counts(prompts)] == [0, 9, 0]
 
 
+def test_on_frames_gets_each_clips_frames_group_by_group(runner):
+    """Two clips in one call group (no CFG): each clip's frames come as Wan's VAE decodes them (1 pixel
+    frame, then 4 a latent frame), named by the request's index, before the next clip's; together
+    they are the clip."""
+    import trt_sora.runtime as rt
+
+    seen = []
+    clips = rt.generate(runner, ["a cat walks", "a dog runs"], seed=[5, 6], guidance=1.0,
+                        on_frames=lambda i, f: seen.append((i, f)))
+    assert clips[0].metadata["batch"]["clips"] == 2
+    assert [(i, f.shape[0]) for i, f in seen] == [(0, 1), (0, 4), (0, 4), (1, 1), (1, 4), (1, 4)]
+    assert all(f.dtype == np.uint8 for _, f in seen)
+    for i, clip in enumerate(clips):
+        np.testing.assert_array_equal(np.concatenate([f for j, f in seen if j == i]), clip.frames)
+
+
 def test_the_decoder_runs_where_and_in_the_dtype_it_is_asked(runner):
     """A GPU generator decodes in bf16 on its device; the same copy-on-place path on the CPU: a bf16
     copy of the VAE, the fp32 one every stage shares untouched, frames within bf16's error of fp32."""

@@ -224,7 +224,7 @@ class Generator:
         self.text_encoder_source = text_encoder or adapter.spec.text_encoder or "hash"
         self._text_override = text_encoder
         self._encode = None
-        self._decode = None
+        self._decode_groups = None
         self.decoder_description = ""
         self._lock = threading.Lock()
         self.checked = _checked(self.run_dir)
@@ -358,20 +358,23 @@ class Generator:
 
                 gpu = self.device.startswith("cuda")
                 self._encode = self.adapter.text_encoder(self._text_override, device=self.device if gpu else None)
-                self._decode, self.decoder_description = self.adapter.decoder(
+                self._decode_groups, self.decoder_description = self.adapter.frame_decoder(
                     *((self.device, torch.bfloat16) if gpu else (None, None)))
                 if "random" in self.decoder_description:
                     log.warning("generate: %s has no VAE weights; decoding with a %s", self.adapter.name,
                                 self.decoder_description)
-        return self._encode, self._decode
+        return self._encode, self._decode_groups
 
     # -- generation -------------------------------------------------------------------------------
     def run(self, requests: Sequence[ClipRequest], *, cfg: str = "auto", max_batch: int | None = None,
-            hook: Callable | None = None) -> list[Clip]:
+            hook: Callable | None = None, on_frames: Callable | None = None) -> list[Clip]:
         """Clips for ``requests``, in order. Requests with the same settings and size are denoised
         together in groups of at most ``max_batch`` clips (default: what the buckets allow).
 
         ``hook``: :func:`trt_sora.sampling.sample`'s per-call hook (e.g. to time calls).
+        ``on_frames(i, frames)``: called with each group of request ``i``'s frames (uint8
+        ``[f, H, W, 3]``, in order; together the clip's) as the family's decoder makes them
+        (``adapter.frame_decoder``: Wan, latent frame by latent frame), before the clip is whole.
         Raises ShapeError (size outside every bucket), ConfigError (bad setting), and what the
         backend raises.
         """
@@ -385,7 +388,8 @@ class Generator:
         for idx in groups.values():
             for chunk in self._chunks(resolved[idx[0]], len(idx), cfg, max_batch):
                 part, idx = idx[:chunk], idx[chunk:]
-                for i, clip in zip(part, self._run_group([resolved[i] for i in part], cfg, hook)):
+                frames = None if on_frames is None else (lambda j, f, part=part: on_frames(part[j], f))
+                for i, clip in zip(part, self._run_group([resolved[i] for i in part], cfg, hook, frames)):
                     out[i] = clip
         return out  # type: ignore[return-value]
 
@@ -404,12 +408,12 @@ class Generator:
             n -= fit[-1]
         return chunks
 
-    def _run_group(self, group: list[_Resolved], cfg: str, hook) -> list[Clip]:
+    def _run_group(self, group: list[_Resolved], cfg: str, hook, on_frames=None) -> list[Clip]:
         import torch
 
         from trt_sora.sampling import gaussian_noise, runner_call, sample
 
-        encode, decode = self._parts()
+        encode, decode_groups = self._parts()
         r0 = group[0]
         mode = self.cfg_mode(r0, cfg)
         settings, p = r0.settings, r0.point
@@ -437,7 +441,7 @@ class Generator:
                      conditioner=self.adapter, cache=cache)
         t2 = time.perf_counter()
         # one clip at a time: a decoder's convolutions need not give the same bits at another batch size
-        frames = [decode(res.latents[i:i + 1]).float().cpu().numpy()[0] for i in range(len(group))]
+        frames = [_decode(decode_groups, res.latents, i, on_frames) for i in range(len(group))]
         t3 = time.perf_counter()
         call_batch = len(group) * (2 if mode == "batched" else 1)
         bucket = self.runner.bucket_for({**p, "batch": call_batch}).name
@@ -450,7 +454,7 @@ class Generator:
             common["experts"] = {"boundary_timestep": settings.boundary_timestep,
                                  "steps": {e: served.get(e, []) for e in settings.experts}}
         latents = res.latents.float().cpu().numpy()
-        return [Clip(prompt=g.request.prompt, seed=g.request.seed, frames=to_uint8(frames[i]), latents=latents[i],
+        return [Clip(prompt=g.request.prompt, seed=g.request.seed, frames=frames[i], latents=latents[i],
                      metadata={"prompt": g.request.prompt, "negative_prompt": g.request.negative_prompt,
                                "unconditional": self.negative_description(g.request.negative_prompt)
                                if settings.uses_cfg else "none (no CFG)", "seed": g.request.seed,
@@ -523,6 +527,17 @@ class Generator:
         }
 
 
+def _decode(decode_groups, latents, i: int, on_frames) -> np.ndarray:
+    """Clip ``i``'s uint8 frames ``[F, H, W, 3]`` from ``latents[i]`` alone, group by group
+    (``on_frames(i, frames)`` with each as it is made)."""
+    parts = []
+    for x in decode_groups(latents[i:i + 1]):
+        parts.append(to_uint8(x.float().cpu().numpy()[0]))
+        if on_frames is not None:
+            on_frames(i, parts[-1])
+    return np.concatenate(parts)
+
+
 def _caching_metadata(served, cache, steps, settings) -> dict:
     """What a clip's metadata says of step caching: the checked setting, whether it applied (only at the
     sampling settings it was checked at) and the branch calls made and reused."""
@@ -564,7 +579,8 @@ def generate(runner, prompts: str | Sequence[str], *, steps: int | None = None, 
              seed: int | Sequence[int] = 0, negative_prompt: str | None = None, shift: float | None = None,
              num_frames: int | None = None, height: int | None = None, width: int | None = None,
              cfg: str = "auto", max_batch: int | None = None, text_encoder: str | None = None,
-             hook: Callable | None = None, image: Any = None, truncate: bool = False) -> list[Clip]:
+             hook: Callable | None = None, image: Any = None, truncate: bool = False,
+             on_frames: Callable | None = None) -> list[Clip]:
     """Generate one clip per prompt with a loaded artifact (``trt_sora.runtime.load``).
 
     Args:
@@ -583,6 +599,8 @@ def generate(runner, prompts: str | Sequence[str], *, steps: int | None = None, 
         image: the conditioning image of an image-to-video model (one for every prompt, or a list with
             one per prompt): a path, a data URL, a PIL image or a uint8 array (see :class:`ClipRequest`).
         truncate: cut prompts longer than the text encoder's tokens (default: ConfigError naming the limit).
+        on_frames: ``on_frames(i, frames)`` with each group of prompt ``i``'s uint8 frames as it is
+            decoded (see :meth:`Generator.run`).
 
     Returns:
         one :class:`Clip` per prompt, in order (uint8 frames ``[F, H, W, 3]`` + metadata).
@@ -590,7 +608,8 @@ def generate(runner, prompts: str | Sequence[str], *, steps: int | None = None, 
     reqs = clip_requests(prompts, seed=seed, negative_prompt=negative_prompt, steps=steps, guidance=guidance,
                          shift=shift, num_frames=num_frames, height=height, width=width, image=image,
                          truncate=truncate)
-    return generator_for(runner, text_encoder=text_encoder).run(reqs, cfg=cfg, max_batch=max_batch, hook=hook)
+    return generator_for(runner, text_encoder=text_encoder).run(reqs, cfg=cfg, max_batch=max_batch, hook=hook,
+                                                                on_frames=on_frames)
 
 
 def clip_requests(prompts: str | Sequence[str], *, seed: int | Sequence[int] = 0, image: Any = None,
