@@ -11,11 +11,14 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
 from http_helpers import HANG, Gated, Lines, http_server
+
+from trt_sora.errors import ConfigError
 
 grpc = pytest.importorskip("grpc")
 
@@ -158,6 +161,43 @@ def test_stream_is_progress_then_a_fragmented_mp4_equal_to_the_file_path(stack, 
     assert engine.store.get(job_id).key_id == "alice"
 
 
+def test_mp4_pieces_are_sent_while_the_vae_decodes(stack, monkeypatch, tmp_path):
+    """The server's decoder holds the clip's last latent frame back until the client has an MP4 piece:
+    the stream sends the MP4 (its init segment, ftyp + moov) from the first decoded frames on, not
+    after the clip; the pieces are still the file path's clip."""
+    from trt_sora.runtime.video import read_video, write_mp4
+
+    engine, stub, _ = stack
+    pb2 = pb()[0]
+    gen = engine.generator
+    decode_groups = gen._parts()[1]
+    events, first_piece = [], threading.Event()
+
+    def held(z):  # Wan decodes latent frame by latent frame: one group each
+        for i, x in enumerate(decode_groups(z)):
+            if i == z.shape[2] - 1:
+                events.append(("last group waited", first_piece.wait(HANG)))
+            events.append(f"group {i}")
+            yield x
+
+    monkeypatch.setattr(gen, "_decode_groups", held)
+    pieces = []
+    for chunk in stub.Generate(pb2.GenerateRequest(prompt="a red circle moving right", seed=8), metadata=_auth(),
+                               timeout=HANG):
+        if chunk.WhichOneof("kind") == "mp4":
+            if not pieces:
+                events.append("first mp4 piece")
+                first_piece.set()
+            pieces.append(chunk.mp4)
+    assert events[0] == "group 0" and events[-2:] == [("last group waited", True), "group 2"], events
+    assert set(events[1:3]) == {"group 1", "first mp4 piece"}, events  # the client's piece and group 1 race
+    data, boxes = _check_pieces(pieces, LIMIT)
+    assert [k for _, k, _ in boxes][:2] == ["ftyp", "moov"] and pieces[0].data[4:8] == b"ftyp"
+    (tmp_path / "streamed.mp4").write_bytes(data)
+    frames = np.load(engine.get(chunk.job_id).result_path)
+    assert frames.shape[0] == 9
+    np.testing.assert_array_equal(read_video(tmp_path / "streamed.mp4"),
+                                  read_video(write_mp4(frames, tmp_path / "file.mp4", 16.0)))
 def test_keys_are_required(stack):
     engine, stub, _ = stack
     pb2 = pb()[0]
@@ -258,6 +298,34 @@ def test_pieces_cut_large_boxes_at_nal_units():
                for i, p in enumerate(out)]
     assert _check_pieces(as_msgs, limit)[0] == data
     assert {p.boundary for p in out} == {BOX, NAL, BYTES}
+
+
+def test_fragments_come_out_while_groups_of_frames_still_come_in():
+    """Groups of frames fed to the encoder as they come: the source holds its last group back until a
+    fragment (moof + mdat) has come out, so fragments are sent while frames are still being made; the
+    MP4 is the one of the whole array, byte for byte."""
+    from trt_sora.serve.fmp4 import BOX, fragmented_mp4
+
+    frames = np.random.default_rng(1).integers(0, 256, (120, 32, 48, 3), dtype=np.uint8)
+    fragment, events = threading.Event(), []
+
+    def groups():
+        for i in range(0, 116, 4):
+            yield frames[i:i + 4]
+        assert fragment.wait(HANG), "no fragment came out before the last group"
+        events.append("last group")
+        yield frames[116:]
+
+    out = []
+    for piece in fragmented_mp4(groups(), 16.0, max_piece=16 * 1024):
+        out.append(piece)
+        if piece.boundary == BOX and piece.data[4:8] == b"moof" and not fragment.is_set():
+            events.append("fragment")
+            fragment.set()
+    assert events == ["fragment", "last group"] and out[-1].last
+    assert b"".join(p.data for p in out) == b"".join(p.data for p in fragmented_mp4(frames, 16.0, max_piece=16 * 1024))
+    with pytest.raises(ConfigError, match="every group of a clip has the clip's size"):
+        list(fragmented_mp4(iter([frames[:2], frames[:2, :16]]), 16.0))
 
 
 def test_committed_stubs_match_the_proto(tmp_path):

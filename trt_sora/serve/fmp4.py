@@ -4,6 +4,7 @@
 
     for piece in fragmented_mp4(frames, fps=16):      # frames: uint8 [F, H, W, 3]
         send(piece.data)                              # <= MAX_PIECE_BYTES, in file order
+    fragmented_mp4(groups, fps=16)                    # or groups of frames, encoded as they come
 
 ffmpeg (the ``imageio-ffmpeg`` wheel's, as :func:`trt_sora.runtime.video.write_mp4`) encodes with
 the same H.264 settings as the file path and writes a fragmented MP4 to a pipe
@@ -18,9 +19,12 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import itertools
 import subprocess
 import threading
 from collections.abc import Iterable, Iterator
+
+import numpy as np
 
 from trt_sora.errors import ConfigError
 from trt_sora.runtime.video import VideoError, check_frames, ffmpeg_exe, upscale_frames
@@ -31,6 +35,7 @@ MAX_PIECE_BYTES = 128 * 1024
 FRAGMENT_MARGIN = 8 * 1024  # room for a fragment's moof (about 12 bytes per frame) beside its mdat
 BOX, NAL, BYTES = "box", "nal", "bytes"  # where a piece starts: a top-level box, a NAL unit, a byte count
 _HELD = (b"ftyp", b"moof")  # sent together with the box that follows (moov, mdat)
+_INIT = (b"ftyp", b"moov")  # the init segment: never the file's end
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,13 +51,18 @@ class Piece:
 
 def fragmented_mp4(frames, fps: float, *, scale: int = 1, crf: int = 18,
                    max_piece: int = MAX_PIECE_BYTES) -> Iterator[Piece]:
-    """The clip ``frames`` (uint8 ``[F, H, W, 3]``) as fragmented-MP4 pieces of at most ``max_piece``
-    bytes, yielded as ffmpeg writes them. Closing the iterator early stops ffmpeg. VideoError when
-    ffmpeg fails (the pieces sent so far then lack a ``last`` one)."""
+    """The clip ``frames`` (uint8 ``[F, H, W, 3]``, or an iterable of such groups of one size, fed to
+    the encoder as each comes) as fragmented-MP4 pieces of at most ``max_piece`` bytes, yielded as
+    ffmpeg writes them. Closing the iterator early stops ffmpeg. VideoError when ffmpeg fails, and
+    what the groups raise (the pieces sent so far then lack a ``last`` one)."""
     if max_piece < 2 * FRAGMENT_MARGIN:
         raise ConfigError(f"max_piece={max_piece} must be at least {2 * FRAGMENT_MARGIN} bytes")
-    x = upscale_frames(check_frames(frames), scale)
-    f, h, w, _ = x.shape
+    groups = iter([frames] if isinstance(frames, np.ndarray) else frames)
+    first = next(groups, None)
+    if first is None:
+        raise ConfigError("no frames to stream: give uint8 [num_frames, height, width, 3] frames")
+    x = upscale_frames(check_frames(first), scale)
+    _, h, w, _ = x.shape
     cmd = [ffmpeg_exe(), "-hide_banner", "-loglevel", "error", "-f", "rawvideo", "-pix_fmt", "rgb24",
            "-s", f"{w}x{h}", "-r", f"{fps:g}", "-i", "-", "-vf", "pad=ceil(iw/2)*2:ceil(ih/2)*2",
            "-c:v", "libx264", "-pix_fmt", "yuv420p", "-crf", str(int(crf)),
@@ -60,14 +70,25 @@ def fragmented_mp4(frames, fps: float, *, scale: int = 1, crf: int = 18,
            "-flush_packets", "1", "-f", "mp4", "pipe:1"]
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     errors: list[bytes] = []
+    failed: list[BaseException] = []
 
-    def feed() -> None:  # frame by frame: ffmpeg encodes (and writes fragments) while we still feed
+    def write(group) -> bool:  # frame by frame: ffmpeg encodes (and writes fragments) while we still feed
         try:
-            for frame in x:
+            for frame in group:
                 proc.stdin.write(frame.tobytes())
-            proc.stdin.close()
+            return True
         except (BrokenPipeError, ValueError):  # ffmpeg exited (an error, or the reader stopped it)
+            return False
+
+    def feed() -> None:
+        try:
+            if all(write(g) for g in itertools.chain([x], (_same_size(g, scale, x.shape) for g in groups))):
+                proc.stdin.close()
+        except BrokenPipeError:
             pass
+        except Exception as exc:  # the groups failed: no clean end for ffmpeg, so no `last` piece
+            failed.append(exc)
+            proc.kill()
 
     threads = [threading.Thread(target=feed, daemon=True),
                threading.Thread(target=lambda: errors.append(proc.stderr.read()), daemon=True)]
@@ -78,10 +99,16 @@ def fragmented_mp4(frames, fps: float, *, scale: int = 1, crf: int = 18,
         for piece in pieces(iter(lambda: proc.stdout.read1(1 << 16), b""), max_piece):
             if held is not None:
                 yield held
-            held = piece
+                held = None
+            if piece.boundary == BOX and piece.data[4:8] in _INIT:  # fragments follow: sent at once
+                yield piece
+            else:
+                held = piece  # until the next, or until ffmpeg exits: the last piece says so
         code = proc.wait()
         for t in threads:
             t.join()
+        if failed:
+            raise failed[0]
         if code != 0 or held is None:
             text = b"".join(errors).decode(errors="replace").strip()[-400:]
             raise VideoError(f"ffmpeg could not stream the clip as a fragmented MP4 (exit {code}): {text}")
@@ -95,6 +122,14 @@ def fragmented_mp4(frames, fps: float, *, scale: int = 1, crf: int = 18,
                 s.close()
             except (BrokenPipeError, OSError):
                 pass
+
+
+def _same_size(group, scale: int, shape) -> np.ndarray:
+    x = upscale_frames(check_frames(group), scale)
+    if x.shape[1:] != shape[1:]:
+        raise ConfigError(f"a group of frames of {x.shape[2]}x{x.shape[1]} after {shape[2]}x{shape[1]} ones (at "
+                          f"scale {scale}); every group of a clip has the clip's size")
+    return x
 
 
 def top_level_boxes(reads: Iterable[bytes]) -> Iterator[tuple[int, bytes]]:

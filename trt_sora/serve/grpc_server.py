@@ -14,7 +14,10 @@ limits, quota and job store: a job is committed before it is accepted, resumes a
 its result is fetchable over HTTP by the id of the first chunk). The stream then carries progress
 (the queue position while queued, step i of n while denoising) and the clip as a fragmented MP4 in
 pieces of at most 128 KiB, each starting where a box (or, inside a large ``mdat``, a NAL unit)
-begins, sent as ffmpeg writes them (:mod:`trt_sora.serve.fmp4`).
+begins (:mod:`trt_sora.serve.fmp4`): the engine hands the stream each group of frames as the VAE
+decodes it (``on_frames``; Wan: latent frame by latent frame), ffmpeg encodes them as they come and
+each piece is sent as ffmpeg writes it, the init segment at once; the last piece once the job is
+committed.
 
 Auth: with keys, ``authorization: Bearer KEY`` metadata (UNAUTHENTICATED without a valid key).
 Status codes: INVALID_ARGUMENT (a bad request, naming the field), RESOURCE_EXHAUSTED (queue full,
@@ -134,7 +137,7 @@ class _Servicer:
         with tracing.span("gRPC Generate") as span:
             try:
                 job = self.engine.submit(clip, key_id=key_id, trace_parent=span,
-                                         on_step=lambda step, n: events.put((step, n)))
+                                         on_step=lambda step, n: events.put((step, n)), on_frames=events.put)
             except (QueueFull, QuotaExceeded) as exc:
                 self._refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
                              "queue_full" if isinstance(exc, QueueFull) else "quota", str(exc),
@@ -169,37 +172,63 @@ class _Servicer:
                     return
                 if event is _DONE:
                     break
+                if isinstance(event, np.ndarray):  # the first frames are decoded: the MP4 begins
+                    yield progress(pb2.Progress.ENCODING)
+                    yield from self._mp4(job, scale, context, _decoded(event, events, job.resolved.size[0]))
+                    return
                 yield progress(pb2.Progress.DENOISING, step=event[0], num_steps=event[1])
             if job.status == FAILED:
                 context.abort(grpc.StatusCode.INTERNAL, f"job {job.id} failed: {job.error}")
             yield progress(pb2.Progress.ENCODING)
-            yield from self._mp4(job, scale, context)
+            try:  # no frames came while it ran (a job resumed before the stream began): the result file
+                frames = np.load(self.engine.result_file(job))
+            except TrtSoraError as exc:
+                context.abort(grpc.StatusCode.INTERNAL, f"job {job.id}: {exc}")
+            yield from self._mp4(job, scale, context, frames)
 
-    def _mp4(self, job, scale: int, context):
+    def _mp4(self, job, scale: int, context, frames):
+        """The MP4 pieces of ``frames`` (an array, or groups as they are decoded); the last piece only
+        once the job is done (committed to the job store), INTERNAL if it is not."""
+        import grpc
+
         from trt_sora.serve.proto import trt_sora_pb2 as pb2
+        from trt_sora.serve.scheduler import DONE
 
         boundary = {"box": pb2.Mp4Piece.BOX, "nal": pb2.Mp4Piece.NAL, "bytes": pb2.Mp4Piece.BYTES}
-        try:
-            frames = np.load(self.engine.result_file(job))
-        except TrtSoraError as exc:
-            import grpc
-
-            context.abort(grpc.StatusCode.INTERNAL, f"job {job.id}: {exc}")
         with tracing.span("encode_video", format="fmp4", scale=scale, job_id=job.id):
-            stream = fragmented_mp4(frames, float(job.metadata.get("fps", 16)), scale=scale,
-                                    max_piece=self.max_piece)
+            stream = fragmented_mp4(frames, self.engine.generator.adapter.fps, scale=scale, max_piece=self.max_piece)
             try:
                 for piece in stream:
                     if not context.is_active():
                         return
+                    if piece.last and not (job.done_event.wait() and job.status == DONE):
+                        context.abort(grpc.StatusCode.INTERNAL, f"job {job.id} {job.status}: {job.error}")
                     yield pb2.Chunk(job_id=job.id, mp4=pb2.Mp4Piece(
                         data=piece.data, offset=piece.offset, boundary=boundary[piece.boundary], last=piece.last))
             except TrtSoraError as exc:
-                import grpc
-
-                context.abort(grpc.StatusCode.INTERNAL, f"job {job.id}: {exc}")
+                if context.is_active():
+                    context.abort(grpc.StatusCode.INTERNAL, f"job {job.id}: {exc}")
             finally:
                 stream.close()
+
+
+class _Ended(TrtSoraError):
+    """The job ended, or its stream did, before the clip's last frame was decoded."""
+
+
+def _decoded(first: np.ndarray, events: queue.SimpleQueue, num_frames: int):
+    """The clip's groups of frames from ``first`` on, as the engine decodes them (read from the
+    stream's ``events``), until ``num_frames``; :class:`_Ended` if the job or the stream ends first."""
+    got = len(first)
+    yield first
+    while got < num_frames:
+        event = events.get()
+        if event is _DONE or event is _GONE:
+            raise _Ended(f"the job ended with {got} of its {num_frames} frames decoded; fetch its result over "
+                         "HTTP (GET /v1/jobs/ID/result) if it is done")
+        if isinstance(event, np.ndarray):
+            got += len(event)
+            yield event
 
 
 def _clip_request(request):

@@ -148,6 +148,7 @@ class JobState:
     trace_id: str | None = None
     span: Any = dataclasses.field(default=None, repr=False)  # the job's open trace span (tracing on)
     on_step: Any = dataclasses.field(default=None, repr=False)  # (step, num_steps) per denoising step
+    on_frames: Any = dataclasses.field(default=None, repr=False)  # (frames,) per decoded group of frames
     done_event: threading.Event = dataclasses.field(default_factory=threading.Event, repr=False)
 
     def view(self) -> dict:
@@ -525,11 +526,14 @@ class Engine:
                 log.error("serve: retention sweep failed: %s", exc)
 
     # -- jobs -------------------------------------------------------------------------------------
-    def submit(self, request, *, key_id: str | None = None, trace_parent=None, on_step=None) -> JobState:
+    def submit(self, request, *, key_id: str | None = None, trace_parent=None, on_step=None,
+               on_frames=None) -> JobState:
         """Queue a :class:`~trt_sora.runtime.ClipRequest` (committed to the store first, when there is
         one). ``key_id``: the caller's API key id (quota, job record). ``trace_parent``: the request's
         span; the job's span (queue wait, each stage) is its child. ``on_step(step, num_steps)``: called
         from the worker as each denoising step of the job begins (1-based; a gRPC stream's progress).
+        ``on_frames(frames)``: called from the worker with each group of the clip's uint8 frames
+        ``[f, H, W, 3]`` as it is decoded (a gRPC stream's MP4 fragments).
         Raises NotReady, Draining, QueueFull, QuotaExceeded, and ConfigError / ShapeError for a
         request the artifact cannot make (checked now, not later)."""
         if self.failed:
@@ -549,7 +553,7 @@ class Engine:
                 raise QueueFull(f"the queue is full ({len(self._queue)} jobs waiting); retry later")
             self._check_quota(key_id)
             job = JobState(id=uuid.uuid4().hex[:16], request=request, resolved=resolved, submitted=self._clock(),
-                           key_id=key_id, on_step=on_step)
+                           key_id=key_id, on_step=on_step, on_frames=on_frames)
             job.span = tracing.start("job", parent=trace_parent, job_id=job.id, key_id=key_id)
             job.trace_id = tracing.trace_id(job.span)
             if self.store is not None:
@@ -661,9 +665,11 @@ class Engine:
         began = time.time_ns()
         try:
             clips = self.generator.run([j.request for j in batch], cfg=self.config.cfg, max_batch=len(batch),
-                                       hook=hook)
+                                       hook=hook, on_frames=_frame_calls(batch))
             ended = time.time_ns()
         except Exception as exc:
+            for j in batch:  # frames a stream got cannot be taken back: a rerun's go to the result file only
+                j.on_frames = None
             if len(batch) > 1 and (not is_transient(exc) or is_oom(exc)):
                 half = len(batch) // 2  # find the job at fault / fit in memory: smaller batches
                 self._run(batch[:half], retried)
@@ -812,6 +818,13 @@ def _step_calls(batch: list[JobState]):
                 if j.on_step is not None:
                     j.on_step(info.step + 1, info.num_steps)
     return hook
+
+
+def _frame_calls(batch: list[JobState]):
+    """The generator's ``on_frames(i, frames)`` calling job ``i``'s ``on_frames(frames)``."""
+    if all(j.on_frames is None for j in batch):
+        return None
+    return lambda i, frames: batch[i].on_frames(frames) if batch[i].on_frames is not None else None
 
 
 def _trace_stages(job: JobState, began_ns: int, ended_ns: int, calls: list) -> None:

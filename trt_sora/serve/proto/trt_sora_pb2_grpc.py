@@ -46,7 +46,8 @@ class TrtSoraServicer:
 
     def Generate(self, request, context):
         """One clip, streamed: progress while the job is queued and denoised, then the clip as a
-        fragmented MP4 in pieces of at most 128 KiB, sent as the encoder writes it. The job is the
+        fragmented MP4 in pieces of at most 128 KiB, sent as the encoder writes it while the VAE
+        decodes. The job is the
         same as an HTTP POST /v1/jobs one (committed to the job store, resumable, fetchable by id).
         Errors: UNAUTHENTICATED (no or an unknown key), INVALID_ARGUMENT (a bad request; the message
         names the field), RESOURCE_EXHAUSTED (queue full, the key's quota, a message past the size
