@@ -283,6 +283,53 @@ def test_queue_position_full_queue_and_draining(tiny_runner):
         engine.close()
 
 
+class _Counted(Gated):
+    """A gated runner that counts the calls made once armed."""
+
+    calls = 0
+
+    def infer(self, feeds):
+        if self.armed:
+            self.calls += 1
+        return super().infer(feeds)
+
+
+def test_a_client_that_cancels_cancels_its_job(tiny_runner, tmp_path):
+    """The client cancels while step 1's transformer call is held: the job stops at step 2 (no other
+    call) and is cancelled in the engine and the job store; a queued job cancelled leaves the queue."""
+    from trt_sora.runtime import ClipRequest
+    from trt_sora.serve.grpc_server import GrpcConfig, start_grpc
+    from trt_sora.serve.scheduler import Engine, ServeConfig
+
+    pb2, pb2_grpc = pb()
+    gated = _Counted(tiny_runner)
+    engine = Engine(gated, ServeConfig(max_wait_s=0.0, state_dir=str(tmp_path / "state")))
+    engine.start(block=True)
+    server = start_grpc(engine, GrpcConfig(port=0))
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
+    try:
+        gated.arm()
+        call = pb2_grpc.TrtSoraStub(channel).Generate(pb2.GenerateRequest(prompt="cancel me", seed=2), timeout=HANG)
+        job = engine.get(next(call).job_id)
+        assert gated.entered.wait(HANG)
+        queued = engine.submit(ClipRequest("queued behind it"))
+        assert engine.cancel(queued.id) and engine.wait(queued.id, HANG).status == "cancelled"
+        assert engine.queue_depth == 0 and not engine.cancel(queued.id)
+        call.cancel()
+        assert job.cancel_event.wait(HANG), "the server did not see the client cancel"
+        gated.release.set()
+        assert engine.wait(job.id, HANG).status == "cancelled" and job.result_path is None
+        assert gated.calls == 1, f"{gated.calls} transformer calls: the job did not stop at its next step"
+        assert {engine.store.get(i).status for i in (job.id, queued.id)} == {"cancelled"}
+        assert not engine.cancel(job.id)
+    finally:
+        gated.release.set()
+        channel.close()
+        server.stop(grace=None)
+        engine.drain(HANG)
+        engine.close()
+
+
 def test_pieces_cut_large_boxes_at_nal_units():
     """A real fragmented MP4, read back in 7-byte reads and cut for 2 KiB pieces: fragments larger
     than a piece are cut where NAL units begin, a NAL unit larger than a piece by bytes."""

@@ -23,8 +23,9 @@ Auth: with keys, ``authorization: Bearer KEY`` metadata (UNAUTHENTICATED without
 Status codes: INVALID_ARGUMENT (a bad request, naming the field), RESOURCE_EXHAUSTED (queue full,
 the key's quota, with ``retry-after`` trailing metadata; also grpc's own refusal of a message past
 ``max_message_bytes`` or of more than ``max_streams`` streams), UNAVAILABLE (warming up, draining),
-INTERNAL (the job failed). A client that cancels ends its stream; the job goes on and stays
-fetchable.
+INTERNAL (the job failed). A client that cancels (or leaves) cancels its job: a queued one leaves
+the queue, a running one stops at its next denoising step (:meth:`Engine.cancel`; status
+``cancelled`` in the job store).
 """
 from __future__ import annotations
 
@@ -133,7 +134,6 @@ class _Servicer:
         except ConfigError as exc:
             self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, "bad_request", str(exc))
         events: queue.SimpleQueue = queue.SimpleQueue()
-        context.add_callback(lambda: events.put(_GONE))  # the stream ended: the client cancelled or left
         with tracing.span("gRPC Generate") as span:
             try:
                 job = self.engine.submit(clip, key_id=key_id, trace_parent=span,
@@ -148,6 +148,13 @@ class _Servicer:
             except (ConfigError, ShapeError) as exc:
                 self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, "bad_request", str(exc))
             log.info("serve: gRPC job %s accepted%s", job.id, f" for key {key_id}" if key_id else "")
+
+            def gone():  # the stream ended: a job not finished by then lost its client
+                events.put(_GONE)
+                self.engine.cancel(job.id)
+
+            if not context.add_callback(gone):
+                gone()
             if job.trace_id:
                 context.send_initial_metadata((("x-trace-id", job.trace_id),))
             threading.Thread(target=lambda: (job.done_event.wait(), events.put(_DONE)), daemon=True).start()
@@ -168,7 +175,7 @@ class _Servicer:
                         yield progress(pb2.Progress.QUEUED, queue_position=position)
                     continue
                 if event is _GONE:
-                    log.info("serve: gRPC client of job %s left; the job goes on", job.id)
+                    log.info("serve: gRPC client of job %s left", job.id)
                     return
                 if event is _DONE:
                     break

@@ -45,7 +45,7 @@ log = logging.getLogger("trt_sora")
 __all__ = ["Draining", "Engine", "JobState", "NotReady", "QueueFull", "QuotaExceeded", "ServeConfig", "memory_cap",
            "retry_after_seconds"]
 
-QUEUED, RUNNING, DONE, FAILED = "queued", "running", "done", "failed"
+QUEUED, RUNNING, DONE, FAILED, CANCELLED = "queued", "running", "done", "failed", "cancelled"
 
 
 class QueueFull(TrtSoraError):
@@ -150,6 +150,7 @@ class JobState:
     on_step: Any = dataclasses.field(default=None, repr=False)  # (step, num_steps) per denoising step
     on_frames: Any = dataclasses.field(default=None, repr=False)  # (frames,) per decoded group of frames
     done_event: threading.Event = dataclasses.field(default_factory=threading.Event, repr=False)
+    cancel_event: threading.Event = dataclasses.field(default_factory=threading.Event, repr=False)
 
     def view(self) -> dict:
         """JSON-safe status."""
@@ -486,7 +487,7 @@ class Engine:
         from trt_sora.runtime.generate import ClipRequest
 
         row = self.store.get(job_id)
-        if row is None or row.status not in (DONE, FAILED):
+        if row is None or row.status not in (DONE, FAILED, CANCELLED):
             return None
         try:
             request = ClipRequest.from_dict(row.request)
@@ -574,6 +575,24 @@ class Engine:
             raise QuotaExceeded(f"key {key_id} has {mine} jobs queued or running, its limit "
                                 "(`trt-sora serve --max-jobs-per-key`); wait for one to finish")
 
+    def cancel(self, job_id: str) -> bool:
+        """Cancel a queued or running job: a queued one leaves the queue now, a running one stops at
+        its next denoising step (its batch goes on when other jobs of it still want their clips, and
+        only its clip is dropped); status ``cancelled``. False when the job is unknown or finished."""
+        with self._cond:
+            job = self._jobs.get(job_id)
+            if job is None or job.status not in (QUEUED, RUNNING) or job.cancel_event.is_set():
+                return False
+            job.cancel_event.set()
+            queued = job.status == QUEUED
+            if queued:
+                self._queue.remove(job)
+                self._running += 1  # _finish counts it out
+        log.info("serve: job %s cancelled%s", job_id, "" if queued else "; it stops at its next step")
+        if queued:
+            self._finish([job], cancelled=True)
+        return True
+
     def get(self, job_id: str) -> JobState | None:
         job = self._jobs.get(job_id)
         if job is None and self.store is not None:
@@ -659,7 +678,7 @@ class Engine:
         from trt_sora.serve.batch import is_oom, is_transient
 
         calls: list = []
-        hook = _hooks(self.metrics.sampler_hook() if self.metrics else None,
+        hook = _hooks(_cancel_calls(batch), self.metrics.sampler_hook() if self.metrics else None,
                       _timed_calls(calls) if any(j.span is not None for j in batch) else None,
                       _step_calls(batch) if any(j.on_step is not None for j in batch) else None)
         began = time.time_ns()
@@ -667,6 +686,9 @@ class Engine:
             clips = self.generator.run([j.request for j in batch], cfg=self.config.cfg, max_batch=len(batch),
                                        hook=hook, on_frames=_frame_calls(batch))
             ended = time.time_ns()
+        except _Cancelled:
+            self._finish(batch, cancelled=True)
+            return
         except Exception as exc:
             for j in batch:  # frames a stream got cannot be taken back: a rerun's go to the result file only
                 j.on_frames = None
@@ -688,7 +710,10 @@ class Engine:
             self.metrics.batch_clips.observe(len(batch))
             self.metrics.batches.labels(clips=str(len(batch))).inc()
         kept = []
+        cancelled = [j for j in batch if j.cancel_event.is_set()]
         for job, clip in zip(batch, clips):
+            if job in cancelled:
+                continue
             job.metadata = clip.metadata
             _trace_stages(job, began, ended, calls)
             try:
@@ -699,6 +724,7 @@ class Engine:
                 continue
             kept.append(job)
         self._finish(kept)
+        self._finish(cancelled, cancelled=True)
 
     def _keep(self, job: JobState, frames) -> None:
         """Write the job's frames: ``results/<sha256>.npy`` with a store, ``<id>.npy`` without (temp
@@ -728,13 +754,14 @@ class Engine:
             self.remote.fetch(path.name, job.result_sha256, path)
         return path
 
-    def _finish(self, batch: list[JobState], error: str | None = None) -> None:
+    def _finish(self, batch: list[JobState], error: str | None = None, cancelled: bool = False) -> None:
         now = self._clock()
         with self._cond:
             for j in batch:
-                j.status, j.finished, j.error = (FAILED if error else DONE), now, error
+                j.status, j.finished, j.error = (CANCELLED if cancelled else FAILED if error else DONE), now, error
                 if self.store is not None:
-                    self.store.finished(j.id, now, error=error, metadata=j.metadata, result=j.result_sha256)
+                    self.store.finished(j.id, now, error=error, metadata=j.metadata, result=j.result_sha256,
+                                        cancelled=cancelled)
                 self._finishes.append(now)
                 if j.span is not None:
                     j.span.set_attribute("status", j.status)
@@ -804,6 +831,18 @@ def _timed_calls(calls: list):
         yield
         calls.append((step, t0, time.time_ns()))
     return lambda info: timed(info.step)
+
+
+class _Cancelled(Exception):
+    """Every job of a batch was cancelled: its sampling stops."""
+
+
+def _cancel_calls(batch: list[JobState]):
+    """A sampler hook stopping the batch (:class:`_Cancelled`) before a call once all its jobs are cancelled."""
+    def hook(info):
+        if all(j.cancel_event.is_set() for j in batch):
+            raise _Cancelled()
+    return hook
 
 
 def _step_calls(batch: list[JobState]):

@@ -9,7 +9,8 @@ their sha256.
 A job is committed before the server answers 202, so a process killed at any instant (kill -9
 included) loses no accepted job: on the next start :meth:`JobStore.unfinished` returns the jobs
 that were queued or running, oldest first, and the engine queues them again. Rows change status
-``queued -> running -> done | failed``; a row re-queued after a crash counts the attempt.
+``queued -> running -> done | failed`` (or ``cancelled`` from queued or running); a row re-queued
+after a crash counts the attempt.
 Retention: :meth:`JobStore.sweep` drops finished rows past an age or beyond a count, then the
 result files no row references.
 """
@@ -117,10 +118,10 @@ class JobStore:
             self._db.execute("COMMIT")
 
     def finished(self, job_id: str, when: float, *, error: str | None = None, metadata: dict | None = None,
-                 result: str | None = None) -> None:
+                 result: str | None = None, cancelled: bool = False) -> None:
+        status = "cancelled" if cancelled else "failed" if error else "done"
         self._write("UPDATE jobs SET status=?, finished=?, error=?, metadata=?, result=? WHERE id=?",
-                    ("failed" if error else "done", when, error, None if metadata is None else json.dumps(metadata),
-                     result, job_id))
+                    (status, when, error, None if metadata is None else json.dumps(metadata), result, job_id))
         with self._lock:
             self._pending.discard(result)
 
@@ -185,10 +186,11 @@ class JobStore:
             old = []
             if max_age_s is not None:
                 old += [r[0] for r in self._db.execute(
-                    "SELECT id FROM jobs WHERE status IN ('done', 'failed') AND finished < ?", (now - max_age_s,))]
+                    "SELECT id FROM jobs WHERE status NOT IN ('queued', 'running') AND finished < ?",
+                    (now - max_age_s,))]
             if keep is not None:
                 old += [r[0] for r in self._db.execute(
-                    "SELECT id FROM jobs WHERE status IN ('done', 'failed') ORDER BY finished DESC, rowid DESC "
+                    "SELECT id FROM jobs WHERE status NOT IN ('queued', 'running') ORDER BY finished DESC, rowid DESC "
                     "LIMIT -1 OFFSET ?", (keep,))]
             old = sorted(set(old))
             self._db.executemany("DELETE FROM jobs WHERE id=?", [(i,) for i in old])
