@@ -330,6 +330,77 @@ def test_a_client_that_cancels_cancels_its_job(tiny_runner, tmp_path):
         engine.close()
 
 
+def _self_signed(folder: Path) -> tuple[Path, Path]:
+    """A self-signed certificate for 127.0.0.1 and its key, PEM files in ``folder``."""
+    x509 = pytest.importorskip("cryptography.x509", reason="TLS test certificates are made with `cryptography`")
+    import datetime
+    import ipaddress
+
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(days=1))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                           critical=False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .sign(key, hashes.SHA256()))
+    cert_path, key_path = folder / "cert.pem", folder / "key.pem"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return cert_path, key_path
+
+
+def test_tls_streams_to_a_client_that_trusts_the_certificate(stack, tmp_path):
+    """--grpc-tls-cert/--grpc-tls-key: a client trusting the self-signed certificate gets the clip; a
+    plaintext client gets no answer; one file without the other, or a file that is no PEM, is a
+    ConfigError naming the flag."""
+    from trt_sora.serve.grpc_server import GrpcConfig, start_grpc
+
+    engine, _, _ = stack
+    pb2, pb2_grpc = pb()
+    cert, key = _self_signed(tmp_path)
+    server = start_grpc(engine, GrpcConfig(port=0, tls_cert=str(cert), tls_key=str(key)))
+    try:
+        trusted = grpc.ssl_channel_credentials(root_certificates=cert.read_bytes())
+        with grpc.secure_channel(f"127.0.0.1:{server.port}", trusted) as channel:
+            chunks = list(pb2_grpc.TrtSoraStub(channel).Generate(pb2.GenerateRequest(prompt="x", steps=1),
+                                                                 timeout=HANG))
+        assert chunks[-1].mp4.last and chunks[-1].mp4.data
+        with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            with pytest.raises(grpc.RpcError) as e:
+                list(pb2_grpc.TrtSoraStub(channel).Generate(pb2.GenerateRequest(prompt="x", steps=1), timeout=HANG))
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        server.stop(grace=None)
+    with pytest.raises(ConfigError, match="--grpc-tls-cert without --grpc-tls-key: give both"):
+        GrpcConfig(tls_cert=str(cert))
+    with pytest.raises(ConfigError, match="--grpc-tls-key without --grpc-tls-cert"):
+        GrpcConfig(tls_key=str(key))
+    (tmp_path / "not.pem").write_text("not pem\n")
+    with pytest.raises(ConfigError, match=r"--grpc-tls-key .*not a PEM file"):
+        GrpcConfig(tls_cert=str(cert), tls_key=str(tmp_path / "not.pem")).tls_pair()
+    with pytest.raises(ConfigError, match=r"--grpc-tls-cert .*cannot read it"):
+        GrpcConfig(tls_cert=str(tmp_path / "missing.pem"), tls_key=str(key)).tls_pair()
+
+
+@pytest.mark.parametrize("flags, said", [
+    (["--grpc-port", "0", "--grpc-tls-cert", "cert.pem"], "--grpc-tls-cert without --grpc-tls-key: give both"),
+    (["--grpc-tls-key", "key.pem", "--grpc-tls-cert", "cert.pem"], "give --grpc-port too"),
+])
+def test_cli_refuses_tls_flags_that_do_not_go_together(tmp_path, flags, said):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    res = subprocess.run([sys.executable, "-m", "trt_sora", "serve", "--run", str(tmp_path), *flags], env=env,
+                         capture_output=True, text=True, timeout=HANG)
+    assert res.returncode == 2 and said in res.stderr, res.stderr
+
+
 def test_pieces_cut_large_boxes_at_nal_units():
     """A real fragmented MP4, read back in 7-byte reads and cut for 2 KiB pieces: fragments larger
     than a piece are cut where NAL units begin, a NAL unit larger than a piece by bytes."""

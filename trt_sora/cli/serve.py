@@ -17,6 +17,9 @@ def add_parser(sub) -> None:
     p.add_argument("--grpc-port", type=int, default=None, help="also serve gRPC streaming (TrtSora.Generate: "
                    "progress, then the clip as fragmented-MP4 pieces) on this port of --host, same engine, keys "
                    "and job store (0: any free port, printed on the 'serving ... over gRPC on HOST:PORT' line)")
+    p.add_argument("--grpc-tls-cert", default=None, help="serve gRPC over TLS with this certificate chain (PEM; "
+                   "with --grpc-tls-key)")
+    p.add_argument("--grpc-tls-key", default=None, help="the private key (PEM) of --grpc-tls-cert")
     p.add_argument("--grpc-max-streams", type=int, default=64, help="gRPC streams at once (default 64; more: "
                    "RESOURCE_EXHAUSTED)")
     p.add_argument("--max-queue", type=int, default=64, help="waiting jobs before 429 (default 64)")
@@ -79,13 +82,19 @@ def run(args) -> int:
                       insecure_no_auth=args.insecure_no_auth)
     http.keys()  # a bad keys file or a public host without keys: refused before the model loads
     grpc_config = None
+    if args.grpc_port is None and (args.grpc_tls_cert or args.grpc_tls_key):
+        from trt_sora.errors import ConfigError
+
+        raise ConfigError("--grpc-tls-cert/--grpc-tls-key secure the gRPC port: give --grpc-port too")
     if args.grpc_port is not None:
         from trt_sora.errors import require
         from trt_sora.serve.grpc_server import GrpcConfig
 
         require("grpc", extra="grpc")  # refused before the model loads, as a bad keys file
         grpc_config = GrpcConfig(host=args.host, port=args.grpc_port, max_message_bytes=args.max_body_bytes,
-                                 max_streams=args.grpc_max_streams)
+                                 max_streams=args.grpc_max_streams, tls_cert=args.grpc_tls_cert,
+                                 tls_key=args.grpc_tls_key)
+        grpc_config.tls_pair()  # an unreadable certificate or key: refused before the model loads
 
     from trt_sora.cli.generate import parallel_from_args
 
@@ -112,7 +121,8 @@ def run(args) -> int:
         print(f"serving {args.run} on http://{host}:{port} (ready when /readyz answers 200)", flush=True)
         if grpc_config is not None:
             grpc_servers.append(_start_grpc(engine, grpc_config, http))
-            print(f"serving {args.run} over gRPC on {host}:{grpc_servers[0].port}", flush=True)
+            tls = " with TLS" if grpc_config.tls_cert else ""
+            print(f"serving {args.run} over gRPC{tls} on {host}:{grpc_servers[0].port}", flush=True)
 
     def ready(engine):
         print(f"ready: {engine.generator.runner.backend} backend, batch cap {engine.memory.get('cap')}", flush=True)

@@ -34,6 +34,7 @@ import dataclasses
 import logging
 import queue
 import threading
+from pathlib import Path
 
 import numpy as np
 
@@ -55,13 +56,16 @@ class GrpcConfig:
     """``host``/``port`` (0: a free port), ``max_message_bytes`` (a larger request is refused by
     grpc with RESOURCE_EXHAUSTED; the HTTP body limit), ``max_streams`` (streams at once, each
     holding a thread until its clip is sent; more are refused with RESOURCE_EXHAUSTED),
-    ``max_piece_bytes`` (the largest MP4 piece of a chunk)."""
+    ``max_piece_bytes`` (the largest MP4 piece of a chunk), ``tls_cert`` + ``tls_key`` (PEM files of
+    the certificate chain and its private key: TLS; neither: plaintext)."""
 
     host: str = "127.0.0.1"
     port: int = 0
     max_message_bytes: int = 64 * 1024
     max_streams: int = 64
     max_piece_bytes: int = 128 * 1024
+    tls_cert: str | None = None
+    tls_key: str | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536 or self.max_message_bytes < 1 or self.max_streams < 1:
@@ -69,6 +73,26 @@ class GrpcConfig:
                               f"{self.max_message_bytes} and --grpc-max-streams {self.max_streams} >= 1")
         if self.max_piece_bytes < 2 * FRAGMENT_MARGIN:
             raise ConfigError(f"max_piece_bytes={self.max_piece_bytes} must be at least {2 * FRAGMENT_MARGIN}")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            given, missing = ("cert", "key") if self.tls_key is None else ("key", "cert")
+            raise ConfigError(f"--grpc-tls-{given} without --grpc-tls-{missing}: give both (the certificate "
+                              "chain and its private key, PEM files) for TLS, or neither for plaintext")
+
+    def tls_pair(self) -> tuple[bytes, bytes] | None:
+        """``(private key, certificate chain)`` PEM bytes read from ``tls_key`` / ``tls_cert``; None
+        without TLS. ConfigError naming a file that cannot be read or is not PEM."""
+        if self.tls_cert is None:
+            return None
+        pair = []
+        for flag, path in (("key", self.tls_key), ("cert", self.tls_cert)):
+            try:
+                data = Path(path).read_bytes()
+            except OSError as exc:
+                raise ConfigError(f"--grpc-tls-{flag} {path}: cannot read it ({exc.strerror})") from None
+            if b"-----BEGIN " not in data:
+                raise ConfigError(f"--grpc-tls-{flag} {path}: not a PEM file (no -----BEGIN line)")
+            pair.append(data)
+        return pair[0], pair[1]
 
 
 class GrpcServer:
@@ -93,11 +117,14 @@ def start_grpc(engine, config: GrpcConfig = GrpcConfig(), *, keys=None) -> GrpcS
                          options=[("grpc.max_receive_message_length", config.max_message_bytes)])
     pb2_grpc.add_TrtSoraServicer_to_server(_Servicer(engine, keys, config.max_piece_bytes), server)
     host = f"[{config.host}]" if ":" in config.host else config.host
+    address, tls = f"{host}:{config.port}", config.tls_pair()
     try:
-        port = server.add_insecure_port(f"{host}:{config.port}")
+        port = server.add_insecure_port(address) if tls is None else \
+            server.add_secure_port(address, grpc.ssl_server_credentials([tls]))
     except RuntimeError as exc:
         raise ConfigError(f"cannot listen for gRPC on {config.host}:{config.port} ({exc}); pick another "
-                          "--grpc-port (0: any free port)") from None
+                          "--grpc-port (0: any free port)" + (", or check --grpc-tls-cert/--grpc-tls-key" if tls
+                                                              else "")) from None
     server.start()
     return GrpcServer(server, port)
 
