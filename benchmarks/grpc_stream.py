@@ -5,7 +5,10 @@ A `trt-sora serve --port 0 --grpc-port 0` process is started on 127.0.0.1 and wa
 once over HTTP (``POST /v1/generate?format=mp4``, which answers when the whole file is encoded).
 Reported per gRPC request: seconds from the call to the first chunk (any), the first denoising
 step, the first MP4 piece and the last piece, with the pieces' count, largest size and the MP4's
-bytes; per HTTP request: seconds to the whole file. Medians over the requests in ``summary``.
+bytes, and the server's decode: its seconds (the job's metadata) and how long before the decode
+ended the first MP4 piece arrived (``first_mp4_before_decode_end_s``, > 0: the stream began while
+the VAE still decoded; the server's clock and ours are the same machine's); per HTTP request:
+seconds to the whole file. Medians over the requests in ``summary``. ``--size F,H,W``: the clip size.
 
     python benchmarks/grpc_stream.py --run build/wan-shapes/rtx4090-fp8 --requests 5 --steps 20 --scale 4 \\
         --out benchmarks/results/grpc_stream_cpu_wan-shapes.json
@@ -49,6 +52,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--scale", type=int, default=1)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--size", default=None, help="F,H,W: num_frames, height, width of the clips")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.encode:
@@ -72,12 +76,14 @@ def main() -> int:
         ready = _wait_line(proc, r"^ready: .*", lines).group(0)
         threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
         fields = {"steps": args.steps} if args.steps else {}
+        if args.size:
+            fields.update(zip(("num_frames", "height", "width"), (int(v) for v in args.size.split(","))))
         rows = []
         with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
             stub = pb2_grpc.TrtSoraStub(channel)
             for i in range(args.requests):
                 prompt = f"a red circle moves right, clip {i}"
-                t0 = time.perf_counter()
+                t0, wall0 = time.perf_counter(), time.time()
                 first = first_step = first_mp4 = None
                 pieces, largest, size = 0, 0, 0
                 for c in stub.Generate(pb2.GenerateRequest(prompt=prompt, seed=i, scale=args.scale, **fields)):
@@ -89,6 +95,10 @@ def main() -> int:
                         first_mp4 = t if first_mp4 is None else first_mp4
                         pieces, largest, size = pieces + 1, max(largest, len(c.mp4.data)), size + len(c.mp4.data)
                 total = time.perf_counter() - t0
+                with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/v1/jobs/{c.job_id}") as r:
+                    job = json.loads(r.read())
+                took = job["metadata"]["seconds"]
+                decode_end = job["started"] + took["encode"] + took["sample"] + took["decode"] - wall0
                 body = json.dumps({"prompt": prompt, "seed": i, **fields}).encode()
                 req = urllib.request.Request(f"http://127.0.0.1:{http_port}/v1/generate?format=mp4&scale={args.scale}",
                                              data=body, headers={"Content-Type": "application/json"})
@@ -98,14 +108,18 @@ def main() -> int:
                 http_total = time.perf_counter() - t0
                 rows.append({"first_chunk_s": round(first, 4), "first_step_s": round(first_step, 4),
                              "first_mp4_s": round(first_mp4, 4), "total_s": round(total, 4), "pieces": pieces,
+                             "decode_s": took["decode"],
+                             "first_mp4_before_decode_end_s": round(decode_end - first_mp4, 4),
                              "largest_piece_bytes": largest, "mp4_bytes": size, "http_total_s": round(http_total, 4),
                              "http_mp4_bytes": http_bytes})
                 print(json.dumps(rows[-1]), flush=True)
     finally:
         proc.terminate()
         proc.wait()
-    keys = ("first_chunk_s", "first_step_s", "first_mp4_s", "total_s", "http_total_s")
+    keys = ("first_chunk_s", "first_step_s", "first_mp4_s", "total_s", "decode_s", "first_mp4_before_decode_end_s",
+            "http_total_s")
     result = {"run": args.run, "backend": args.backend, "ready": ready, "steps": args.steps, "scale": args.scale,
+              "size": args.size,
               "requests": rows, "summary": {f"median_{k}": round(statistics.median(r[k] for r in rows), 4)
                                             for k in keys}}
     print(json.dumps(result["summary"]))
