@@ -493,3 +493,57 @@ def test_serve_results_errors_before_the_model_loads(tmp_path, s3):
     with pytest.raises(ConfigError, match="give --state-dir or a local --results, not both"):
         ServeConfig(state_dir=str(tmp_path), results_dir=str(tmp_path / "r"))
     ServeConfig(state_dir=str(tmp_path), results_dir="s3://clips/x")
+
+
+@pytest.mark.slow
+def test_cli_serve_kill_9_mid_run_reruns_the_job_without_reuploading_finished_clips(checked_run, s3, tmp_path):
+    """``trt-sora serve --state-dir S --results s3://clips/serve``: a first process finishes job A (its
+    clip uploaded) and is killed; a second is killed with SIGKILL while job B is inside the model; the
+    third reruns B from the store. By the S3 server's log each clip's bytes are PUT exactly once, and
+    both objects hold their job's sha256."""
+    from http_helpers import HANG
+    from test_durable import ALICE, Server, bearer
+
+    (tmp_path / "keys").write_text(f"alice {ALICE}\n")
+    os.mkfifo(tmp_path / "fifo")
+    results = ("--results", "s3://clips/serve")
+
+    def done(server, job_id):
+        for _ in range(int(HANG // 60) + 1):
+            _, view = server.http.json("GET", f"/v1/jobs/{job_id}?wait=60", headers=bearer(ALICE))
+            if view["status"] in ("done", "failed"):
+                return view
+        raise AssertionError(f"job {job_id} did not finish: {view}")
+
+    def submit(server, prompt):
+        status, view = server.http.json("POST", "/v1/jobs", {"prompt": prompt, "seed": 5, "guidance": 1.0},
+                                        headers=bearer(ALICE))
+        assert status == 202, view
+        return view["id"]
+
+    s = Server(checked_run, tmp_path, *results)
+    a = done(s, submit(s, "a red kite"))
+    assert a["status"] == "done", a
+    s.proc.kill()
+    assert s.exit_code() == -signal.SIGKILL
+    (tmp_path / "arm").write_text("")  # the next process stops at its first transformer call
+    s = Server(checked_run, tmp_path, *results)
+    b_id = submit(s, "a cat walks")
+    s.out.wait_for("^gate: entered")
+    s.proc.kill()
+    assert s.exit_code() == -signal.SIGKILL
+    (tmp_path / "arm").unlink()
+    s = Server(checked_run, tmp_path, *results)
+    try:
+        b = done(s, b_id)
+    finally:
+        s.proc.kill()
+        s.exit_code()
+    assert b["status"] == "done" and b["attempts"] == 2, b
+    objs = _keys(s3.client(), "serve/")
+    assert sorted(objs) == sorted(f"{v['result_sha256']}.npy" for v in (a, b))
+    assert all(hashlib.sha256(data).hexdigest() == name[:-4] for name, data in objs.items())
+    log = s3.stop()
+    puts = [p for m, p in log if m == "PUT" and ".npy.tmp-" in p]
+    assert sorted(p.split("/")[-1].split(".npy")[0].lstrip(".") for p in puts) == sorted(
+        v["result_sha256"] for v in (a, b)), puts
