@@ -189,6 +189,23 @@ def test_qkv_epilogue_bf16_and_8bit(t, qkv_case):
 
 
 @interp
+def test_qkv_epilogue_passes_normed_qk_through(t, qkv_case):
+    """No RoPE, unit statistics and weights (a family whose Q/K arrive normalized per head, HunyuanVideo):
+    the 8-bit operands hold Q and K as given, the kernels' as the reference's."""
+    qkv, _, _, _, _, h = qkv_case
+    c, s = qkv.shape[-1] // 3, qkv.shape[1]
+    ones, rstd = torch.ones(c, dtype=torch.bfloat16), torch.ones(s, 2)
+    q8, qs, k8, ks, vt8, vs = t.qkv_rmsnorm_rope(qkv, ones, ones, None, None, h, fp8=True, rstd=rstd)
+    rq8, rqs, rk8, rks, rv8, rvs, k_mean = ref.qkv_rmsnorm_rope(qkv, ones, ones, None, None, h, fp8=True, rstd=rstd)
+    torch.testing.assert_close(qs, rqs, rtol=1e-6, atol=0)
+    assert (q8.int() - rq8.int()).abs().max() <= 1 and (k8.int() - rk8.int()).abs().max() <= 2
+    assert torch.equal(_bits(ref.vt_natural(vt8, s)), _bits(rv8))
+    q = qkv[..., :c].unflatten(-1, (h, -1)).transpose(1, 2).float()
+    deq = q8.float() * qs.repeat_interleave(128, dim=2)[:, :, :s, None]
+    torch.testing.assert_close(deq, q, rtol=0, atol=qs.max().item() / 2)  # INT8 rounding of Q itself
+
+
+@interp
 def test_attention_configs_match_fp32_attention_and_each_other(t, qkv_case):
     """Both autotuner configs (64-row and 128-row query tiles, PIPE): the same bits, bf16 and FP8
     output, and cosine >= 0.999 against fp32 softmax attention (a per-channel K bias in the inputs)."""

@@ -71,7 +71,7 @@ def _rows(x, idx):
 
 
 def self_attention(qkv, wq, wk, cos, sin, heads: int, eps: float, *, fp8: bool, out_scale=None, seq=None,
-                   sparse=None):
+                   sparse=None, rstd=None):
     """Fused-QKV output [B, S, 3C] -> attention output [B, S, C] token-major (``to_out``'s input):
     RMSNorm across heads on Q and K, RoPE, attention (FP8 with per-block Q/K scales and K
     smoothing when ``fp8``, else BF16 SDPA); FP8 at ``out_scale`` when given.
@@ -83,13 +83,17 @@ def self_attention(qkv, wq, wk, cos, sin, heads: int, eps: float, *, fp8: bool, 
 
     ``sparse`` (:class:`trt_sora.sparse.TileSparse`): block-sparse attention; the tokens run in its tile
     order (``qkv`` rows and RoPE rows permuted, the output put back), the 8-bit kernel over its key
-    tiles, the references over its mask."""
+    tiles, the references over its mask.
+
+    ``rstd`` [B*S, 2] fp32: the per-token RMS statistics to use instead of taking them (ones, with
+    ``wq``/``wk`` ones and no RoPE: Q and K arrive normalized, a family whose norm is per head)."""
     t = _tri(qkv)
     k_ = t or ref
-    rstd = None
     if sparse is not None:
         if seq is not None:
             raise ValueError("sparse attention under Ulysses is not supported; run it with ulysses=1")
+        if rstd is not None:
+            raise ValueError("sparse attention needs the fused QKV norm (no given RMS statistics)")
         qkv, cos, sin = _rows(qkv, sparse.perm), cos[sparse.perm], sin[sparse.perm]
     if seq is not None:
         b, s_loc = qkv.shape[:2]

@@ -20,7 +20,7 @@ FP8 = torch.float8_e4m3fn
 
 __all__ = ["FP8", "FP8_MAX", "attention", "attention_fp8", "block_quant", "dequant_scale", "example_qkv", "gelu_quant",
            "heads_to_tokens", "per_row", "quantize", "quantize_int8", "qkv_rmsnorm_rope", "residual_norm_quant",
-           "rms_stats", "vt_key_order", "vt_natural"]
+           "rms_stats", "rope", "vt_key_order", "vt_natural"]
 
 
 def dequant_scale(amax: torch.Tensor) -> torch.Tensor:
@@ -84,8 +84,8 @@ def _rms(x: torch.Tensor, w: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
     return (x.float() * rstd * w.float()).to(x.dtype)
 
 
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Interleaved pairs (Wan): ``x`` [B, S, H, D]; ``cos``/``sin`` [S, D] fp32, pairs repeated."""
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Interleaved pairs (Wan, HunyuanVideo): ``x`` [B, S, H, D]; ``cos``/``sin`` [S, D] fp32, pairs repeated."""
     x1, x2 = x.float().unflatten(-1, (-1, 2)).unbind(-1)
     c, s = cos[None, :, None, 0::2], sin[None, :, None, 1::2]
     return torch.stack([x1 * c - x2 * s, x1 * s + x2 * c], -1).flatten(-2).to(x.dtype)
@@ -134,7 +134,7 @@ def qkv_rmsnorm_rope(qkv: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, cos:
     q, k = _rms(q, wq, r[..., :1]), _rms(k, wk, r[..., 1:])
     q, k, v = (t.unflatten(-1, (heads, -1)) for t in (q, k, v))
     if cos is not None:
-        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        q, k = rope(q, cos, sin), rope(k, cos, sin)
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     if not fp8:
         return q.contiguous(), k.contiguous(), v.contiguous()
