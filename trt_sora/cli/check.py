@@ -45,7 +45,8 @@ def run(args) -> int:
     sm = f" (SM {ran['sm']})" if ran.get("sm") else ""
     if "fp8_gemms_per_call" in ran:
         print(f"  executed on {where}{sm}: {ran['fp8_gemms_per_call']} FP8 GEMMs, "
-              f"{ran['fp8_attention_layers']} 8-bit attention layers per call, {ran['cuda_graphs']} CUDA graph(s)")
+              f"{ran['fp8_attention_layers']} 8-bit attention layers per call, {ran['cuda_graphs']} CUDA graph(s)"
+              + ("; masked attention keys: attention in BF16" if ran.get("attention_keys_padded") else ""))
     else:
         print(f"  candidate {rep['candidate']['backend']} executed on {where}{sm}")
     print(f"{'PASSED' if rep['passed'] else 'FAILED'}: {args.run}/parity/report.md")

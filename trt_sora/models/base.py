@@ -531,6 +531,12 @@ class ModelAdapter(Conditioner, abc.ABC):
         block has ``name`` and ``fp8_attention``. A family without it raises ConfigError."""
         raise torch_fp8_unsupported(self, f"model family {self.family!r} has no torch-fp8 block rewrite")
 
+    def attention_keys_all_valid(self, inputs: Mapping[str, Any]) -> bool:
+        """Whether every self-attention key of a call with ``inputs`` (the model's inputs by name,
+        torch tensors) is a real token. The torch-fp8 backend's 8-bit attention has no key mask, so
+        it runs a call with padded keys in BF16. Default: the family never masks keys."""
+        return True
+
     def diffusers_pipeline(self, transformer, *, encode, scheduler, defaults: Mapping[str, Any]):
         """A ready diffusers pipeline of the family around ``transformer`` whose prompts go through
         ``encode`` and whose call defaults are ``defaults`` (see ``trt_sora.runtime.diffusers_pipeline``)."""

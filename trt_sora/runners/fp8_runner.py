@@ -154,6 +154,7 @@ class TorchFp8Runner(Runner):
         self.name = name or f"torch-fp8:{self.adapter.name}"
         self.counters: dict[str, int] = {}
         self.last_counts: dict[str, int] = {}
+        self.keys_padded = False  # the last call had masked attention keys (8-bit attention off for it)
         self.graphs: dict[tuple, Any] = {}
         self._lock = threading.Lock()
 
@@ -211,16 +212,19 @@ class TorchFp8Runner(Runner):
             out.append(t.to(self.device, torch.float32 if n == "timestep" else torch.bfloat16).contiguous())
         return out
 
-    def _set_attention(self, timestep: float, hidden_shape) -> tuple:
-        """Each block's attention for one call: FP8 or BF16, and its sparse seam; the graph key part."""
-        flags = tuple(self.mode == "fused" and self.attention.on(b.name, timestep) for b in self.blocks)
+    def _set_attention(self, timestep: float, inputs: list) -> tuple:
+        """Each block's attention for one call: FP8 or BF16 (BF16 wherever the family masks some keys:
+        the 8-bit kernel has no key mask), and its sparse seam; the graph key part."""
+        self.keys_padded = not self.adapter.attention_keys_all_valid(dict(zip(self.input_names, inputs)))
+        flags = tuple(self.mode == "fused" and not self.keys_padded and self.attention.on(b.name, timestep)
+                      for b in self.blocks)
         for b, f in zip(self.blocks, flags):
             b.fp8_attention = f
         if self.sparse is None:  # dense (the check's qdq level turns a sparse plan off for a while)
             for site in self._sites.values():
                 site.sparse = None
             return flags
-        return flags + self.sparse.set(self._sites, self.adapter.token_grid(hidden_shape), timestep, self.device)
+        return flags + self.sparse.set(self._sites, self.adapter.token_grid(inputs[0].shape), timestep, self.device)
 
     def _infer_impl(self, feeds):
         import torch
@@ -229,7 +233,7 @@ class TorchFp8Runner(Runner):
         inputs = self._to_torch(feeds)
         t = float(inputs[self.input_names.index("timestep")].max())  # per-frame timesteps: the step's
         with self._lock, torch.inference_mode():
-            flags = self._set_attention(t, inputs[0].shape)
+            flags = self._set_attention(t, inputs)
             if self._graphs_on():
                 y = self._replay(inputs, flags)
             else:
@@ -281,7 +285,8 @@ class TorchFp8Runner(Runner):
                                 "fp8_gemms_per_call": self.last_counts.get("fp8_gemm", 0),
                                 "bf16_gemms_per_call": self.last_counts.get("bf16_gemm", 0),
                                 "fp8_attention_layers": self.last_counts.get("fp8_attention", 0),
-                                "bf16_attention_layers": self.last_counts.get("bf16_attention", 0)}
+                                "bf16_attention_layers": self.last_counts.get("bf16_attention", 0),
+                                "attention_keys_padded": self.keys_padded}
         if dev.startswith("cuda") and torch.cuda.is_available():
             info.update({"gpu": torch.cuda.get_device_name(torch.device(dev)), "sm": sm_dotted(device_sm(dev)),
                          "torch": torch.__version__})
