@@ -407,6 +407,19 @@ class HunyuanVideo15Adapter(ModelAdapter):
     def export_module(self, model):
         return _make_wrapper(model)
 
+    # -- torch-fp8 ---------------------------------------------------------------------------
+    def torch_fp8_rewrite(self):
+        """Dual-stream blocks on FP8 GEMMs and fused kernels (:func:`trt_sora.models.hunyuan_fp8.prepare`)."""
+        from trt_sora.models import hunyuan_fp8
+
+        return hunyuan_fp8.prepare
+
+    def attention_keys_all_valid(self, inputs) -> bool:
+        """The joint attention's keys are the video tokens, the image tokens (masked unless some
+        ``image_embeds`` is nonzero, as the export forward does) and both text streams (their masks)."""
+        has_image = bool((inputs["image_embeds"] != 0).any())
+        return has_image and all(bool((inputs[m] > 0.5).all()) for m in self.mask_inputs)
+
     # -- conditioning ------------------------------------------------------------------------
     def model_inputs(self, latents, timestep, conditioning):
         """``hidden_states`` = latents + ``latent_condition`` (image latents and their mask; zeros in
