@@ -17,8 +17,10 @@ Parts (``--parts``):
   and on the synthetic ones (bf16 and FP8 output), the autotuner's pick, and the SM clock / power
   nvidia-smi saw during each phase.
 * ``models``: one transformer call of Wan 1.3B / 14B (or any Wan variant: ``wan2.1-i2v-14b``,
-  ``wan2.2-ti2v-5b``, ``wan2.2-t2v-a14b`` as its high-noise expert; random weights, real sizes) per
-  resolution and batch: eager BF16 (cuDNN SDPA), ``torch.compile`` BF16 (diffusers' regional compilation),
+  ``wan2.2-ti2v-5b``, ``wan2.2-t2v-a14b`` as its high-noise expert; or HunyuanVideo 1.5:
+  ``hunyuanvideo-1.5-480p-t2v``, whose padded text and absent image tokens keep its attention in BF16
+  unless ``--all-keys``; random weights, real sizes, 81 frames) per resolution and batch: eager BF16
+  (cuDNN SDPA), ``torch.compile`` BF16 (diffusers' regional compilation),
   and the torch-fp8 ladder: FP8 GEMMs (eager quantize) -> + fused quantization -> + 8-bit
   attention -> + CUDA graph (GEMMs with fast accumulation, as the recipes ship; rung
   ``fp8_fused_attn8_graph_exactacc``: the full rung with exact accumulation;
@@ -31,7 +33,10 @@ Parts (``--parts``):
         --sizes 480p --batches 1,2 --iters 10 --out benchmarks/results/h200_fp8_bench.json
 
 ``--points 480p:2,720p:1`` picks size:batch pairs instead of the product; each model is built once
-and shared by all its points.
+and shared by all its points. HunyuanVideo 1.5 at 480p (32,760 video tokens, as Wan 14B's call):
+
+    python benchmarks/fp8_bench.py --parts models --models hunyuanvideo-1.5-480p-t2v --points 480p:1 \
+        --iters 10 --out benchmarks/results/h200_fp8_bench_hunyuan.json   # and again with --all-keys
 
 The plan (input amax per site) comes from one BF16 forward over the benchmark input with the
 recipe's default exclusions and the Q/DQ graph's grouping (fused QKV, one scale for every
@@ -234,14 +239,21 @@ class GpuSampler:
                 "temp_c_max": max(cols[2])}
 
 
-def call_inputs(adapter, size: str, batch: int, frames: int = 81) -> tuple[dict, list]:
+def call_inputs(adapter, size: str, batch: int, frames: int = 81, all_keys: bool = False) -> tuple[dict, list]:
     """``(point, inputs)`` of one benchmark call: ``frames`` pixel frames (81: 21 latent) at ``size``
-    (height rounded down to what the VAE and patch divide), text 512, timestep 700, on cuda."""
+    (height rounded down to what the VAE and patch divide), text 512, timestep 700, on cuda. ``all_keys``:
+    every attention key a real token (full text masks, image tokens given), where a family masks some
+    (HunyuanVideo: its 8-bit attention runs only then)."""
     h, w = SIZES[size]
     unit = adapter.vae_scale[1] * adapter.patch_size[1]
     point = {"batch": batch, "text_len": 512, **adapter.latent_size(frames, h // unit * unit, w)}
     feeds = adapter.example_inputs(point, dtype="bf16", device="cuda", seed=1)
     feeds["timestep"] = torch.full_like(feeds["timestep"], 700.0)  # TI2V: [B, latent_frames]
+    if all_keys:
+        for m in adapter.mask_inputs:
+            feeds[m] = torch.ones_like(feeds[m])
+        if "image_embeds" in feeds:
+            feeds["image_embeds"] = torch.randn_like(feeds["image_embeds"])
     return point, [feeds[n] for n in adapter.input_names]
 
 
@@ -389,8 +401,15 @@ def profile_split(fn) -> dict:
     return split
 
 
-def model_flops(cfg, point) -> dict:
+def model_flops(cfg, point, context_len: int) -> dict:
+    """GEMM and attention FLOPs of one call: Wan (self- and cross-attention blocks) or a dual-stream model
+    (HunyuanVideo 1.5: video and ``context_len`` context tokens through their own linears, one joint attention)."""
     c = cfg["num_attention_heads"] * cfg["attention_head_dim"]
+    if "ffn_dim" not in cfg:
+        s = point["latent_frames"] * point["latent_height"] * point["latent_width"] // cfg["patch_size"] ** 2
+        n, f = s + context_len, int(cfg["mlp_ratio"] * c)
+        gemm = 2.0 * point["batch"] * cfg["num_layers"] * n * (4 * c * c + 2 * c * f)
+        return {"gemm": gemm, "attention": 4.0 * point["batch"] * cfg["num_layers"] * n * n * c, "tokens": s}
     s = point["latent_frames"] * point["latent_height"] // 2 * point["latent_width"] // 2
     b, L, f = point["batch"], point["text_len"], cfg["ffn_dim"]
     gemm = 2.0 * b * cfg["num_layers"] * (s * c * 3 * c + s * c * c + s * c * c + L * c * 2 * c + s * c * c
@@ -400,7 +419,7 @@ def model_flops(cfg, point) -> dict:
 
 
 def model_part(name: str, size: str, batch: int, iters: int, rungs: list[str], save=lambda res: None, *,
-               model, profile: bool = True, frames: int = 81) -> dict:
+               model, profile: bool = True, frames: int = 81, all_keys: bool = False) -> dict:
     """One model x size x batch. ``model``: the random-init model (its weights are drawn on the CPU, ~110 s
     for 14B, so :func:`main` builds it once for every size and batch); every rung runs on a GPU copy of
     it; ``save(res)`` after each rung, so a run cut off by its time limit keeps what it measured.
@@ -412,11 +431,14 @@ def model_part(name: str, size: str, batch: int, iters: int, rungs: list[str], s
     from trt_sora.runners.fp8_runner import AttentionPolicy, TorchFp8Runner
 
     adapter = bench_adapter(name)
-    point, inputs = call_inputs(adapter, size, batch, frames)
-    res = {"model": name, "size": size, "batch": batch, "point": point,
-           "flops": model_flops(dict(adapter.spec.config), point), "rungs": {}}
+    point, inputs = call_inputs(adapter, size, batch, frames, all_keys)
+    context = sum(x.shape[1] for n, x in zip(adapter.input_names, inputs)
+                  if n.startswith(("encoder_hidden_states", "image_embeds")))
+    res = {"model": name, "size": size, "batch": batch, "point": point, "all_keys": all_keys,
+           "flops": model_flops(dict(adapter.spec.config), point, context), "rungs": {}}
     fwd = adapter.export_module(model)
-    cudnn = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]
+    # cuDNN first; a masked attention (HunyuanVideo's padded keys) falls back to memory-efficient
+    cudnn = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
 
     def eager():
         with torch.inference_mode(), sdpa_kernel(cudnn):
@@ -508,6 +530,9 @@ def main(argv=None) -> None:
                     help="size:batch list (e.g. 480p:2,720p:1,720p:2) instead of every --sizes x --batches pair")
     ap.add_argument("--no-profile", action="store_true", help="skip the profiler splits (two calls per run)")
     ap.add_argument("--frames", type=int, default=81, help="pixel frames of a models call (Wan 2.2 TI2V ships 121)")
+    ap.add_argument("--all-keys", action="store_true",
+                    help="every attention key valid (full text masks, image tokens given): HunyuanVideo's 8-bit "
+                         "attention runs only then")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     if a.out:
@@ -539,11 +564,12 @@ def main(argv=None) -> None:
                         Path(a.out).write_text(json.dumps(out, indent=1))
 
                 r = model_part(m, sz, b, a.iters, a.rungs.split(","), save, model=model,
-                               profile=not a.no_profile, frames=a.frames)
+                               profile=not a.no_profile, frames=a.frames, all_keys=a.all_keys)
                 print(json.dumps({k: r[k] for k in ("model", "size", "batch")} | {
                     k: {kk: v.get(kk) for kk in ("s", "speedup_vs_eager_bf16", "speedup_vs_compile_bf16",
                                                    "cosine_vs_eager_bf16", "fp8_gemms_per_call",
-                                                   "fp8_attention_layers", "cuda_graphs")}
+                                                   "fp8_attention_layers", "bf16_attention_layers",
+                                                   "cuda_graphs")}
                     for k, v in r["rungs"].items()}), flush=True)
                 if a.out:
                     Path(a.out).write_text(json.dumps(out, indent=1))
