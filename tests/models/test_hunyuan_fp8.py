@@ -118,6 +118,20 @@ def _outputs(runner, feeds) -> tuple:
         hook.remove()
 
 
+def test_planned_linears_outside_the_blocks_run_in_fp8(run):
+    """A recipe that quantizes the token refiner and the ByT5 projection (excluded by default): those
+    linears become FP8 GEMMs too, each launched once per call."""
+    from trt_sora.runners.fp8_runner import SitePlan, TorchFp8Runner, fp8_plan
+
+    plan = fp8_plan(run / "quant" / "qdq_map.json", run / "calib" / "stats.safetensors")
+    extra = ["context_embedder.proj_in", "context_embedder.token_refiner.refiner_blocks.0.ff.net.2",
+             "context_embedder_2.linear_1"]
+    r = TorchFp8Runner(MODEL, None, plan={**plan, **{m: SitePlan(m, 4.0) for m in extra}}, device="cpu",
+                       model=_model()).activate()
+    out = r.infer(_feeds())["sample"]
+    assert r.report()["fp8_gemms_per_call"] == 13 + len(extra) and np.isfinite(out).all()
+
+
 @pytest.mark.parametrize("all_keys", [False, True])
 def test_cpu_blocks_match_the_fake_quant_runner(run, all_keys):
     """Fused blocks (8-bit attention where every key is valid) and the unfused rung vs the fp32 fake-quant
