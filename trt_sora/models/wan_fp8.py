@@ -32,31 +32,9 @@ import torch.nn.functional as F
 
 from trt_sora.errors import ModelError
 from trt_sora.kernels import ops
-from trt_sora.kernels.fp8_linear import Fp8Linear, Gemm
+from trt_sora.kernels.fp8_linear import Fp8Linear, Gemm, finish, fused_gemm, site, swap_linears
 
 __all__ = ["Fp8Linear", "FusedWanBlock", "Gemm", "fuse_blocks", "prepare", "swap_linears"]
-
-
-def _site(plan: Mapping[str, Any], name: str):
-    """``(act_amax, weight_amax)`` of a module path, or ``(None, None)`` for an unquantized linear."""
-    p = plan.get(name)
-    return (None, None) if p is None else (p.act_amax, p.weight_amax)
-
-
-def _fused_gemm(mods: list[tuple[str, torch.nn.Linear]], plan, counters) -> Gemm:
-    """One GEMM over linears that read the same tensor (their weights stacked on N)."""
-    acts = [_site(plan, n)[0] for n, _ in mods]
-    if len({a is None for a in acts}) != 1:
-        raise ValueError(f"{[n for n, _ in mods]} read one tensor but are not all quantized alike; the Q/DQ graph "
-                         "fuses them only when they are - re-run `trt-sora quantize`")
-    w = torch.cat([m.weight for _, m in mods])
-    b = None if mods[0][1].bias is None else torch.cat([m.bias for _, m in mods])
-    if acts[0] is None:
-        return Gemm(w, b, None, None, counters)
-    was = [_site(plan, n)[1] for n, _ in mods]
-    wa = torch.cat([x.float().reshape(-1) if x is not None else m.weight.detach().float().abs().amax(1)
-                    for x, (_, m) in zip(was, mods)])
-    return Gemm(w, b, max(acts), wa, counters)
 
 
 class FusedWanBlock(torch.nn.Module):
@@ -76,24 +54,24 @@ class FusedWanBlock(torch.nn.Module):
         self.eps = blk.norm1.eps
         self.qk_eps = a1.norm_q.eps
         self.register_buffer("table", blk.scale_shift_table.detach().float(), persistent=False)
-        self.qkv = _fused_gemm([(f"{name}.attn1.to_{x}", getattr(a1, f"to_{x}")) for x in "qkv"], plan, counters)
-        self.out1 = Gemm(a1.to_out[0].weight, a1.to_out[0].bias, *_site(plan, f"{name}.attn1.to_out.0"), counters)
-        self.q2 = Gemm(a2.to_q.weight, a2.to_q.bias, *_site(plan, f"{name}.attn2.to_q"), counters)
-        self.kv2 = _fused_gemm([(f"{name}.attn2.to_{x}", getattr(a2, f"to_{x}")) for x in "kv"], plan, counters)
-        self.out2 = Gemm(a2.to_out[0].weight, a2.to_out[0].bias, *_site(plan, f"{name}.attn2.to_out.0"), counters)
+        self.qkv = fused_gemm([(f"{name}.attn1.to_{x}", getattr(a1, f"to_{x}")) for x in "qkv"], plan, counters)
+        self.out1 = Gemm(a1.to_out[0].weight, a1.to_out[0].bias, *site(plan, f"{name}.attn1.to_out.0"), counters)
+        self.q2 = Gemm(a2.to_q.weight, a2.to_q.bias, *site(plan, f"{name}.attn2.to_q"), counters)
+        self.kv2 = fused_gemm([(f"{name}.attn2.to_{x}", getattr(a2, f"to_{x}")) for x in "kv"], plan, counters)
+        self.out2 = Gemm(a2.to_out[0].weight, a2.to_out[0].bias, *site(plan, f"{name}.attn2.to_out.0"), counters)
         self.image_len, self.kv_img = 0, None
         if a2.add_k_proj is not None:  # Wan 2.1 I2V
             self.image_len = int(getattr(a2.processor, "image_len", 0))
             if self.image_len <= 0:
                 raise ModelError(f"{name}: an image-to-video Wan block needs its image token count; load the model "
                                  "through trt_sora's WanAdapter (it sets the processor's image_len)")
-            self.kv_img = _fused_gemm([(f"{name}.attn2.add_{x}_proj", getattr(a2, f"add_{x}_proj")) for x in "kv"],
+            self.kv_img = fused_gemm([(f"{name}.attn2.add_{x}_proj", getattr(a2, f"add_{x}_proj")) for x in "kv"],
                                       plan, counters)
             self.register_buffer("nki", a2.norm_added_k.weight.detach().to(torch.bfloat16), persistent=False)
             self.img_eps = a2.norm_added_k.eps
         ff = blk.ffn.net
-        self.ff1 = Gemm(ff[0].proj.weight, ff[0].proj.bias, *_site(plan, f"{name}.ffn.net.0.proj"), counters)
-        self.ff2 = Gemm(ff[2].weight, ff[2].bias, *_site(plan, f"{name}.ffn.net.2"), counters)
+        self.ff1 = Gemm(ff[0].proj.weight, ff[0].proj.bias, *site(plan, f"{name}.ffn.net.0.proj"), counters)
+        self.ff2 = Gemm(ff[2].weight, ff[2].bias, *site(plan, f"{name}.ffn.net.2"), counters)
         for tag, mod in (("nq1", a1.norm_q), ("nk1", a1.norm_k), ("nq2", a2.norm_q), ("nk2", a2.norm_k)):
             self.register_buffer(tag, mod.weight.detach().to(torch.bfloat16), persistent=False)
         n2 = blk.norm2
@@ -160,19 +138,6 @@ def fuse_blocks(model, plan: Mapping[str, Any], counters: dict) -> list[FusedWan
     return out
 
 
-def swap_linears(model, plan: Mapping[str, Any], counters: dict) -> int:
-    """The unfused rung: every planned ``nn.Linear`` becomes an :class:`Fp8Linear` (eager quantize);
-    the rest of diffusers' block runs as is. Returns how many were swapped."""
-    n = 0
-    for name, mod in list(model.named_modules()):
-        for child, lin in list(mod.named_children()):
-            path = f"{name}.{child}" if name else child
-            if isinstance(lin, torch.nn.Linear) and path in plan:
-                setattr(mod, child, Fp8Linear(lin, plan[path].act_amax, plan[path].weight_amax, counters))
-                n += 1
-    return n
-
-
 def prepare(model, plan: Mapping[str, Any], *, fused: bool, counters: dict,
             fast_accum: bool = False) -> list[FusedWanBlock]:
     """Rewrite a loaded ``WanTransformer3DModel`` for the ``torch-fp8`` backend, in place.
@@ -186,10 +151,5 @@ def prepare(model, plan: Mapping[str, Any], *, fused: bool, counters: dict,
     """
     blocks = fuse_blocks(model, plan, counters) if fused else []
     swap_linears(model, plan, counters)
-    for m in model.modules():
-        if isinstance(m, Gemm) and m.fp8:
-            m.fast_accum = fast_accum
-    keep = set(getattr(model, "_keep_in_fp32_modules", None) or ())
-    for name, p in model.named_parameters():
-        p.data = p.data.to(torch.float32 if keep & set(name.split(".")) else torch.bfloat16)
+    finish(model, fast_accum)
     return blocks
