@@ -340,6 +340,13 @@ def _sides(run: Path, adapter, recipe) -> dict:
     return out
 
 
+def _loop_timesteps(adapter, settings) -> list[float]:
+    """The sampling loop's timesteps at ``settings`` (the family's scheduler, its shift and step count)."""
+    sched = adapter.scheduler(settings.shift)
+    sched.set_timesteps(settings.num_steps)
+    return [float(t) for t in sched.timesteps]
+
+
 def _plan_caching(recipe, adapter, settings, sides: dict):
     """The recipe's cache schedules at the loop's settings (None when caching is off), planned before the
     trajectories run so a calibration without step ratios is refused first."""
@@ -347,9 +354,7 @@ def _plan_caching(recipe, adapter, settings, sides: dict):
         return None
     from trt_sora.parity.caching import plan_caching
 
-    sched = adapter.scheduler(settings.shift)
-    sched.set_timesteps(settings.num_steps)
-    return plan_caching(recipe.caching, settings, [float(t) for t in sched.timesteps],
+    return plan_caching(recipe.caching, settings, _loop_timesteps(adapter, settings),
                         {side.rel("step_ratios"): RunFolder(side.root).calib for side in sides.values()})
 
 
@@ -360,19 +365,15 @@ def _plan_sparse(recipe, adapter, settings, sides: dict, backend: str):
         return None
     from trt_sora.parity.sparse import plan_sparse_check
 
-    sched = adapter.scheduler(settings.shift)
-    sched.set_timesteps(settings.num_steps)
-    return plan_sparse_check(recipe.sparse_attention, backend, [float(t) for t in sched.timesteps],
+    return plan_sparse_check(recipe.sparse_attention, backend, _loop_timesteps(adapter, settings),
                              {side.rel("attention_mass"): RunFolder(side.root).calib for side in sides.values()})
 
 
 def _expert_steps(adapter, settings) -> dict:
     """``{expert or None: [steps it serves]}`` of the sampling loop."""
-    sched = adapter.scheduler(settings.shift)
-    sched.set_timesteps(settings.num_steps)
     out: dict = {}
-    for i, t in enumerate(sched.timesteps):
-        out.setdefault(settings.expert_at(float(t)), []).append(i)
+    for i, t in enumerate(_loop_timesteps(adapter, settings)):
+        out.setdefault(settings.expert_at(t), []).append(i)
     return out
 
 
