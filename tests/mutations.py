@@ -49,6 +49,9 @@ MUTATIONS = (
     Mutation("observer-percentile-rank", "percentile amax at the requested rank", "calibrate/observers.py",
              "    rank = (n - 1) * percentile / 100.0", "    rank = (n - 1) * (100.0 - percentile) / 100.0",
              ("tests/calibrate/test_observers.py::test_percentile_within_one_bin_of_numpy",), fast=True),
+    Mutation("materialize-order", "parallel materialize gives each parameter its own tensor", "weights/sources.py",
+             "zip(todo, pool.map(value, todo))", "zip(todo[::-1], pool.map(value, todo))",
+             ("tests/weights/test_weights.py::test_empty_model_and_source_equal_load",), fast=True),
     # -- scale math --------------------------------------------------------------------------------------------
     Mutation("scale-qmax", "Q/DQ scale = amax / qmax of the format", "calibrate/fake_quant.py",
              "    s = a / qmax(fmt)", "    s = a / 127.0",

@@ -19,7 +19,9 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -34,6 +36,9 @@ log = logging.getLogger("trt_sora")
 
 class WeightSource:
     """``names()``, ``shape(name)``, ``dtype(name)``, ``get(name) -> torch.Tensor`` (a fresh CPU tensor)."""
+
+    #: ``get`` may run in several threads at once (:func:`materialize` then makes tensors in parallel)
+    thread_safe = False
 
     def names(self) -> list[str]:
         raise NotImplementedError
@@ -116,6 +121,9 @@ class RandomInitSource(WeightSource):
         seed: model seed.
         family_rule: init for parameters that are not Linear/Conv/norm weights (see random_init).
     """
+
+    #: every parameter draws from its own generator: workers may make several at once
+    thread_safe = True
 
     def __init__(self, model: nn.Module, seed: int, family_rule: FamilyRule | None = None):
         self._owners = owners(model)
@@ -200,11 +208,17 @@ def materialize(model: nn.Module, source: WeightSource, device: str | torch.devi
 
     ``names``: only these parameters (default: all). Buffers are left as they are.
     """
-    for name, (mod, attr) in owners(model).items():
-        if names is not None and name not in names:
-            continue
-        p = mod._parameters[attr]
-        _set_param(mod, attr, read_as(source, name, p.dtype).to(device))
+    todo = [(name, mod, attr) for name, (mod, attr) in owners(model).items() if names is None or name in names]
+
+    def value(item) -> torch.Tensor:
+        name, mod, attr = item
+        return read_as(source, name, mod._parameters[attr].dtype).to(device)
+
+    # each tensor is made and moved by a worker, so at most `workers` host temporaries exist at once
+    workers = min(8, os.cpu_count() or 1) if source.thread_safe else 1
+    with ThreadPoolExecutor(workers) as pool:
+        for (_, mod, attr), t in zip(todo, pool.map(value, todo)):
+            _set_param(mod, attr, t)
     return model
 
 
