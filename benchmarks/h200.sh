@@ -51,7 +51,7 @@ part() {  # name, limit_s, command...
 for p in "$@"; do
   case $p in
     e2e) part e2e ${E2E_LIMIT:-540} python3 benchmarks/e2e_bench.py ${E2E_ARGS:-} --out "$OUT/e2e.json" ;;
-    tests) part tests 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels tests/runtime/test_torch_fp8.py tests/runtime/test_generate.py tests/runtime/test_runtime.py tests/runtime/test_trt_gpu.py tests/models/test_wan.py tests/calibrate/test_shards.py tests/calibrate/test_histogram.py ;;
+    tests) part tests ${TESTS_LIMIT:-360} python3 -m pytest -q -m gpu -p no:cacheprovider ${TESTS:-tests} ;;
     calib13) part calib13 300 bash -c "python3 benchmarks/calib_overhead.py --model wan2.1-t2v-1.3b --cfg split --variants ${CALIB_VARIANTS:-r2,shipped} --out $OUT/calib13_split.json && python3 benchmarks/calib_overhead.py --model wan2.1-t2v-1.3b --cfg batched --variants ${CALIB_VARIANTS:-r2,shipped} --out $OUT/calib13_batched.json" ;;
     calib14) part calib14 360 python3 benchmarks/calib_overhead.py --model wan2.1-t2v-14b --cfg batched --reps 3 --variants ${CALIB14_VARIANTS:-shipped} --out "$OUT/calib14_batched.json" ;;
     attn_model) part attn_model 400 python3 benchmarks/fp8_bench.py --parts attention_in_model \
@@ -88,6 +88,20 @@ for p in "$@"; do
              --iters 10 --rungs fp8_fused_attn8_graph --out "$OUT/m14b2.json" ;;
     m14_720) part m14_720 540 python3 benchmarks/fp8_bench.py --parts models --models wan2.1-t2v-14b --sizes 720p \
                --batches 1 --iters 10 --rungs fp8_fused_attn8_graph --out "$OUT/m14_720.json" ;;
+    onnxrepro) part onnxrepro 240 bash -c "set -e; X=/tmp/onnxrepro; rm -rf \$X; \
+                 python3 -m trt_sora export --model wan-tiny --recipe rtx4090-fp8 --out \$X/export; \
+                 python3 -m trt_sora calibrate --model wan-tiny --recipe rtx4090-fp8 --no-report --out \$X/calib; \
+                 python3 -m trt_sora quantize --onnx \$X/export/model.onnx --stats \$X/calib/stats.safetensors \
+                   --recipe rtx4090-fp8 --out \$X/quant; mkdir -p $OUT/onnxrepro; cp -r \$X/export \$X/quant $OUT/onnxrepro/; \
+                 python3 -c 'import onnxruntime as ort, sys
+for lvl in (ort.GraphOptimizationLevel.ORT_DISABLE_ALL, ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+            ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED, ort.GraphOptimizationLevel.ORT_ENABLE_ALL):
+    o = ort.SessionOptions(); o.graph_optimization_level = lvl
+    try:
+        ort.InferenceSession(sys.argv[1], o, providers=[\"CPUExecutionProvider\"]); print(lvl, \"loads\")
+    except Exception as e:
+        print(lvl, \"FAILS\", str(e)[:300])
+print(ort.__version__)' \$X/quant/model.qdq.onnx" ;;
     *) echo "unknown part $p" ;;
   esac
 done
