@@ -264,7 +264,7 @@ class TorchFakeQuantRunner(TorchRunner):
     :func:`trt_sora.calibrate.fakequant_model.fake_quantized` (ONNX Q/DQ semantics).
 
     Args:
-        model_ref, dtype, device, model: as :class:`TorchRunner` (a given ``model`` is deep-copied).
+        model_ref, dtype, device, model: as :class:`TorchRunner` (a given ``model`` is deep-copied onto ``device``).
         qdq_map: path to / parsed ``qdq_map.json``.
         stats: path to ``stats.safetensors`` or a ``CalibStats`` (the ones the Q/DQ graph was made
             from); ``None``: the map's recorded amax (then a wrong scale in the graph is invisible).
@@ -285,7 +285,9 @@ class TorchFakeQuantRunner(TorchRunner):
     def _load_model(self):
         import copy
 
-        return copy.deepcopy(self._given_model) if self._given_model is not None else super()._load_model()
+        if self._given_model is None:
+            return super()._load_model()
+        return copy.deepcopy(self._given_model).to(self.device)  # its own copy, on this runner's device
 
     def _activate_impl(self) -> None:
         import contextlib
