@@ -88,6 +88,11 @@ for p in "$@"; do
              --iters 10 --rungs fp8_fused_attn8_graph --out "$OUT/m14b2.json" ;;
     m14_720) part m14_720 540 python3 benchmarks/fp8_bench.py --parts models --models wan2.1-t2v-14b --sizes 720p \
                --batches 1 --iters 10 --rungs fp8_fused_attn8_graph --out "$OUT/m14_720.json" ;;
+    e2e720) part e2e720 ${E2E720_LIMIT:-300} python3 benchmarks/e2e_bench.py --size 720p --paths eager,ours --steps 2 \
+              --out "$OUT/e2e720.json" ;;
+    fam) part fam ${FAM_LIMIT:-300} python3 benchmarks/fp8_bench.py --parts models \
+           --models "${FAM_MODELS:-hunyuanvideo-1.5-480p-t2v,wan2.2-ti2v-5b}" --points 480p:1 --iters 5 --no-profile \
+           --rungs compile_bf16,fp8_fused_attn8_graph --out "$OUT/fam.json" ;;
     onnxrepro) part onnxrepro 240 bash -c "set -e; X=/tmp/onnxrepro; rm -rf \$X; \
                  python3 -m trt_sora export --model wan-tiny --recipe rtx4090-fp8 --out \$X/export; \
                  python3 -m trt_sora calibrate --model wan-tiny --recipe rtx4090-fp8 --no-report --out \$X/calib; \
