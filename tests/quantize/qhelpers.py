@@ -111,3 +111,38 @@ def torch_fake_quant_run(adapter, model, inputs, stats_path, fmt, config=None):
             h.remove()
         for site, w in saved.items():
             modules[site].weight.data = w
+
+
+def float8_misuses(model) -> list[str]:
+    """``"tensor -> op node"`` for each use of a float8 tensor (a float8 initializer, or the output of a
+    QuantizeLinear whose zero point is one) by an op whose schema at the model's opset does not take
+    that type; an op without an ONNX schema (an ONNX Runtime contrib op) takes none."""
+    import onnx
+
+    names = {onnx.TensorProto.FLOAT8E4M3FN: "tensor(float8e4m3fn)", onnx.TensorProto.FLOAT8E5M2: "tensor(float8e5m2)"}
+    typed = {i.name: names[i.data_type] for i in model.graph.initializer if i.data_type in names}
+    for n in model.graph.node:
+        if n.op_type == "QuantizeLinear" and len(n.input) > 2 and n.input[2] in typed:
+            typed[n.output[0]] = typed[n.input[2]]
+    opsets = {o.domain or "ai.onnx": o.version for o in model.opset_import}
+    bad = []
+    for n in model.graph.node:
+        for i, name in enumerate(n.input):
+            if name in typed and typed[name] not in _accepted_types(n, i, opsets):
+                bad.append(f"{name} -> {n.op_type} {n.name}")
+    return bad
+
+
+def _accepted_types(node, index: int, opsets: dict) -> set[str]:
+    import onnx
+
+    domain = node.domain or "ai.onnx"
+    try:
+        schema = onnx.defs.get_schema(node.op_type, opsets.get(domain, 1), "" if domain == "ai.onnx" else domain)
+    except onnx.defs.SchemaError:
+        return set()
+    formal = schema.inputs[min(index, len(schema.inputs) - 1)].type_str
+    for c in schema.type_constraints:
+        if c.type_param_str == formal:
+            return set(c.allowed_type_strs)
+    return {formal}

@@ -7,7 +7,7 @@ import logging
 
 import numpy as np
 import pytest
-from qhelpers import EVAL_POINT, run_ort, torch_fake_quant_run
+from qhelpers import EVAL_POINT, float8_misuses, run_ort, torch_fake_quant_run
 
 from trt_sora.errors import QuantizeError
 
@@ -68,6 +68,48 @@ def test_fp16_graph_runs_in_ort(quantized, eval_inputs, reference):
     assert io["outputs"] == {"sample": "float16"}
     m = compare(reference, run_ort(res.onnx_path, eval_inputs, "fp16"))
     assert m["psnr_db"] >= 45.0
+
+
+@pytest.mark.parametrize("fmt, dtype, cfg", [("fp8_e4m3", "fp16", {}), ("fp8_e4m3", "fp32", {"fp8_attention": True}),
+                                              ("int8", "fp32", {})])
+def test_onnx_runtime_runs_our_qdq_as_written(quantized, tmp_path, fmt, dtype, cfg):
+    """Every float8 tensor feeds only ops that take float8 at the graph's opset, in the Q/DQ graph and in
+    the graph ONNX Runtime optimizes from it (ORT_ENABLE_ALL, through the one session factory), and ORT
+    fuses none of our Q/DQ nodes away (ONNX Runtime 1.30's fusions made float8 Transpose and
+    MatMulIntegerToFloat nodes and refused to load the FP8 graph)."""
+    import onnx
+
+    from trt_sora.onnx_tools import ort_session
+
+    res = quantized(fmt, dtype, **cfg)
+    ran = tmp_path / "ort_optimized.onnx"
+    ort_session(res.onnx_path, providers=["CPUExecutionProvider"], optimized_path=ran)
+    ours, theirs = onnx.load(str(res.onnx_path)), onnx.load(str(ran))
+    assert float8_misuses(ours) == [] and float8_misuses(theirs) == []
+
+    def qdq(m):
+        return {n.name for n in m.graph.node if n.op_type in ("QuantizeLinear", "DequantizeLinear")}
+
+    assert qdq(ours) and qdq(ours) <= qdq(theirs), sorted(qdq(ours) - qdq(theirs))[:5]
+
+
+@pytest.mark.parametrize("consumer, opset, misused", [("Transpose", 20, True), ("Transpose", 21, False),
+                                                       ("DequantizeLinear", 20, False),
+                                                       ("MatMulIntegerToFloat", 20, True)])
+def test_float8_misuses_follow_the_schema_at_the_opset(consumer, opset, misused):
+    import numpy as np
+    import onnx
+    from onnx import helper, numpy_helper
+
+    zp = numpy_helper.from_array(np.zeros((), np.float32), "zp")
+    zp.data_type, zp.raw_data = onnx.TensorProto.FLOAT8E4M3FN, b"\x00"
+    scale = numpy_helper.from_array(np.ones((), np.float32), "s")
+    use = helper.make_node(consumer, ["q", "s"][:1 + (consumer != "Transpose")], ["y"], "use",
+                           domain="com.microsoft" if consumer == "MatMulIntegerToFloat" else "")
+    graph = helper.make_graph([helper.make_node("QuantizeLinear", ["x", "s", "zp"], ["q"], "q"), use], "g",
+                              [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2])], [], [zp, scale])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    assert float8_misuses(model) == (["q -> " + f"{consumer} use"] if misused else [])
 
 
 def test_fused_qkv_matches_unfused(quantized, eval_inputs):
