@@ -89,6 +89,10 @@ MUTATIONS = (
     Mutation("sm-order", "compute capabilities order as numbers", "sm.py",
              "    return major * 10 + minor", "    return major + minor * 10",
              ("tests/test_sm.py",), fast=True),
+    Mutation("safetensors-format", "a calibration file of another format is refused", "manifest.py",
+             '        if meta.get("format") != fmt:', "        if False:",
+             ("tests/test_manifest.py::test_read_safetensors_names_a_missing_file_and_another_format",
+              "tests/test_caching.py::test_an_attention_mass_file_is_not_read_as_step_ratios"), fast=True),
     # -- family facts on the family ----------------------------------------------------------------------------
     Mutation("family-module-outside-models", "no code outside models/ imports a family's module",
              "runners/fp8_runner.py", "        from trt_sora.kernels.fp8_linear import Gemm",

@@ -325,6 +325,14 @@ def test_missing_ratios_file_names_the_fix(tmp_path):
         StepRatios.load(tmp_path / "step_ratios.safetensors")
 
 
+def test_an_attention_mass_file_is_not_read_as_step_ratios(tmp_path):
+    from trt_sora.sparse import AttentionMass
+
+    AttentionMass(("blocks.0",), (0,), ((1, 1, 1),), (1, 8, 16), 0, np.zeros((1, 1, 1))).save(tmp_path / "m.st")
+    with pytest.raises(ArtifactError, match=r"not a step-ratios file .*'trt_sora\.attention_mass/1'.*calibrate"):
+        StepRatios.load(tmp_path / "m.st")
+
+
 # -- the recipe section -----------------------------------------------------------------------------
 def test_caching_is_off_by_default_in_every_recipe():
     from trt_sora.config import list_recipes

@@ -38,3 +38,24 @@ def test_verify_file_accepts_the_recorded_file_and_names_each_kind_of_change(tmp
     p.write_bytes(b"x")
     with pytest.raises(ArtifactError, match="differs"):  # no recorded hash: nothing vouches for the file
         _verify(p, None, None)
+
+
+def test_read_safetensors_names_a_missing_file_and_another_format(tmp_path):
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from trt_sora.manifest import read_safetensors
+
+    path = tmp_path / "r.safetensors"
+    kw = {"fmt": "trt_sora.test/1", "what": "a test file", "missing": "nothing wrote it", "fix": "write it"}
+    with pytest.raises(ArtifactError, match=r"r\.safetensors does not exist: nothing wrote it; write it"):
+        read_safetensors(path, **kw)
+    save_file({"a": np.arange(3.0)}, str(path), metadata={"format": "trt_sora.other/1"})
+    with pytest.raises(ArtifactError, match=r"is not a test file of this trt_sora \('trt_sora\.other/1'\); write it"):
+        read_safetensors(path, **kw)
+    save_file({"a": np.arange(3.0), "b": np.ones((2, 2), np.float32)}, str(path),
+              metadata={"format": "trt_sora.test/1", "k": "v"})
+    meta, tensors = read_safetensors(path, **kw)
+    assert meta == {"format": "trt_sora.test/1", "k": "v"} and set(tensors) == {"a", "b"}
+    np.testing.assert_array_equal(tensors["a"], [0.0, 1.0, 2.0])
+    assert tensors["b"].dtype == np.float32 and tensors["b"].shape == (2, 2)

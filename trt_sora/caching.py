@@ -43,6 +43,7 @@ import numpy as np
 
 from trt_sora.config.recipe import CACHE_BRANCHES, CacheMethod, CachingConfig
 from trt_sora.errors import ArtifactError, ConfigError
+from trt_sora.manifest import read_safetensors
 
 __all__ = ["HORIZONS", "RATIOS_FILE", "CacheSchedule", "MagnitudeRecorder", "StepRatios", "caching_record",
            "extrapolate", "plan_extrapolated", "plan_schedule", "schedule_for"]
@@ -116,21 +117,13 @@ class StepRatios:
 
     @classmethod
     def load(cls, path: str | Path) -> StepRatios:
-        from safetensors import safe_open
-
-        fix = "re-run `trt-sora calibrate` (it records the step ratios step caching needs)"
-        if not Path(path).is_file():
-            raise ArtifactError(f"{path} does not exist: the calibration predates step caching; {fix}")
-        with safe_open(str(path), framework="numpy") as f:
-            meta = f.metadata() or {}
-            if meta.get("format") != _FORMAT:
-                raise ArtifactError(f"{path} is not a step-ratios file of this trt_sora "
-                                    f"({meta.get('format')!r}); {fix}")
-            branches, keys = json.loads(meta["branches"]), set(f.keys())
-            return cls(steps=tuple(int(s) for s in f.get_tensor("steps")),
-                       timesteps=tuple(float(t) for t in f.get_tensor("timesteps")),
-                       ratios={b: f.get_tensor(f"{b}.ratios") for b in branches},
-                       errors={b: f.get_tensor(f"{b}.errors") for b in branches if f"{b}.errors" in keys})
+        meta, t = read_safetensors(path, fmt=_FORMAT, what="a step-ratios file",
+                                   missing="the calibration predates step caching",
+                                   fix="re-run `trt-sora calibrate` (it records the step ratios step caching needs)")
+        branches = json.loads(meta["branches"])
+        return cls(steps=tuple(int(s) for s in t["steps"]), timesteps=tuple(float(x) for x in t["timesteps"]),
+                   ratios={b: t[f"{b}.ratios"] for b in branches},
+                   errors={b: t[f"{b}.errors"] for b in branches if f"{b}.errors" in t})
 
     @classmethod
     def merged(cls, parts: Sequence[StepRatios]) -> StepRatios:

@@ -347,6 +347,22 @@ def load_onnx(path: str | os.PathLike, *, load_external_data: bool = True, fix: 
         raise ArtifactError(f"{path} is not a readable ONNX model ({type(exc).__name__}: {msg}); {fix}") from None
 
 
+def read_safetensors(path: str | os.PathLike, *, fmt: str, what: str, missing: str, fix: str) -> tuple[dict, dict]:
+    """``(metadata, {name: numpy array})`` of a safetensors file whose ``metadata["format"]`` is ``fmt``;
+    ArtifactError naming ``path`` and ``fix`` when it does not exist (``missing`` says why it would not)
+    or holds another format (``what``: the file it should be, "a step-ratios file")."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise ArtifactError(f"{path} does not exist: {missing}; {fix}")
+    with safe_open(str(path), framework="numpy") as f:
+        meta = f.metadata() or {}
+        if meta.get("format") != fmt:
+            raise ArtifactError(f"{path} is not {what} of this trt_sora ({meta.get('format')!r}); {fix}")
+        return meta, {k: f.get_tensor(k) for k in f.keys()}
+
+
 # -- writable output folders ----------------------------------------------------------------------------------
 #: Names trt_sora stages write. A folder holding anything else and no manifest is someone else's:
 #: a stage never replaces it (``--out .`` in a checkout must not delete the checkout).

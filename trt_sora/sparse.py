@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from trt_sora.errors import ArtifactError, ConfigError
+from trt_sora.manifest import read_safetensors
 
 __all__ = ["KERNEL_BLOCK", "MASS_FILE", "AttentionMass", "MassRecorder", "SparsePlan", "TileSparse", "block_mask",
            "kernel_blocks", "masked_attention", "outside_mass", "plan_sparse", "tile_order", "tile_sparse",
@@ -193,19 +194,12 @@ class AttentionMass:
 
     @classmethod
     def load(cls, path: str | Path) -> AttentionMass:
-        from safetensors import safe_open
-
-        fix = "re-run `trt-sora calibrate` with the recipe's sparse_attention section enabled"
-        if not Path(path).is_file():
-            raise ArtifactError(f"{path} does not exist: the calibration measured no attention mass; {fix}")
-        with safe_open(str(path), framework="numpy") as f:
-            meta = f.metadata() or {}
-            if meta.get("format") != _FORMAT:
-                raise ArtifactError(f"{path} is not an attention-mass file of this trt_sora; {fix}")
-            return cls(layers=tuple(json.loads(meta["layers"])), steps=tuple(int(s) for s in f.get_tensor("steps")),
-                       candidates=tuple(tuple(c) for c in json.loads(meta["candidates"])),
-                       tile=tuple(json.loads(meta["tile"])), global_frames=int(meta["global_frames"]),
-                       mass=f.get_tensor("mass"))
+        meta, t = read_safetensors(path, fmt=_FORMAT, what="an attention-mass file",
+                                   missing="the calibration measured no attention mass",
+                                   fix="re-run `trt-sora calibrate` with the recipe's sparse_attention section enabled")
+        return cls(layers=tuple(json.loads(meta["layers"])), steps=tuple(int(s) for s in t["steps"]),
+                   candidates=tuple(tuple(c) for c in json.loads(meta["candidates"])),
+                   tile=tuple(json.loads(meta["tile"])), global_frames=int(meta["global_frames"]), mass=t["mass"])
 
 
 class MassRecorder:
