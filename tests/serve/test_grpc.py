@@ -6,6 +6,7 @@ position, and `trt-sora serve --grpc-port 0` end to end.
 
 Nothing waits on the clock: overload is made exact with a runner held at a gate, the CLI's port and
 readiness are read from its output."""
+import contextlib
 import math
 import os
 import signal
@@ -42,29 +43,42 @@ def _keys(tmp_path):
     return ApiKeys(path)
 
 
+@contextlib.contextmanager
+def _serving(runner, config, *, keys=None, metrics=None, max_piece_bytes=None):
+    """A started engine over ``runner`` with ``config`` and its gRPC server on a free port:
+    ``(engine, channel)``. On exit a :class:`Gated` runner's gate opens, then the channel, the server
+    and the engine (drained) close, whatever the test left running."""
+    from trt_sora.serve.grpc_server import GrpcConfig, start_grpc
+    from trt_sora.serve.scheduler import Engine
+
+    pieces = {"max_piece_bytes": max_piece_bytes} if max_piece_bytes else {}
+    with contextlib.ExitStack() as cleanup:
+        engine = Engine(runner, config, metrics=metrics)
+        cleanup.callback(engine.close)
+        engine.start(block=True)
+        cleanup.callback(engine.drain, HANG)
+        server = start_grpc(engine, GrpcConfig(port=0, **pieces), keys=keys)
+        cleanup.callback(server.stop, grace=None)
+        channel = cleanup.enter_context(grpc.insecure_channel(f"127.0.0.1:{server.port}"))
+        if isinstance(runner, Gated):
+            cleanup.callback(runner.release.set)
+        yield engine, channel
+
+
 @pytest.fixture(scope="module")
 def stack(tiny_runner, tmp_path_factory):
     """An engine over the tiny runner with a job store, its gRPC server and its HTTP app, both keyed:
     ``(engine, grpc stub, Http)``."""
-    from trt_sora.serve.grpc_server import GrpcConfig, start_grpc
     from trt_sora.serve.metrics import ServerMetrics
-    from trt_sora.serve.scheduler import Engine, ServeConfig
+    from trt_sora.serve.scheduler import ServeConfig
     from trt_sora.serve.server import make_app
 
     tmp = tmp_path_factory.mktemp("grpc")
     keys, metrics = _keys(tmp), ServerMetrics()
-    engine = Engine(tiny_runner, ServeConfig(max_wait_s=0.0, state_dir=str(tmp / "state")), metrics=metrics)
-    engine.start(block=True)
-    server = start_grpc(engine, GrpcConfig(port=0, max_piece_bytes=LIMIT), keys=keys)
-    channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
-    try:
+    config = ServeConfig(max_wait_s=0.0, state_dir=str(tmp / "state"))
+    with _serving(tiny_runner, config, keys=keys, metrics=metrics, max_piece_bytes=LIMIT) as (engine, channel):
         with http_server(make_app(engine, metrics, keys=keys)) as http:
             yield engine, pb()[1].TrtSoraStub(channel), http
-    finally:
-        channel.close()
-        server.stop(grace=None)
-        engine.drain(HANG)
-        engine.close()
 
 
 def _auth(key=KEY):
@@ -244,17 +258,12 @@ def test_queue_position_full_queue_and_draining(tiny_runner):
     RESOURCE_EXHAUSTED with retry-after (the queue holds 1), and UNAVAILABLE once the engine drains.
     CFG split (two transformer calls a step) still reports each step once."""
     from trt_sora.runtime import ClipRequest
-    from trt_sora.serve.grpc_server import GrpcConfig, start_grpc
-    from trt_sora.serve.scheduler import Engine, ServeConfig
+    from trt_sora.serve.scheduler import ServeConfig
 
     pb2, pb2_grpc = pb()
     gated = Gated(tiny_runner)
-    engine = Engine(gated, ServeConfig(max_wait_s=0.0, max_queue=1, cfg="split"))
-    engine.start(block=True)
-    server = start_grpc(engine, GrpcConfig(port=0))
-    channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
-    stub = pb2_grpc.TrtSoraStub(channel)
-    try:
+    with _serving(gated, ServeConfig(max_wait_s=0.0, max_queue=1, cfg="split")) as (engine, channel):
+        stub = pb2_grpc.TrtSoraStub(channel)
         gated.arm()
         held = engine.submit(ClipRequest("held"))
         assert gated.entered.wait(HANG)
@@ -275,12 +284,6 @@ def test_queue_position_full_queue_and_draining(tiny_runner):
         steps = engine.generator.settings.num_steps
         assert [(c.progress.step, c.progress.num_steps) for c in rest if c.progress.phase == pb2.Progress.DENOISING] \
             == [(i, steps) for i in range(1, steps + 1)]
-    finally:
-        gated.release.set()
-        channel.close()
-        server.stop(grace=None)
-        engine.drain(HANG)
-        engine.close()
 
 
 class _Counted(Gated):
@@ -298,16 +301,11 @@ def test_a_client_that_cancels_cancels_its_job(tiny_runner, tmp_path):
     """The client cancels while step 1's transformer call is held: the job stops at step 2 (no other
     call) and is cancelled in the engine and the job store; a queued job cancelled leaves the queue."""
     from trt_sora.runtime import ClipRequest
-    from trt_sora.serve.grpc_server import GrpcConfig, start_grpc
-    from trt_sora.serve.scheduler import Engine, ServeConfig
+    from trt_sora.serve.scheduler import ServeConfig
 
     pb2, pb2_grpc = pb()
     gated = _Counted(tiny_runner)
-    engine = Engine(gated, ServeConfig(max_wait_s=0.0, state_dir=str(tmp_path / "state")))
-    engine.start(block=True)
-    server = start_grpc(engine, GrpcConfig(port=0))
-    channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
-    try:
+    with _serving(gated, ServeConfig(max_wait_s=0.0, state_dir=str(tmp_path / "state"))) as (engine, channel):
         gated.arm()
         call = pb2_grpc.TrtSoraStub(channel).Generate(pb2.GenerateRequest(prompt="cancel me", seed=2), timeout=HANG)
         job = engine.get(next(call).job_id)
@@ -322,12 +320,6 @@ def test_a_client_that_cancels_cancels_its_job(tiny_runner, tmp_path):
         assert gated.calls == 1, f"{gated.calls} transformer calls: the job did not stop at its next step"
         assert {engine.store.get(i).status for i in (job.id, queued.id)} == {"cancelled"}
         assert not engine.cancel(job.id)
-    finally:
-        gated.release.set()
-        channel.close()
-        server.stop(grace=None)
-        engine.drain(HANG)
-        engine.close()
 
 
 def _self_signed(folder: Path) -> tuple[Path, Path]:
