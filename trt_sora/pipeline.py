@@ -169,9 +169,10 @@ class EnginePipeline:
         if stage == "calibrate":
             from trt_sora.calibrate.data import load_preset
 
+            sparse = [to_dict(r.sparse_attention)] if self._measures_mass else []  # off: the fingerprint as before
             return _fingerprint("calibrate", __version__, [a.spec.model_hash() for a in self.sides.values()],
                                 to_dict(r.calibration), to_dict(load_preset(self.calib_preset_name)),
-                                to_dict(r.quantization), self.adapter.sampling.to_dict())
+                                to_dict(r.quantization), self.adapter.sampling.to_dict(), *sparse)
         if stage == "quantize":
             files = []
             for e in sides:
@@ -186,8 +187,15 @@ class EnginePipeline:
                                 _file_hashes(*[self.side(e).qdq_model for e in sides]))
         inputs = [manifest_path(f) for s in ("export", "calibrate", "quantize", "build") for f in self.folders(s)]
         caching = [to_dict(r.caching)] if r.caching.enabled else []  # off: the fingerprint runs had before
+        sparse = [to_dict(r.sparse_attention)] if r.sparse_attention.enabled else []
         return _fingerprint("check", __version__, to_dict(r.parity), self.adapter.sampling.to_dict(),
-                            _file_hashes(*inputs), *caching)
+                            _file_hashes(*inputs), *caching, *sparse)
+
+    @property
+    def _measures_mass(self) -> bool:
+        """The calibrate stage measures sparse attention's mass (the recipe leaves the windows to it)."""
+        sp = self.recipe.sparse_attention
+        return sp.enabled and sp.window is None and not self.experts
 
     def _why_not_reuse(self, stage: str, fp: str) -> str | None:
         """None when the stage can be reused, else the reason it reruns."""
@@ -200,6 +208,8 @@ class EnginePipeline:
         if stage == "calibrate" and self.recipe.caching.enabled and any(
                 self._calib_output("step_ratios", e) is None for e in self.sides):
             return "the recipe enables step caching and the calibration predates its step ratios"
+        if stage == "calibrate" and self._measures_mass and self._calib_output("attention_mass") is None:
+            return "the recipe calibrates sparse attention and the calibration measured no attention mass"
         try:
             for folder in self.folders(stage):
                 verify_folder(folder)
@@ -316,7 +326,8 @@ class EnginePipeline:
             folders = [shard_folder(out, i, n) for i in range(n)] if n > 1 else None
             for i, f in enumerate(folders or []):
                 calibrate(self.adapter, self.recipe.calibration, f, shard=(i, n), model=self.model, **kw)
-            res = calibrate(self.adapter, self.recipe.calibration, out, from_shards=folders, model=self.model, **kw)
+            res = calibrate(self.adapter, self.recipe.calibration, out, from_shards=folders, model=self.model,
+                            sparse=self.recipe.sparse_attention, **kw)
             return f"{len(res.stats.sites)} sites -> {res.stats_path.name}" + (f" ({n} shards merged)" if n > 1 else "")
 
         return self._run("calibrate", go)

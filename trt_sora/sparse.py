@@ -39,8 +39,8 @@ from trt_sora.errors import ArtifactError, ConfigError
 from trt_sora.manifest import read_safetensors
 
 __all__ = ["KERNEL_BLOCK", "MASS_FILE", "AttentionMass", "MassRecorder", "SparsePlan", "TileSparse", "block_mask",
-           "kernel_blocks", "masked_attention", "outside_mass", "plan_sparse", "tile_order", "tile_sparse",
-           "token_mask"]
+           "kernel_blocks", "masked_attention", "outside_mass", "pick_window", "plan_sparse", "render_mass",
+           "tile_order", "tile_sparse", "token_mask"]
 
 #: The calibrate stage's file of per-layer attention mass outside the candidate windows.
 MASS_FILE = "attention_mass.safetensors"
@@ -245,6 +245,28 @@ class MassRecorder:
                              self.config.global_frames, mass)
 
 
+def pick_window(candidates: Sequence[Grid], worst: Sequence[float], budget: float) -> Grid | None:
+    """The first (narrowest) candidate whose worst mass is <= ``budget``; None (dense) when none is."""
+    return next((tuple(c) for c, m in zip(candidates, worst) if m <= budget), None)
+
+
+def render_mass(mass: AttentionMass, config) -> list[str]:
+    """The calibration report's section: per layer, the worst mass outside each candidate over the sparse
+    steps and the window :func:`plan_sparse` picks at ``config.mass_budget``."""
+    worst = mass.worst(config.dense_steps)
+    cands = [str(list(c)) for c in mass.candidates]
+    lines = ["", "## Sparse attention: attention mass outside each candidate window", "",
+             f"{MASS}; the worst step from step {config.dense_steps} on (the first steps run dense), tile "
+             f"{list(mass.tile)} tokens, global frames {mass.global_frames}. A layer takes the narrowest window "
+             f"whose mass is <= {config.mass_budget:g} (none: dense).", "",
+             "| layer | " + " | ".join(cands) + " | window |", "|---" * (len(cands) + 2) + "|"]
+    for layer, row in zip(mass.layers, worst):
+        w = pick_window(mass.candidates, row, config.mass_budget)
+        lines.append(f"| {layer} | " + " | ".join("-" if math.isnan(m) else f"{m:.4f}" for m in row)
+                     + f" | {list(w) if w else 'dense'} |")
+    return lines
+
+
 # -- the plan a runner applies --------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class SparsePlan:
@@ -386,8 +408,7 @@ def plan_sparse(config, timesteps: Sequence[float], mass: AttentionMass | None =
                               "asks for others - re-run `trt-sora calibrate` with this recipe")
         windows = dict(dense)
         for layer, row in zip(mass.layers, mass.worst(config.dense_steps)):
-            fits = [c for c, m in zip(mass.candidates, row) if m <= config.mass_budget]
-            windows.setdefault(layer, tuple(fits[0]) if fits else None)
+            windows.setdefault(layer, pick_window(mass.candidates, row, config.mass_budget))
         chosen.update(source="calibrated", mass_budget=config.mass_budget, mass=mass.summary(config.dense_steps))
     if config.dense_steps >= n:  # every step dense
         windows = {}

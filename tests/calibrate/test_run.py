@@ -376,3 +376,40 @@ def test_cli(tmp_path, small_preset, capsys):
     rc = main(["calibrate", "--recipe", "rtx4090-fp8", "--model", "wan-tiny", "--preset", "no-such-preset",
                "--out", str(tmp_path / "bad"), "--no-report"])
     assert rc == 2
+
+
+def test_attention_mass_is_measured_over_the_calibration_trajectories(tiny_adapter, tiny_model, small_preset,
+                                                                       tmp_path):
+    """With sparse attention calibrated, the stage records the mass outside each candidate per layer and step
+    over its own trajectories (the recorder on the same trajectory gives the same numbers), lists the file
+    in the manifest and shows it in the report."""
+    import numpy as np
+
+    from trt_sora.calibrate.data import load_preset, prompts_for_preset
+    from trt_sora.calibrate.trajectories import branch_inputs, calibration_sampling, noise
+    from trt_sora.config import SparseAttentionConfig
+    from trt_sora.sampling import adapter_call, sample
+    from trt_sora.sparse import MASS_FILE, AttentionMass, MassRecorder
+
+    sparse = SparseAttentionConfig(enabled=True, tile=(1, 1, 1), candidates=((0, 0, 0), (0, 1, 1), (1, 1, 1)),
+                                   dense_steps=1)
+    res = calibrate(tiny_adapter, CalibConfig(), tmp_path / "out", model=tiny_model, preset=str(small_preset),
+                    report_options=ReportOptions(eval_prompts=1, sensitivity="none"), sparse=sparse)
+    assert res.manifest["outputs"]["attention_mass"] == MASS_FILE
+    got = AttentionMass.load(tmp_path / "out" / MASS_FILE)
+    assert got.layers == ("blocks.0", "blocks.1") and got.steps == (0, 1)
+    assert "## Sparse attention: attention mass" in res.report_path.read_text()
+    preset = load_preset(str(small_preset))
+    settings, _ = calibration_sampling(tiny_adapter, preset)
+    shape, prompt = preset.shapes[0], prompts_for_preset(preset)[0]
+    cond, uncond = branch_inputs(tiny_adapter, tiny_adapter.text_encoder(None), preset, [prompt.prompt], shape,
+                                 uses_cfg=True, seed=0, device="cpu")
+    x0 = noise(tiny_adapter, shape, 0, "cpu")
+    rec, sites = MassRecorder(sparse, settings.num_steps), tiny_adapter.sparse_attention_sites(tiny_model)
+    grid = tiny_adapter.token_grid(x0.shape)
+    sample(adapter_call(tiny_adapter, tiny_model), x0, cond, uncond, scheduler=tiny_adapter.scheduler(settings.shift),
+           settings=settings, conditioner=tiny_adapter, hook=lambda call: rec.at(sites, grid, call.step))
+    want = rec.result().mass
+    assert np.all(want[..., 0] > want[..., 1]) and np.all(want[..., 2] == 0)  # (1, 1, 1) covers the 2x2x2 grid
+    np.testing.assert_allclose(got.mass, want, rtol=1e-6, atol=1e-9)
+    assert res.manifest["results"]["attention_mass"]["from_step"] == 1

@@ -62,6 +62,7 @@ from trt_sora.config.recipe import CalibConfig, CalibMethod, QuantConfig, QuantF
 from trt_sora.errors import CalibrationError, ConfigError
 from trt_sora.models.base import DTYPES
 from trt_sora.runfolder import CALIB_REPORT, CALIB_STATS
+from trt_sora.sparse import MASS_FILE, AttentionMass, MassRecorder, render_mass
 
 log = logging.getLogger("trt_sora")
 
@@ -153,6 +154,7 @@ class CalibrationRun:
         model_dtype, device: the dtype the model computes in and where it runs.
         progress: ``progress(phase, done, total)``; report: write the report (and its evaluation).
         t_start: ``time.perf_counter()`` when the pass began.
+        sparse: the recipe's ``sparse_attention`` when its windows are calibrated, else None.
     """
 
     config: CalibConfig
@@ -175,6 +177,7 @@ class CalibrationRun:
     progress: Progress
     report: bool
     t_start: float
+    sparse: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,6 +204,7 @@ class CalibratedSide:
     forwards: int
     served: Mapping[int, float]
     from_shards: Sequence[str | Path] | None
+    mass: AttentionMass | None = None
 
 
 def _method(value) -> str:
@@ -296,12 +300,13 @@ def _resolve_preset(adapter, config: CalibConfig, preset) -> CalibPreset:
 
 def _collect(run: CalibrationRun, sides, models, lead, plan, todo: range, *, timesteps: dict, forwards: dict,
              total: int, hessians: Mapping[Any, Any] | None = None, phase: str = "calibrate",
-             recorder=None) -> dict | None:
+             recorder=None, mass: MassRecorder | None = None) -> dict | None:
     """Run the trajectories ``plan[k] for k in todo`` with the observers installed on every model
     (``sides``: ``{None: adapter}``, or ``{expert: adapter}`` for a pair switched at its boundary, each
     observing exactly the steps it serves); ``{side: {site: SiteStats}}``. ``hessians``: ``{side:
     HessianHooks}`` (:mod:`trt_sora.calibrate.gptq`) open over the same forwards (GPTQ). ``recorder``: the
-    sampler's step cache recording the transformer output's magnitude ratios (step caching). Another
+    sampler's step cache recording the transformer output's magnitude ratios (step caching); ``mass``: the
+    recorder of the attention mass outside sparse attention's candidate windows (one transformer). Another
     ``phase`` (``"gptq pass 2/3"``): a later GPTQ pass - the same trajectories (prompts, seeds, steps)
     with only the Hessian hooks; returns None."""
     from trt_sora.calibrate.hooks import CollectionHooks
@@ -328,9 +333,17 @@ def _collect(run: CalibrationRun, sides, models, lead, plan, todo: range, *, tim
                 return None
             timesteps[call.expert].setdefault(call.step, call.timestep)
             forwards[call.expert] += 1
-            return hooks[call.expert].at(step=call.step, branch=call.branch)
+            at = hooks[call.expert].at(step=call.step, branch=call.branch)
+            if mass is None:
+                return at
+            both = contextlib.ExitStack()
+            both.enter_context(at)
+            both.enter_context(mass.at(mass_sites, lead.token_grid(call.inputs[lead.input_names[0]].shape),
+                                       call.step))
+            return both
 
         call = expert_calls(settings, lambda e: adapter_call(sides[e], models[e]))
+        mass_sites = lead.sparse_attention_sites(models[None]) if mass is not None else {}
         for k in todo:  # k: the trajectory's index in the whole plan (it seeds the noise), shards included
             _, shape, chunk = plan[k]
             seed = trajectory_seed(preset, k)
@@ -413,7 +426,7 @@ def calibrate(adapter, config: CalibConfig, out_dir, *, model=None, preset: Cali
               device="cpu", progress: Progress | None = None, report: bool = True,
               quant_config: QuantConfig | None = None, report_options: ReportOptions | None = None,
               dtype: str | None = None, cfg: str = "split", shard: tuple[int, int] | None = None,
-              from_shards: Sequence[str | Path] | None = None) -> CalibResult:
+              from_shards: Sequence[str | Path] | None = None, sparse=None) -> CalibResult:
     """Calibrate ``adapter``'s model over real denoising trajectories; write stats, report, manifest.
 
     Args:
@@ -440,6 +453,9 @@ def calibrate(adapter, config: CalibConfig, out_dir, *, model=None, preset: Cali
             artifact (observer states, no report); see :mod:`trt_sora.calibrate.shards`.
         from_shards: shard folders of one calibration: merge them (exactly) instead of running
             trajectories, then write the stats, report and manifest like a one-pass run.
+        sparse: the recipe's ``sparse_attention``: when it is on without a fixed window, the attention
+            mass outside each candidate window is measured per layer and step over the same trajectories
+            (``attention_mass.safetensors``; not in sharded runs).
 
     Returns:
         :class:`CalibResult`.
@@ -455,7 +471,8 @@ def calibrate(adapter, config: CalibConfig, out_dir, *, model=None, preset: Cali
     return _calibrate({None: adapter}, config, {None: out_dir}, models={None: model}, preset=preset,
                       quant_format=quant_format, text_encoder=text_encoder, device=device, progress=progress,
                       report=report, quant_config=quant_config, report_options=report_options, dtype=dtype,
-                      cfg=cfg, shard=shard, from_shards={None: list(from_shards)} if from_shards else None)[None]
+                      cfg=cfg, shard=shard, from_shards={None: list(from_shards)} if from_shards else None,
+                      sparse=sparse)[None]
 
 
 def calibrate_experts(adapter, config: CalibConfig, out_dirs: Mapping[str, Any], *,
@@ -501,7 +518,7 @@ def calibrate_experts(adapter, config: CalibConfig, out_dirs: Mapping[str, Any],
 
 def _calibrate(sides: Mapping[Any, Any], config: CalibConfig, out_dirs: Mapping[Any, Any], *, models, preset,
                quant_format, text_encoder, device, progress, report, quant_config, report_options, dtype,
-               cfg="split", shard=None, from_shards=None, pair=None) -> dict[Any, CalibResult]:
+               cfg="split", shard=None, from_shards=None, pair=None, sparse=None) -> dict[Any, CalibResult]:
     """One calibration pass: the trajectories of the preset at the model's sampling settings, every
     call observed on the model serving it (``sides``: ``{None: adapter}`` or ``{expert: adapter}``;
     ``from_shards``: ``{side: [shard folders]}``)."""
@@ -528,7 +545,7 @@ def _calibrate(sides: Mapping[Any, Any], config: CalibConfig, out_dirs: Mapping[
         pair=pair, text_encoder=text_encoder, encode=lead.text_encoder(text_encoder),
         model_dtype=compute_dtype(first), device=next(first.parameters()).device, progress=progress,
         report=report and shard is None,  # the merged calibration reports: calibrate(from_shards=...)
-        t_start=t_start)
+        t_start=t_start, sparse=sparse if sparse is not None and sparse.enabled and sparse.window is None else None)
     plan = [(si, shape, chunk) for si, shape in enumerate(preset.shapes) for chunk in chunks(prompts, shape.batch)]
     todo = range(len(plan)) if shard is None else shard_range(len(plan), *shard)
     calls = 1 if cfg == "batched" or not settings.uses_cfg else len(settings.branches)
@@ -541,6 +558,7 @@ def _calibrate(sides: Mapping[Any, Any], config: CalibConfig, out_dirs: Mapping[
     plans = {k: p for k, (p, _) in gptq.items() if p is not None}
     stats: dict[Any, Any] = {}
     recorder = MagnitudeRecorder(settings.num_steps)
+    mass = _mass_recorder(run, sides, shard, from_shards)
     t_collect = 0.0
     if from_shards:
         stats = {k: _merged(from_shards[k], a, preset, settings, method, config) for k, a in sides.items()}
@@ -559,7 +577,7 @@ def _calibrate(sides: Mapping[Any, Any], config: CalibConfig, out_dirs: Mapping[
             n = max(pl.passes for pl in plans.values())
             _collect(run, sides, models, lead, plan, todo, phase=f"gptq pass {group + 1}/{n}", **kw)
             return
-        sites = _collect(run, sides, models, lead, plan, todo, recorder=recorder, **kw)
+        sites = _collect(run, sides, models, lead, plan, todo, recorder=recorder, mass=mass, **kw)
         stats.update({k: _reduce(models[k], sites[k], _metadata(run, a, plan, todo, timesteps[k]))
                       for k, a in sides.items()})
         t_collect = time.perf_counter() - t_start
@@ -573,7 +591,20 @@ def _calibrate(sides: Mapping[Any, Any], config: CalibConfig, out_dirs: Mapping[
             adapter=a, model=models[k], out_dir=out_dirs[k], stats=stats[k],
             rounded=rounded.get(k) if shard is None else None, ratios=ratios[k],
             rounding=(gptq[k][0], gptq[k][1], record.get(k)), forwards=forwards[k], served=timesteps[k],
-            from_shards=from_shards[k] if from_shards else None), t_collect) for k, a in sides.items()}
+            from_shards=from_shards[k] if from_shards else None,
+            mass=mass.result(sorted(timesteps[k])) if mass is not None else None), t_collect) for k, a in sides.items()}
+
+
+def _mass_recorder(run: CalibrationRun, sides, shard, from_shards) -> MassRecorder | None:
+    """The attention-mass recorder when the recipe calibrates sparse attention's windows (one transformer,
+    one pass: sharded runs and pairs measure none, with a warning)."""
+    if run.sparse is None:
+        return None
+    if shard is not None or from_shards or len(sides) != 1:
+        log.warning("calibration: sparse attention's mass is measured in one pass over one transformer; a sharded "
+                    "run or a pair records none (set sparse_attention.window, or calibrate in one pass)")
+        return None
+    return MassRecorder(run.sparse, run.settings.num_steps)
 
 
 def _step_ratios(recorder: MagnitudeRecorder, served: Mapping[int, float], from_shards) -> StepRatios | None:
@@ -771,6 +802,13 @@ def _write(run: CalibrationRun, side: CalibratedSide, t_collect: float) -> Calib
             side.ratios.save(tmp / RATIOS_FILE)
             outputs["step_ratios"] = RATIOS_FILE
             results["step_ratios"] = side.ratios.summary()
+        if side.mass is not None:
+            side.mass.save(tmp / MASS_FILE)
+            outputs["attention_mass"] = MASS_FILE
+            results["attention_mass"] = side.mass.summary(run.sparse.dense_steps)
+            if report_path is not None:
+                with open(report_path, "a") as f:
+                    f.write("\n".join(render_mass(side.mass, run.sparse)) + "\n")
         if hessian_files:
             outputs["hessians"] = [f.name for f in hessian_files]
         if report_path is not None:

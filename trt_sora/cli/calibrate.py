@@ -105,7 +105,7 @@ def run(args) -> int:
                                                peer_steps=args.peer_steps),
                   dtype=args.dtype or recipe.model.dtype.value, shard=shard)
         if not adapter.experts:
-            return {None: calibrate(adapter, cfg, out, from_shards=from_shards, **kw)}
+            return {None: calibrate(adapter, cfg, out, from_shards=from_shards, sparse=recipe.sparse_attention, **kw)}
         shards = {e: [Path(d) / e for d in from_shards] for e in adapter.experts} if from_shards else None
         return calibrate_experts(adapter, cfg, {e: Path(out) / e for e in adapter.experts}, from_shards=shards, **kw)
 
