@@ -388,9 +388,8 @@ def plan_sparse(config, timesteps: Sequence[float], mass: AttentionMass | None =
     ``dense_layers``, else each calibrated layer's narrowest candidate whose worst mass over the sparse steps
     is <= ``mass_budget`` (none: dense). ArtifactError / ConfigError naming the fix when ``mass`` is missing
     or measured another pattern."""
-    n = len(timesteps)
-    dense_above = math.inf if config.dense_steps in (0, n) or config.dense_steps > n else \
-        (float(timesteps[config.dense_steps - 1]) + float(timesteps[config.dense_steps])) / 2
+    n, k = len(timesteps), config.dense_steps
+    dense_above = (float(timesteps[k - 1]) + float(timesteps[k])) / 2 if 0 < k < n else math.inf
     dense: dict[str, Grid | None] = {p: None for p in config.dense_layers}
     chosen: dict[str, Any] = {"setting": {"tile": list(config.tile), "global_frames": config.global_frames,
                                           "dense_steps": config.dense_steps, "dense_layers": list(config.dense_layers)}}
@@ -410,7 +409,7 @@ def plan_sparse(config, timesteps: Sequence[float], mass: AttentionMass | None =
         for layer, row in zip(mass.layers, mass.worst(config.dense_steps)):
             windows.setdefault(layer, pick_window(mass.candidates, row, config.mass_budget))
         chosen.update(source="calibrated", mass_budget=config.mass_budget, mass=mass.summary(config.dense_steps))
-    if config.dense_steps >= n:  # every step dense
+    if k >= n:  # every step dense
         windows = {}
     plan = SparsePlan(tuple(config.tile), windows, config.global_frames, dense_above)
     chosen["plan"] = plan.to_dict()
