@@ -10,8 +10,13 @@ import torch.nn.functional as F
 
 from trt_sora.kernels import reference as ref
 
-__all__ = ["gated_add", "gelu_quant", "linear_fp8", "quantize", "residual_norm_quant", "self_attention",
-           "sdpa_bf16", "heads_to_tokens"]
+__all__ = ["ATTENTION_KERNELS", "gated_add", "gelu_quant", "linear_fp8", "quantize", "residual_norm_quant",
+           "sdpa_fp8_tensor", "self_attention", "sdpa_bf16", "heads_to_tokens"]
+
+
+#: The 8-bit self-attention kernels: ``int8`` (INT8 Q K^T per 128-token block, FP8 P V; Triton, the
+#: default) and ``cudnn-fp8`` (per-tensor FP8 Q, K, V; cuDNN's fused FP8 SDPA, :mod:`.cudnn_attention`).
+ATTENTION_KERNELS = ("int8", "cudnn-fp8")
 
 
 def _tri(x: torch.Tensor):
@@ -70,8 +75,18 @@ def _rows(x, idx):
     return x[:, idx]
 
 
+def sdpa_fp8_tensor(q, k, v, out_scale=None):
+    """bf16 Q, K, V [B, H, S, D] -> attention [B, S, H*D] with per-tensor FP8 operands (FP8 at ``out_scale``,
+    else bf16): cuDNN's FP8 SDPA on CUDA, its pure-torch emulation elsewhere."""
+    if q.is_cuda:
+        from trt_sora.kernels import cudnn_attention
+
+        return cudnn_attention.attention(q, k, v, out_scale)
+    return ref.sdpa_fp8(*ref.sdpa_fp8_operands(q, k, v), out_scale=out_scale)
+
+
 def self_attention(qkv, wq, wk, cos, sin, heads: int, eps: float, *, fp8: bool, out_scale=None, seq=None,
-                   sparse=None, rstd=None):
+                   sparse=None, rstd=None, kernel: str = "int8"):
     """Fused-QKV output [B, S, 3C] -> attention output [B, S, C] token-major (``to_out``'s input):
     RMSNorm across heads on Q and K, RoPE, attention (FP8 with per-block Q/K scales and K
     smoothing when ``fp8``, else BF16 SDPA); FP8 at ``out_scale`` when given.
@@ -86,10 +101,16 @@ def self_attention(qkv, wq, wk, cos, sin, heads: int, eps: float, *, fp8: bool, 
     tiles, the references over its mask.
 
     ``rstd`` [B*S, 2] fp32: the per-token RMS statistics to use instead of taking them (ones, with
-    ``wq``/``wk`` ones and no RoPE: Q and K arrive normalized, a family whose norm is per head)."""
+    ``wq``/``wk`` ones and no RoPE: Q and K arrive normalized, a family whose norm is per head).
+
+    ``kernel``: the 8-bit kernel when ``fp8`` (:data:`ATTENTION_KERNELS`; ``cudnn-fp8`` is dense only)."""
+    if kernel not in ATTENTION_KERNELS:
+        raise ValueError(f"attention kernel {kernel!r}: use one of {ATTENTION_KERNELS}")
     t = _tri(qkv)
     k_ = t or ref
     if sparse is not None:
+        if fp8 and kernel != "int8":
+            raise ValueError(f"sparse attention runs on the 'int8' kernel, not {kernel!r}")
         if seq is not None:
             raise ValueError("sparse attention under Ulysses is not supported; run it with ulysses=1")
         if rstd is not None:
@@ -101,9 +122,12 @@ def self_attention(qkv, wq, wk, cos, sin, heads: int, eps: float, *, fp8: bool, 
         qkv = seq.tokens_to_heads(qkv, groups=3)
         wq, wk = (w.view(seq.size, -1)[seq.rank].contiguous() for w in (wq, wk))
         heads //= seq.size
-    if not fp8:
+    if not fp8 or kernel == "cudnn-fp8":
         q, k, v = k_.qkv_rmsnorm_rope(qkv, wq, wk, cos, sin, heads, eps, fp8=False, rstd=rstd)
-        out = heads_to_tokens(sdpa_bf16(q, k, v) if sparse is None else sparse.attend_tile(q, k, v), out_scale)
+        if fp8:
+            out = sdpa_fp8_tensor(q, k, v, out_scale)
+        else:
+            out = heads_to_tokens(sdpa_bf16(q, k, v) if sparse is None else sparse.attend_tile(q, k, v), out_scale)
     elif t:
         out = t.attention_fp8(*t.qkv_rmsnorm_rope(qkv, wq, wk, cos, sin, heads, eps, fp8=True, rstd=rstd),
                               out_scale=out_scale, blocks=None if sparse is None else sparse.kernel_blocks)

@@ -20,7 +20,7 @@ FP8 = torch.float8_e4m3fn
 
 __all__ = ["FP8", "FP8_MAX", "attention", "attention_fp8", "block_quant", "dequant_scale", "example_qkv", "gelu_quant",
            "heads_to_tokens", "per_row", "quantize", "quantize_int8", "qkv_rmsnorm_rope", "residual_norm_quant",
-           "rms_stats", "rope", "vt_key_order", "vt_natural"]
+           "rms_stats", "rope", "sdpa_fp8", "sdpa_fp8_operands", "vt_key_order", "vt_natural"]
 
 
 def dequant_scale(amax: torch.Tensor) -> torch.Tensor:
@@ -165,6 +165,31 @@ def attention_fp8(q8, q_scale, k8, k_scale, v8, v_scale, block: int = 128, mask=
     p = torch.exp(logits - logits.amax(-1, keepdim=True))
     pq = (p * FP8_MAX).to(FP8).float() / FP8_MAX
     return (pq @ (v8.float() * v_scale[:, :, None, :])) / p.sum(-1, keepdim=True)
+
+
+def sdpa_fp8_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """Per-tensor FP8 E4M3 operands of :func:`sdpa_fp8` (cuDNN's FP8 flash attention) from bf16 Q, K, V
+    [B, H, S, D]: K minus its per-channel mean over the tokens first (softmax is invariant to it).
+
+    Returns ``(q8, k8, v8, q_descale, k_descale, v_descale)``, descales [1, 1, 1, 1] fp32 (``amax / 448``
+    over the whole tensor, all heads), taken on the device without a host sync."""
+    k = k.float() - k.float().mean(dim=2, keepdim=True)
+    scales = [dequant_scale(t.abs().amax()).reshape(1, 1, 1, 1) for t in (q, k, v)]
+    return (*(quantize(t, sc) for t, sc in zip((q, k, v), scales)), *scales)
+
+
+def sdpa_fp8(q8, k8, v8, q_descale, k_descale, v_descale, out_scale=None) -> torch.Tensor:
+    """What cuDNN's FP8 SDPA forward computes from :func:`sdpa_fp8_operands`, up to its online-softmax
+    order: fp32 logits of the FP8 Q K^T, probabilities quantized as ``fp8(p * 448) / 448`` against the
+    row max, FP8 P V, divided by the fp32 row sum; the output FP8 (Hopper's only output type) at
+    ``out_scale`` (``to_out``'s input scale), or without one at V's scale (``|o| <= max |v|``: it cannot
+    saturate) and returned in bf16. Returns [B, S, H*D] token-major."""
+    d = q8.shape[-1]
+    logits = (q8.float() @ k8.float().transpose(-1, -2)) * (d ** -0.5 * q_descale * k_descale)
+    p = torch.exp(logits - logits.amax(-1, keepdim=True))
+    o = (quantize(p, 1 / FP8_MAX).float() @ v8.float()) * (v_descale / FP8_MAX) / p.sum(-1, keepdim=True)
+    o8 = quantize(o, v_descale if out_scale is None else out_scale).transpose(1, 2).flatten(2)
+    return o8 if out_scale is not None else (o8.float() * v_descale.reshape(())).to(torch.bfloat16)
 
 
 def vt_key_order(n: int) -> torch.Tensor:
