@@ -77,6 +77,10 @@ MUTATIONS = (
     Mutation("attention-kernel-select", "ops.self_attention runs the kernel it is asked for", "kernels/ops.py",
              '    if not fp8 or kernel == "cudnn-fp8":', "    if not fp8:",
              ("tests/kernels/test_cudnn_attention.py::test_self_attention_selects_the_kernel",), fast=True),
+    Mutation("attention-kernel-policy", "the runner gives every block its policy's attention kernel",
+             "runners/fp8_runner.py", "            b.attention_kernel = self.attention.kernel",
+             '            b.attention_kernel = "int8"',
+             ("tests/runtime/test_torch_fp8.py::test_attention_kernel_is_chosen_by_the_policy_and_reported",)),
     # -- gates -------------------------------------------------------------------------------------------------
     Mutation("gate-max-abs", "a max_abs gate fails past its threshold", "parity/metrics.py",
              '    add("max_abs", metrics.get("max_abs"), gate.max_abs, "<=")',

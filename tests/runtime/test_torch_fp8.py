@@ -171,6 +171,28 @@ def test_attention_policy_by_block_and_timestep(base_run):
     assert AttentionPolicy.from_dict(pol.to_dict()) == pol
 
 
+def test_attention_kernel_is_chosen_by_the_policy_and_reported(base_run):
+    """``kernel="cudnn-fp8"`` reaches every block (on the CPU: its emulation) and the report's policy;
+    the default stays the INT8 kernel; an unknown kernel is a typed error naming the choices."""
+    from trt_sora.errors import ConfigError
+    from trt_sora.runners.fp8_runner import AttentionPolicy
+
+    feeds = _feeds(seed=5)
+    int8 = _runner(base_run)
+    cud = _runner(base_run, attention=AttentionPolicy(kernel="cudnn-fp8"))
+    bf16 = _runner(base_run, attention=AttentionPolicy(enabled=False))
+    a, b, want = (r.infer(feeds)["sample"] for r in (int8, cud, bf16))
+    assert {blk.attention_kernel for blk in cud.blocks} == {"cudnn-fp8"}
+    assert {blk.attention_kernel for blk in int8.blocks} == {"int8"}
+    assert not (a == b).all() and _cos(b, want) > 0.99
+    rep = cud.report()
+    assert rep["attention_policy"]["kernel"] == "cudnn-fp8" and rep["fp8_attention_layers"] == len(cud.blocks)
+    assert "kernel" not in int8.report()["attention_policy"]  # the default is not recorded: older reports match
+    assert AttentionPolicy.from_dict(rep["attention_policy"]) == AttentionPolicy(kernel="cudnn-fp8")
+    with pytest.raises(ConfigError, match="int8"):
+        AttentionPolicy(kernel="cudnn")
+
+
 def test_int8_artifacts_are_refused_with_the_fix(base_run, tmp_path):
     from trt_sora.errors import ArtifactError
     from trt_sora.runners.fp8_runner import fp8_plan
@@ -238,3 +260,24 @@ def test_gpu_check_on_torch_fp8_then_auto_serves_it(base_run, tmp_path):
     assert {r.fast_accum for r in sr._runners} == {True}
     out = sr.infer(_feeds(seed=9))["sample"]
     assert out.shape == (2, 16, 3, 4, 6)
+
+
+@pytest.mark.gpu
+def test_gpu_cudnn_attention_kernel_in_the_runner(base_run):
+    """The runner on cuDNN's FP8 SDPA (eager and CUDA graph) against BF16 attention, and what it reports."""
+    from trt_sora.kernels import cudnn_attention
+    from trt_sora.runners.fp8_runner import AttentionPolicy
+
+    if not cudnn_attention.available("cuda"):
+        pytest.skip(f"cuDNN FP8 SDPA unavailable here: {cudnn_attention.versions()}")
+    feeds = _feeds(seed=6)
+    want = _runner(base_run, device="cuda", attention=AttentionPolicy(enabled=False)).infer(feeds)["sample"]
+    pol = AttentionPolicy(kernel="cudnn-fp8")
+    eager = _runner(base_run, device="cuda", cuda_graphs=False, attention=pol)
+    graph = _runner(base_run, device="cuda", cuda_graphs=True, attention=pol)
+    a = eager.infer(feeds)["sample"]
+    b1, b2 = graph.infer(feeds)["sample"], graph.infer(feeds)["sample"]
+    assert _cos(a, want) > 0.99
+    assert (b1 == a).all() and (b2 == a).all()
+    rep = eager.report()
+    assert rep["attention_kernel"] == "cudnn-fp8" and rep["cudnn"]["frontend"]

@@ -84,6 +84,7 @@ class FusedHunyuanBlock(torch.nn.Module):
         self.register_buffer("ones", torch.ones(a.to_q.out_features, dtype=torch.bfloat16, device=self.nq.device),
                              persistent=False)
         self.fp8_attention = True
+        self.attention_kernel = "int8"  # the 8-bit kernel (kernels.ops.ATTENTION_KERNELS); the runner sets it
 
     def forward(self, hidden_states, encoder_hidden_states, temb, attention_mask, freqs_cis):
         x = hidden_states.to(torch.bfloat16).contiguous()
@@ -117,7 +118,8 @@ class FusedHunyuanBlock(torch.nn.Module):
         if fp8:  # Q and K arrive normalized: unit statistics and weights, no RoPE
             b, s = joint.shape[:2]
             ones = torch.ones(b * s, 2, device=joint.device, dtype=torch.float32)
-            return ops.self_attention(joint, self.ones, self.ones, None, None, h, eps, fp8=True, rstd=ones)
+            return ops.self_attention(joint, self.ones, self.ones, None, None, h, eps, fp8=True, rstd=ones,
+                                      kernel=self.attention_kernel)
         q, k, v = (t.unflatten(-1, (h, -1)).transpose(1, 2) for t in joint.chunk(3, dim=-1))
         mask = F.pad(keys.bool(), (qkv.shape[1], 0), value=True)[:, None, None, :]
         return ops.heads_to_tokens(F.scaled_dot_product_attention(q, k, v, attn_mask=mask))

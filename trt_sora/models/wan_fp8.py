@@ -79,6 +79,7 @@ class FusedWanBlock(torch.nn.Module):
         self.register_buffer("n2w", n2.weight.detach().float() if self.norm2_affine else None, persistent=False)
         self.register_buffer("n2b", n2.bias.detach().float() if self.norm2_affine else None, persistent=False)
         self.fp8_attention = True
+        self.attention_kernel = "int8"  # the 8-bit kernel (kernels.ops.ATTENTION_KERNELS); the runner sets it
         self.seq = None  # a trt_sora.parallel.SeqShard under Ulysses
         self.sparse = None  # a trt_sora.sparse.TileSparse: block-sparse self-attention; the runner sets it per call
 
@@ -93,7 +94,8 @@ class FusedWanBlock(torch.nn.Module):
         # 1. self-attention
         _, y = ops.residual_norm_quant(x, mod_scale=scale, mod_shift=shift, eps=self.eps, act_scale=self.qkv.act_scale)
         att = ops.self_attention(self.qkv(y), self.nq1, self.nk1, cos, sin, self.heads, self.qk_eps, fp8=fp8_attn,
-                                 out_scale=self.out1.act_scale, seq=self.seq, sparse=self.sparse)
+                                 out_scale=self.out1.act_scale, seq=self.seq, sparse=self.sparse,
+                                 kernel=self.attention_kernel)
         # 2. cross-attention (text keys: short, cuDNN BF16)
         x, y = ops.residual_norm_quant(x, branch=self.out1(att), gate=gate, weight=self.n2w, bias=self.n2b,
                                        eps=self.eps, act_scale=self.q2.act_scale)

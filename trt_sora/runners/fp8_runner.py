@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from trt_sora.config.recipe import TorchFp8Config
-from trt_sora.errors import ArtifactError, BackendMissingError
+from trt_sora.errors import ArtifactError, BackendMissingError, ConfigError
 from trt_sora.runners.base import Runner, is_torch, to_numpy
 from trt_sora.sm import FP8_MIN_SM, device_sm, sm_dotted
 
@@ -65,11 +65,20 @@ class AttentionPolicy:
         timesteps: ``(lo, hi)``: FP8 only for calls whose timestep lies in ``[lo, hi]`` (0-1000;
             e.g. ``(200, 1000)`` keeps the low-noise end of the trajectory in BF16). A call with a
             timestep per frame (Wan 2.2 TI2V) is at its largest one, the step's.
+        kernel: the 8-bit kernel (:data:`trt_sora.kernels.ops.ATTENTION_KERNELS`): ``int8`` (the
+            default) or ``cudnn-fp8`` (cuDNN's FP8 SDPA: needs the cuDNN frontend, dense only).
     """
 
     enabled: bool = True
     exclude: tuple[str, ...] = ()
     timesteps: tuple[float, float] = (0.0, 1000.0)
+    kernel: str = "int8"
+
+    def __post_init__(self) -> None:
+        from trt_sora.kernels.ops import ATTENTION_KERNELS
+
+        if self.kernel not in ATTENTION_KERNELS:
+            raise ConfigError(f"attention kernel {self.kernel!r}: use one of {list(ATTENTION_KERNELS)}")
 
     def on(self, block: str, timestep: float) -> bool:
         lo, hi = self.timesteps
@@ -80,10 +89,12 @@ class AttentionPolicy:
     def from_dict(cls, d: Mapping[str, Any] | None) -> AttentionPolicy:
         d = dict(d or {})
         return cls(enabled=bool(d.get("enabled", True)), exclude=tuple(d.get("exclude", ())),
-                   timesteps=tuple(float(x) for x in d.get("timesteps", (0.0, 1000.0))))
+                   timesteps=tuple(float(x) for x in d.get("timesteps", (0.0, 1000.0))),
+                   kernel=str(d.get("kernel", "int8")))
 
     def to_dict(self) -> dict:
-        return {"enabled": self.enabled, "exclude": list(self.exclude), "timesteps": list(self.timesteps)}
+        d = {"enabled": self.enabled, "exclude": list(self.exclude), "timesteps": list(self.timesteps)}
+        return d | ({"kernel": self.kernel} if self.kernel != "int8" else {})
 
 
 def check_device(device: str) -> str:
@@ -179,6 +190,10 @@ class TorchFp8Runner(Runner):
             use_rounded_weights(model, read_qdq_map(self.qdq_map)[1])
         self.blocks = rewrite(model, self.plan, fused=self.mode == "fused", counters=self.counters,
                               fast_accum=self.fast_accum)
+        if self.sparse is not None and self.attention.kernel != "int8":
+            raise ConfigError(f"sparse attention runs on the 'int8' attention kernel, not {self.attention.kernel!r}")
+        for b in self.blocks:
+            b.attention_kernel = self.attention.kernel
         self.model = model
         self._fwd = self.adapter.export_module(model).eval()
         self._sites = self.adapter.sparse_attention_sites(model) if self.sparse is not None else {}
@@ -291,10 +306,18 @@ class TorchFp8Runner(Runner):
             info.update({"gpu": torch.cuda.get_device_name(torch.device(dev)), "sm": sm_dotted(device_sm(dev)),
                          "torch": torch.__version__})
             if info["fp8_attention_layers"]:
-                from trt_sora.kernels.triton_ops import attention_kernel
-
-                info["attention_kernel"] = attention_kernel(torch.device(dev))
+                info.update(self._attention_kernel_report(torch.device(dev)))
         return info
+
+    def _attention_kernel_report(self, device) -> dict[str, Any]:
+        """Which 8-bit attention kernel ran: ``cudnn-fp8`` (with the cuDNN versions), ``triton`` or ``gluon-ws``."""
+        if self.attention.kernel == "cudnn-fp8":
+            from trt_sora.kernels import cudnn_attention
+
+            return {"attention_kernel": "cudnn-fp8", "cudnn": cudnn_attention.versions()}
+        from trt_sora.kernels.triton_ops import attention_kernel
+
+        return {"attention_kernel": attention_kernel(device)}
 
     def expected_gemms(self) -> int:
         """FP8 GEMM launches one call must make under the plan (fused QKV / KV count once)."""
