@@ -8,6 +8,9 @@ Parts (``--parts``):
   TFLOP/s and cosine vs fp32 attention on inputs with a per-channel K bias. For an A/B against an
   older kernel in the same run, put it beside this file first (it travels to the device untracked):
   ``git show REV:trt_sora/kernels/triton_ops.py > benchmarks/_prev_triton_ops.py``.
+* ``cudnn_attention``: our 8-bit Triton kernel vs cuDNN's fused FP8 SDPA (per-tensor FP8 Q, K, V; needs
+  ``nvidia-cudnn-frontend``) alone at the same size: each kernel's TFLOP/s with bf16 and FP8 output, each
+  path from the fused QKV, cosine vs fp32, and cuDNN against its emulation (``reference.sdpa_fp8``).
 * ``gemm``: the FP8 GEMMs of one Wan 14B / 1.3B block at 480p x 81 (32,760 tokens): ``_scaled_mm``
   with row-wise weight scales, exact (fp32 promotion) vs fast accumulation: time, TFLOP/s, and the
   relative error of each against the fp32 product of the same FP8 operands, beside the error FP8
@@ -25,8 +28,9 @@ Parts (``--parts``):
   attention -> + CUDA graph (GEMMs with fast accumulation, as the recipes ship; rung
   ``fp8_fused_attn8_graph_exactacc``: the full rung with exact accumulation;
   ``fp8_fused_attn8_graph_otherkernel``: with the 8-bit attention kernel that is not the default, the
-  warp-specialized Gluon one on SM 9.x). Median of ``--iters``
-  calls after warm-up, cosine vs eager BF16, what the backend reports it ran, and a profiler split
+  warp-specialized Gluon one on SM 9.x; ``fp8_fused_attn8_cudnn`` / ``fp8_fused_attn8_graph_cudnn``: with
+  cuDNN's FP8 SDPA, eager with its profiler split, and graphed; a failure there is recorded, not fatal).
+  Median of ``--iters`` calls after warm-up, cosine vs eager BF16, what the backend reports it ran, and a profiler split
   (GEMM / attention / other) of the BF16 and the full FP8 call with achieved TFLOP/s against the measured ceilings.
 
     python benchmarks/fp8_bench.py --parts attention,models --models wan2.1-t2v-1.3b,wan2.1-t2v-14b \
@@ -147,6 +151,61 @@ def attention_part(s=32760, h=40, d=128) -> dict:
     with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
         bf = torch.nn.functional.scaled_dot_product_attention(q, k, v)
     out["cudnn_bf16_cosine_vs_fp32"] = cos(bf[:, heads].transpose(1, 2).float(), want)
+    return out
+
+
+def cudnn_attention_part(s=32760, h=40, d=128) -> dict:
+    """Our 8-bit Triton kernel vs cuDNN's FP8 SDPA (per-tensor FP8 Q, K, V) alone on one Wan 14B layer:
+    time and TFLOP/s of each kernel (bf16 and FP8 output) and of each path from the fused QKV (epilogue +
+    quantization + kernel), cosine vs fp32 attention on 4 heads, and cuDNN against its emulation. A cuDNN
+    failure is recorded with the versions; the Triton rows still come back."""
+    from trt_sora.kernels import cudnn_attention as ca
+    from trt_sora.kernels import reference as ref
+    from trt_sora.kernels import triton_ops as t
+
+    qkv, wq, wk, cs, sn = attention_inputs(1, s, h, d)
+    q, k, v = t.qkv_rmsnorm_rope(qkv, wq, wk, cs, sn, h, fp8=False)
+    flops = 4.0 * s * s * d * h
+    heads = list(range(0, h, max(1, h // 4)))[:4]
+    want = ref.attention(q[:, heads], k[:, heads], v[:, heads]).transpose(1, 2)  # [1, S, 4, D] fp32
+    sc = torch.tensor(float(want.abs().max()) / 448, device="cuda")  # a to_out input scale
+    out = {"tokens": s, "heads": h, "head_dim": d, "flops": flops, "cudnn": ca.versions(), "cosine_heads": heads}
+
+    def four(o, scale=None):  # [1, S, H*D] (FP8 at scale) -> the cosine heads, fp32
+        o = o.float() * (scale if scale is not None else 1.0)
+        return o.view(1, s, h, d)[:, :, heads]
+
+    def row(name, kernel_ms, path_ms, o_bf16, o_fp8):
+        out[name] = {"kernel_ms": kernel_ms, "kernel_tflops": flops / (kernel_ms * 1e-3) / 1e12,
+                     "kernel_fp8_out_ms": bench_ms(o_fp8), "path_from_qkv_ms": path_ms,
+                     "cosine_vs_fp32": cos(four(o_bf16()), want),
+                     "cosine_fp8_out_vs_fp32": cos(four(o_fp8(), sc), want)}
+        out[name]["kernel_fp8_out_tflops"] = flops / (out[name]["kernel_fp8_out_ms"] * 1e-3) / 1e12
+        print(name, json.dumps(out[name]), flush=True)
+
+    ops8 = t.qkv_rmsnorm_rope(qkv, wq, wk, cs, sn, h, fp8=True)
+    row("triton_int8", bench_ms(lambda: t.attention_fp8(*ops8)),
+        bench_ms(lambda: t.attention_fp8(*t.qkv_rmsnorm_rope(qkv, wq, wk, cs, sn, h, fp8=True), out_scale=sc)),
+        lambda: t.attention_fp8(*ops8), lambda: t.attention_fp8(*ops8, out_scale=sc))
+    try:
+        opc = ref.sdpa_fp8_operands(q, k, v)
+        out["cudnn_quantize_ms"] = bench_ms(lambda: ref.sdpa_fp8_operands(q, k, v))
+        path = lambda: ca.attention(*t.qkv_rmsnorm_rope(qkv, wq, wk, cs, sn, h, fp8=False), sc)  # noqa: E731
+        row("cudnn_fp8", bench_ms(lambda: ca.attention_fp8(*opc)), bench_ms(path),
+            lambda: ca.attention_fp8(*opc), lambda: ca.attention_fp8(*opc, out_scale=sc))
+        got = four(ca.attention_fp8(*opc))
+        emu = torch.cat([ref.sdpa_fp8(*(x[:, i:i + 1] for x in opc[:3]), *opc[3:]).float()
+                         for i in heads], dim=-1).view(1, s, len(heads), d)  # one head at a time: memory
+        out["cudnn_fp8"]["cosine_vs_emulation"] = cos(got, emu)
+        out["cudnn_fp8"]["emulation_cosine_vs_fp32"] = cos(emu, want)
+        out["cudnn_fp8"]["speedup_kernel_fp8_out_vs_triton"] = (out["triton_int8"]["kernel_fp8_out_ms"]
+                                                                / out["cudnn_fp8"]["kernel_fp8_out_ms"])
+    except Exception as exc:  # noqa: BLE001 - the first device run learns the API; keep the Triton rows
+        import traceback
+
+        out["cudnn_error"] = f"{type(exc).__name__}: {exc}"
+        out["cudnn_traceback"] = traceback.format_exc()[-3000:]
+        print("cudnn_fp8 failed:", out["cudnn_error"], out["cudnn"], flush=True)
     return out
 
 
@@ -474,7 +533,12 @@ def model_part(name: str, size: str, batch: int, iters: int, rungs: list[str], s
                                                      cuda_graphs=True, fast_accum=False),
               # the full rung with the other 8-bit attention kernel (the warp-specialized Gluon one on SM 9.x)
               "fp8_fused_attn8_graph_otherkernel": dict(mode="fused", attention=AttentionPolicy(enabled=True),
-                                                        cuda_graphs=True)}
+                                                        cuda_graphs=True),
+              # cuDNN's FP8 SDPA (per-tensor FP8 Q, K, V) as the 8-bit attention kernel: eager, then graphed
+              "fp8_fused_attn8_cudnn": dict(mode="fused", attention=AttentionPolicy(kernel="cudnn-fp8"),
+                                            cuda_graphs=False),
+              "fp8_fused_attn8_graph_cudnn": dict(mode="fused", attention=AttentionPolicy(kernel="cudnn-fp8"),
+                                                  cuda_graphs=True)}
     from trt_sora.kernels import triton_ops
 
     shipped_ws = triton_ops.ATTN_WS
@@ -485,9 +549,22 @@ def model_part(name: str, size: str, batch: int, iters: int, rungs: list[str], s
         r = TorchFp8Runner(adapter, None, plan=plan, device="cuda", model=copy.deepcopy(model), **kw).activate()
         feeds_r = {n: x for n, x in zip(adapter.input_names, inputs)}
         call = lambda: r.infer(feeds_r)["sample"]  # noqa: E731
-        y, t, ts = timed_calls(call, iters)
+        try:
+            y, t, ts = timed_calls(call, iters)
+        except Exception as exc:  # noqa: BLE001 - an optional kernel (cuDNN FP8) must not end the other rungs
+            if not rung.endswith("_cudnn"):
+                raise
+            from trt_sora.kernels import cudnn_attention
+
+            res["rungs"][rung] = {"error": f"{type(exc).__name__}: {exc}", "cudnn": cudnn_attention.versions()}
+            print(rung, "failed:", res["rungs"][rung], flush=True)
+            r.deactivate()
+            del r
+            torch.cuda.empty_cache()
+            save(res)
+            continue
         rep = r.report()
-        if profile and rung in ("fp8_fused", "fp8_fused_attn8"):
+        if profile and rung in ("fp8_fused", "fp8_fused_attn8", "fp8_fused_attn8_cudnn"):
             rep["split_ms"] = profile_split(call)
         rep.update({"s": t, "all_s": ts, "cosine_vs_eager_bf16": cos(y, y_ref),
                     "expected_fp8_gemms": r.expected_gemms()})
@@ -505,11 +582,13 @@ def model_part(name: str, size: str, batch: int, iters: int, rungs: list[str], s
     base = res["rungs"]["eager_bf16"]["s"]
     comp = res["rungs"].get("compile_bf16", {}).get("s")
     for v in res["rungs"].values():
+        if "s" not in v:  # a rung that failed
+            continue
         v["speedup_vs_eager_bf16"] = base / v["s"]
         if comp:
             v["speedup_vs_compile_bf16"] = comp / v["s"]
     fl = res["flops"]
-    for rung in ("eager_bf16", "fp8_fused", "fp8_fused_attn8"):
+    for rung in ("eager_bf16", "fp8_fused", "fp8_fused_attn8", "fp8_fused_attn8_cudnn"):
         sp = res["rungs"].get(rung, {}).get("split_ms")
         if sp:
             res["rungs"][rung]["achieved_tflops"] = {
@@ -550,6 +629,10 @@ def main(argv=None) -> None:
     if "attention" in parts:
         out["attention"] = attention_part()
         print(json.dumps(out["attention"]), flush=True)
+    if "cudnn_attention" in parts:
+        out["cudnn_attention"] = cudnn_attention_part()
+        if a.out:
+            Path(a.out).write_text(json.dumps(out, indent=1))
     if "models" in parts:
         for m in a.models.split(","):
             model = bench_adapter(m).load("bf16", "cuda")  # once per model: every size and batch shares it

@@ -8,7 +8,9 @@
 # Parts: tests (pytest -m gpu), e2e (seconds per clip stage by stage, Wan 14B 480p x 81: benchmarks/e2e_bench.py), ws (the warp-specialized Gluon attention kernel vs the Triton one: bits, speed;
 # WS_CONFIGS picks its configs; WS_VARIANTS=name=path,... other builds of the Gluon module), gemm (block GEMMs,
 # exact vs fast FP8 accumulation), attention (kernel vs
-# cuDNN/flash), attn_model (the attention kernel inside a 14B call vs alone, with clocks and power), quality (wan-shapes clips),
+# cuDNN/flash), cudnn_attn (issue 32: our 8-bit Triton kernel vs cuDNN's FP8 SDPA alone, 1 x 40 x 32,760 x 128;
+# needs the nvidia-cudnn-frontend wheel in .whl; cudnn_tests: its GPU tests), m14cudnn (the 14B 480p call with cuDNN's FP8 SDPA as the
+# attention kernel beside the Triton one, eager with the profiler split and graphed), attn_model (the attention kernel inside a 14B call vs alone, with clocks and power), quality (wan-shapes clips),
 # levers (issue 13: FP8/INT8 quantization levers on 17 wan-shapes clips at 20 steps, vs fp32; needs
 # build/lev/prompts.safetensors + prompts.text.safetensors from `python benchmarks/quality_levers.py --encode
 # --out build/lev/prompts.safetensors` on CPU, carried),
@@ -58,6 +60,12 @@ for p in "$@"; do
                   --out "$OUT/attn_model.json" ;;
     ws) part ws 300 python3 benchmarks/gluon_attention.py ${WS_CONFIGS:+--configs "$WS_CONFIGS"} \
           ${WS_VARIANTS:+--variants "$WS_VARIANTS"} --out "$OUT/ws.json" ;;
+    cudnn_tests) part cudnn_tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_cudnn_attention.py \
+                   tests/runtime/test_torch_fp8.py -k cudnn ;;
+    cudnn_attn) part cudnn_attn 300 python3 benchmarks/fp8_bench.py --parts cudnn_attention --out "$OUT/cudnn_attn.json" ;;
+    m14cudnn) part m14cudnn 300 python3 benchmarks/fp8_bench.py --parts models --models wan2.1-t2v-14b --batches 1 \
+                --iters 5 --rungs fp8_fused_attn8_graph,fp8_fused_attn8_cudnn,fp8_fused_attn8_graph_cudnn \
+                --out "$OUT/m14cudnn.json" ;;
     gemm) part gemm 120 python3 benchmarks/fp8_bench.py --parts gemm --out "$OUT/gemm.json" ;;
     attention) part attention 240 python3 benchmarks/fp8_bench.py --parts attention --out "$OUT/attention.json" ;;
     quality) part quality 240 python3 benchmarks/fp8_quality.py --run "$RUN" \
