@@ -174,7 +174,7 @@ MUTATIONS = (
              "models/hunyuan_fp8.py", "text_out=i < len(blocks) - 1)", "text_out=True)",
              ("tests/models/test_hunyuan_fp8.py::test_every_planned_gemm_runs_once_in_fp8",)),
     Mutation("hunyuan-fp8-attention-renorm", "8-bit attention reads the per-head normed Q/K as they are",
-             "models/hunyuan_fp8.py", "fp8=True, rstd=ones)", "fp8=True)",
+             "models/hunyuan_fp8.py", "fp8=True, rstd=ones,", "fp8=True,",
              ("tests/models/test_hunyuan_fp8.py::test_8bit_attention_reads_the_normed_qk_as_they_are",), fast=True),
     Mutation("hunyuan-fp8-outside-blocks", "planned linears outside HunyuanVideo's blocks run in FP8",
              "models/hunyuan_fp8.py", "    swap_linears(model, plan, counters)\n", "",
