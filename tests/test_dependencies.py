@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 #: Modules of declared distributions that are not installed on this machine (GPU-only or alternatives):
 #: the only facts this test takes on trust. Installed ones are read from their metadata.
 NOT_INSTALLED_HERE = {"tensorrt": {"tensorrt", "tensorrt_bindings"}, "tensorrt-cu12": {"tensorrt", "tensorrt_bindings"},
-                      "onnxruntime-gpu": {"onnxruntime"}, "triton": {"triton"}}
+                      "onnxruntime-gpu": {"onnxruntime"}, "triton": {"triton"}, "nvidia-cudnn-frontend": {"cudnn"}}
 #: Distributions declared for the command they install, not for a module: `make test` runs each.
 COMMANDS = {"ruff"}
 
