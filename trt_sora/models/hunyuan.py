@@ -484,20 +484,28 @@ class HunyuanVideo15Adapter(ModelAdapter):
         return vae.eval().requires_grad_(False), desc
 
     def decoder(self, device=None, dtype=None):
+        """Latents -> frames: :meth:`frame_decoder`'s groups, concatenated."""
+        import torch
+
+        groups, desc = self.frame_decoder(device, dtype)
+        return (lambda z: torch.cat(list(groups(z)), dim=2)), desc
+
+    def frame_decoder(self, device=None, dtype=None):
         """Latents -> frames through :meth:`vae` (latents / ``scaling_factor``, as the pipeline) on
-        ``device`` in ``dtype``."""
+        ``device`` in ``dtype``, yielded latent frame by latent frame as :func:`causal_decode` makes
+        them (1 pixel frame, then 4 a latent frame)."""
         import torch
 
         vae, desc = self.vae_on(device, dtype)
         scale = float(vae.config.scaling_factor)
         dtype = dtype or torch.float32
 
-        def decode(z):
+        def decode_groups(z):
             with torch.inference_mode():
-                x = vae.decode((z.to(device=device, dtype=torch.float32) / scale).to(dtype), return_dict=False)[0]
-            return x.float().clamp(-1, 1)
+                z = (z.to(device=device, dtype=torch.float32) / scale).to(dtype)
+            yield from causal_decode(vae, z)
 
-        return decode, desc
+        return decode_groups, desc
 
     @property
     def vae_scale(self) -> tuple[int, int]:
@@ -512,6 +520,78 @@ class HunyuanVideo15Adapter(ModelAdapter):
     @property
     def num_heads(self) -> int:
         return int(self.spec.config["num_attention_heads"])
+
+
+def causal_decode(vae, z):
+    """``AutoencoderKLHunyuanVideo15.decode(z)`` one latent frame at a time: yields the frames
+    ``[B, 3, f, H, W]`` fp32 in ``[-1, 1]`` of each latent frame (1, then 4) as it is decoded. The
+    decoder is causal in time (front-padded convolutions, frame-causal attention): its input
+    convolution and mid block (the attention) run once over every latent frame, then the up blocks
+    run frame by frame, each causal convolution prepending the last input frames it saw. The same
+    operations in fp32, summed in another order where a kernel picks its algorithm by size (ATen's
+    convolution backend, a vectorised elementwise loop's tail), so equal to ``decode`` within fp32
+    rounding, not bit for bit. A tiled or sliced decode is one group (``vae.decode``)."""
+    import torch
+
+    h, w = z.shape[-2:]
+    if (vae.use_tiling and (w > vae.tile_latent_min_width or h > vae.tile_latent_min_height)) \
+            or (vae.use_slicing and z.shape[0] > 1):
+        with torch.inference_mode():
+            yield vae.decode(z, return_dict=False)[0].float().clamp(-1, 1)
+        return
+    d, seen = vae.decoder, {}  # seen: each causal convolution's last padded input frames
+    with torch.inference_mode():
+        x = d.mid_block(d.conv_in(z) + z.repeat_interleave(repeats=d.repeat, dim=1))
+    for i in range(z.shape[2]):
+        with torch.inference_mode():
+            h = x[:, :, i:i + 1]
+            for block in d.up_blocks:
+                for resnet in block.resnets:
+                    h = _resnet(resnet, h, seen)
+                for up in block.upsamplers or ():
+                    h = _upsample(up, h, seen, first=i == 0)
+            h = _causal_conv(d.conv_out, d.conv_act(d.norm_out(h)), seen)
+        yield h.float().clamp(-1, 1)
+
+
+def _causal_conv(conv, x, seen: dict):
+    """``HunyuanVideo15CausalConv3d(x)`` for frames that follow those it saw last (``seen``): the
+    first group is front-padded by replicating its first frame, a later one by the frames before it."""
+    import torch
+    import torch.nn.functional as F
+
+    pad = conv.time_causal_padding  # (w, w, h, h, frames before, 0)
+    prev = seen.get(id(conv))
+    x = F.pad(x, pad if prev is None else (*pad[:4], 0, 0), mode=conv.pad_mode)
+    if prev is not None:
+        x = torch.cat([prev, x], dim=2)
+    seen[id(conv)] = x[:, :, x.shape[2] - pad[4]:]
+    return conv.conv(x)
+
+
+def _resnet(block, x, seen: dict):
+    """``HunyuanVideo15ResnetBlock(x)`` through :func:`_causal_conv`."""
+    h = _causal_conv(block.conv1, block.nonlinearity(block.norm1(x)), seen)
+    h = _causal_conv(block.conv2, block.nonlinearity(block.norm2(h)), seen)
+    return h + (x if block.conv_shortcut is None else block.conv_shortcut(x))
+
+
+def _upsample(up, x, seen: dict, first: bool):
+    """``HunyuanVideo15Upsample(x)`` through :func:`_causal_conv`; with temporal upsampling only the
+    clip's first frame stays one frame (``first``), every later one becomes two."""
+    import torch
+
+    h, rearrange = _causal_conv(up.conv, x, seen), up._dcae_upsample_rearrange
+    if not up.add_temporal_upsample:
+        return rearrange(h, r1=1, r2=2, r3=2) + rearrange(x.repeat_interleave(repeats=up.repeats, dim=1),
+                                                          r1=1, r2=2, r3=2)
+    h_next = rearrange(h[:, :, int(first):], r1=2, r2=2, r3=2)
+    x_next = rearrange(x[:, :, int(first):], r1=2, r2=2, r3=2).repeat_interleave(repeats=up.repeats, dim=1)
+    if not first:
+        return h_next + x_next
+    h_first = rearrange(h[:, :, :1], r1=1, r2=2, r3=2)
+    x_first = rearrange(x[:, :, :1], r1=1, r2=2, r3=2).repeat_interleave(repeats=up.repeats // 2, dim=1)
+    return torch.cat([h_first[:, :h_first.shape[1] // 2], h_next], dim=2) + torch.cat([x_first, x_next], dim=2)
 
 
 def _set_processors(model) -> None:

@@ -15,7 +15,7 @@ its result is fetchable over HTTP by the id of the first chunk). The stream then
 (the queue position while queued, step i of n while denoising) and the clip as a fragmented MP4 in
 pieces of at most 128 KiB, each starting where a box (or, inside a large ``mdat``, a NAL unit)
 begins (:mod:`trt_sora.serve.fmp4`): the engine hands the stream each group of frames as the VAE
-decodes it (``on_frames``; Wan: latent frame by latent frame), ffmpeg encodes them as they come and
+decodes it (``on_frames``; Wan and HunyuanVideo 1.5: latent frame by latent frame), ffmpeg encodes them as they come and
 each piece is sent as ffmpeg writes it, the init segment at once; the last piece once the job is
 committed.
 
