@@ -243,6 +243,17 @@ MUTATIONS = (
     Mutation("serve-cancel-step", "a cancelled running job stops at its next step", "serve/scheduler.py",
              "            raise _Cancelled()\n", "            pass\n",
              ("tests/serve/test_grpc.py::test_a_client_that_cancels_cancels_its_job",)),
+    Mutation("serve-cancel-no-steps", "a job cancelled in a shared batch is sent no more steps",
+             "serve/scheduler.py", "if j.on_step is not None and not j.cancel_event.is_set():",
+             "if j.on_step is not None:", ("tests/serve/test_grpc.py::"
+              "test_a_client_that_cancels_in_a_shared_batch_leaves_the_others_unchanged",)),
+    Mutation("serve-cancel-no-frames", "a job cancelled in a shared batch is sent no frames",
+             "serve/scheduler.py", "if job.on_frames is not None and not job.cancel_event.is_set():",
+             "if job.on_frames is not None:", ("tests/serve/test_grpc.py::"
+              "test_a_client_that_cancels_in_a_shared_batch_leaves_the_others_unchanged",)),
+    Mutation("http-leave-cancels", "a client that leaves POST /v1/generate cancels its job", "serve/server.py",
+             "            jobs.engine.cancel(job.id)\n", "            pass\n",
+             ("tests/serve/test_server.py::test_a_client_that_leaves_generate_cancels_its_job_alone",)),
     Mutation("grpc-auth", "gRPC streams need a key of --api-keys-file", "serve/grpc_server.py",
              "        if self.keys is not None:\n", "        if False:\n",
              ("tests/serve/test_grpc.py::test_keys_are_required",)),

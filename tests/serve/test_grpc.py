@@ -322,6 +322,61 @@ def test_a_client_that_cancels_cancels_its_job(tiny_runner, tmp_path):
         assert not engine.cancel(job.id)
 
 
+def test_a_client_that_cancels_in_a_shared_batch_leaves_the_others_unchanged(tiny_runner, tmp_path):
+    """Two streams share one batch (the batcher waits for the second); while its first transformer
+    call is held, one client cancels: that job is sent nothing more (no step, no frames) and ends
+    cancelled with no result, in the engine and the job store; the other streams to the end, its
+    steps, MP4 pieces and clip bit for bit those of the same batch run without the cancel."""
+    from trt_sora.serve.grpc_server import GrpcConfig, start_grpc
+    from trt_sora.serve.scheduler import Engine, ServeConfig
+
+    pb2, pb2_grpc = pb()
+    gated = Gated(tiny_runner)
+    engine = Engine(gated, ServeConfig(max_wait_s=HANG, max_batch=2, cfg="split", state_dir=str(tmp_path / "state")))
+    engine.start(block=True)
+    server = start_grpc(engine, GrpcConfig(port=0, max_piece_bytes=LIMIT))
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
+    stub = pb2_grpc.TrtSoraStub(channel)
+
+    def both():  # the first job is queued (its first chunk says so) before the second is asked for
+        leaves = stub.Generate(pb2.GenerateRequest(prompt="leaves", seed=3), timeout=HANG)
+        first = next(leaves)
+        assert first.progress.phase == pb2.Progress.QUEUED
+        return leaves, engine.get(first.job_id), stub.Generate(pb2.GenerateRequest(prompt="stays", seed=4),
+                                                                 timeout=HANG)
+
+    def received(chunks):  # what a client sees of its clip (a QUEUED message may or may not come)
+        chunks = list(chunks)
+        return ([c.progress.step for c in chunks if c.progress.phase == pb2.Progress.DENOISING],
+                [c.mp4.data for c in chunks if c.WhichOneof("kind") == "mp4"], engine.get(chunks[-1].job_id))
+
+    try:
+        leaves, _, stays = both()
+        want_steps, want_mp4, want_job = received(stays)
+        assert received(leaves)[1], "the uncancelled run streams both clips"
+        gated.arm()
+        leaves, leaving, stays = both()
+        assert gated.entered.wait(HANG)  # the batch holds in its first call
+        first = next(stays)  # the step 1 message, or the queue position the stream saw first
+        assert engine.get(first.job_id).status == leaving.status == "running"  # one batch
+        sent = []
+        leaving.on_step, leaving.on_frames = (lambda *a: sent.append(a)), sent.append
+        leaves.cancel()
+        assert leaving.cancel_event.wait(HANG), "the server did not see the client cancel"
+        gated.release.set()
+        steps, mp4, job = received([first, *stays])
+        assert engine.wait(leaving.id, HANG).status == "cancelled" and leaving.result_path is None
+        assert engine.store.get(leaving.id).status == "cancelled" and sent == []
+        assert steps == want_steps and mp4 == want_mp4 and job.status == "done"
+        np.testing.assert_array_equal(np.load(engine.result_file(job)), np.load(engine.result_file(want_job)))
+    finally:
+        gated.release.set()
+        channel.close()
+        server.stop(grace=None)
+        engine.drain(HANG)
+        engine.close()
+
+
 def _self_signed(folder: Path) -> tuple[Path, Path]:
     """A self-signed certificate for 127.0.0.1 and its key, PEM files in ``folder``."""
     x509 = pytest.importorskip("cryptography.x509", reason="TLS test certificates are made with `cryptography`")

@@ -141,6 +141,58 @@ def test_429_when_the_queue_is_full(tiny_runner):
         engine.close()
 
 
+def test_a_client_that_leaves_generate_cancels_its_job_alone(tiny_runner, tmp_path):
+    """Two ``POST /v1/generate`` share one batch (the batcher waits for the second); while its first
+    transformer call is held, one client closes its connection: its job ends cancelled (engine and
+    job store) with no result; the other gets its clip, bit for bit the same batch's without the
+    cancel."""
+    from http.client import HTTPConnection
+
+    from trt_sora.serve.metrics import ServerMetrics
+    from trt_sora.serve.scheduler import Engine, ServeConfig
+    from trt_sora.serve.server import make_app
+
+    gated, metrics = Gated(tiny_runner), ServerMetrics()
+    engine = Engine(gated, ServeConfig(max_wait_s=HANG, max_batch=2, cfg="split", state_dir=str(tmp_path / "s")),
+                    metrics=metrics)
+    engine.start(block=True)
+    submitted, submit = [], engine.submit
+    engine.submit = lambda *a, **kw: submitted.append(submit(*a, **kw)) or submitted[-1]
+    body = {"leaves": json.dumps({"prompt": "leaves", "seed": 3}), "stays": json.dumps({"prompt": "stays", "seed": 4})}
+    try:
+        with http_server(make_app(engine, metrics)) as http, concurrent.futures.ThreadPoolExecutor(2) as pool:
+            def post(prompt):
+                conn = HTTPConnection("127.0.0.1", int(http.base.rsplit(":", 1)[1]), timeout=HANG)
+                conn.request("POST", "/v1/generate?format=npy", body=body[prompt],
+                             headers={"Content-Type": "application/json"})
+                return conn
+
+            def answer(conn):
+                r = conn.getresponse()
+                return r.status, r.read()
+
+            runs = [pool.submit(answer, post(p)) for p in body]  # no cancel
+            (status, leaves), (status_2, want) = (r.result(HANG) for r in runs)
+            assert status == status_2 == 200 and len(leaves) > 0
+            gated.arm()
+            leaving, stays = post("leaves"), pool.submit(answer, post("stays"))
+            assert gated.entered.wait(HANG)  # the batch holds in its first call
+            job = next(j for j in submitted[2:] if j.request.prompt == "leaves")
+            assert [j.status for j in submitted[2:]] == ["running"] * 2
+            leaving.close()
+            assert job.cancel_event.wait(HANG), "the server did not see the client leave"
+            gated.release.set()
+            status, got = stays.result(HANG)
+            assert engine.wait(job.id, HANG).status == "cancelled" and job.result_path is None
+            assert engine.store.get(job.id).status == "cancelled"
+            assert status == 200 and got == want
+            assert sorted((j.request.prompt, j.status) for j in submitted) == \
+                [("leaves", "cancelled"), ("leaves", "done"), ("stays", "done"), ("stays", "done")]
+    finally:
+        gated.release.set()
+        engine.close()
+
+
 def test_a_long_prompt_is_refused_unless_the_request_accepts_a_cut(server):
     _, http, _, _ = server
     long = " ".join(f"w{i}" for i in range(200))

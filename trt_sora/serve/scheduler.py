@@ -847,23 +847,29 @@ def _cancel_calls(batch: list[JobState]):
 
 def _step_calls(batch: list[JobState]):
     """A sampler hook calling each job's ``on_step(step + 1, num_steps)`` once per step (CFG split
-    and expert switches make several calls of one step)."""
+    and expert switches make several calls of one step); a cancelled job's no more."""
     seen: set[int] = set()
 
     def hook(info):
         if info.step not in seen:
             seen.add(info.step)
             for j in batch:
-                if j.on_step is not None:
+                if j.on_step is not None and not j.cancel_event.is_set():
                     j.on_step(info.step + 1, info.num_steps)
     return hook
 
 
 def _frame_calls(batch: list[JobState]):
-    """The generator's ``on_frames(i, frames)`` calling job ``i``'s ``on_frames(frames)``."""
+    """The generator's ``on_frames(i, frames)`` calling job ``i``'s ``on_frames(frames)`` while the
+    job is not cancelled (a shared batch still decodes its clip)."""
     if all(j.on_frames is None for j in batch):
         return None
-    return lambda i, frames: batch[i].on_frames(frames) if batch[i].on_frames is not None else None
+
+    def call(i, frames):
+        job = batch[i]
+        if job.on_frames is not None and not job.cancel_event.is_set():
+            job.on_frames(frames)
+    return call
 
 
 def _trace_stages(job: JobState, began_ns: int, ended_ns: int, calls: list) -> None:

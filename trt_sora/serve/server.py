@@ -6,7 +6,8 @@
     GET  /v1/jobs/{id}            status: queued / running / done / failed, timings, metadata
                                   (?wait=S: answer once the job is done or failed, or after S <= 60 s)
     GET  /v1/jobs/{id}/result     ?format=mp4|gif|png|npy&scale=N  -> the clip (409 until done)
-    POST /v1/generate             same body, waits, returns the clip (?format=, ?timeout=)
+    POST /v1/generate             same body, waits, returns the clip (?format=, ?timeout=); a client
+                                  that disconnects first cancels the job
     GET  /v1/info                 artifact, backend, buckets, sampling defaults, batch cap, memory
     GET  /healthz                 200 while the process runs
     GET  /readyz                  200 after warm-up; 503 while warming up, after a failed start, draining
@@ -317,8 +318,6 @@ def _add_result_routes(app, jobs: _Jobs) -> None:
 
     @app.post("/v1/generate")
     async def generate(request: Request, format: str = "mp4", scale: int = 1, timeout: float = 600.0):
-        import anyio
-
         try:
             req = await jobs.parse(request)
         except ConfigError as exc:
@@ -331,8 +330,30 @@ def _add_result_routes(app, jobs: _Jobs) -> None:
         job, err = jobs.submit_or_error(request, req)
         if err is not None:
             return err
-        await anyio.to_thread.run_sync(job.done_event.wait, timeout)
+        if await _done_or_gone(request, job, timeout):
+            log.info("serve: the client of job %s left; cancelling it", job.id)
+            jobs.engine.cancel(job.id)
         return jobs.result_response(job, format, scale)
+
+
+async def _done_or_gone(request, job, timeout: float) -> bool:
+    """Wait until ``job`` ends or ``timeout`` seconds pass; True if the client disconnected first
+    (its next ASGI message, the body being read, is ``http.disconnect``)."""
+    import anyio
+
+    gone = False
+    async with anyio.create_task_group() as tasks:
+        async def watch():
+            nonlocal gone
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            gone = True
+            tasks.cancel_scope.cancel()
+
+        tasks.start_soon(watch)
+        await anyio.to_thread.run_sync(job.done_event.wait, timeout, abandon_on_cancel=True)
+        tasks.cancel_scope.cancel()
+    return gone
 
 
 def _add_health_routes(app, engine, metrics) -> None:
