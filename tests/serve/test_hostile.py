@@ -151,9 +151,10 @@ def test_a_client_that_hangs_up_mid_body_is_counted_not_crashed(impatient):
     assert engine.queue_depth == 0 and http("GET", "/healthz")[0] == 200
 
 
-def test_a_client_that_leaves_while_its_clip_is_made_still_gets_a_job_done(impatient):
-    """POST /v1/generate, then the client hangs up while the job is inside the model: the job was
-    accepted, so it finishes and is fetchable by its id; the server goes on answering."""
+def test_a_client_that_leaves_while_its_clip_is_made_cancels_its_job(impatient):
+    """POST /v1/generate, then the client hangs up while the job is inside the model: no one can
+    be sent the clip (the client never learned the job's id), so the job is cancelled and stops at
+    its next step; the request is counted as 499 and the server goes on answering."""
     http, gated, engine = impatient
     gated.arm()
     conn = _connect(http)
@@ -162,6 +163,12 @@ def test_a_client_that_leaves_while_its_clip_is_made_still_gets_a_job_done(impat
     assert gated.entered.wait(HANG)
     conn.close()
     (job,) = [j for j in engine._jobs.values() if j.request.seed == 9]
+    assert job.cancel_event.wait(HANG), "the server did not see the client leave"
     gated.release.set()
-    assert engine.wait(job.id, HANG).status == "done"
-    assert http("GET", f"/v1/jobs/{job.id}/result?format=npy")[0] == 200
+    assert engine.wait(job.id, HANG).status == "cancelled" and job.result_path is None
+    assert http.json("GET", f"/v1/jobs/{job.id}")[1]["status"] == "cancelled"
+    for _ in range(100_000):  # the endpoint's answer (to no one) is counted once its handler returns
+        if http.metric("trt_sora_http_requests_total", method="POST", route="/v1/generate", status="499") == 1:
+            break
+    assert http.metric("trt_sora_http_requests_total", method="POST", route="/v1/generate", status="499") == 1
+    assert http("GET", "/healthz")[0] == 200

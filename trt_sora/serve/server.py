@@ -330,9 +330,10 @@ def _add_result_routes(app, jobs: _Jobs) -> None:
         job, err = jobs.submit_or_error(request, req)
         if err is not None:
             return err
-        if await _done_or_gone(request, job, timeout):
+        if await _done_or_gone(request, job, timeout):  # nobody to send the clip to (nor its job id)
             log.info("serve: the client of job %s left; cancelling it", job.id)
             jobs.engine.cancel(job.id)
+            return _error(499, f"the client closed the connection; job {job.id} was cancelled")
         return jobs.result_response(job, format, scale)
 
 
