@@ -27,15 +27,16 @@ def _recipe(**caching):
     return dataclasses.replace(r, caching=CachingConfig(**caching))
 
 
-def _record_ratios(run) -> None:
+def _record_ratios(run, steps: int | None = None) -> None:
     """calib/step_ratios.safetensors as the calibrate stage records it: two held-out-style trajectories of
-    the fp32 model at its sampling settings, the recorder as the sampler's step cache."""
+    the fp32 model at its sampling settings (``steps``: at that many steps), the recorder as the sampler's
+    step cache."""
     from trt_sora.models import get_adapter
     from trt_sora.parity.loop import loop_inputs
     from trt_sora.sampling import adapter_call, sample
 
     adapter = get_adapter("wan-tiny")
-    model, settings = adapter.load("fp32", "cpu"), adapter.sampling
+    model, settings = adapter.load("fp32", "cpu"), adapter.sampling.override(num_steps=steps)
     rec = MagnitudeRecorder(settings.num_steps)
     point = {"batch": 2, "latent_frames": 3, "latent_height": 4, "latent_width": 6, "text_len": 16}
     for seed in (7, 8):
@@ -173,3 +174,31 @@ def test_runtime_refuses_an_unchecked_caching_setting(cached_run, checked_run, t
     # the run folder's own setting off: the checked caching is not served
     off = _with_recipe(cached_run[0], tmp_path / "off", load_recipe(RECIPE))
     assert rt.load(off, backend="ort", warmup=False).caching is None
+
+
+def test_check_at_more_steps_than_the_model_card_serves_those_steps(base_run, tmp_path):
+    """The 50-step path in small: step ratios calibrated at 7 steps (wan-tiny's card samples 4), a recipe
+    whose loop runs 7 steps with caching; `trt-sora check` gates the 7-step cached clip, the runtime
+    replays its schedule at 7 steps and computes every call at the card's 4."""
+    import trt_sora.runtime as rt
+    from trt_sora.cli import main
+
+    run = tmp_path / "run"
+    shutil.copytree(base_run, run)
+    _record_ratios(run, steps=7)
+    r = _recipe(method="extrapolate", threshold=10.0, max_skips=2, warmup_steps=1, final_steps=1, sweep=(0.001,))
+    recipe = dataclasses.replace(r, parity=dataclasses.replace(r.parity, loop_steps=7))
+    (run / "recipe.yaml").write_text(dump_recipe(recipe))
+    assert main(["check", "--run", str(run), "--recipe", str(run / "recipe.yaml")]) == 0
+    cache = json.loads((run / "parity" / "report.json").read_text())["caching"]
+    reused = [1, 2, 4, 5]  # warm-up 0 and final 6 compute; a run of at most 2 reuses after each compute
+    assert cache["schedule"] == {"num_steps": 7, "reused": {"cond": reused, "uncond": reused}, "order": 1}
+    assert cache["sampling"]["num_steps"] == 7 and (cache["calls"], cache["calls_uncached"]) == (6, 14)
+    assert {p["threshold"]: p["calls"] for p in cache["curve"]}[0.001] == 14
+    sr = rt.load(run, backend="ort", warmup=False)
+    calls = []
+    clip = rt.generate(sr, "a cat walks", steps=7, cfg="split", hook=lambda c: calls.append(c.step))[0]
+    assert sorted(calls) == sorted(2 * [0, 3, 6]) and clip.metadata["caching"]["applied"]
+    calls.clear()
+    card = rt.generate(sr, "a cat walks", cfg="split", hook=lambda c: calls.append(c.step))[0]
+    assert len(calls) == 8 and not card.metadata["caching"]["applied"]

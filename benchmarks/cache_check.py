@@ -1,0 +1,101 @@
+"""A run folder for `trt-sora check` with step caching at a chosen step count, and a clip's timings.
+
+``prepare`` copies a run folder's export stage into ``--work``/run and writes a recipe (``--base`` with a
+``caching:`` section, ``calibration.num_steps`` and ``parity.loop_steps`` at ``--steps``) into
+``--work``/recipe.yaml and the run's recipe.yaml. The caching setting is the one of a
+``caching_bench.py`` curve (``--curve``, same model and step count) that saved the most calls with its
+gate passed (ties: the better worst clip), with the curve's other thresholds at the same
+``max_skips`` and warm-up as the check's sweep; ``--setting`` when no curve row passed. The calibrate
+and quantize stages then run into that run folder (on the GPU: ``calibrate --device cuda``), and check
+gates the cached clip. ``show`` prints what a clip's metadata (``trt-sora generate -o X`` writes
+``X.json``) says of its stages' seconds and its caching. ``bash benchmarks/h200.sh checkcache gen``::
+
+    python benchmarks/cache_check.py prepare --run build/wan-shapes/rtx4090-fp8 --work /tmp/cc --steps 50 \\
+        --curve cache50.json
+    python benchmarks/cache_check.py show clip.mp4.json
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import shutil
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def choose(curve: dict | None, steps: int, model: str, fallback: tuple[float, int, int], method: str):
+    """``(threshold, max_skips, warmup, final, sweep, source)`` from ``curve`` (a caching_bench JSON)."""
+    rows = []
+    if curve and curve["model"] == model and curve["sampling"]["num_steps"] == steps \
+            and curve["caching"]["method"] == method:
+        rows = [r for r in curve["curve"] if r["gate_passed"]]
+    final = curve["caching"]["final_steps"] if rows else 1
+    if not rows:
+        thr, skips, warm = fallback
+        return thr, skips, warm, final, (), "--setting (no curve row of this model and step count passed)"
+    best = max(rows, key=lambda r: (r["saved_fraction"], r["clip_psnr_db"]["worst"], -r["threshold"]))
+    same = [r["threshold"] for r in curve["curve"] if (r["max_skips"], r["warmup_steps"]) ==
+            (best["max_skips"], best["warmup_steps"]) and r["threshold"] != best["threshold"]]
+    return (best["threshold"], best["max_skips"], best["warmup_steps"], final, tuple(sorted(set(same)))[:4],
+            f"the curve's best passing row ({best['saved_fraction']:.1%} saved, worst clip "
+            f"{best['clip_psnr_db']['worst']:.2f} dB)")
+
+
+def prepare(a) -> None:
+    from trt_sora.config import CachingConfig, dump_recipe, load_recipe
+    from trt_sora.runfolder import RunFolder
+
+    curve = json.loads(Path(a.curve).read_text()) if a.curve and Path(a.curve).is_file() else None
+    fallback = tuple(t(x) for t, x in zip((float, int, int), a.setting.split(":")))
+    thr, skips, warm, final, sweep, source = choose(curve, a.steps, a.model, fallback, a.method)
+    base = load_recipe(a.base)
+    recipe = dataclasses.replace(
+        base, name=f"{base.name}-cache{a.steps}",
+        caching=CachingConfig(method=a.method, threshold=thr, max_skips=skips, warmup_steps=warm, final_steps=final,
+                              sweep=sweep),
+        calibration=dataclasses.replace(base.calibration, num_steps=a.steps),
+        parity=dataclasses.replace(base.parity, loop_steps=a.steps))
+    work = Path(a.work)
+    if work.exists():
+        shutil.rmtree(work)
+    run = work / "run"
+    shutil.copytree(RunFolder(a.run).export, RunFolder(run).export)
+    text = dump_recipe(recipe)
+    (work / "recipe.yaml").write_text(text)
+    RunFolder(run).recipe.write_text(text)
+    print(f"caching {a.method} threshold {thr:g} max_skips {skips} warmup {warm} final {final} at {a.steps} steps "
+          f"(sweep {list(sweep)}), from {source}; run {run}, recipe {work / 'recipe.yaml'}")
+
+
+def show(a) -> None:
+    meta = json.loads(Path(a.metadata).read_text())
+    cache = meta.get("caching") or {}
+    print("seconds:", json.dumps(meta.get("seconds")))
+    print("checked:", meta.get("checked"), "| backend:", meta.get("backend"), "| sampling:", meta.get("sampling"))
+    print("caching:", json.dumps({k: cache.get(k) for k in ("calls", "calls_uncached", "saved_fraction")}
+                                 if cache else None))
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("prepare")
+    p.add_argument("--run", required=True, help="a run folder whose export stage is reused")
+    p.add_argument("--work", required=True, help="folder to (re)create: run/ and recipe.yaml")
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--model", default="wan-shapes")
+    p.add_argument("--base", default="rtx4090-fp8", help="the recipe the caching one starts from")
+    p.add_argument("--method", default="extrapolate", choices=("magcache", "extrapolate"))
+    p.add_argument("--curve", default=None, help="a caching_bench.py JSON (missing file: --setting)")
+    p.add_argument("--setting", default="0.1:2:2", help="threshold:max_skips:warmup_steps without a passing row")
+    s = sub.add_parser("show")
+    s.add_argument("metadata", help="a clip's metadata JSON")
+    a = ap.parse_args(argv)
+    {"prepare": prepare, "show": show}[a.cmd](a)
+
+
+if __name__ == "__main__":
+    main()
