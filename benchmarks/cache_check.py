@@ -1,15 +1,18 @@
 """A run folder for `trt-sora check` with step caching at a chosen step count, and a clip's timings.
 
-``prepare`` copies a run folder's export stage into ``--work``/run and writes a recipe (``--base`` with a
-``caching:`` section, ``calibration.num_steps`` and ``parity.loop_steps`` at ``--steps``) into
-``--work``/recipe.yaml and the run's recipe.yaml. The caching setting is the one of a
+``prepare`` copies a run folder's export stage into ``--work``/run (unless it is there) and writes a recipe
+(``--base`` with a ``caching:`` section, ``calibration.num_steps`` and ``parity.loop_steps`` at ``--steps``)
+into ``--work``/recipe.yaml and the run's recipe.yaml; the calibrate stage reads no caching setting, so a
+run calibrated once takes the setting a curve picks later. The caching setting is the one of a
 ``caching_bench.py`` curve (``--curve``, same model and step count) that saved the most calls with its
 gate passed (ties: the better worst clip), with the curve's other thresholds at the same
 ``max_skips`` and warm-up as the check's sweep; ``--setting`` when no curve row passed. The calibrate
 and quantize stages then run into that run folder (on the GPU: ``calibrate --device cuda``), and check
 gates the cached clip. ``show`` prints what a clip's metadata (``trt-sora generate -o X`` writes
-``X.json``) says of its stages' seconds and its caching. ``bash benchmarks/h200.sh checkcache gen``::
+``X.json``) says of its stages' seconds and its caching. ``bash benchmarks/h200.sh ccalib cache50 checkcache gen``::
 
+    python benchmarks/cache_check.py prepare --run build/wan-shapes/rtx4090-fp8 --work /tmp/cc --steps 50 --fresh
+    (calibrate and quantize into /tmp/cc/run; caching_bench.py --ratios /tmp/cc/run/calib/step_ratios.safetensors)
     python benchmarks/cache_check.py prepare --run build/wan-shapes/rtx4090-fp8 --work /tmp/cc --steps 50 \\
         --curve cache50.json
     python benchmarks/cache_check.py show clip.mp4.json
@@ -59,10 +62,11 @@ def prepare(a) -> None:
         calibration=dataclasses.replace(base.calibration, num_steps=a.steps),
         parity=dataclasses.replace(base.parity, loop_steps=a.steps))
     work = Path(a.work)
-    if work.exists():
+    if a.fresh and work.exists():
         shutil.rmtree(work)
     run = work / "run"
-    shutil.copytree(RunFolder(a.run).export, RunFolder(run).export)
+    if not RunFolder(run).export.is_dir():
+        shutil.copytree(RunFolder(a.run).export, RunFolder(run).export)
     text = dump_recipe(recipe)
     (work / "recipe.yaml").write_text(text)
     RunFolder(run).recipe.write_text(text)
@@ -84,7 +88,8 @@ def main(argv=None) -> None:
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("prepare")
     p.add_argument("--run", required=True, help="a run folder whose export stage is reused")
-    p.add_argument("--work", required=True, help="folder to (re)create: run/ and recipe.yaml")
+    p.add_argument("--work", required=True, help="folder of run/ and recipe.yaml (run/ is kept: the recipe changes)")
+    p.add_argument("--fresh", action="store_true", help="remove --work first")
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--model", default="wan-shapes")
     p.add_argument("--base", default="rtx4090-fp8", help="the recipe the caching one starts from")
