@@ -1,11 +1,12 @@
 """A run folder for `trt-sora check` with step caching at a chosen step count, and a clip's timings.
 
-``prepare`` copies a run folder's export stage into ``--work``/run (unless it is there) and writes a recipe
+``prepare`` copies a run folder's export stage into ``--work``/run (unless it is there or ``--run`` has none:
+then export into it) and writes a recipe
 (``--base`` with a ``caching:`` section, ``calibration.num_steps`` and ``parity.loop_steps`` at ``--steps``)
 into ``--work``/recipe.yaml and the run's recipe.yaml; the calibrate stage reads no caching setting, so a
 run calibrated once takes the setting a curve picks later. The caching setting is the one of a
-``caching_bench.py`` curve (``--curve``, same model and step count) that saved the most calls with its
-gate passed (ties: the better worst clip), with the curve's other thresholds at the same
+``caching_bench.py`` curve (``--curve``, same model and step count) that saved the most calls (at least
+one) with its gate passed (ties: the better worst clip), with the curve's other thresholds at the same
 ``max_skips`` and warm-up as the check's sweep; ``--setting`` when no curve row passed. The calibrate
 and quantize stages then run into that run folder (on the GPU: ``calibrate --device cuda``), and check
 gates the cached clip. ``show`` prints what a clip's metadata (``trt-sora generate -o X`` writes
@@ -34,7 +35,7 @@ def choose(curve: dict | None, steps: int, model: str, fallback: tuple[float, in
     rows = []
     if curve and curve["model"] == model and curve["sampling"]["num_steps"] == steps \
             and curve["caching"]["method"] == method:
-        rows = [r for r in curve["curve"] if r["gate_passed"]]
+        rows = [r for r in curve["curve"] if r["gate_passed"] and r["calls"] < r["calls_uncached"]]
     final = curve["caching"]["final_steps"] if rows else 1
     if not rows:
         thr, skips, warm = fallback
@@ -65,8 +66,9 @@ def prepare(a) -> None:
     if a.fresh and work.exists():
         shutil.rmtree(work)
     run = work / "run"
-    if not RunFolder(run).export.is_dir():
+    if not RunFolder(run).export.is_dir() and RunFolder(a.run).export.is_dir():
         shutil.copytree(RunFolder(a.run).export, RunFolder(run).export)
+    run.mkdir(parents=True, exist_ok=True)
     text = dump_recipe(recipe)
     (work / "recipe.yaml").write_text(text)
     RunFolder(run).recipe.write_text(text)
@@ -79,7 +81,7 @@ def show(a) -> None:
     cache = meta.get("caching") or {}
     print("seconds:", json.dumps(meta.get("seconds")))
     print("checked:", meta.get("checked"), "| backend:", meta.get("backend"), "| sampling:", meta.get("sampling"))
-    print("caching:", json.dumps({k: cache.get(k) for k in ("calls", "calls_uncached", "saved_fraction")}
+    print("caching:", json.dumps({k: cache.get(k) for k in ("applied", "setting", "reused", "calls", "calls_uncached")}
                                  if cache else None))
 
 
@@ -87,7 +89,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("prepare")
-    p.add_argument("--run", required=True, help="a run folder whose export stage is reused")
+    p.add_argument("--run", required=True, help="a run folder whose export stage is reused (when it has one)")
     p.add_argument("--work", required=True, help="folder of run/ and recipe.yaml (run/ is kept: the recipe changes)")
     p.add_argument("--fresh", action="store_true", help="remove --work first")
     p.add_argument("--steps", type=int, required=True)

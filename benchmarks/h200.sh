@@ -28,8 +28,8 @@
 # `python benchmarks/peer_modelopt.py embed --model wan-shapes --num 16 --out ...` and ModelOpt's wheels in .whl).
 # Step caching (issue 30; EMB: build/wan_shapes_peer_prompts.safetensors from `python benchmarks/peer_modelopt.py
 # embed --model wan-shapes --num 16 --out build/wan_shapes_peer_prompts.safetensors` on CPU, carried):
-# ccalib (a run folder $CC/run from $RUN's export stage (only $RUN/export is read), calibrated here at CC_STEPS (50)
-# and quantized), cache50 / cache20 (benchmarks/caching_bench.py: wan-shapes fp32, 16 held-out captions at 50 / 20
+# ccalib (a run folder $CC/run from $RUN/export, or exported here when $RUN has none, calibrated here at CC_STEPS
+# (50) and quantized), cache50 / cache20 (benchmarks/caching_bench.py: wan-shapes fp32, 16 held-out captions at 50 / 20
 # steps, a grid of extrapolate settings vs the uncached clips; the step statistics of ccalib's calibration at
 # CC_STEPS, else calibrated in the part; CACHE50_GRID / CACHE20_GRID), checkcache (after ccalib: the best setting of
 # $OUT/cache$CC_STEPS.json that passed into the recipe, then trt-sora check --backend torch-fp8 with caching), gen
@@ -50,6 +50,8 @@ CC=${CC:-/tmp/cc}
 CC_STEPS=${CC_STEPS:-50}
 CC_DEVICE=${CC_DEVICE:-cuda}  # cpu (with CC_BACKEND=ort, CC_STEPS=2, part cache2): a dry run of the parts
 CC_BACKEND=${CC_BACKEND:-torch-fp8}
+CC_LIMIT=${CC_LIMIT:-300}  # seconds of each of ccalib, cacheN, checkcache
+GEN_OUT=${GEN_OUT:-clip.mp4}  # clip.gif without the imageio-ffmpeg wheel
 CAPTION=${CAPTION:-a green triangle slides left over a striped black background}
 CACHE50_GRID=${CACHE50_GRID:-0.02:1:2,0.05:1:2,0.1:1:2,0.3:1:2,0.05:2:2,0.1:2:2,0.2:2:2,0.5:2:2,0.1:3:2,0.3:3:2,1:3:2,0.2:4:2,0.5:4:2,2:4:2,10:4:2}
 CACHE20_GRID=${CACHE20_GRID:-0.05:1:2,0.1:1:2,0.1:2:2,0.2:2:2,0.5:2:2,0.3:3:2,1:3:2,10:2:2,10:4:2}
@@ -132,25 +134,27 @@ for lvl in (ort.GraphOptimizationLevel.ORT_DISABLE_ALL, ort.GraphOptimizationLev
     except Exception as e:
         print(lvl, \"FAILS\", str(e)[:300])
 print(ort.__version__)' \$X/quant/model.qdq.onnx" ;;
-    ccalib) part ccalib 300 bash -c "set -e; python3 benchmarks/cache_check.py prepare --run '$RUN' --work $CC \
+    ccalib) part ccalib $CC_LIMIT bash -c "set -e; python3 benchmarks/cache_check.py prepare --run '$RUN' --work $CC \
               --steps $CC_STEPS --fresh
+            [ -d $CC/run/export ] || python3 -m trt_sora export --model wan-shapes --recipe $CC/recipe.yaml \
+              --out $CC/run/export
             python3 -m trt_sora calibrate --model wan-shapes --recipe $CC/recipe.yaml --device $CC_DEVICE --no-report \
               --text-embeddings '$EMB' --out $CC/run/calib
             W=$CC/run/calib/weights.safetensors; python3 -m trt_sora quantize --onnx $CC/run/export/model.onnx \
               --stats $CC/run/calib/stats.safetensors \$([ -f \$W ] && echo --weights \$W) --recipe $CC/recipe.yaml \
               --out $CC/run/quant" ;;
     cache[0-9]*) R=$CC/run/calib/step_ratios.safetensors; [ "${p#cache}" = "$CC_STEPS" ] && [ -f $R ] || R=
-                     part $p 300 python3 benchmarks/caching_bench.py --device $CC_DEVICE --steps ${p#cache} --method extrapolate \
+                     part $p $CC_LIMIT python3 benchmarks/caching_bench.py --device $CC_DEVICE --steps ${p#cache} --method extrapolate \
                        --captions 16 --threads 8 --text-embeddings "$EMB" ${R:+--ratios $R} --configs "$([ $p = cache20 ] \
                        && echo "$CACHE20_GRID" || echo "$CACHE50_GRID")" --out "$OUT/$p.json" ;;
-    checkcache) TAIL=40 part checkcache 300 bash -c "set -e; python3 benchmarks/cache_check.py prepare --run '$RUN' \
+    checkcache) TAIL=40 part checkcache $CC_LIMIT bash -c "set -e; python3 benchmarks/cache_check.py prepare --run '$RUN' \
                   --work $CC --steps $CC_STEPS --curve $OUT/cache$CC_STEPS.json
                 trap 'cp $CC/recipe.yaml $CC/run/parity/report.json $CC/run/parity/report.md $OUT/ 2>/dev/null' EXIT
                 python3 -m trt_sora check --run $CC/run --recipe $CC/recipe.yaml --backend $CC_BACKEND --device $CC_DEVICE \
                   --text-embeddings '$EMB'" ;;
     gen) TAIL=12 part gen 200 bash -c "set -e; python3 -m trt_sora generate --run $CC/run --backend $CC_BACKEND --device $CC_DEVICE \
-           --text-encoder '$EMB' --steps $CC_STEPS '$CAPTION' -o $OUT/clip.mp4
-         python3 benchmarks/cache_check.py show $OUT/clip.mp4.json" ;;
+           --text-encoder '$EMB' --steps $CC_STEPS '$CAPTION' -o $OUT/$GEN_OUT
+         python3 benchmarks/cache_check.py show $OUT/$GEN_OUT.json" ;;
     *) echo "unknown part $p" ;;
   esac
 done

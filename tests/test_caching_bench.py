@@ -111,3 +111,24 @@ def test_cuda_uncached_clips_match_the_cpu_ones(curve, tmp_path):
         mse = float((r.double() - g.double()).square().mean())
         assert 10 * math.log10(float(r.max() - r.min()) ** 2 / max(mse, 1e-30)) > 50.0
     assert json.loads((tmp_path / "g.json").read_text())["backend"] != "torch fp32, CPU"
+
+
+def test_check_setting_is_the_curves_best_passing_row():
+    spec = importlib.util.spec_from_file_location("cache_check", SCRIPT.with_name("cache_check.py"))
+    cc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cc)
+
+    def row(thr, skips, calls, worst, passed):
+        return {"threshold": thr, "max_skips": skips, "warmup_steps": 2, "calls": calls, "calls_uncached": 100,
+                "saved_fraction": 1 - calls / 100, "clip_psnr_db": {"worst": worst}, "gate_passed": passed}
+
+    curve = {"model": "wan-shapes", "sampling": {"num_steps": 50},
+             "caching": {"method": "extrapolate", "final_steps": 1},
+             "curve": [row(0.01, 2, 100, math.inf, True), row(0.1, 2, 50, 31.0, True), row(0.2, 2, 50, 32.0, True),
+                       row(0.5, 2, 40, 25.0, False), row(0.3, 3, 55, 35.0, True)]}
+    thr, skips, warm, final, sweep, _ = cc.choose(curve, 50, "wan-shapes", (0.1, 2, 2), "extrapolate")
+    assert (thr, skips, warm, final, sweep) == (0.2, 2, 2, 1, (0.01, 0.1, 0.5))
+    for other in ((20, "wan-shapes", "extrapolate"), (50, "wan-tiny", "extrapolate"), (50, "wan-shapes", "magcache")):
+        assert cc.choose(curve, *other[:2], (0.7, 1, 3), other[2])[:5] == (0.7, 1, 3, 1, ())
+    nothing_saved = {**curve, "curve": [row(0.01, 2, 100, math.inf, True), row(0.5, 2, 40, 25.0, False)]}
+    assert cc.choose(nothing_saved, 50, "wan-shapes", (0.7, 1, 3), "extrapolate")[:3] == (0.7, 1, 3)
