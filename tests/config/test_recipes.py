@@ -64,6 +64,12 @@ def test_bucket_typo_and_bad_enum():
     raw["quantization"]["format"] = "fp8_e5m2x"
     with pytest.raises(ConfigError, match="fp8_e4m3"):
         recipe_from_dict(raw)
+    raw = _raw()
+    raw.setdefault("torch_fp8", {})["attention_kernel"] = "cudnn"
+    with pytest.raises(ConfigError, match="cudnn-fp8"):
+        recipe_from_dict(raw)
+    raw["torch_fp8"]["attention_kernel"] = "cudnn-fp8"
+    assert recipe_from_dict(raw).torch_fp8.attention_policy()["kernel"] == "cudnn-fp8"
 
 
 def test_min_greater_than_max_and_odd_height():

@@ -75,7 +75,7 @@ def test_the_options_a_report_records_are_the_options_served(backend):
 
     recipe = dataclasses.replace(load_recipe(RECIPE), torch_fp8=TorchFp8Config(
         fp8_attention=False, attention_exclude=("blocks.0",), attention_timesteps=(100.0, 900.0),
-        cuda_graphs=False, gemm_fast_accum=False))
+        attention_kernel="cudnn-fp8", cuda_graphs=False, gemm_fast_accum=False))
     checked = registry.check_options(backend, recipe, device="cuda:1")
     rep = json.loads(json.dumps({"candidate": {"backend": backend, "open": checked.checked()}}))
     served = registry.served_options(rep, device="cuda:0", dtype="bf16", compile=True, threads=2, contexts=3)
@@ -84,7 +84,7 @@ def test_the_options_a_report_records_are_the_options_served(backend):
         "cuda:0", "bf16", True, 2, 3)
     if backend == "torch-fp8":
         assert checked.checked() == {"cuda_graphs": False, "fast_accum": False, "attention": {
-            "enabled": False, "exclude": ["blocks.0"], "timesteps": [100.0, 900.0]}}
+            "enabled": False, "exclude": ["blocks.0"], "timesteps": [100.0, 900.0], "kernel": "cudnn-fp8"}}
     else:
         assert checked.checked() == registry.OpenOptions().checked()
 

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from trt_sora.config.base import did_you_mean, from_dict, to_dict
 from trt_sora.config.recipe import (
+    AttentionKernel,
     AttentionMode,
     Backend,
     BuildConfig,
@@ -32,7 +33,8 @@ from trt_sora.config.shapes import DIM_NAMES, DimRange, ShapeProfile, check_poin
 from trt_sora.errors import ConfigError
 
 __all__ = [
-    "AttentionMode", "Backend", "BuildConfig", "BuildRequirements", "CacheMethod", "CachingConfig", "CalibConfig",
+    "AttentionKernel", "AttentionMode", "Backend", "BuildConfig", "BuildRequirements", "CacheMethod", "CachingConfig",
+    "CalibConfig",
     "CalibMethod",
     "DIM_NAMES", "DType", "DimRange", "ExportConfig", "ExternalData", "ModelConfig", "ParityConfig",
     "ParityGate", "QuantConfig", "QuantFormat", "Recipe", "ShapeProfile", "SparseAttentionConfig", "TorchFp8Config",

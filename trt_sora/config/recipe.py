@@ -62,6 +62,13 @@ class AttentionMode(str, enum.Enum):
     PLUGIN = "plugin"
 
 
+class AttentionKernel(str, enum.Enum):
+    """torch-fp8's 8-bit self-attention kernel."""
+
+    INT8 = "int8"  # INT8 Q K^T per 128-token block, FP8 P V (Triton)
+    CUDNN_FP8 = "cudnn-fp8"  # per-tensor FP8 Q, K, V: cuDNN's fused FP8 SDPA (the cudnn-fp8 extra)
+
+
 class ExternalData(str, enum.Enum):
     AUTO = "auto"  # only when the model is over 2 GB (protobuf limit)
     ALWAYS = "always"
@@ -221,7 +228,8 @@ class TorchFp8Config:
     The GEMMs follow ``quantization`` (the same sites and scales as the Q/DQ graph); this section
     holds what only that backend has: the 8-bit self-attention (INT8 QK^T, FP8 PV, per-block
     scales, K smoothing), switched off per block (``attention_exclude``, fnmatch over ``blocks.N``)
-    or outside a timestep range (``attention_timesteps: [lo, hi]`` in 0..1000), CUDA graphs, and
+    or outside a timestep range (``attention_timesteps: [lo, hi]`` in 0..1000), its kernel
+    (``attention_kernel``: ``int8``, or ``cudnn-fp8``, cuDNN's FP8 SDPA), CUDA graphs, and
     ``gemm_fast_accum``: the FP8 GEMMs accumulate in the tensor cores' own accumulator (cuBLASLt fast
     accumulation, no periodic promotion to fp32). ``check`` runs the candidate with these settings
     and the runtime loads it with the settings the check ran.
@@ -230,6 +238,7 @@ class TorchFp8Config:
     fp8_attention: bool = True
     attention_exclude: tuple[str, ...] = ()
     attention_timesteps: tuple[float, float] = (0.0, 1000.0)
+    attention_kernel: AttentionKernel = AttentionKernel.INT8
     cuda_graphs: bool = True
     gemm_fast_accum: bool = True
 
@@ -237,11 +246,16 @@ class TorchFp8Config:
         lo, hi = self.attention_timesteps
         if not 0.0 <= lo <= hi <= 1000.0:
             raise ConfigError(f"torch_fp8.attention_timesteps={[lo, hi]}: need 0 <= lo <= hi <= 1000")
+        kernels = [k.value for k in AttentionKernel]
+        if self.attention_kernel not in kernels:
+            raise ConfigError(f"torch_fp8.attention_kernel={self.attention_kernel!r}: use one of {kernels}")
+        object.__setattr__(self, "attention_kernel", AttentionKernel(self.attention_kernel))
 
     def attention_policy(self) -> dict:
         """As :meth:`trt_sora.runners.fp8_runner.AttentionPolicy.from_dict` reads it."""
-        return {"enabled": self.fp8_attention, "exclude": list(self.attention_exclude),
-                "timesteps": list(self.attention_timesteps)}
+        d = {"enabled": self.fp8_attention, "exclude": list(self.attention_exclude),
+             "timesteps": list(self.attention_timesteps)}
+        return d | ({"kernel": self.attention_kernel.value} if self.attention_kernel != AttentionKernel.INT8 else {})
 
 
 #: The CFG branches a caching schedule decides for (the sampler's labels).

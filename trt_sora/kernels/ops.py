@@ -8,15 +8,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from trt_sora.config.recipe import AttentionKernel
 from trt_sora.kernels import reference as ref
 
 __all__ = ["ATTENTION_KERNELS", "gated_add", "gelu_quant", "linear_fp8", "quantize", "residual_norm_quant",
            "sdpa_fp8_tensor", "self_attention", "sdpa_bf16", "heads_to_tokens"]
 
 
-#: The 8-bit self-attention kernels: ``int8`` (INT8 Q K^T per 128-token block, FP8 P V; Triton, the
-#: default) and ``cudnn-fp8`` (per-tensor FP8 Q, K, V; cuDNN's fused FP8 SDPA, :mod:`.cudnn_attention`).
-ATTENTION_KERNELS = ("int8", "cudnn-fp8")
+#: The 8-bit self-attention kernels (:class:`~trt_sora.config.recipe.AttentionKernel`): ``int8`` (Triton,
+#: the default) and ``cudnn-fp8`` (cuDNN's fused FP8 SDPA, :mod:`.cudnn_attention`).
+ATTENTION_KERNELS = tuple(k.value for k in AttentionKernel)
 
 
 def _tri(x: torch.Tensor):

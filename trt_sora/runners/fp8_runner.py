@@ -21,7 +21,7 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-from trt_sora.config.recipe import TorchFp8Config
+from trt_sora.config.recipe import AttentionKernel, TorchFp8Config
 from trt_sora.errors import ArtifactError, BackendMissingError, ConfigError
 from trt_sora.runners.base import Runner, is_torch, to_numpy
 from trt_sora.sm import FP8_MIN_SM, device_sm, sm_dotted
@@ -65,7 +65,7 @@ class AttentionPolicy:
         timesteps: ``(lo, hi)``: FP8 only for calls whose timestep lies in ``[lo, hi]`` (0-1000;
             e.g. ``(200, 1000)`` keeps the low-noise end of the trajectory in BF16). A call with a
             timestep per frame (Wan 2.2 TI2V) is at its largest one, the step's.
-        kernel: the 8-bit kernel (:data:`trt_sora.kernels.ops.ATTENTION_KERNELS`): ``int8`` (the
+        kernel: the 8-bit kernel (:class:`~trt_sora.config.recipe.AttentionKernel`): ``int8`` (the
             default) or ``cudnn-fp8`` (cuDNN's FP8 SDPA: needs the cuDNN frontend, dense only).
     """
 
@@ -75,10 +75,10 @@ class AttentionPolicy:
     kernel: str = "int8"
 
     def __post_init__(self) -> None:
-        from trt_sora.kernels.ops import ATTENTION_KERNELS
-
-        if self.kernel not in ATTENTION_KERNELS:
-            raise ConfigError(f"attention kernel {self.kernel!r}: use one of {list(ATTENTION_KERNELS)}")
+        kernels = [k.value for k in AttentionKernel]
+        if self.kernel not in kernels:
+            raise ConfigError(f"attention kernel {self.kernel!r}: use one of {kernels}")
+        object.__setattr__(self, "kernel", AttentionKernel(self.kernel).value)  # a plain str in reports
 
     def on(self, block: str, timestep: float) -> bool:
         lo, hi = self.timesteps
