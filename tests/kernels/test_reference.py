@@ -137,3 +137,48 @@ def test_vt_key_order_puts_each_lanes_p_operand_in_its_own_accumulator_registers
     vt = vt8.double()[0, 0]
     keys = vt[:, order48.argsort()]
     torch.testing.assert_close(p[:, order48] @ vt.T, p @ keys.T, rtol=0, atol=1e-9)
+
+
+def _padded_case(s=300, valid=(300, 170), h=2, d=64, seed=3):
+    """Two samples of ``s`` tokens, the second valid up to ``valid[1]``; its padding replaced by loud garbage
+    (50x the values, a K bias of its own) in a copy: ``(qkv, padded qkv, wq, wk, cos, sin, key_len)``."""
+    qkv, wq, wk, cos, sin = ref.example_qkv(2, s, h, d, seed=seed, device="cpu")
+    g = torch.Generator().manual_seed(seed + 1)
+    junk = qkv.clone()
+    n = valid[1]
+    junk[1, n:] = (50 * torch.randn(s - n, qkv.shape[-1], generator=g) + 20).to(torch.bfloat16)
+    return qkv, junk, wq, wk, cos, sin, torch.tensor(valid, dtype=torch.int32)
+
+
+def _attend(qkv, wq, wk, cos, sin, key_len, h=2):
+    ops8 = ref.qkv_rmsnorm_rope(qkv, wq, wk, cos, sin, h, fp8=True, key_len=key_len)
+    return ref.attention_fp8(*ops8[:6], key_len=key_len)
+
+
+def test_fp8_attention_with_key_lengths_tracks_masked_fp32_attention():
+    """Key lengths [300, 170] (a ragged tile ends each): cosine >= 0.999 against fp32 SDPA with the
+    boolean key mask on the valid tokens' rows (the padded tokens' queries saturate at their block's
+    valid scale: their rows are no one's), and the mask matters (dense attention is far off)."""
+    qkv, _, wq, wk, cos, sin, key_len = _padded_case()
+    got = _attend(qkv, wq, wk, cos, sin, key_len)
+    q, k, v = ref.qkv_rmsnorm_rope(qkv, wq, wk, cos, sin, 2, fp8=False)
+    mask = (torch.arange(q.shape[2])[None] < key_len[:, None].long())[:, None, None, :]
+    want = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask)
+    cos_ = torch.nn.functional.cosine_similarity
+    for i, n in enumerate(key_len.tolist()):
+        assert cos_(got[i, :, :n].flatten(), want[i, :, :n].flatten(), dim=0) >= 0.999, i
+    n = int(key_len[1])
+    assert cos_(ref.attention(q, k, v)[1, :, :n].flatten(), want[1, :, :n].flatten(), dim=0) < 0.9
+
+
+def test_padded_keys_never_change_the_valid_tokens():
+    """Garbage in the padding gives the valid tokens' outputs bit for bit (K's mean, V's scale and
+    the Q/K block scales are taken over the valid tokens only), and the sample without its padding
+    gives them up to the K mean's sum over another count of zeros (one fp32 rounding)."""
+    qkv, junk, wq, wk, cos, sin, key_len = _padded_case()
+    a = _attend(qkv, wq, wk, cos, sin, key_len)
+    b = _attend(junk, wq, wk, cos, sin, key_len)
+    n = int(key_len[1])
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1, :, :n], b[1, :, :n])
+    bare = _attend(qkv[1:, :n], wq, wk, cos[:n], sin[:n], key_len[1:])
+    torch.testing.assert_close(b[1:, :, :n], bare, rtol=0, atol=1e-6 * bare.abs().max().item())

@@ -164,8 +164,8 @@ def test_attention_configs_give_identical_results(s):
         o = torch.full((b, s, h * d), float("nan"), device="cuda", dtype=torch.bfloat16)
         grid = (triton.cdiv(s, cfg.kwargs["BLOCK_M"]), b * h)
         t._attn_fp8_kernel.fn[grid](q8, qs, kv[tma][0], ks, kv[tma][1], vs, o, o, s, sp, h, qs.shape[-1],
-                                    1.4426950408889634 / d ** 0.5, s.bit_length(), qs, qs, qs, 0, D=d, OUT_FP8=False,
-                                    SPARSE=False, BLOCK_N=blk,
+                                    1.4426950408889634 / d ** 0.5, s.bit_length(), qs, qs, qs, 0, qs, D=d,
+                                    OUT_FP8=False, SPARSE=False, KEYS=False, BLOCK_N=blk,
                                     TMA=tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **cfg.kwargs)
         assert not o.isnan().any()
         outs.append(o)
@@ -239,3 +239,54 @@ def test_fused_sparse_self_attention_matches_the_cpu_reference():
     want = ops.self_attention(*(x.cpu() for x in (qkv, wq, wk, cos, sin)), h, 1e-6, fp8=True,
                               sparse=tile_sparse(grid, tile, (1, 0, 1), 0, "cpu")).float()
     assert torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0).item() >= 0.999
+
+
+@pytest.mark.parametrize("s,lens", [(1000, (1000, 700, 512, 77)), (4133, (4133, 3968))])
+def test_attention_with_key_lengths(s, lens):
+    """Key lengths (= S, ragged, tile-aligned, no full tile): the epilogue's operands are the reference's
+    (the dense test's bounds), the valid rows track fp32 attention under the key mask (cosine >= 0.999),
+    every config and TMA / pointer loads give the same bits, garbage in the padding changes no valid
+    row's bits, lengths of S are the dense kernel's bits, and the Gluon kernel refuses key lengths."""
+    import triton
+
+    from trt_sora.errors import ConfigError
+
+    t = _tri()
+    qkv, wq, wk, cos, sin, h = _qkv_inputs(b=len(lens), s=s, h=2)
+    key_len = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    valid = ref.key_valid(key_len, s)
+    ops8 = t.qkv_rmsnorm_rope(qkv, wq, wk, cos, sin, h, fp8=True, key_len=key_len)
+    q8, qs, k8, ks, vt8, vs = ops8
+    rq8, rqs, rk8, rks, rv8, rvs, _ = ref.qkv_rmsnorm_rope(qkv, wq, wk, cos, sin, h, fp8=True, key_len=key_len)
+    torch.testing.assert_close(qs, rqs, rtol=2e-2, atol=0)
+    torch.testing.assert_close(ks, rks, rtol=2e-2, atol=0)
+    torch.testing.assert_close(vs, rvs, rtol=1e-6, atol=0)
+    assert (k8.int() - rk8.int()).abs().max() <= 2
+    assert torch.equal(ref.vt_natural(vt8, s).view(torch.uint8), rv8.view(torch.uint8))
+    o = t.attention_fp8(*ops8, key_len=key_len)
+    q, k, v = ref.qkv_rmsnorm_rope(qkv, wq, wk, cos, sin, h, fp8=False)
+    want = ref.heads_to_tokens(torch.nn.functional.scaled_dot_product_attention(
+        q.float(), k.float(), v.float(), attn_mask=valid[:, None, None, :])).float()
+    for i, n in enumerate(lens):
+        c = torch.nn.functional.cosine_similarity(o[i, :n].float().flatten(), want[i, :n].flatten(), dim=0).item()
+        assert c >= 0.999, (i, c)
+    b, _, _, d = q8.shape
+    kv = {False: (k8, vt8), True: t.kv_descriptors(k8, vt8)}
+    for tma, cfg in ((tma, cfg) for tma in (False, True) for cfg in t._attn_configs()):
+        oc = torch.full_like(o, float("nan"))
+        t._attn_fp8_kernel.fn[(triton.cdiv(s, cfg.kwargs["BLOCK_M"]), b * h)](
+            q8, qs, kv[tma][0], ks, kv[tma][1], vs, oc, oc, s, vt8.shape[-1], h, qs.shape[-1],
+            1.4426950408889634 / d ** 0.5, s.bit_length(), qs, qs, qs, 0, key_len, D=d, OUT_FP8=False, SPARSE=False,
+            KEYS=True, BLOCK_N=t.SCALE_BLOCK, TMA=tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            **cfg.kwargs)
+        assert torch.equal(oc, o), (tma, cfg)
+    junk = torch.where(valid[..., None], qkv, (60 * torch.randn_like(qkv, dtype=torch.float32) - 30).to(qkv.dtype))
+    oj = t.attention_fp8(*t.qkv_rmsnorm_rope(junk, wq, wk, cos, sin, h, fp8=True, key_len=key_len), key_len=key_len)
+    rows = valid[..., None].expand_as(o)
+    assert torch.equal(oj[rows], o[rows])
+    full = torch.full_like(key_len, s)
+    dense = t.attention_fp8(*t.qkv_rmsnorm_rope(qkv, wq, wk, cos, sin, h, fp8=True), ws=False)
+    assert torch.equal(t.attention_fp8(*t.qkv_rmsnorm_rope(qkv, wq, wk, cos, sin, h, fp8=True, key_len=full),
+                                       key_len=full), dense)
+    with pytest.raises(ConfigError, match="ws=False"):
+        t.attention_fp8(*ops8, key_len=key_len, ws=True)

@@ -224,8 +224,9 @@ def test_attention_configs_match_fp32_attention_and_each_other(t, qkv_case):
             grid = (triton.cdiv(s, cfg.kwargs["BLOCK_M"]), b * h)
             # .fn: the kernel without its autotuner, which would time configs on a GPU
             t._attn_fp8_kernel.fn[grid](q8, qs, k8, ks, vt8, vs, o, osc if fp8 else o, s, vt8.shape[-1], h,
-                                        qs.shape[-1], 1.4426950408889634 / d ** 0.5, s.bit_length(), qs, qs, qs, 0,
-                                        D=d, OUT_FP8=fp8, SPARSE=False, BLOCK_N=t.SCALE_BLOCK, TMA=False, **cfg.kwargs)
+                                        qs.shape[-1], 1.4426950408889634 / d ** 0.5, s.bit_length(), qs, qs, qs, 0, qs,
+                                        D=d, OUT_FP8=fp8, SPARSE=False, KEYS=False, BLOCK_N=t.SCALE_BLOCK, TMA=False,
+                                        **cfg.kwargs)
             outs.setdefault(fp8, []).append(o)
     for fp8, (a, b_) in outs.items():
         assert torch.equal(_bits(a), _bits(b_)), fp8
@@ -235,7 +236,7 @@ def test_attention_configs_match_fp32_attention_and_each_other(t, qkv_case):
     _fp8_close(outs[True][0], ref.quantize(outs[False][0], osc), osc, max_mismatch=0.05)
 
 
-def _run_attention(t, ops8, cfg, blocks=None):
+def _run_attention(t, ops8, cfg, blocks=None, key_len=None):
     import triton
 
     q8, qs, k8, ks, vt8, vs = ops8
@@ -244,8 +245,9 @@ def _run_attention(t, ops8, cfg, blocks=None):
     kidx, kcnt, krag = blocks if blocks is not None else (qs, qs, qs)
     t._attn_fp8_kernel.fn[(triton.cdiv(s, cfg.kwargs["BLOCK_M"]), b * h)](
         q8, qs, k8, ks, vt8, vs, o, o, s, vt8.shape[-1], h, qs.shape[-1], 1.4426950408889634 / d ** 0.5,
-        s.bit_length(), kidx, kcnt, krag, kidx.shape[-1] if blocks is not None else 0, D=d, OUT_FP8=False,
-        SPARSE=blocks is not None, BLOCK_N=t.SCALE_BLOCK, TMA=False, **cfg.kwargs)
+        s.bit_length(), kidx, kcnt, krag, kidx.shape[-1] if blocks is not None else 0,
+        key_len if key_len is not None else qs, D=d, OUT_FP8=False, SPARSE=blocks is not None,
+        KEYS=key_len is not None, BLOCK_N=t.SCALE_BLOCK, TMA=False, **cfg.kwargs)
     return o
 
 
@@ -276,3 +278,46 @@ def test_block_sparse_attention_skips_exactly_the_masked_key_tiles(t):
     full = tuple(torch.from_numpy(a) for a in kernel_blocks(grid, tile, (3, 1, 1)))
     for cfg in t._attn_configs():
         assert torch.equal(_run_attention(t, ops8, cfg, full), _run_attention(t, ops8, cfg))
+
+
+@interp
+def test_attention_with_key_lengths_attends_the_valid_keys_only(t):
+    """Key lengths 300 (= S, a ragged tile), 256 (tile-aligned: a tile wholly past it), 100 (no full tile):
+    the epilogue's operands are the reference's (scales over the valid tokens, zeros past them), both
+    configs give the same bits, garbage in the padding leaves the valid rows' bits alone, the valid rows
+    track fp32 attention under the key mask, and lengths of S are the dense kernel bit for bit."""
+    s, h, d = 300, 2, 64
+    qkv, wq, wk, cos, sin = ref.example_qkv(3, s, h, d, seed=4, device="cpu")
+    key_len = torch.tensor([300, 256, 100], dtype=torch.int32)
+    valid = ref.key_valid(key_len, s)
+    junk = torch.where(valid[..., None], qkv, (60 * torch.randn(qkv.shape) - 30).to(torch.bfloat16))
+    ops8 = t.qkv_rmsnorm_rope(qkv, wq, wk, cos, sin, h, fp8=True, key_len=key_len)
+    q8, qs, k8, ks, vt8, vs = ops8
+    rq8, rqs, rk8, rks, rv8, rvs, _ = ref.qkv_rmsnorm_rope(qkv, wq, wk, cos, sin, h, fp8=True, key_len=key_len)
+    torch.testing.assert_close(qs, rqs, rtol=2e-2, atol=0)
+    torch.testing.assert_close(ks, rks, rtol=2e-2, atol=0)
+    torch.testing.assert_close(vs, rvs, rtol=1e-6, atol=0)
+    assert (k8.int() - rk8.int()).abs().max() <= 2 and not k8[~valid[:, None, :, None].expand_as(k8)].any()
+    assert torch.equal(_bits(ref.vt_natural(vt8, s)), _bits(rv8))  # zeros past each key length
+    outs = [_run_attention(t, ops8, cfg, key_len=key_len) for cfg in t._attn_configs()]
+    assert torch.equal(outs[0], outs[1])
+    ops_junk = t.qkv_rmsnorm_rope(junk, wq, wk, cos, sin, h, fp8=True, key_len=key_len)
+    got = _run_attention(t, ops_junk, t._attn_configs()[1], key_len=key_len)
+    rows = valid[..., None].expand_as(got)
+    assert torch.equal(got[rows], outs[0][rows])
+    q, k, v = ref.qkv_rmsnorm_rope(qkv, wq, wk, cos, sin, h, fp8=False)
+    want = ref.heads_to_tokens(torch.nn.functional.scaled_dot_product_attention(
+        q.float(), k.float(), v.float(), attn_mask=valid[:, None, None, :])).float()
+    # the reference on the kernel's operands: P rounds to FP8 against the running max there, the row's max
+    # here (1.8% on the dense sample too); a softmax sum over padded keys (logit 0) is off by ~20%
+    mine = ref.heads_to_tokens(ref.attention_fp8(q8, qs, k8, ks, ref.vt_natural(vt8, s), vs, key_len=key_len))
+    for i, n in enumerate(key_len.tolist()):
+        got_i = outs[0][i, :n].float()
+        cos_ = torch.nn.functional.cosine_similarity(got_i.flatten(), want[i, :n].flatten(), dim=0)
+        assert cos_.item() >= 0.999, (i, cos_)
+        assert (got_i - mine[i, :n].float()).norm() / mine[i, :n].float().norm() < 0.03, i
+    full = torch.full((3,), s, dtype=torch.int32)
+    dense_ops = t.qkv_rmsnorm_rope(qkv, wq, wk, cos, sin, h, fp8=True)
+    full_ops = t.qkv_rmsnorm_rope(qkv, wq, wk, cos, sin, h, fp8=True, key_len=full)
+    for cfg in t._attn_configs():
+        assert torch.equal(_run_attention(t, full_ops, cfg, key_len=full), _run_attention(t, dense_ops, cfg))

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from trt_sora.config.recipe import AttentionKernel
+from trt_sora.errors import ConfigError
 from trt_sora.kernels import reference as ref
 
 __all__ = ["ATTENTION_KERNELS", "gated_add", "gelu_quant", "linear_fp8", "quantize", "residual_norm_quant",
@@ -87,7 +88,7 @@ def sdpa_fp8_tensor(q, k, v, out_scale=None):
 
 
 def self_attention(qkv, wq, wk, cos, sin, heads: int, eps: float, *, fp8: bool, out_scale=None, seq=None,
-                   sparse=None, rstd=None, kernel: str = "int8"):
+                   sparse=None, rstd=None, kernel: str = "int8", key_len=None):
     """Fused-QKV output [B, S, 3C] -> attention output [B, S, C] token-major (``to_out``'s input):
     RMSNorm across heads on Q and K, RoPE, attention (FP8 with per-block Q/K scales and K
     smoothing when ``fp8``, else BF16 SDPA); FP8 at ``out_scale`` when given.
@@ -104,11 +105,18 @@ def self_attention(qkv, wq, wk, cos, sin, heads: int, eps: float, *, fp8: bool, 
     ``rstd`` [B*S, 2] fp32: the per-token RMS statistics to use instead of taking them (ones, with
     ``wq``/``wk`` ones and no RoPE: Q and K arrive normalized, a family whose norm is per head).
 
-    ``kernel``: the 8-bit kernel when ``fp8`` (:data:`ATTENTION_KERNELS`; ``cudnn-fp8`` is dense only)."""
+    ``kernel``: the 8-bit kernel when ``fp8`` (:data:`ATTENTION_KERNELS`; ``cudnn-fp8`` is dense only).
+
+    ``key_len`` [B] int32 on ``qkv``'s device (the ``int8`` kernel, dense, no Ulysses): the tokens from it
+    on are padding, never attended as keys and in none of the 8-bit scales (their own output rows are not
+    meaningful); the valid tokens must come first."""
     if kernel not in ATTENTION_KERNELS:
         raise ValueError(f"attention kernel {kernel!r}: use one of {ATTENTION_KERNELS}")
     t = _tri(qkv)
     k_ = t or ref
+    if key_len is not None and not (fp8 and kernel == "int8" and sparse is None and seq is None):
+        raise ConfigError("key lengths run on the dense 'int8' attention kernel only: fp8=True without "
+                          "sparse attention or Ulysses; run BF16 attention with a key mask otherwise")
     if sparse is not None:
         if fp8 and kernel != "int8":
             raise ValueError(f"sparse attention runs on the 'int8' kernel, not {kernel!r}")
@@ -130,12 +138,15 @@ def self_attention(qkv, wq, wk, cos, sin, heads: int, eps: float, *, fp8: bool, 
         else:
             out = heads_to_tokens(sdpa_bf16(q, k, v) if sparse is None else sparse.attend_tile(q, k, v), out_scale)
     elif t:
-        out = t.attention_fp8(*t.qkv_rmsnorm_rope(qkv, wq, wk, cos, sin, heads, eps, fp8=True, rstd=rstd),
-                              out_scale=out_scale, blocks=None if sparse is None else sparse.kernel_blocks)
+        out = t.attention_fp8(*t.qkv_rmsnorm_rope(qkv, wq, wk, cos, sin, heads, eps, fp8=True, rstd=rstd,
+                                                  key_len=key_len),
+                              out_scale=out_scale, blocks=None if sparse is None else sparse.kernel_blocks,
+                              key_len=key_len)
     else:
-        q8, qs, k8, ks, v8, vs, _ = ref.qkv_rmsnorm_rope(qkv, wq, wk, cos, sin, heads, eps, fp8=True, rstd=rstd)
+        q8, qs, k8, ks, v8, vs, _ = ref.qkv_rmsnorm_rope(qkv, wq, wk, cos, sin, heads, eps, fp8=True, rstd=rstd,
+                                                         key_len=key_len)
         out = ref.heads_to_tokens(ref.attention_fp8(q8, qs, k8, ks, v8, vs, mask=None if sparse is None else
-                                                    sparse.mask_tile), out_scale)
+                                                    sparse.mask_tile, key_len=key_len), out_scale)
     if sparse is not None:
         return _rows(out, sparse.inv)
     return out if seq is None else seq.heads_to_tokens(out)

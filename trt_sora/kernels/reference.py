@@ -19,8 +19,8 @@ from trt_sora.formats import INT8_MAX
 FP8 = torch.float8_e4m3fn
 
 __all__ = ["FP8", "FP8_MAX", "attention", "attention_fp8", "block_quant", "dequant_scale", "example_qkv", "gelu_quant",
-           "heads_to_tokens", "per_row", "quantize", "quantize_int8", "qkv_rmsnorm_rope", "residual_norm_quant",
-           "rms_stats", "rope", "sdpa_fp8", "sdpa_fp8_operands", "vt_key_order", "vt_natural"]
+           "heads_to_tokens", "key_valid", "per_row", "quantize", "quantize_int8", "qkv_rmsnorm_rope",
+           "residual_norm_quant", "rms_stats", "rope", "sdpa_fp8", "sdpa_fp8_operands", "vt_key_order", "vt_natural"]
 
 
 def dequant_scale(amax: torch.Tensor) -> torch.Tensor:
@@ -98,13 +98,15 @@ def quantize_int8(x: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
     return (torch.sign(y) * torch.floor(y.abs() + 0.5)).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
 
 
-def block_quant(x: torch.Tensor, block: int, fmt: str = "int8"):
+def block_quant(x: torch.Tensor, block: int, fmt: str = "int8", *, scale_of: torch.Tensor | None = None):
     """Per-(b, h, block of ``block`` tokens) 8-bit: ``x`` [B, H, S, D] -> (q [B, H, S, D], s [B, H, nblk]);
-    ``fmt`` ``"int8"`` (scale amax / 127) or ``"fp8"`` (amax / 448)."""
+    ``fmt`` ``"int8"`` (scale amax / 127) or ``"fp8"`` (amax / 448). ``scale_of``: the tensor whose block
+    amax sets the scales (default ``x``; values of ``x`` past it saturate)."""
     b, h, s, d = x.shape
     nblk = -(-s // block)
     xp = F.pad(x.float(), (0, 0, 0, nblk * block - s)).view(b, h, nblk, block, d)
-    amax = xp.abs().amax(dim=(3, 4))
+    sp = xp if scale_of is None else F.pad(scale_of.float(), (0, 0, 0, nblk * block - s)).view(b, h, nblk, block, d)
+    amax = sp.abs().amax(dim=(3, 4))
     if fmt == "int8":
         scale = torch.where(amax > 0, amax / INT8_MAX, torch.ones_like(amax))
         q = quantize_int8(xp, scale[..., None, None])
@@ -116,7 +118,7 @@ def block_quant(x: torch.Tensor, block: int, fmt: str = "int8"):
 
 def qkv_rmsnorm_rope(qkv: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, cos: torch.Tensor | None,
                      sin: torch.Tensor | None, heads: int, eps: float = 1e-6, *, fp8: bool = True,
-                     block: int = 128, rstd: torch.Tensor | None = None):
+                     block: int = 128, rstd: torch.Tensor | None = None, key_len: torch.Tensor | None = None):
     """Fused-QKV epilogue. ``qkv`` [B, S, 3C] bf16 (Q, K, V on the last dim); ``wq``/``wk`` [C].
 
     Returns BF16 ``(q, k, v)`` [B, H, S, D] when ``fp8`` is False, else the 8-bit attention
@@ -127,6 +129,9 @@ def qkv_rmsnorm_rope(qkv: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, cos:
     FP8's 3 mantissa bits on the logits cost ~5x the error (cosine 0.9986 vs 0.9992 on 4k tokens).
     ``rstd`` [B*S, 2]: the RMS statistics (:func:`rms_stats`) when they were taken over more heads
     than ``qkv`` holds (Ulysses); None: taken here.
+    ``key_len`` [B] int: tokens at or past it are padding (8-bit path only): their K and V become zeros,
+    and K's mean, V's scale and every Q block scale are taken over the valid tokens alone, so
+    padding never changes a valid token's result (the padded tokens' own query rows saturate).
     """
     b, s = qkv.shape[:2]
     r = (rms_stats(qkv, eps) if rstd is None else rstd).reshape(b, s, 2)
@@ -138,6 +143,8 @@ def qkv_rmsnorm_rope(qkv: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, cos:
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     if not fp8:
         return q.contiguous(), k.contiguous(), v.contiguous()
+    if key_len is not None:
+        return _quant_valid(q, k, v, key_valid(key_len, s)[:, None, :, None], block)
     q8, qs = block_quant(q, block)
     k_mean = k.float().mean(dim=2)
     k8, ks = block_quant(k.float() - k_mean[:, :, None], block)
@@ -146,22 +153,41 @@ def qkv_rmsnorm_rope(qkv: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, cos:
     return q8, qs, k8, ks, v8, vs, k_mean
 
 
+def key_valid(key_len: torch.Tensor, s: int) -> torch.Tensor:
+    """[B] key lengths -> [B, S] bool, True for the valid tokens (a prefix of each row)."""
+    return torch.arange(s, device=key_len.device)[None] < key_len.to(torch.int64)[:, None]
+
+
+def _quant_valid(q, k, v, valid, block: int):
+    """:func:`qkv_rmsnorm_rope`'s 8-bit operands when ``valid`` [B, 1, S, 1] marks the valid tokens."""
+    q8, qs = block_quant(q, block, scale_of=torch.where(valid, q.float(), 0.0))
+    k_mean = torch.where(valid, k.float(), 0.0).sum(dim=2) / valid.sum(dim=2)
+    k8, ks = block_quant(torch.where(valid, k.float() - k_mean[:, :, None], 0.0), block)
+    vz = torch.where(valid, v.float(), 0.0)
+    vs = dequant_scale(vz.abs().amax(dim=2))
+    return q8, qs, k8, ks, quantize(vz, vs[:, :, None, :]), vs, k_mean
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """fp32 softmax attention, [B, H, S, D] -> [B, H, S, D] fp32 (the accuracy reference)."""
     return F.scaled_dot_product_attention(q.float(), k.float(), v.float())
 
 
-def attention_fp8(q8, q_scale, k8, k_scale, v8, v_scale, block: int = 128, mask=None) -> torch.Tensor:
+def attention_fp8(q8, q_scale, k8, k_scale, v8, v_scale, block: int = 128, mask=None,
+                  key_len=None) -> torch.Tensor:
     """What the 8-bit kernel computes, up to its online-softmax order: dequantized INT8 Q/K per
     block, probabilities quantized as ``fp8(p * 448) / 448`` against the row max, FP8 V per channel.
     ``mask`` [S, S] bool (True: attend; :func:`trt_sora.sparse.token_mask`): the block-sparse kernel's
-    keys. Returns [B, H, S, D] fp32."""
+    keys. ``key_len`` [B] int (>= 1): only keys before it are attended (padding at the end). Returns
+    [B, H, S, D] fp32."""
     s = q8.shape[2]
     qd = q8.float() * q_scale.repeat_interleave(block, dim=2)[:, :, :s, None]
     kd = k8.float() * k_scale.repeat_interleave(block, dim=2)[:, :, :s, None]
     logits = qd @ kd.transpose(-1, -2) / q8.shape[-1] ** 0.5
     if mask is not None:
         logits = logits.masked_fill(~mask, float("-inf"))
+    if key_len is not None:
+        logits = logits.masked_fill(~key_valid(key_len, s)[:, None, None, :], float("-inf"))
     p = torch.exp(logits - logits.amax(-1, keepdim=True))
     pq = (p * FP8_MAX).to(FP8).float() / FP8_MAX
     return (pq @ (v8.float() * v_scale[:, :, None, :])) / p.sum(-1, keepdim=True)

@@ -259,12 +259,13 @@ def _norm_rope_tile(QKV, RSTD, W, ce, so, row64, rm, col0, h, which: tl.constexp
 
 
 @triton.jit
-def _qkv_post_kernel(QKV, RSTD, WQ, WK, CS, QO, KO, VO, QS, KSUM, VMAX, S, H, nblk,
+def _qkv_post_kernel(QKV, RSTD, WQ, WK, CS, QO, KO, VO, QS, KSUM, VMAX, S, H, nblk, KLEN,
                      D: tl.constexpr, BLOCK_S: tl.constexpr, ROPE: tl.constexpr, Q8_OUT: tl.constexpr,
-                     HEADS_FAST: tl.constexpr):
+                     HEADS_FAST: tl.constexpr, KEYS: tl.constexpr):
     """Per (token block, batch x head): Q normalized + roped (INT8 per block, or bf16), K the same
     (bf16 path) or its partial per-channel sums (8-bit path: K is quantized once its mean is known),
-    V copied (bf16 path) or its partial per-channel amax."""
+    V copied (bf16 path) or its partial per-channel amax. KEYS: only tokens before ``KLEN[b]`` count
+    in the Q scale, K sums and V amax (8-bit path)."""
     pid_s, bh = _tile_ids(HEADS_FAST)
     b = bh // H
     h = bh % H
@@ -280,13 +281,17 @@ def _qkv_post_kernel(QKV, RSTD, WQ, WK, CS, QO, KO, VO, QS, KSUM, VMAX, S, H, nb
     k = _norm_rope_tile(QKV, RSTD, WK, ce, so, row64, rm, C, h, 1, C, D, BLOCK_S, ROPE)
     v = tl.load(QKV + row64[:, None] * (3 * C) + 2 * C + h * D + d[None, :], mask=rm[:, None], other=0.0)
     if Q8_OUT:
-        s = tl.max(tl.max(tl.abs(q), 1), 0) / 127.0
+        qa, va, km = tl.abs(q), tl.abs(v.to(tl.float32)), rm
+        if KEYS:  # padding past the key length: in no scale or sum
+            km = t < tl.load(KLEN + b)
+            qa, va = tl.where(km[:, None], qa, 0.0), tl.where(km[:, None], va, 0.0)
+        s = tl.max(tl.max(qa, 1), 0) / 127.0
         s = tl.where(s > 0, s, 1.0)
         tl.store(QO + out, _qi8(q, s), mask=rm[:, None])
         tl.store(QS + bh * nblk + pid_s, s)
         part = (bh * nblk + pid_s).to(tl.int64) * D + d
-        tl.store(KSUM + part, tl.sum(tl.where(rm[:, None], k, 0.0), 0))
-        tl.store(VMAX + part, tl.max(tl.abs(v.to(tl.float32)), 0))
+        tl.store(KSUM + part, tl.sum(tl.where(km[:, None], k, 0.0), 0))
+        tl.store(VMAX + part, tl.max(va, 0))
     else:
         tl.store(QO + out, q.to(tl.bfloat16), mask=rm[:, None])
         tl.store(KO + out, k.to(tl.bfloat16), mask=rm[:, None])
@@ -304,10 +309,11 @@ def _vt_order(x):
 
 
 @triton.jit
-def _kv_quant_kernel(QKV, RSTD, WK, CS, KMEAN, K8, KS, VS, VT8, S, S_pad, H, nblk, D: tl.constexpr,
-                     BLOCK_S: tl.constexpr, ROPE: tl.constexpr, HEADS_FAST: tl.constexpr):
+def _kv_quant_kernel(QKV, RSTD, WK, CS, KMEAN, K8, KS, VS, VT8, S, S_pad, H, nblk, KLEN, D: tl.constexpr,
+                     BLOCK_S: tl.constexpr, ROPE: tl.constexpr, HEADS_FAST: tl.constexpr, KEYS: tl.constexpr):
     """K (recomputed from ``qkv``: cheaper than a bf16 round trip) minus its mean -> INT8 per block;
-    V -> FP8 per channel, stored transposed [D, S_pad] in the P V product's key order, padding zeros."""
+    V -> FP8 per channel, stored transposed [D, S_pad] in the P V product's key order, padding zeros
+    (KEYS: zeros from ``KLEN[b]`` on, K and V alike)."""
     pid_s, bh = _tile_ids(HEADS_FAST)
     b = bh // H
     h = bh % H
@@ -318,12 +324,15 @@ def _kv_quant_kernel(QKV, RSTD, WK, CS, KMEAN, K8, KS, VS, VT8, S, S_pad, H, nbl
     d = tl.arange(0, D)
     ce, so = _rope_tile(CS, t.to(tl.int64), rm, D, BLOCK_S, ROPE)
     k = _norm_rope_tile(QKV, RSTD, WK, ce, so, row64, rm, C, h, 1, C, D, BLOCK_S, ROPE)
-    k = tl.where(rm[:, None], k - tl.load(KMEAN + bh * D + d)[None, :], 0.0)
+    km = rm
+    if KEYS:
+        km = t < tl.load(KLEN + b)
+    k = tl.where(km[:, None], k - tl.load(KMEAN + bh * D + d)[None, :], 0.0)
     s = tl.max(tl.max(tl.abs(k), 1), 0) / 127.0
     s = tl.where(s > 0, s, 1.0)
     tl.store(K8 + (bh.to(tl.int64) * S + t)[:, None] * D + d[None, :], _qi8(k, s), mask=rm[:, None])
     tl.store(KS + bh * nblk + pid_s, s)
-    v = tl.load(QKV + row64[:, None] * (3 * C) + 2 * C + h * D + d[None, :], mask=rm[:, None], other=0.0)
+    v = tl.load(QKV + row64[:, None] * (3 * C) + 2 * C + h * D + d[None, :], mask=km[:, None], other=0.0)
     v8 = _q8(v.to(tl.float32), tl.load(VS + bh * D + d)[None, :])  # zeros past S: the padding is read
     tl.store(VT8 + bh.to(tl.int64) * D * S_pad + d[:, None] * S_pad + t[None, :], _vt_order(tl.trans(v8)))
 
@@ -348,7 +357,8 @@ def _rstd(qkv, eps):
     return rstd
 
 
-def qkv_rmsnorm_rope(qkv, wq, wk, cos, sin, heads: int, eps: float = 1e-6, *, fp8: bool = True, rstd=None):
+def qkv_rmsnorm_rope(qkv, wq, wk, cos, sin, heads: int, eps: float = 1e-6, *, fp8: bool = True, rstd=None,
+                     key_len=None):
     """Fused-QKV epilogue; see :func:`trt_sora.kernels.reference.qkv_rmsnorm_rope`.
 
     ``qkv`` [B, S, 3C] bf16 contiguous; ``cos``/``sin`` [S, D] fp32 or None (no RoPE).
@@ -359,6 +369,7 @@ def qkv_rmsnorm_rope(qkv, wq, wk, cos, sin, heads: int, eps: float = 1e-6, *, fp
     the padding zeros; :func:`~trt_sora.kernels.reference.vt_natural` undoes both).
     Three launches: per-token RMS statistics (skipped when ``rstd`` [B*S, 2] is given: taken over
     more heads than ``qkv`` holds, Ulysses), the per-head tile pass, K/V quantization.
+    ``key_len`` [B] int32 on the device (8-bit path): tokens from it on are padding, as the reference's.
     """
     b, s, c3 = qkv.shape
     c = c3 // 3
@@ -373,24 +384,27 @@ def qkv_rmsnorm_rope(qkv, wq, wk, cos, sin, heads: int, eps: float = 1e-6, *, fp
     rstd = _rstd(qkv, eps) if rstd is None else rstd
     if not fp8:
         q, k, v = (torch.empty((b, heads, s, d), device=dev, dtype=torch.bfloat16) for _ in range(3))
-        _qkv_post_kernel[grid](qkv, rstd, wq, wk, cs, q, k, v, rstd, rstd, rstd, s, heads, nblk, D=d,
-                               BLOCK_S=SCALE_BLOCK, ROPE=rope, Q8_OUT=False, HEADS_FAST=hf, num_warps=pw)
+        _qkv_post_kernel[grid](qkv, rstd, wq, wk, cs, q, k, v, rstd, rstd, rstd, s, heads, nblk, rstd, D=d,
+                               BLOCK_S=SCALE_BLOCK, ROPE=rope, Q8_OUT=False, HEADS_FAST=hf, KEYS=False, num_warps=pw)
         return q, k, v
     q8 = torch.empty((b, heads, s, d), device=dev, dtype=torch.int8)
     qs = torch.empty((b, heads, nblk), device=dev, dtype=torch.float32)
     ksum = torch.empty((b, heads, nblk, d), device=dev, dtype=torch.float32)
     vmax = torch.empty((b, heads, nblk, d), device=dev, dtype=torch.float32)
-    _qkv_post_kernel[grid](qkv, rstd, wq, wk, cs, q8, q8, q8, qs, ksum, vmax, s, heads, nblk, D=d,
-                           BLOCK_S=SCALE_BLOCK, ROPE=rope, Q8_OUT=True, HEADS_FAST=hf, num_warps=pw)
-    k_mean = ksum.sum(dim=2) / s  # deterministic two-stage reduction (no atomics)
+    keys = key_len is not None
+    klen = key_len if keys else qs  # unread without key lengths
+    _qkv_post_kernel[grid](qkv, rstd, wq, wk, cs, q8, q8, q8, qs, ksum, vmax, s, heads, nblk, klen, D=d,
+                           BLOCK_S=SCALE_BLOCK, ROPE=rope, Q8_OUT=True, HEADS_FAST=hf, KEYS=keys, num_warps=pw)
+    # deterministic two-stage reduction (no atomics)
+    k_mean = ksum.sum(dim=2) / (key_len.float()[:, None, None] if keys else s)
     v_scale = vmax.amax(dim=2) / FP8_MAX
     v_scale = torch.where(v_scale > 0, v_scale, torch.ones_like(v_scale))
     s_pad = nblk * SCALE_BLOCK
     k8 = torch.empty((b, heads, s, d), device=dev, dtype=torch.int8)
     ks = torch.empty((b, heads, nblk), device=dev, dtype=torch.float32)
     vt8 = torch.empty((b, heads, d, s_pad), device=dev, dtype=FP8)
-    _kv_quant_kernel[grid](qkv, rstd, wk, cs, k_mean, k8, ks, v_scale, vt8, s, s_pad, heads, nblk, D=d,
-                           BLOCK_S=SCALE_BLOCK, ROPE=rope, HEADS_FAST=hf, num_warps=EPILOGUE_WARPS["kv"])
+    _kv_quant_kernel[grid](qkv, rstd, wk, cs, k_mean, k8, ks, v_scale, vt8, s, s_pad, heads, nblk, klen, D=d,
+                           BLOCK_S=SCALE_BLOCK, ROPE=rope, HEADS_FAST=hf, KEYS=keys, num_warps=EPILOGUE_WARPS["kv"])
     return q8, qs, k8, ks, vt8, v_scale
 
 
@@ -430,13 +444,17 @@ def _attn_tile(qk_i32, c, m_i, l_i, acc, vt):
 
 
 @triton.jit
-def _k_tile(K8, kp, bh, n0, S, D: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr, MASK: tl.constexpr):
+def _k_tile(K8, kp, bh, n0, S, KL, D: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr, MASK: tl.constexpr,
+            KEYS: tl.constexpr):
     """K [BLOCK_N, D] int8 of the key tile at token ``n0``: through the tensor descriptor (rows past S
-    come back as zeros), or a pointer load (masked when MASK)."""
+    come back as zeros), or a pointer load (masked past the key length ``KL`` when MASK). KEYS: a tile
+    wholly past ``KL`` is read at row S, out of bounds, so TMA fetches nothing."""
     if TMA:
+        if KEYS:
+            n0 = tl.where(n0 < KL, n0, S)
         return K8.load([bh, n0, 0]).reshape(BLOCK_N, D)
     elif MASK:
-        return tl.load(kp + n0 * D, mask=((n0 + tl.arange(0, BLOCK_N)) < S)[:, None], other=0)
+        return tl.load(kp + n0 * D, mask=((n0 + tl.arange(0, BLOCK_N)) < KL)[:, None], other=0)
     else:
         return tl.load(kp + n0 * D)
 
@@ -451,15 +469,17 @@ def _v_tile(VT8, vp, bh, n0, D: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.con
         return tl.load(vp + n0)
 
 
-@triton.autotune(configs=_attn_configs(), key=["D", "S_LOG2", "TMA", "SPARSE"])
+@triton.autotune(configs=_attn_configs(), key=["D", "S_LOG2", "TMA", "SPARSE", "KEYS"])
 @triton.jit
 def _attn_fp8_kernel(Q8, QS, K8, KS, VT8, VS, O, OSC, S, S_pad, H, nblk, qk_scale, S_LOG2, KIDX, KCNT, KRAG, KSTRIDE,
-                     D: tl.constexpr, OUT_FP8: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr,
-                     SPARSE: tl.constexpr, BLOCK_M: tl.constexpr, PIPE: tl.constexpr):
+                     KLEN, D: tl.constexpr, OUT_FP8: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr,
+                     SPARSE: tl.constexpr, KEYS: tl.constexpr, BLOCK_M: tl.constexpr, PIPE: tl.constexpr):
     """One (query tile of BLOCK_M rows, batch x head); key tiles of BLOCK_N = the scale block, so
     each K tile has one scale and each query tile lies inside one Q scale block. TMA: ``K8``/``VT8``
     are tensor descriptors (zero-filled past S), else pointers. SPARSE: only the full key tiles
-    ``KIDX[qb, :KCNT[qb]]`` of the query's 128-row block ``qb``, and the ragged last one when ``KRAG[qb]``."""
+    ``KIDX[qb, :KCNT[qb]]`` of the query's 128-row block ``qb``, and the ragged last one when ``KRAG[qb]``.
+    KEYS: the keys of batch element b end at ``KLEN[b]`` (padding after it); tiles past it are skipped and
+    the tile it ends in is masked as the ragged last one."""
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -479,33 +499,37 @@ def _attn_fp8_kernel(Q8, QS, K8, KS, VT8, VS, O, OSC, S, S_pad, H, nblk, qk_scal
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)  # running max in the log2 domain (finite: no inf - inf)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
-    n_full = S // BLOCK_N
+    if KEYS:
+        kl = tl.load(KLEN + b)
+    else:
+        kl = S
+    n_full = kl // BLOCK_N
     if SPARSE:  # the listed key tiles only (ascending; the ragged last one below)
         qb = (pid_m * BLOCK_M) // BLOCK_N
         for jj in range(0, tl.load(KCNT + qb)):
             j = tl.load(KIDX + qb * KSTRIDE + jj)
-            qk = tl.dot(q, tl.trans(_k_tile(K8, kp, bh, j * BLOCK_N, S, D, BLOCK_N, TMA, False)))
+            qk = tl.dot(q, tl.trans(_k_tile(K8, kp, bh, j * BLOCK_N, S, kl, D, BLOCK_N, TMA, False, False)))
             m_i, l_i, acc = _attn_tile(qk, qsc * tl.load(KS + bh * nblk + j), m_i, l_i, acc,
                                        _v_tile(VT8, vp, bh, j * BLOCK_N, D, BLOCK_N, TMA))
     elif PIPE:  # tile j+1's Q K^T issued before tile j's softmax (Triton waits on it at once); last tile masked
-        qk = tl.dot(q, tl.trans(_k_tile(K8, kp, bh, 0, S, D, BLOCK_N, TMA, True)))
+        qk = tl.dot(q, tl.trans(_k_tile(K8, kp, bh, 0, S, kl, D, BLOCK_N, TMA, True, KEYS)))
         for j in range(0, n_full):
-            qk_next = tl.dot(q, tl.trans(_k_tile(K8, kp, bh, (j + 1) * BLOCK_N, S, D, BLOCK_N, TMA, True)))
+            qk_next = tl.dot(q, tl.trans(_k_tile(K8, kp, bh, (j + 1) * BLOCK_N, S, kl, D, BLOCK_N, TMA, True, KEYS)))
             m_i, l_i, acc = _attn_tile(qk, qsc * tl.load(KS + bh * nblk + j), m_i, l_i, acc,
                                        _v_tile(VT8, vp, bh, j * BLOCK_N, D, BLOCK_N, TMA))
             qk = qk_next
     else:
         for j in range(0, n_full):
-            qk = tl.dot(q, tl.trans(_k_tile(K8, kp, bh, j * BLOCK_N, S, D, BLOCK_N, TMA, False)))
+            qk = tl.dot(q, tl.trans(_k_tile(K8, kp, bh, j * BLOCK_N, S, kl, D, BLOCK_N, TMA, False, False)))
             m_i, l_i, acc = _attn_tile(qk, qsc * tl.load(KS + bh * nblk + j), m_i, l_i, acc,
                                        _v_tile(VT8, vp, bh, j * BLOCK_N, D, BLOCK_N, TMA))
-    if n_full * BLOCK_N < S:  # the ragged last block: keys past S are masked out of the softmax
+    if n_full * BLOCK_N < kl:  # the ragged last block: keys past S (or KLEN) are masked out of the softmax
         LOG2_448: tl.constexpr = 8.807354922057604
-        nm = (n_full * BLOCK_N + offs_n) < S
+        nm = (n_full * BLOCK_N + offs_n) < kl
         if SPARSE:  # a ragged tile outside the pattern: every key masked, the tile adds exactly nothing
             nm = nm & (tl.load(KRAG + (pid_m * BLOCK_M) // BLOCK_N) != 0)
         if SPARSE or not PIPE:
-            qk = tl.dot(q, tl.trans(_k_tile(K8, kp, bh, n_full * BLOCK_N, S, D, BLOCK_N, TMA, True)))
+            qk = tl.dot(q, tl.trans(_k_tile(K8, kp, bh, n_full * BLOCK_N, S, kl, D, BLOCK_N, TMA, True, False)))
         c = qsc * tl.load(KS + bh * nblk + n_full)
         sc = (qk + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
         sc = tl.where(nm[None, :], sc * c, -1.0e30)
@@ -551,7 +575,7 @@ def attention_kernel(device=None) -> str:
 
 
 def attention_fp8(q8, q_scale, k8, k_scale, vt8, v_scale, *, out_scale=None, tma: bool | None = None,
-                  ws: bool | None = None, blocks=None):
+                  ws: bool | None = None, blocks=None, key_len=None):
     """Softmax attention on 8-bit operands -> [B, S, H*D] token-major (``to_out``'s input layout):
     INT8 Q K^T and FP8 P V on tensor cores (SageAttention2's 8-bit recipe), fp32 online softmax.
 
@@ -562,8 +586,15 @@ def attention_fp8(q8, q_scale, k8, k_scale, vt8, v_scale, *, out_scale=None, tma
     it): key/value tiles through tensor descriptors (default :data:`ATTN_TMA` on SM >= 9.0).
     ``blocks``: block-sparse attention, ``(kidx, kcnt, ragged)`` int32 on the device as
     :func:`trt_sora.sparse.kernel_blocks` gives them (the Triton kernel: skipped key tiles are never loaded).
+    ``key_len`` [B] int32 >= 1 on the device: only the keys before it are attended, the operands made with
+    the same ``key_len`` (:func:`qkv_rmsnorm_rope`); the Triton kernel, tiles past it never loaded.
     """
-    if blocks is not None:
+    if key_len is not None and (ws or blocks is not None):
+        from trt_sora.errors import ConfigError
+
+        raise ConfigError("key lengths run on the dense Triton attention kernel only: pass ws=False and no "
+                          "sparse blocks, or pad no keys")
+    if blocks is not None or key_len is not None:
         ws = False
     if ws is None:
         ws = tma is None and attention_kernel(q8.device) == "gluon-ws"
@@ -580,8 +611,9 @@ def attention_fp8(q8, q_scale, k8, k_scale, vt8, v_scale, *, out_scale=None, tma
     kidx, kcnt, krag = blocks if blocks is not None else (q_scale, q_scale, q_scale)  # unread when dense
     _attn_fp8_kernel[grid](q8, q_scale, k_arg, k_scale, v_arg, v_scale, o, out_scale if out_scale is not None else o,
                            s, s_pad, h, q_scale.shape[-1], qk_scale, max(1, s).bit_length(), kidx, kcnt, krag,
-                           kidx.shape[-1] if blocks is not None else 0, D=d,
-                           OUT_FP8=out_scale is not None, BLOCK_N=SCALE_BLOCK, TMA=tma, SPARSE=blocks is not None)
+                           kidx.shape[-1] if blocks is not None else 0, key_len if key_len is not None else q_scale,
+                           D=d, OUT_FP8=out_scale is not None, BLOCK_N=SCALE_BLOCK, TMA=tma,
+                           SPARSE=blocks is not None, KEYS=key_len is not None)
     return o
 
 
