@@ -99,8 +99,20 @@ def test_every_planned_gemm_runs_once_in_fp8(run):
                 and e["site"].startswith("transformer_blocks.") and "fused_into" not in e]
     assert rep["fp8_gemms_per_call"] == len(gemms) == r.expected_gemms() == 13
     assert rep["bf16_gemms_per_call"] == len(excluded) == 4
-    # the example inputs mask keys (padding, no image): the 8-bit kernel has no mask, so every layer runs BF16
-    assert (rep["fp8_attention_layers"], rep["bf16_attention_layers"], rep["attention_keys_padded"]) == (0, 2, True)
+    # the example inputs mask keys (padding, no image): every layer still runs 8-bit attention (key lengths)
+    assert (rep["fp8_attention_layers"], rep["bf16_attention_layers"], rep["attention_keys_padded"]) == (2, 0, True)
+
+
+def test_a_kernel_without_key_lengths_runs_masked_calls_in_bf16(run):
+    """cuDNN's FP8 attention has no key mask: a call with masked keys runs BF16 attention, one without
+    runs it in 8 bits."""
+    from trt_sora.runners.fp8_runner import AttentionPolicy
+
+    r = _runner(run, attention=AttentionPolicy(enabled=True, kernel="cudnn-fp8"))
+    for all_keys, want in ((False, (0, 2)), (True, (2, 0))):
+        r.infer(_feeds(all_keys=all_keys))
+        rep = r.report()
+        assert (rep["fp8_attention_layers"], rep["bf16_attention_layers"]) == want, all_keys
 
 
 def _outputs(runner, feeds) -> tuple:
@@ -134,11 +146,11 @@ def test_planned_linears_outside_the_blocks_run_in_fp8(run):
 
 @pytest.mark.parametrize("all_keys", [False, True])
 def test_cpu_blocks_match_the_fake_quant_runner(run, all_keys):
-    """Fused blocks (8-bit attention where every key is valid) and the unfused rung vs the fp32 fake-quant
-    model of the same map, on the sample and on the text stream block 0 hands on. Their error is bf16's:
-    the fp32 model is 1 - cos ~ 1e-5 from the fake-quant one (FP8 costs little on this model), the bf16
-    model ~1e-4 (bf16 activations), and torch-fp8 may not add more than half of that again. A wrong
-    scale, modulation, norm or mask costs more."""
+    """Fused blocks (8-bit attention, over the valid keys where some are masked) and the unfused rung vs
+    the fp32 fake-quant model of the same map, on the sample and on the text stream block 0 hands on.
+    Their error is bf16's: the fp32 model is 1 - cos ~ 1e-5 from the fake-quant one (FP8 costs little on
+    this model), the bf16 model ~1e-4 (bf16 activations), and torch-fp8 may not add more than half of
+    that again. A wrong scale, modulation, norm or mask costs more."""
     from trt_sora.runners import TorchRunner
     from trt_sora.runners.fp8_runner import AttentionPolicy
 
@@ -151,7 +163,7 @@ def test_cpu_blocks_match_the_fake_quant_runner(run, all_keys):
         r = _runner(run, attention=AttentionPolicy(enabled=attention))
         got = _outputs(r, feeds)
         assert all(_err(g, w) < 1.5 * f for g, w, f in zip(got, want, floor)), [_err(g, w) for g, w in zip(got, want)]
-        assert r.report()["fp8_attention_layers"] == (2 if attention and all_keys else 0)
+        assert r.report()["fp8_attention_layers"] == (2 if attention else 0)
     g = _runner(run, mode="gemm")
     assert _err(g.infer(feeds)["sample"], want[0]) < 1.5 * floor[0]
     assert g.report()["fp8_gemms_per_call"] == len(g.plan) == 21
@@ -173,15 +185,14 @@ def test_padded_text_streams_give_the_unpadded_output(run):
     r = _runner(run)
     a, b = r.infer(padded)["sample"], r.infer(bare)["sample"]
     assert r.report()["attention_keys_padded"]  # the image tokens stay masked
+    assert r.report()["fp8_attention_layers"] == 2  # the valid keys first, a key length per sample
     # the same sums over the valid keys, up to bf16 rounding of the output
     assert np.abs(a - b).max() <= 2.0 ** -7 * np.abs(b).max()
 
 
-def test_8bit_attention_reads_the_normed_qk_as_they_are():
-    """With every key valid, the block's 8-bit joint attention is its BF16 one up to 8-bit rounding (the
-    kernels' operands take the per-head normed, rotated Q/K unchanged: unit statistics and weights). QK
-    norm weights near 2 make the logits large enough that a rescaled Q/K (a norm taken again over all
-    heads) changes the softmax."""
+def _block_case(s=96, n=12):
+    """Block 0 of the tiny model with QK norm weights near 2, video and context Q/K/V for 2 samples
+    (``s`` video, ``n`` context tokens) and RoPE tables: ``(block, qkv, qkv_c, (cos, sin))``."""
     from trt_sora.models import get_adapter
     from trt_sora.models.hunyuan_fp8 import FusedHunyuanBlock
 
@@ -189,10 +200,19 @@ def test_8bit_attention_reads_the_normed_qk_as_they_are():
     g = torch.Generator().manual_seed(0)
     for t in ("nq", "nk", "nq_c", "nk_c"):
         getattr(blk, t).copy_(2.0 + 0.5 * torch.randn(getattr(blk, t).shape, generator=g))
-    c, s, n = blk.ones.numel(), 96, 12
+    c = blk.ones.numel()
     qkv, qkv_c = (torch.randn(2, k, 3 * c, generator=g).to(torch.bfloat16) for k in (s, n))
     ang = torch.rand(s, c // blk.heads // 2, generator=g) * 6.28
-    cs = (ang.cos().repeat_interleave(2, -1), ang.sin().repeat_interleave(2, -1))
+    return blk, qkv, qkv_c, (ang.cos().repeat_interleave(2, -1), ang.sin().repeat_interleave(2, -1))
+
+
+def test_8bit_attention_reads_the_normed_qk_as_they_are():
+    """With every key valid, the block's 8-bit joint attention is its BF16 one up to 8-bit rounding (the
+    kernels' operands take the per-head normed, rotated Q/K unchanged: unit statistics and weights). QK
+    norm weights near 2 make the logits large enough that a rescaled Q/K (a norm taken again over all
+    heads) changes the softmax."""
+    blk, qkv, qkv_c, cs = _block_case()
+    n = qkv_c.shape[1]
     outs = []
     for fp8 in (False, True):
         blk.fp8_attention = fp8
@@ -200,6 +220,35 @@ def test_8bit_attention_reads_the_normed_qk_as_they_are():
     # INT8 Q/K per 128-token block and FP8 V/P: 1 - cos ~ 1e-3 (reference kernels' tests); a norm taken
     # again over all heads: ~0.4
     assert _err(outs[1].float(), outs[0].float()) < 2e-3
+
+
+def test_8bit_attention_over_masked_keys_is_the_masked_bf16_attention():
+    """Context keys masked at the start, in the middle and at the end (image, ByT5 and MLLM padding): the
+    block's 8-bit joint attention (valid context tokens first, a key length, outputs put back) is its BF16
+    attention under the key mask up to 8-bit rounding on every valid row, garbage in the masked tokens
+    changes none of those rows' bits, and the mask matters (all keys give another answer)."""
+    from trt_sora.models.hunyuan_fp8 import valid_first
+
+    blk, qkv, qkv_c, cs = _block_case()
+    s, n = qkv.shape[1], qkv_c.shape[1]
+    keys = torch.ones(2, n, dtype=torch.bool)
+    keys[:, :3] = False
+    keys[0, 6:8] = False
+    keys[1, 9:] = False
+    slot, key_len = valid_first(keys, s)
+    assert slot[0].tolist() == [7, 8, 9, 0, 1, 2, 10, 11, 3, 4, 5, 6] and key_len.tolist() == [s + 7, s + 6]
+    rows = torch.nn.functional.pad(keys, (s, 0), value=True)
+
+    def attend(fp8, ctx, k):
+        blk.fp8_attention = fp8
+        return blk._attention(qkv, ctx, k, cs)[rows].float()
+
+    want = attend(False, qkv_c, keys)
+    got = attend(True, qkv_c, keys)
+    assert _err(got, want) < 2e-3  # 8-bit rounding (the all-keys bound)
+    junk = torch.where(keys[..., None], qkv_c, (40 * torch.randn(qkv_c.shape) + 9).to(torch.bfloat16))
+    assert torch.equal(attend(True, junk, keys), got)
+    assert _err(attend(False, qkv_c, torch.ones_like(keys)), want) > 1e-2
 
 
 def test_keys_are_all_valid_only_without_any_mask():
@@ -264,7 +313,7 @@ def test_gpu_graphs_replay_eager_exactly_and_stay_close_to_bf16(run, all_keys):
         assert (b1 == a).all() and (b2 == a).all() and graph.report()["cuda_graphs"] == 1
         rep = eager.report()
         assert rep["fp8_gemms_per_call"] == eager.expected_gemms() == 13
-        assert rep["fp8_attention_layers"] == (2 if all_keys else 0) and rep["gemm_fast_accum"] is fast_accum
+        assert rep["fp8_attention_layers"] == 2 and rep["gemm_fast_accum"] is fast_accum
         assert _err(a, ref) < 1e-3 and _err(a, want) < 1e-3
 
 

@@ -46,7 +46,9 @@ def run(args) -> int:
     if "fp8_gemms_per_call" in ran:
         print(f"  executed on {where}{sm}: {ran['fp8_gemms_per_call']} FP8 GEMMs, "
               f"{ran['fp8_attention_layers']} 8-bit attention layers per call, {ran['cuda_graphs']} CUDA graph(s)"
-              + ("; masked attention keys: attention in BF16" if ran.get("attention_keys_padded") else ""))
+              + (("; masked attention keys: " + ("8-bit attention over the valid keys"
+                                                    if ran["fp8_attention_layers"] else "attention in BF16"))
+                 if ran.get("attention_keys_padded") else ""))
     else:
         print(f"  candidate {rep['candidate']['backend']} executed on {where}{sm}")
     print(f"{'PASSED' if rep['passed'] else 'FAILED'}: {args.run}/parity/report.md")

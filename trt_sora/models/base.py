@@ -533,8 +533,8 @@ class ModelAdapter(Conditioner, abc.ABC):
 
     def attention_keys_all_valid(self, inputs: Mapping[str, Any]) -> bool:
         """Whether every self-attention key of a call with ``inputs`` (the model's inputs by name,
-        torch tensors) is a real token. The torch-fp8 backend's 8-bit attention has no key mask, so
-        it runs a call with padded keys in BF16. Default: the family never masks keys."""
+        torch tensors) is a real token; the torch-fp8 runner reports it (a family that masks keys gives
+        its 8-bit attention key lengths). Default: the family never masks keys."""
         return True
 
     def diffusers_pipeline(self, transformer, *, encode, scheduler, defaults: Mapping[str, Any]):

@@ -15,7 +15,7 @@ One block, top to bottom (``q8`` = FP8 E4M3; ``x`` video tokens, ``c`` context t
     m, mc = silu(temb) @ Wada, silu(temb) @ Wada_c                BF16 GEMMs (AdaLN, 6 vectors each)
     y, yc = q8(LN(x) * (1 + scale) + shift), the same for c        residual_norm_quant
     q, k, v = RMSNorm_head+RoPE(y @ Wqkv); eq, ek, ev = RMSNorm_head(yc @ Wqkv_c)    FP8 GEMMs (fused)
-    a     = attention([q; eq], [k; ek], [v; ev], key mask)         8-bit when no key is masked, else BF16
+    a     = attention([q; eq], [k; ek], [v; ev], key mask)         8-bit over the valid keys (a key length)
     x, y  = x + (a_x @ Wo) * gate, q8(LN(x) * (1 + scale2) + shift2)    FP8 GEMM, residual_norm_quant
     x     = x + (q8(GELU(y @ W1)) @ W2) * gate2                    FP8 GEMMs, gelu_quant, gated_add
     c     = the same with a_c and the context weights (not in the last block)
@@ -32,7 +32,7 @@ from trt_sora.kernels import ops
 from trt_sora.kernels.fp8_linear import Gemm, finish, fused_gemm, site, swap_linears
 from trt_sora.kernels.reference import rope
 
-__all__ = ["FusedHunyuanBlock", "prepare"]
+__all__ = ["FusedHunyuanBlock", "prepare", "valid_first"]
 
 #: The context stream's linears after the joint attention: dead in the last block.
 TEXT_OUT = ("attn.to_add_out", "ff_context.net.0.proj", "ff_context.net.2")
@@ -48,6 +48,21 @@ def _qk_norm(x: torch.Tensor, w: torch.Tensor, heads: int, eps: float, cs=None) 
     return t.flatten(2).to(torch.bfloat16)
 
 
+def valid_first(keys: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 8-bit kernel's order of the context tokens that follow ``n`` video tokens, for the key mask
+    ``keys`` [B, L] (True: valid): ``(slot [B, L] int64, key_len [B] int32)``: context token i goes to
+    slot i, the valid tokens first and the masked ones after them, each group in its own order; the
+    keys from ``key_len`` = n + valid context tokens on are the masked ones. No sort, no host sync."""
+    valid = keys.bool()
+    n_valid = valid.sum(1, keepdim=True)
+    slot = torch.where(valid, valid.cumsum(1) - 1, n_valid + (~valid).cumsum(1) - 1)
+    return slot, (n + n_valid[:, 0]).to(torch.int32)
+
+
+def _index(slot: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return slot[..., None].expand(-1, -1, x.shape[-1])
+
+
 class FusedHunyuanBlock(torch.nn.Module):
     """``HunyuanVideo15TransformerBlock`` with FP8 GEMMs and fused quantization.
 
@@ -55,8 +70,8 @@ class FusedHunyuanBlock(torch.nn.Module):
     [B, L] bool (the context keys), freqs_cis (cos, sin) [S, D] fp32)`` as the export forward calls it;
     returns ``(hidden_states, encoder_hidden_states)`` (the latter unchanged when ``text_out`` is
     False: the last block, whose text output nothing reads; a plan's sites there go unused).
-    ``fp8_attention`` switches the joint attention's kernel (8-bit vs BF16 SDPA with the key mask);
-    the runner sets it per call, off whenever a key is masked.
+    ``fp8_attention`` switches the joint attention's kernel (8-bit with a key length per sample vs BF16
+    SDPA with the key mask); the runner sets it per call (its attention policy).
     """
 
     def __init__(self, blk, name: str, plan: Mapping[str, Any], counters: dict, *, text_out: bool = True):
@@ -104,8 +119,10 @@ class FusedHunyuanBlock(torch.nn.Module):
 
     def _attention(self, qkv, qkv_c, keys, cs):
         """Joint attention -> [B, S + L, C] bf16: video Q/K per-head RMS-normed and rotated, context
-        Q/K per-head RMS-normed; context keys where ``keys`` is False are masked (BF16 path only:
-        the runner turns 8-bit attention off for calls with masked keys)."""
+        Q/K per-head RMS-normed; context keys where ``keys`` [B, L] is False are masked. The 8-bit
+        ``int8`` kernel takes a key length per sample instead of a mask: the context tokens go in valid
+        ones first (the masked ones sit anywhere: image, ByT5 and MLLM padding), their outputs put back;
+        another 8-bit kernel has no mask (the runner turns it on only where every key is valid)."""
         fp8 = self.fp8_attention
         tag = "fp8_attention" if fp8 else "bf16_attention"
         self.counters[tag] = self.counters.get(tag, 0) + 1
@@ -114,12 +131,20 @@ class FusedHunyuanBlock(torch.nn.Module):
         h, eps = self.heads, self.qk_eps
         q, k = _qk_norm(q, self.nq, h, eps, cs), _qk_norm(k, self.nk, h, eps, cs)
         eq, ek = _qk_norm(eq, self.nq_c, h, eps), _qk_norm(ek, self.nk_c, h, eps)
+        n = q.shape[1]
+        masked = fp8 and self.attention_kernel == "int8"
+        if masked:
+            slot, key_len = valid_first(keys, n)
+            eq, ek, ev = (torch.empty_like(t).scatter_(1, _index(slot, t), t) for t in (eq, ek, ev))
         joint = torch.cat([torch.cat(p, dim=1) for p in ((q, eq), (k, ek), (v, ev))], dim=-1).contiguous()
         if fp8:  # Q and K arrive normalized: unit statistics and weights, no RoPE
             b, s = joint.shape[:2]
             ones = torch.ones(b * s, 2, device=joint.device, dtype=torch.float32)
-            return ops.self_attention(joint, self.ones, self.ones, None, None, h, eps, fp8=True, rstd=ones,
-                                      kernel=self.attention_kernel)
+            out = ops.self_attention(joint, self.ones, self.ones, None, None, h, eps, fp8=True, rstd=ones,
+                                     kernel=self.attention_kernel, key_len=key_len if masked else None)
+            if masked:
+                out[:, n:] = out[:, n:].gather(1, _index(slot, out))  # each context token's row back in place
+            return out
         q, k, v = (t.unflatten(-1, (h, -1)).transpose(1, 2) for t in joint.chunk(3, dim=-1))
         mask = F.pad(keys.bool(), (qkv.shape[1], 0), value=True)[:, None, None, :]
         return ops.heads_to_tokens(F.scaled_dot_product_attention(q, k, v, attn_mask=mask))

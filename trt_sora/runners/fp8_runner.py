@@ -165,7 +165,7 @@ class TorchFp8Runner(Runner):
         self.name = name or f"torch-fp8:{self.adapter.name}"
         self.counters: dict[str, int] = {}
         self.last_counts: dict[str, int] = {}
-        self.keys_padded = False  # the last call had masked attention keys (8-bit attention off for it)
+        self.keys_padded = False  # the last call had masked attention keys
         self.graphs: dict[tuple, Any] = {}
         self._lock = threading.Lock()
 
@@ -228,11 +228,12 @@ class TorchFp8Runner(Runner):
         return out
 
     def _set_attention(self, timestep: float, inputs: list) -> tuple:
-        """Each block's attention for one call: FP8 or BF16 (BF16 wherever the family masks some keys:
-        the 8-bit kernel has no key mask), and its sparse seam; the graph key part."""
+        """Each block's attention for one call: FP8 or BF16 by the policy, and its sparse seam; the graph
+        key part. Where the family masks keys the ``int8`` kernel takes key lengths; another 8-bit kernel
+        has no mask, so such a call runs BF16 attention."""
         self.keys_padded = not self.adapter.attention_keys_all_valid(dict(zip(self.input_names, inputs)))
-        flags = tuple(self.mode == "fused" and not self.keys_padded and self.attention.on(b.name, timestep)
-                      for b in self.blocks)
+        masks_ok = not self.keys_padded or self.attention.kernel == "int8"
+        flags = tuple(self.mode == "fused" and masks_ok and self.attention.on(b.name, timestep) for b in self.blocks)
         for b, f in zip(self.blocks, flags):
             b.fp8_attention = f
         if self.sparse is None:  # dense (the check's qdq level turns a sparse plan off for a while)
