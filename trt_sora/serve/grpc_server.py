@@ -24,8 +24,9 @@ Status codes: INVALID_ARGUMENT (a bad request, naming the field), RESOURCE_EXHAU
 the key's quota, with ``retry-after`` trailing metadata; also grpc's own refusal of a message past
 ``max_message_bytes`` or of more than ``max_streams`` streams), UNAVAILABLE (warming up, draining),
 INTERNAL (the job failed). A client that cancels (or leaves) cancels its job: a queued one leaves
-the queue, a running one stops at its next denoising step (:meth:`Engine.cancel`; status
-``cancelled`` in the job store).
+the queue, a running one stops at its next denoising step, or, in a batch other jobs still want,
+is sent nothing more while the batch finishes (:meth:`Engine.cancel`; status ``cancelled`` in the
+job store).
 """
 from __future__ import annotations
 
