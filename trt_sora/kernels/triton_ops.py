@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -575,7 +576,7 @@ def attention_kernel(device=None) -> str:
 
 
 def attention_fp8(q8, q_scale, k8, k_scale, vt8, v_scale, *, out_scale=None, tma: bool | None = None,
-                  ws: bool | None = None, blocks=None, key_len=None):
+                  ws: bool | None = None, blocks=None, key_len=None, head_dim: int | None = None):
     """Softmax attention on 8-bit operands -> [B, S, H*D] token-major (``to_out``'s input layout):
     INT8 Q K^T and FP8 P V on tensor cores (SageAttention2's 8-bit recipe), fp32 online softmax.
 
@@ -588,6 +589,7 @@ def attention_fp8(q8, q_scale, k8, k_scale, vt8, v_scale, *, out_scale=None, tma
     :func:`trt_sora.sparse.kernel_blocks` gives them (the Triton kernel: skipped key tiles are never loaded).
     ``key_len`` [B] int32 >= 1 on the device: only the keys before it are attended, the operands made with
     the same ``key_len`` (:func:`qkv_rmsnorm_rope`); the Triton kernel, tiles past it never loaded.
+    ``head_dim``: the heads' width for the softmax scale when the operands carry zero channels past it.
     """
     if key_len is not None and (ws or blocks is not None):
         from trt_sora.errors import ConfigError
@@ -601,9 +603,12 @@ def attention_fp8(q8, q_scale, k8, k_scale, vt8, v_scale, *, out_scale=None, tma
     if ws:
         return gluon_attention.attention_fp8_ws(q8, q_scale, k8, k_scale, vt8, v_scale, out_scale=out_scale)
     b, h, s, d = q8.shape
+    if d < MIN_HEAD_DIM:
+        return _attention_narrow_heads(q8, q_scale, k8, k_scale, vt8, v_scale, out_scale=out_scale, tma=tma,
+                                       blocks=blocks, key_len=key_len)
     s_pad = vt8.shape[-1]
     o = torch.empty((b, s, h * d), device=q8.device, dtype=FP8 if out_scale is not None else torch.bfloat16)
-    qk_scale = 1.0 / math.sqrt(d) * 1.4426950408889634
+    qk_scale = 1.0 / math.sqrt(head_dim or d) * 1.4426950408889634
     if tma is None:
         tma = ATTN_TMA and device_sm(q8.device) >= HOPPER_SM
     k_arg, v_arg = kv_descriptors(k8, vt8) if tma else (k8, vt8)
@@ -615,6 +620,22 @@ def attention_fp8(q8, q_scale, k8, k_scale, vt8, v_scale, *, out_scale=None, tma
                            D=d, OUT_FP8=out_scale is not None, BLOCK_N=SCALE_BLOCK, TMA=tma,
                            SPARSE=blocks is not None, KEYS=key_len is not None)
     return o
+
+
+#: The INT8 Q K^T's smallest reduction width on tensor cores: narrower heads (tiny test models) are padded.
+MIN_HEAD_DIM = 32
+
+
+def _attention_narrow_heads(q8, q_scale, k8, k_scale, vt8, v_scale, **kw):
+    """:func:`attention_fp8` for heads narrower than :data:`MIN_HEAD_DIM`: zero channels appended to Q, K and
+    V leave Q K^T and P V unchanged; the output keeps each head's first ``d`` channels."""
+    b, h, s, d = q8.shape
+    pad = MIN_HEAD_DIM - d
+    vt = torch.zeros((b, h, MIN_HEAD_DIM, vt8.shape[-1]), device=vt8.device, dtype=vt8.dtype)
+    vt[:, :, :d] = vt8
+    o = attention_fp8(F.pad(q8, (0, pad)), q_scale, F.pad(k8, (0, pad)), k_scale, vt,
+                      F.pad(v_scale, (0, pad), value=1.0), ws=False, head_dim=d, **kw)
+    return o.view(b, s, h, MIN_HEAD_DIM)[..., :d].reshape(b, s, h * d)
 
 
 # -- calibration: |x| scaled onto [0, 1) for the histogram ------------------------------------------------
