@@ -119,7 +119,7 @@ for p in "$@"; do
               --out "$OUT/e2e720.json" ;;
     fam) part fam ${FAM_LIMIT:-300} python3 benchmarks/fp8_bench.py --parts models \
            --models "${FAM_MODELS:-hunyuanvideo-1.5-480p-t2v,wan2.2-ti2v-5b}" --points 480p:1 --iters 5 --no-profile \
-           --rungs compile_bf16,fp8_fused_attn8_graph --out "$OUT/fam.json" ;;
+           --rungs "${FAM_RUNGS:-compile_bf16,fp8_fused_attn8_graph}" --out "$OUT/fam.json" ;;
     sparse) part sparse ${SPARSE_LIMIT:-150} python3 benchmarks/sparse_attention.py --out "$OUT/sparse.json" ;;
     onnxrepro) part onnxrepro 240 bash -c "set -e; X=/tmp/onnxrepro; rm -rf \$X; \
                  python3 -m trt_sora export --model wan-tiny --recipe rtx4090-fp8 --out \$X/export; \
