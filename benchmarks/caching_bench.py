@@ -88,11 +88,15 @@ def parse_args(argv):
                     help="threshold:max_skips:warmup_steps, comma-separated ('': only write --reference)")
     ap.add_argument("--final", type=int, default=1)
     ap.add_argument("--ratios", default=None, help="a step-statistics file to reuse (written when missing)")
-    ap.add_argument("--reference", default=None, help="a file of the uncached clips to reuse (written when missing)")
+    ap.add_argument("--reference", default=None, help="a torch.save file of the uncached clips to reuse, e.g. "
+                    "ref.pt (written when missing)")
     ap.add_argument("--seed", type=int, default=1_000_000_000)
     ap.add_argument("--threads", type=int, default=2, help="CPU threads of torch")
     ap.add_argument("--out", required=True)
-    return ap.parse_args(argv)
+    a = ap.parse_args(argv)
+    if a.reference and a.reference.endswith(".safetensors"):  # torch.load reads that name as safetensors
+        ap.error("--reference is a torch.save file: name it e.g. ref.pt, not *.safetensors")
+    return a
 
 
 class Bench:
