@@ -5,6 +5,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from khelpers import assert_operands_match  # noqa: E402
+
 from trt_sora.kernels import reference as ref  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -75,14 +77,11 @@ def test_qkv_epilogue_bf16_and_8bit():
     for got, want in zip(t.qkv_rmsnorm_rope(qkv, wq, wk, cos, sin, h, fp8=False),
                          ref.qkv_rmsnorm_rope(qkv, wq, wk, cos, sin, h, fp8=False)):
         torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=2e-2)
-    q8, qs, k8, ks, vt8, vs = t.qkv_rmsnorm_rope(qkv, wq, wk, cos, sin, h, fp8=True)
-    rq8, rqs, rk8, rks, rv8, rvs, _ = ref.qkv_rmsnorm_rope(qkv, wq, wk, cos, sin, h, fp8=True)
-    s = qkv.shape[1]
-    torch.testing.assert_close(qs, rqs, rtol=2e-2, atol=0)
-    torch.testing.assert_close(ks, rks, rtol=2e-2, atol=0)
-    torch.testing.assert_close(vs, rvs, rtol=1e-6, atol=0)
-    assert (q8.int() - rq8.int()).abs().max() <= 2 and (k8.int() - rk8.int()).abs().max() <= 2
-    assert torch.equal(ref.vt_natural(vt8, s).view(torch.uint8), rv8.view(torch.uint8))
+    ops8 = t.qkv_rmsnorm_rope(qkv, wq, wk, cos, sin, h, fp8=True)
+    ref8 = ref.qkv_rmsnorm_rope(qkv, wq, wk, cos, sin, h, fp8=True)
+    s, vt8 = qkv.shape[1], ops8[4]
+    assert_operands_match(ops8, ref8, s)
+    assert (ops8[0].int() - ref8[0].int()).abs().max() <= 2
     assert not vt8[..., ref.vt_key_order(vt8.shape[-1]).cuda() >= s].float().any()  # the padding: zeros
 
 
@@ -257,12 +256,7 @@ def test_attention_with_key_lengths(s, lens):
     valid = ref.key_valid(key_len, s)
     ops8 = t.qkv_rmsnorm_rope(qkv, wq, wk, cos, sin, h, fp8=True, key_len=key_len)
     q8, qs, k8, ks, vt8, vs = ops8
-    rq8, rqs, rk8, rks, rv8, rvs, _ = ref.qkv_rmsnorm_rope(qkv, wq, wk, cos, sin, h, fp8=True, key_len=key_len)
-    torch.testing.assert_close(qs, rqs, rtol=2e-2, atol=0)
-    torch.testing.assert_close(ks, rks, rtol=2e-2, atol=0)
-    torch.testing.assert_close(vs, rvs, rtol=1e-6, atol=0)
-    assert (k8.int() - rk8.int()).abs().max() <= 2
-    assert torch.equal(ref.vt_natural(vt8, s).view(torch.uint8), rv8.view(torch.uint8))
+    assert_operands_match(ops8, ref.qkv_rmsnorm_rope(qkv, wq, wk, cos, sin, h, fp8=True, key_len=key_len), s)
     o = t.attention_fp8(*ops8, key_len=key_len)
     q, k, v = ref.qkv_rmsnorm_rope(qkv, wq, wk, cos, sin, h, fp8=False)
     want = ref.heads_to_tokens(torch.nn.functional.scaled_dot_product_attention(
