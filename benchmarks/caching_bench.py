@@ -104,6 +104,7 @@ class Bench:
 
     def __init__(self, a):
         from trt_sora.models import get_adapter
+        from trt_sora.parity.loop import loop_inputs
 
         self.a, self.adapter = a, get_adapter(a.model)
         self.model = self.adapter.load("fp32", a.device)
@@ -111,9 +112,9 @@ class Bench:
         self.settings = self.adapter.sampling.override(num_steps=a.steps) if a.steps else self.adapter.sampling
         self.captions = list(self.adapter.heldout_prompts() or HELD_OUT)[:a.captions]
         self.decode, self.ddesc = self.adapter.decoder(device=a.device)
-        point = self.adapter.with_family_dims({**self.preset.shapes[0].as_dict(), "batch": 1})
-        enc = self.adapter.text_encoder(a.text_embeddings)
-        self.clips = [[_to(x, a.device) for x in _inputs(self.adapter, enc, point, c, a.seed + i)]
+        point = {**self.preset.shapes[0].as_dict(), "batch": 1}
+        self.clips = [[_to(x, a.device) for x in loop_inputs(self.adapter, point, seed=a.seed + i, prompts=(c,),
+                                                             text_encoder=a.text_embeddings)]
                       for i, c in enumerate(self.captions)]
 
     def timesteps(self) -> list[float]:
@@ -148,17 +149,6 @@ class Bench:
             torch.save({"captions": self.captions, "seed": a.seed, "sampling": self.settings.to_dict(),
                         "latents": lat, "frames": frames, "seconds": secs}, a.reference)
         return lat, frames, secs
-
-
-def _inputs(adapter, encode, point: dict, caption: str, seed: int):
-    """``(noise, cond, uncond)`` of one clip of ``caption`` (``parity.loop.loop_inputs`` always encodes the
-    model's own first held-out prompts, so it cannot give each caption its own clip)."""
-    from trt_sora.sampling import gaussian_noise
-
-    cond, uncond = adapter.conditioning(encode, [caption], point, seed=seed)
-    noise = gaussian_noise((1, adapter.latent_channels, int(point["latent_frames"]), int(point["latent_height"]),
-                            int(point["latent_width"])), seed)
-    return noise, cond, uncond
 
 
 def _to(x, device):

@@ -15,6 +15,7 @@ torch = pytest.importorskip("torch")
 from trt_sora.caching import CacheSchedule  # noqa: E402
 from trt_sora.errors import ConfigError  # noqa: E402
 from trt_sora.models import get_adapter  # noqa: E402
+from trt_sora.parity.loop import loop_inputs  # noqa: E402
 from trt_sora.sampling import adapter_call, gaussian_noise, sample  # noqa: E402
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "caching_bench.py"
@@ -78,10 +79,9 @@ def test_rows_match_a_loop_written_out(curve):
 def test_each_caption_gets_its_own_conditioning(tmp_path):
     a = get_adapter("wan-tiny")
     point = a.with_family_dims({"batch": 1, **TINY})
-    bench = _bench()
-    enc = a.text_encoder()
-    c0 = bench._inputs(a, enc, point, "a red boat", 1)[1]["encoder_hidden_states"]
-    c1 = bench._inputs(a, enc, point, "a snowy forest", 1)[1]["encoder_hidden_states"]
+    enc = a.text_encoder()  # the bench's clips come from loop_inputs, one caption each
+    c0 = loop_inputs(a, point, seed=1, prompts=("a red boat",))[1]["encoder_hidden_states"]
+    c1 = loop_inputs(a, point, seed=1, prompts=("a snowy forest",))[1]["encoder_hidden_states"]
     want = a.conditioning(enc, ["a snowy forest"], point, seed=1)[0]["encoder_hidden_states"]
     assert not torch.equal(c0, c1) and torch.equal(c1, want)
 

@@ -233,6 +233,11 @@ def test_parity_loop_reads_precomputed_prompt_embeddings(tmp_path):
     assert torch.equal(got[0], want[0])
     for a, b in zip(got[1:], want[1:]):
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # given prompts win over the model's held-out ones (one caption per clip in the benchmarks)
+    mine = loop_inputs(shapes, point, seed=3, prompts=prompts[2:])
+    assert torch.equal(mine[0], want[0])
+    assert torch.equal(mine[1]["encoder_hidden_states"], enc(prompts[2:] * 2, 16))  # the loop's batch of 2
+    assert not torch.equal(mine[1]["encoder_hidden_states"], want[1]["encoder_hidden_states"])
     save_embeddings(prompts[1:], shapes.text_encoder()(prompts[1:], 16), f)
     with pytest.raises(ModelError, match="no precomputed embedding"):
         loop_inputs(shapes, point, seed=3, text_encoder=str(f))

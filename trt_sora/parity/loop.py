@@ -18,18 +18,19 @@ HELD_OUT_PROMPTS = (
 )
 
 
-def loop_inputs(adapter, point: Mapping[str, int], *, seed: int = 0, prompts=HELD_OUT_PROMPTS,
+def loop_inputs(adapter, point: Mapping[str, int], *, seed: int = 0, prompts=None,
                 text_encoder: str | None = None):
     """Noise ``[B, C, F, H, W]`` and the (cond, uncond) conditioning mappings for ``point`` (batch = B
-    prompts per branch, so the CFG batch is 2B): the model's own held-out prompts when it has them,
-    its own unconditional conditioning, and what both branches share (an image-to-video model's
-    seeded image conditioning). ``text_encoder``: the adapter's text-encoder source (None: its
-    default; a ``.safetensors`` of precomputed embeddings on machines without the encoder)."""
+    prompts per branch, so the CFG batch is 2B): ``prompts`` (cycled), by default the model's own
+    held-out prompts when it has them, else :data:`HELD_OUT_PROMPTS`; its own unconditional
+    conditioning, and what both branches share (an image-to-video model's seeded image conditioning).
+    ``text_encoder``: the adapter's text-encoder source (None: its default; a ``.safetensors`` of
+    precomputed embeddings on machines without the encoder)."""
     from trt_sora.sampling import gaussian_noise
 
     b = int(point["batch"])
     point = adapter.with_family_dims(point)
-    prompts = adapter.heldout_prompts() or prompts
+    prompts = prompts or adapter.heldout_prompts() or HELD_OUT_PROMPTS
     enc = adapter.text_encoder(text_encoder)
     cond, uncond = adapter.conditioning(enc, [prompts[i % len(prompts)] for i in range(b)], point, seed=seed)
     noise = gaussian_noise((b, adapter.latent_channels, int(point["latent_frames"]), int(point["latent_height"]),
