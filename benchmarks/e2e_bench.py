@@ -130,11 +130,16 @@ def measure(args) -> dict:
         marks.append(time.perf_counter())
         return (marks[-1] - marks[2]) / args.steps
 
-    fwd = adapter.export_module(model)
+    def call_of(mdl):
+        """The sampler's ``call(inputs)`` over ``mdl`` (the adapter's export signature), no autograd."""
+        f = adapter.export_module(mdl)
 
-    def eager(inputs):
-        with torch.inference_mode():
-            return fwd(*[inputs[n] for n in adapter.input_names])
+        def call(inputs):
+            with torch.inference_mode():
+                return f(*[inputs[n] for n in adapter.input_names])
+        return call, f
+
+    eager, fwd = call_of(model)
 
     def attempt(name: str, fn) -> None:  # one path's failure is recorded, and the next path still runs
         if name not in args.paths:
@@ -172,10 +177,8 @@ def measure(args) -> dict:
         """WanPipeline's documented compile (regional: each transformer block), split CFG; then undone."""
         t0 = time.perf_counter()
         mdl.compile_repeated_blocks(fullgraph=True)
-        f = adapter.export_module(mdl)
         try:
-            with torch.inference_mode():
-                m[key] = loop(lambda inputs: f(*[inputs[n] for n in adapter.input_names]), "split")
+            m[key] = loop(call_of(mdl)[0], "split")
             m[key.replace("_step_s", "_wall_with_compile_s")] = time.perf_counter() - t0
         finally:
             for sub in mdl.modules():
@@ -205,7 +208,7 @@ def measure(args) -> dict:
         attempt("compile", lambda: compiled_loop("compile_bf16_split_step_s", model))
         attempt("torchao", run_torchao)
         attempt("ours", run_ours)
-    del model, fwd
+    del model, fwd, eager
     if dev.startswith("cuda"):
         torch.cuda.empty_cache()
 
