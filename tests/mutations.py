@@ -285,6 +285,9 @@ MUTATIONS = (
              "serve/scheduler.py", "if job.on_frames is not None and not job.cancel_event.is_set():",
              "if job.on_frames is not None:", ("tests/serve/test_grpc.py::"
               "test_a_client_that_cancels_in_a_shared_batch_leaves_the_others_unchanged",)),
+    Mutation("serve-cancel-no-decode", "a job cancelled in a shared batch costs no decode", "serve/scheduler.py",
+             "wanted=lambda i: not batch[i].cancel_event.is_set())", "wanted=lambda i: True)",
+             ("tests/serve/test_server.py::test_a_cancelled_job_of_a_shared_batch_is_not_decoded",)),
     Mutation("http-leave-cancels", "a client that leaves POST /v1/generate cancels its job", "serve/server.py",
              "            jobs.engine.cancel(job.id)\n", "            pass\n",
              ("tests/serve/test_server.py::test_a_client_that_leaves_generate_cancels_its_job_alone",)),

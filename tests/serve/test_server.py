@@ -193,6 +193,64 @@ def test_a_client_that_leaves_generate_cancels_its_job_alone(tiny_runner, tmp_pa
         engine.close()
 
 
+class _HoldAt(Gated):
+    """A gated runner that counts its calls and holds only call number :attr:`at` (None: none)."""
+
+    calls, at = 0, None
+
+    def infer(self, feeds):
+        self.calls += 1
+        if self.calls == self.at:
+            self.entered.set()
+            assert self.release.wait(HANG), "the test never released the gate"
+        return self._runner.infer(feeds)
+
+
+def test_a_cancelled_job_of_a_shared_batch_is_not_decoded(tiny_runner):
+    """Batches of two: a job cancelled while its batch's first call is held ends cancelled with no
+    result and its clip is never decoded, the other's clip bit for bit the batch's without the cancel;
+    a batch whose jobs are both cancelled while its last call is held decodes nothing."""
+    from trt_sora.runtime import ClipRequest
+    from trt_sora.serve.scheduler import Engine, ServeConfig
+
+    held = _HoldAt(tiny_runner)
+    engine = Engine(held, ServeConfig(max_wait_s=HANG, max_batch=2, cfg="split"))
+    engine.start(block=True)
+    decoded, decode_groups = [], engine.generator._parts()[1]
+
+    def counted(latents):  # one entry per clip whose decode begins
+        decoded.append(latents)
+        yield from decode_groups(latents)
+
+    engine.generator._decode_groups = counted
+
+    def batch(cancel=(), at=None):
+        start, held.at = held.calls, None if at is None else held.calls + at
+        held.entered.clear()
+        held.release.clear()
+        jobs = [engine.submit(ClipRequest(p, seed=s)) for p, s in (("leaves", 3), ("stays", 4))]
+        if at is not None:
+            assert held.entered.wait(HANG) and [j.status for j in jobs] == ["running"] * 2  # one batch, held
+            assert all(engine.cancel(jobs[i].id) for i in cancel)
+            held.release.set()
+        return [engine.wait(j.id, HANG) for j in jobs], held.calls - start, len(decoded)
+
+    try:
+        (leaves, want), calls, clips = batch()
+        assert [leaves.status, want.status] == ["done"] * 2 and clips == 2 and calls > 1
+        (leaving, stays), _, clips = batch(cancel=[0], at=1)
+        assert leaving.status == "cancelled" and leaving.result_path is None and stays.status == "done"
+        assert clips - 2 == 1, f"{clips - 2} clips decoded: the cancelled job's clip was decoded too"
+        np.testing.assert_array_equal(np.load(stays.result_path), np.load(want.result_path))
+        jobs, _, clips_after = batch(cancel=[0, 1], at=calls)
+        assert [j.status for j in jobs] == ["cancelled"] * 2 and all(j.result_path is None for j in jobs)
+        assert clips_after == clips, f"{clips_after - clips} clips decoded for a batch with every job cancelled"
+    finally:
+        held.release.set()
+        engine.drain(HANG)
+        engine.close()
+
+
 def test_a_long_prompt_is_refused_unless_the_request_accepts_a_cut(server):
     _, http, _, _ = server
     long = " ".join(f"w{i}" for i in range(200))

@@ -159,11 +159,11 @@ class Clip:
     """A generated clip: ``frames`` uint8 ``[num_frames, height, width, 3]`` (RGB), the final
     ``latents`` fp32 ``[C, latent_frames, latent_height, latent_width]`` and ``metadata`` (JSON-safe:
     prompt, seed, sampling settings, CFG mode, scheduler, text encoder, decoder, model, backend,
-    batch, timings)."""
+    batch, timings). ``frames`` is None for a clip whose decode was stopped (``Generator.run``'s ``wanted``)."""
 
     prompt: str
     seed: int
-    frames: np.ndarray
+    frames: np.ndarray | None
     latents: np.ndarray
     metadata: dict
 
@@ -367,7 +367,8 @@ class Generator:
 
     # -- generation -------------------------------------------------------------------------------
     def run(self, requests: Sequence[ClipRequest], *, cfg: str = "auto", max_batch: int | None = None,
-            hook: Callable | None = None, on_frames: Callable | None = None) -> list[Clip]:
+            hook: Callable | None = None, on_frames: Callable | None = None,
+            wanted: Callable | None = None) -> list[Clip]:
         """Clips for ``requests``, in order. Requests with the same settings and size are denoised
         together in groups of at most ``max_batch`` clips (default: what the buckets allow).
 
@@ -375,6 +376,8 @@ class Generator:
         ``on_frames(i, frames)``: called with each group of request ``i``'s frames (uint8
         ``[f, H, W, 3]``, in order; together the clip's) as the family's decoder makes them
         (``adapter.frame_decoder``: Wan, latent frame by latent frame), before the clip is whole.
+        ``wanted(i)``: asked before each group of request ``i``'s frames is decoded; False stops
+        that clip's decode and it comes back with ``frames=None`` (a server's cancelled job).
         Raises ShapeError (size outside every bucket), ConfigError (bad setting), and what the
         backend raises.
         """
@@ -389,7 +392,8 @@ class Generator:
             for chunk in self._chunks(resolved[idx[0]], len(idx), cfg, max_batch):
                 part, idx = idx[:chunk], idx[chunk:]
                 frames = None if on_frames is None else (lambda j, f, part=part: on_frames(part[j], f))
-                for i, clip in zip(part, self._run_group([resolved[i] for i in part], cfg, hook, frames)):
+                keep = None if wanted is None else (lambda j, part=part: wanted(part[j]))
+                for i, clip in zip(part, self._run_group([resolved[i] for i in part], cfg, hook, frames, keep)):
                     out[i] = clip
         return out  # type: ignore[return-value]
 
@@ -408,7 +412,7 @@ class Generator:
             n -= fit[-1]
         return chunks
 
-    def _run_group(self, group: list[_Resolved], cfg: str, hook, on_frames=None) -> list[Clip]:
+    def _run_group(self, group: list[_Resolved], cfg: str, hook, on_frames=None, wanted=None) -> list[Clip]:
         import torch
 
         from trt_sora.sampling import gaussian_noise, runner_call, sample
@@ -441,7 +445,7 @@ class Generator:
                      conditioner=self.adapter, cache=cache)
         t2 = time.perf_counter()
         # one clip at a time: a decoder's convolutions need not give the same bits at another batch size
-        frames = [_decode(decode_groups, res.latents, i, on_frames) for i in range(len(group))]
+        frames = [_decode(decode_groups, res.latents, i, on_frames, wanted) for i in range(len(group))]
         t3 = time.perf_counter()
         call_batch = len(group) * (2 if mode == "batched" else 1)
         bucket = self.runner.bucket_for({**p, "batch": call_batch}).name
@@ -527,14 +531,19 @@ class Generator:
         }
 
 
-def _decode(decode_groups, latents, i: int, on_frames) -> np.ndarray:
+def _decode(decode_groups, latents, i: int, on_frames, wanted) -> np.ndarray | None:
     """Clip ``i``'s uint8 frames ``[F, H, W, 3]`` from ``latents[i]`` alone, group by group
-    (``on_frames(i, frames)`` with each as it is made)."""
+    (``on_frames(i, frames)`` with each as it is made); None, decoding no further, once ``wanted(i)``
+    says False (asked before the first group and after each)."""
+    if wanted is not None and not wanted(i):
+        return None
     parts = []
     for x in decode_groups(latents[i:i + 1]):
         parts.append(to_uint8(x.float().cpu().numpy()[0]))
         if on_frames is not None:
             on_frames(i, parts[-1])
+        if wanted is not None and not wanted(i):
+            return None
     return np.concatenate(parts)
 
 

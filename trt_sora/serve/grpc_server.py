@@ -25,8 +25,8 @@ the key's quota, with ``retry-after`` trailing metadata; also grpc's own refusal
 ``max_message_bytes`` or of more than ``max_streams`` streams), UNAVAILABLE (warming up, draining),
 INTERNAL (the job failed). A client that cancels (or leaves) cancels its job: a queued one leaves
 the queue, a running one stops at its next denoising step, or, in a batch other jobs still want,
-is sent nothing more while the batch finishes (:meth:`Engine.cancel`; status ``cancelled`` in the
-job store).
+is sent nothing more while the batch finishes and its clip is not decoded (:meth:`Engine.cancel`;
+status ``cancelled`` in the job store).
 """
 from __future__ import annotations
 

@@ -578,7 +578,8 @@ class Engine:
     def cancel(self, job_id: str) -> bool:
         """Cancel a queued or running job: a queued one leaves the queue now, a running one stops at
         its next denoising step (its batch goes on when other jobs of it still want their clips, and
-        only its clip is dropped); status ``cancelled``. False when the job is unknown or finished."""
+        its clip is not decoded, or no further); status ``cancelled``. False when the job is unknown
+        or finished."""
         with self._cond:
             job = self._jobs.get(job_id)
             if job is None or job.status not in (QUEUED, RUNNING) or job.cancel_event.is_set():
@@ -684,7 +685,8 @@ class Engine:
         began = time.time_ns()
         try:
             clips = self.generator.run([j.request for j in batch], cfg=self.config.cfg, max_batch=len(batch),
-                                       hook=hook, on_frames=_frame_calls(batch))
+                                       hook=hook, on_frames=_frame_calls(batch),
+                                       wanted=lambda i: not batch[i].cancel_event.is_set())
             ended = time.time_ns()
         except _Cancelled:
             self._finish(batch, cancelled=True)
@@ -861,7 +863,7 @@ def _step_calls(batch: list[JobState]):
 
 def _frame_calls(batch: list[JobState]):
     """The generator's ``on_frames(i, frames)`` calling job ``i``'s ``on_frames(frames)`` while the
-    job is not cancelled (a shared batch still decodes its clip)."""
+    job is not cancelled (a job cancelled during its clip's decode gets no more)."""
     if all(j.on_frames is None for j in batch):
         return None
 
