@@ -183,6 +183,19 @@ def test_qkv_epilogue_bf16_and_8bit(t, qkv_case):
 
 
 @interp
+@pytest.mark.parametrize("heads,d", [(3, 16), (5, 128)])
+def test_qkv_epilogue_on_widths_not_a_multiple_of_the_rms_chunk(t, heads, d):
+    """Q and K widths of 48 and 640 channels (the RMS pass reads 64 and 512 at a time): the statistics
+    sum Q's channels and K's alone, so the 8-bit operands are the reference's."""
+    qkv, wq, wk, cos, sin = ref.example_qkv(1, 20, heads, d, seed=2, device="cpu")
+    torch.testing.assert_close(t.rms_stats(qkv), ref.rms_stats(qkv), rtol=1e-5, atol=0)
+    ops8 = t.qkv_rmsnorm_rope(qkv, wq, wk, cos, sin, heads, fp8=True)
+    ref8 = ref.qkv_rmsnorm_rope(qkv, wq, wk, cos, sin, heads, fp8=True)
+    assert_operands_match(ops8, ref8, qkv.shape[1])
+    assert (ops8[0].int() - ref8[0].int()).abs().max() <= 2
+
+
+@interp
 def test_qkv_epilogue_passes_normed_qk_through(t, qkv_case):
     """No RoPE, unit statistics and weights (a family whose Q/K arrive normalized per head, HunyuanVideo):
     the 8-bit operands hold Q and K as given, the kernels' as the reference's."""

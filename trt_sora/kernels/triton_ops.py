@@ -207,8 +207,9 @@ def _rms_kernel(QKV, RSTD, S, C, eps, BLOCK_S: tl.constexpr, BLOCK_C: tl.constex
     sq = tl.zeros([BLOCK_S], tl.float32)
     sk = tl.zeros([BLOCK_S], tl.float32)
     for c0 in range(0, C, BLOCK_C):
-        q = tl.load(base + c0 + cols[None, :], mask=rm[:, None], other=0.0).to(tl.float32)
-        k = tl.load(base + C + c0 + cols[None, :], mask=rm[:, None], other=0.0).to(tl.float32)
+        m = rm[:, None] & (c0 + cols < C)[None, :]  # a last chunk past C would read K (for Q) or V (for K)
+        q = tl.load(base + c0 + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        k = tl.load(base + C + c0 + cols[None, :], mask=m, other=0.0).to(tl.float32)
         sq += tl.sum(q * q, 1)
         sk += tl.sum(k * k, 1)
     tl.store(RSTD + rows.to(tl.int64) * 2, tl.rsqrt(sq / C + eps), mask=rm)
