@@ -137,6 +137,8 @@ class TorchFp8Runner(Runner):
             accumulates in fp32).
         load_dtype: precision the weights are quantized from (default fp32 when they fit in a
             third of the GPU's memory, else bf16).
+        model: the adapter's model, already loaded (tests, benchmarks): moved to ``device`` and rewritten
+            in place (the caller's module is the runner's from then on).
 
     ``infer`` feeds as :class:`~trt_sora.runners.torch_runner.TorchRunner`; calls are serialised
     (one set of graph buffers).
@@ -179,6 +181,8 @@ class TorchFp8Runner(Runner):
         model = self._given_model
         if model is None:
             model = self.adapter.load(self.load_dtype or self._default_load_dtype(), self.device)
+        else:
+            model = model.to(self.device)  # a given model is this runner's now: moved, then rewritten in place
         self._given_model = None  # rewritten in place below: never reuse it
         missing = [m for m in self.plan if m not in dict(model.named_modules())]
         if missing:
