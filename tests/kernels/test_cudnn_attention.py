@@ -113,15 +113,17 @@ def _cudnn():
 @pytest.mark.gpu
 @pytest.mark.parametrize("s", [1000, 4096, 32760])
 def test_gpu_cudnn_matches_its_emulation(s):
-    """The kernel computes the emulation's math: FP8 outputs equal but for rare one-step flips (online
-    softmax and summation order), bf16 outputs within FP8 output rounding."""
+    """The kernel computes the emulation's math up to its online softmax: cuDNN quantizes each key tile's
+    probabilities against the running row max, the emulation against the row's final max, so the bf16
+    outputs agree to cosine 0.999 (the 8-bit paths' own bar against fp32) and FP8 outputs equal but for
+    rare one-step flips."""
     c = _cudnn()
     (q, k, v), _ = _qkv(s, h=1 if s > 8192 else 2, device="cuda")  # the emulation holds S x S fp32 per head
     ops_ = ref.sdpa_fp8_operands(q, k, v)
     want = ref.sdpa_fp8(*ops_)
     got = c.attention(q, k, v)
     assert got.dtype == torch.bfloat16 and got.shape == want.shape
-    assert _cos(got.float(), want.float()) > 0.9998
+    assert _cos(got.float(), want.float()) > 0.999
     sc = torch.tensor(want.float().abs().max().item() / 448, device="cuda")
     g8, w8 = c.attention(q, k, v, sc), ref.sdpa_fp8(*ops_, out_scale=sc)
     flips = (g8.view(torch.uint8) != w8.view(torch.uint8)).float().mean().item()
