@@ -28,7 +28,7 @@
 # `python benchmarks/peer_modelopt.py embed --model wan-shapes --num 16 --out ...` and ModelOpt's wheels in .whl).
 # Step caching (issue 30; EMB: build/wan_shapes_peer_prompts.safetensors from `python benchmarks/peer_modelopt.py
 # embed --model wan-shapes --num 16 --out build/wan_shapes_peer_prompts.safetensors` on CPU, carried):
-# ccalib (a run folder $CC/run from $RUN/export, or exported here when $RUN has none, calibrated here at CC_STEPS
+# ccalib (a run folder $CCW/run from $RUN/export, or exported here when $RUN has none, calibrated here at CC_STEPS
 # (50) and quantized), cache50 / cache20 (benchmarks/caching_bench.py: wan-shapes fp32, 16 held-out captions at 50 / 20
 # steps, a grid of extrapolate settings vs the uncached clips; the step statistics of ccalib's calibration at
 # CC_STEPS, else calibrated in the part; CACHE50_GRID / CACHE20_GRID), checkcache (after ccalib: the best setting of
@@ -46,7 +46,7 @@ fi
 export PYTHONPATH=${PYTHONPATH:-$PWD}
 RUN=${RUN:-build/wan-shapes/rtx4090-fp8}
 EMB=${EMB:-build/wan_shapes_peer_prompts.safetensors}
-CC=${CC:-/tmp/cc}
+CCW=${CCW:-/tmp/cc}  # not CC: that names the C compiler (Triton reads it)
 CC_STEPS=${CC_STEPS:-50}
 CC_DEVICE=${CC_DEVICE:-cuda}  # cpu (with CC_BACKEND=ort, CC_STEPS=2, part cache2): a dry run of the parts
 CC_BACKEND=${CC_BACKEND:-torch-fp8}
@@ -135,25 +135,25 @@ for lvl in (ort.GraphOptimizationLevel.ORT_DISABLE_ALL, ort.GraphOptimizationLev
     except Exception as e:
         print(lvl, \"FAILS\", str(e)[:300])
 print(ort.__version__)' \$X/quant/model.qdq.onnx" ;;
-    ccalib) part ccalib $CC_LIMIT bash -c "set -e; python3 benchmarks/cache_check.py prepare --run '$RUN' --work $CC \
+    ccalib) part ccalib $CC_LIMIT bash -c "set -e; python3 benchmarks/cache_check.py prepare --run '$RUN' --work $CCW \
               --steps $CC_STEPS --fresh
-            [ -d $CC/run/export ] || python3 -m trt_sora export --model wan-shapes --recipe $CC/recipe.yaml \
-              --out $CC/run/export
-            python3 -m trt_sora calibrate --model wan-shapes --recipe $CC/recipe.yaml --device $CC_DEVICE --no-report \
-              --text-embeddings '$EMB' --out $CC/run/calib
-            W=$CC/run/calib/weights.safetensors; python3 -m trt_sora quantize --onnx $CC/run/export/model.onnx \
-              --stats $CC/run/calib/stats.safetensors \$([ -f \$W ] && echo --weights \$W) --recipe $CC/recipe.yaml \
-              --out $CC/run/quant" ;;
-    cache[0-9]*) R=$CC/run/calib/step_ratios.safetensors; [ "${p#cache}" = "$CC_STEPS" ] && [ -f $R ] || R=
+            [ -d $CCW/run/export ] || python3 -m trt_sora export --model wan-shapes --recipe $CCW/recipe.yaml \
+              --out $CCW/run/export
+            python3 -m trt_sora calibrate --model wan-shapes --recipe $CCW/recipe.yaml --device $CC_DEVICE --no-report \
+              --text-embeddings '$EMB' --out $CCW/run/calib
+            W=$CCW/run/calib/weights.safetensors; python3 -m trt_sora quantize --onnx $CCW/run/export/model.onnx \
+              --stats $CCW/run/calib/stats.safetensors \$([ -f \$W ] && echo --weights \$W) --recipe $CCW/recipe.yaml \
+              --out $CCW/run/quant" ;;
+    cache[0-9]*) R=$CCW/run/calib/step_ratios.safetensors; [ "${p#cache}" = "$CC_STEPS" ] && [ -f $R ] || R=
                      part $p $CC_LIMIT python3 benchmarks/caching_bench.py --device $CC_DEVICE --steps ${p#cache} --method extrapolate \
                        --captions 16 --threads 8 --text-embeddings "$EMB" ${R:+--ratios $R} --configs "$([ $p = cache20 ] \
                        && echo "$CACHE20_GRID" || echo "$CACHE50_GRID")" --out "$OUT/$p.json" ;;
     checkcache) TAIL=40 part checkcache $CC_LIMIT bash -c "set -e; python3 benchmarks/cache_check.py prepare --run '$RUN' \
-                  --work $CC --steps $CC_STEPS --curve $OUT/cache$CC_STEPS.json
-                trap 'cp $CC/recipe.yaml $CC/run/parity/report.json $CC/run/parity/report.md $OUT/ 2>/dev/null' EXIT
-                python3 -m trt_sora check --run $CC/run --recipe $CC/recipe.yaml --backend $CC_BACKEND --device $CC_DEVICE \
+                  --work $CCW --steps $CC_STEPS --curve $OUT/cache$CC_STEPS.json
+                trap 'cp $CCW/recipe.yaml $CCW/run/parity/report.json $CCW/run/parity/report.md $OUT/ 2>/dev/null' EXIT
+                python3 -m trt_sora check --run $CCW/run --recipe $CCW/recipe.yaml --backend $CC_BACKEND --device $CC_DEVICE \
                   --text-embeddings '$EMB'" ;;
-    gen) TAIL=12 part gen 200 bash -c "set -e; python3 -m trt_sora generate --run $CC/run --backend $CC_BACKEND --device $CC_DEVICE \
+    gen) TAIL=12 part gen 200 bash -c "set -e; python3 -m trt_sora generate --run $CCW/run --backend $CC_BACKEND --device $CC_DEVICE \
            --text-encoder '$EMB' --steps $CC_STEPS '$CAPTION' -o $OUT/$GEN_OUT
          python3 benchmarks/cache_check.py show $OUT/$GEN_OUT.json" ;;
     *) echo "unknown part $p" ;;
