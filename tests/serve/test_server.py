@@ -251,6 +251,35 @@ def test_a_cancelled_job_of_a_shared_batch_is_not_decoded(tiny_runner):
         engine.close()
 
 
+def test_a_server_of_a_text_embeddings_file_warms_up_on_its_captions(tiny_runner, tmp_path):
+    """A box without text encoder weights serves a text-embeddings file: the warm-up encodes one of
+    the file's captions (it holds no other prompt), the server gets ready, and a job of another caption
+    is that caption's clip: the one generate() makes from the same file."""
+    import torch
+
+    from trt_sora.models.text import save_embeddings
+    from trt_sora.runtime import ClipRequest, generate
+    from trt_sora.runtime.generate import generator_for
+    from trt_sora.serve.scheduler import Engine, ServeConfig
+
+    adapter = generator_for(tiny_runner).adapter
+    negative = adapter.spec.defaults.get("negative_prompt")  # Wan encodes its own negative prompt
+    captions = ["a red circle moves up", "a blue square moves down"] + ([negative] if negative is not None else [])
+    path = tmp_path / "captions.safetensors"
+    save_embeddings(captions, torch.randn(len(captions), 8, adapter.text_dim, generator=torch.manual_seed(0)), path)
+    engine = Engine(tiny_runner, ServeConfig(max_wait_s=0.0), text_encoder=str(path))
+    engine.start(block=True)
+    try:
+        assert engine.failed is None and engine.ready
+        job = engine.wait(engine.submit(ClipRequest(captions[1], seed=5)).id, HANG)
+        assert job.status == "done", job.error
+        want = generate(tiny_runner, [captions[1]], seed=5, text_encoder=str(path))[0].frames
+        np.testing.assert_array_equal(np.load(job.result_path), want)
+    finally:
+        engine.drain(HANG)
+        engine.close()
+
+
 def test_a_long_prompt_is_refused_unless_the_request_accepts_a_cut(server):
     _, http, _, _ = server
     long = " ".join(f"w{i}" for i in range(200))

@@ -249,6 +249,13 @@ class Generator:
         _, h, w = self.default_size
         return np.full((h, w, 3), 128, np.uint8)
 
+    @property
+    def warmup_prompt(self) -> str:
+        """A prompt the text encoder can encode (a server's warm-up): ``"warm-up"``, or the first
+        caption of a precomputed embedding file (it encodes no other)."""
+        known = getattr(self._parts()[0], "index", None)
+        return next(iter(known)) if known else "warm-up"
+
     def resolve(self, req: ClipRequest) -> _Resolved:
         """Fill the defaults in; ShapeError / ConfigError for a size or setting the artifact cannot run."""
         settings = self.settings.override(num_steps=req.steps, guidance_scale=req.guidance, shift=req.shift)

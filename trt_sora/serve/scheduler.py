@@ -333,13 +333,13 @@ class Engine:
 
         t0 = time.perf_counter()
         gen = self.generator
-        image = gen.warmup_image  # an image-to-video model warms up on a grey image
-        r = gen.resolve(ClipRequest("warm-up", steps=self.config.warmup_steps, image=image))
+        image, prompt = gen.warmup_image, gen.warmup_prompt  # image-to-video: a grey image
+        r = gen.resolve(ClipRequest(prompt, steps=self.config.warmup_steps, image=image))
         bucket_cap = gen.max_clips(r, self.config.cfg)
         gpu = _on_gpu(gen.runner)
         peaks = {}
         for n in sorted({1, bucket_cap}):
-            reqs = [ClipRequest("warm-up", seed=i, steps=self.config.warmup_steps, image=image) for i in range(n)]
+            reqs = [ClipRequest(prompt, seed=i, steps=self.config.warmup_steps, image=image) for i in range(n)]
             gen.run(reqs, cfg=self.config.cfg, max_batch=n)  # first call: allocations, kernels, caches
             t1 = time.perf_counter()
             with _PeakSampler(gpu) as s:
