@@ -33,8 +33,11 @@
 # steps, a grid of extrapolate settings vs the uncached clips; the step statistics of ccalib's calibration at
 # CC_STEPS, else calibrated in the part; CACHE50_GRID / CACHE20_GRID), checkcache (after ccalib: the best setting of
 # $OUT/cache$CC_STEPS.json that passed into the recipe, then trt-sora check --backend torch-fp8 with caching), gen
-# (after checkcache: trt-sora generate on that run folder with the checked setting, per-stage seconds).
-#   bash benchmarks/h200.sh ccalib cache50 checkcache gen cache20
+# (after checkcache: trt-sora generate on that run folder with the checked setting, per-stage seconds), cserve
+# (after checkcache: benchmarks/serve_bench.py serving that run folder with $EMB's captions at CC_STEPS, batched and
+# unbatched, CSERVE_REQUESTS (16) requests by 4 clients: clips/s, p50/p95, the caching served; needs the serve
+# extra's wheels: fastapi, uvicorn, prometheus-client).
+#   bash benchmarks/h200.sh ccalib cache50 checkcache gen cserve cache20
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -156,6 +159,9 @@ print(ort.__version__)' \$X/quant/model.qdq.onnx" ;;
     gen) TAIL=12 part gen 200 bash -c "set -e; python3 -m trt_sora generate --run $CCW/run --backend $CC_BACKEND --device $CC_DEVICE \
            --text-encoder '$EMB' --steps $CC_STEPS '$CAPTION' -o $OUT/$GEN_OUT
          python3 benchmarks/cache_check.py show $OUT/$GEN_OUT.json" ;;
+    cserve) TAIL=4 part cserve ${CSERVE_LIMIT:-240} python3 benchmarks/serve_bench.py --run $CC/run \
+              --backend $CC_BACKEND --device $CC_DEVICE --steps $CC_STEPS --text-encoder "$EMB" --prompts-from "$EMB" \
+              --requests ${CSERVE_REQUESTS:-16} --concurrency 4 --out "$OUT/cserve.json" ;;
     *) echo "unknown part $p" ;;
   esac
 done

@@ -13,6 +13,15 @@ the mean transformer-call latency per call batch.
 
 Modes: ``batched`` (dynamic batching: --max-wait-ms, cap from the buckets and memory) and
 ``unbatched`` (--max-batch 1: each request alone; CFG pairs still share a call when the bucket allows).
+
+A box without text encoder weights serves a text-embeddings file (``--text-encoder FILE``, written by
+``benchmarks/peer_modelopt.py embed``); the prompts sent are then its captions (``--prompts-from FILE``).
+The JSON is rewritten after each mode (a run cut off keeps the modes it finished) and records the
+first clip's metadata: the stages' seconds and the step caching it was served with.
+
+    python benchmarks/serve_bench.py --run /tmp/cc/run --backend torch-fp8 --device cuda --steps 50 \
+        --text-encoder build/wan_shapes_peer_prompts.safetensors \
+        --prompts-from build/wan_shapes_peer_prompts.safetensors --out serve.json
 """
 from __future__ import annotations
 
@@ -64,6 +73,10 @@ def run_mode(args, mode: str) -> dict:
     cmd += ["--max-wait-ms", str(args.max_wait_ms)] if mode == "batched" else ["--max-batch", "1", "--max-wait-ms", "0"]
     if args.threads:
         cmd += ["--threads", str(args.threads)]
+    if args.device:
+        cmd += ["--device", args.device]
+    if args.text_encoder:
+        cmd += ["--text-encoder", args.text_encoder]
     if args.force:  # speed of an artifact whose parity gate failed (never for serving it)
         cmd += ["--force"]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -76,6 +89,10 @@ def run_mode(args, mode: str) -> dict:
             try:
                 if _get(base + "/readyz", 5)[0] == 200:
                     break
+            except urllib.error.HTTPError as exc:  # 503: warming up, or a start-up that failed
+                why = json.loads(exc.read() or b"{}").get("error", "")
+                if why.startswith("failed"):
+                    raise SystemExit(f"server start-up {why}") from None
             except (TimeoutError, urllib.error.URLError, ConnectionError):
                 pass
             if time.monotonic() - t0 > 900:
@@ -85,6 +102,7 @@ def run_mode(args, mode: str) -> dict:
         info = json.loads(_get(base + "/v1/info")[1])
         before = _metrics(base)
         latencies: list[float] = []
+        jobs: list[str] = []
         lock = threading.Lock()
         counter = iter(range(args.requests))
 
@@ -100,8 +118,10 @@ def run_mode(args, mode: str) -> dict:
                 s = time.perf_counter()
                 with urllib.request.urlopen(req, timeout=3600) as r:
                     r.read()
+                    job = re.search(r'filename="?([0-9a-f]+)\.npy', r.headers.get("content-disposition", ""))
                 with lock:
                     latencies.append(time.perf_counter() - s)
+                    jobs.extend([job.group(1)] if job else [])
 
         wall0 = time.perf_counter()
         threads = [threading.Thread(target=client) for _ in range(args.concurrency)]
@@ -109,6 +129,7 @@ def run_mode(args, mode: str) -> dict:
         [t.join() for t in threads]
         wall = time.perf_counter() - wall0
         after = _metrics(base)
+        clip = json.loads(_get(f"{base}/v1/jobs/{jobs[0]}")[1]).get("metadata", {}) if jobs else {}
     finally:
         proc.terminate()
         proc.wait(timeout=120)
@@ -125,7 +146,9 @@ def run_mode(args, mode: str) -> dict:
             "max_s": round(float(lat.max()), 3), "throughput_clips_per_s": round(len(lat) / wall, 4),
             "wall_s": round(wall, 2), "formed_batches": {str(k): v for k, v in sorted(formed.items()) if v},
             "transformer_calls": calls, "batch_cap_default_request": info["memory"].get("cap"),
-            "ready_s": round(ready_s, 1), "forced": args.force,
+            "ready_s": round(ready_s, 1), "forced": args.force, "checked": info.get("checked"),
+            "text_encoder": info.get("text_encoder"), "prompts": len(args.prompts),
+            "first_clip": {k: clip.get(k) for k in ("seconds", "caching", "batch", "size")},
             "sampling": {**info["sampling"], **({"num_steps": args.steps} if args.steps else {}),
                          **({"guidance_scale": args.guidance} if args.guidance is not None else {})}}
 
@@ -140,19 +163,42 @@ def main(argv=None) -> int:
     p.add_argument("--guidance", type=float, default=None)
     p.add_argument("--max-wait-ms", type=float, default=200.0)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--device", default=None, help="the server's torch / trt device (default: its own)")
+    p.add_argument("--text-encoder", default=None, help="the server's text encoder: a text-embeddings file on a "
+                   "box without encoder weights (peer_modelopt.py embed), hash, minilm, a pipeline folder")
+    p.add_argument("--prompts-from", default=None, metavar="FILE", help="send the captions of this text-embeddings "
+                   "file (in order, cycled) instead of --prompts")
     p.add_argument("--modes", default="batched,unbatched")
     p.add_argument("--force", action="store_true", help="serve even when the parity report failed (to measure speed)")
     p.add_argument("--prompts", nargs="*", default=["a red circle moves up over a plain black background",
                                                      "a blue square moves down over a plain black background"])
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
-    results = {"run": args.run, "machine": f"{os.cpu_count()} CPUs", "load_average": os.getloadavg(),
-               "modes": [run_mode(args, m) for m in args.modes.split(",")]}
-    text = json.dumps(results, indent=2)
+    if args.prompts_from:
+        args.prompts = captions(args.prompts_from)
+    results = {"run": args.run, "machine": f"{os.cpu_count()} CPUs", "device": args.device,
+               "load_average": os.getloadavg(), "modes": []}
+    for mode in args.modes.split(","):
+        results["modes"].append(run_mode(args, mode))
+        text = json.dumps(results, indent=2)
+        if args.out:
+            tmp = Path(f"{args.out}.tmp")
+            tmp.write_text(text + "\n")
+            os.replace(tmp, args.out)
     print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
     return 0
+
+
+def captions(path: str) -> list[str]:
+    """The captions of a text-embeddings file (``trt_sora.models.text.save_embeddings``), in order."""
+    from safetensors import safe_open
+
+    with safe_open(path, framework="numpy") as f:
+        caps = json.loads((f.metadata() or {}).get("prompts", "[]"))
+    if not caps:
+        raise SystemExit(f"{path} lists no captions (its metadata has no 'prompts'); write it with "
+                         "benchmarks/peer_modelopt.py embed")
+    return caps
 
 
 if __name__ == "__main__":
