@@ -2,9 +2,9 @@
 output, and the calibrated statistics that decide it. The one sampler (:func:`trt_sora.sampling.sample`)
 asks a *step cache* three things per call, through its ``cache=`` argument::
 
-    cache.reuse(step, branch) -> bool                        # True: skip the call
-    cache.estimate(step, branch, history, timestep) -> out   # the skipped output, from computed ones
-    cache.observe(step, branch, output, timestep)            # every output computed ([B, C, F, H, W] fp32)
+    cache.reuse(step, branch) -> bool                                  # True: skip the call
+    cache.estimate(step, branch, history, timestep, computed) -> out   # the skipped output, from computed ones
+    cache.observe(step, branch, output, timestep)                      # every output computed ([B, C, F, H, W] fp32)
 
 Two step caches live here:
 
@@ -12,8 +12,9 @@ Two step caches live here:
   branch, the magnitude ratio ``r_i = m_i / m_{i-1}`` of the transformer output, with ``m`` the
   mean over latent positions of the output's L2 norm over channels (``r_0 = 1``), and the relative
   error of :func:`extrapolate` (order 1) of step ``i`` from steps ``i - h - 1, i - h`` for
-  ``h = 1 .. HORIZONS``. The calibrate stage saves them as :class:`StepRatios`
-  (``calib/step_ratios.safetensors``).
+  ``h = 1 .. HORIZONS``, and the relative error of uncond estimated as its step's cond plus the branch
+  difference ``uncond - cond`` extrapolated (orders 0 and 1) from the same steps. The calibrate stage
+  saves them as :class:`StepRatios` (``calib/step_ratios.safetensors``).
 * :class:`CacheSchedule` (check, runtime): a fixed set of reused steps per branch and the order of
   the estimate, planned from the calibrated means, so a schedule is a fact of the model and its
   sampling settings that ``check`` verifies and the runtime replays.
@@ -27,6 +28,10 @@ computing step resets ``acc = 1, err = 0, k = 0``.
 
 ``method: extrapolate`` (:func:`plan_extrapolated`, order 1): the same forced steps, one decision per
 step for every branch that may reuse, on the summed errors of the worse branch at each step's horizon.
+
+``caching.cfg_reuse`` (:func:`plan_cfg_reuse`), on top of either: among the steps where the step plan
+computes both branches, the uncond call is replaced by cond plus the branch difference of the expert's
+last steps computing both, while the summed calibrated errors of that estimate stay under the budget.
 
 No heavy imports at module load: numpy here, torch and safetensors inside the functions.
 """
@@ -44,9 +49,10 @@ import numpy as np
 from trt_sora.config.recipe import CACHE_BRANCHES, CacheMethod, CachingConfig
 from trt_sora.errors import ArtifactError, ConfigError
 from trt_sora.manifest import read_safetensors
+from trt_sora.sampling import CFG_DELTA
 
-__all__ = ["HORIZONS", "RATIOS_FILE", "CacheSchedule", "MagnitudeRecorder", "StepRatios", "caching_record",
-           "extrapolate", "plan_extrapolated", "plan_schedule", "schedule_for"]
+__all__ = ["CFG_ORDERS", "HORIZONS", "RATIOS_FILE", "CacheSchedule", "MagnitudeRecorder", "StepRatios",
+           "caching_record", "extrapolate", "plan_cfg_reuse", "plan_extrapolated", "plan_schedule", "schedule_for"]
 
 #: The calibrate stage's file of per-step magnitude ratios (beside ``stats.safetensors``).
 RATIOS_FILE = "step_ratios.safetensors"
@@ -56,6 +62,11 @@ MAGNITUDE = "mean over latent positions of the transformer output's L2 norm over
 HORIZONS = 4
 EXTRAPOLATION_ERROR = ("per row, ||extrapolate(order 1) - output|| / ||output|| over the whole latent; "
                        "[step, horizon - 1]")
+#: The orders of the CFG-difference estimate the calibrate stage records (``caching.cfg_order``).
+CFG_ORDERS = (0, 1)
+CFG_ERROR = ("per row, ||extrapolate(uncond - cond, order) - (uncond - cond)|| / ||uncond|| over the whole latent: "
+             "the relative error of uncond estimated as this step's cond plus the difference h steps back; "
+             "[step, horizon - 1]")
 
 
 # -- the statistics ----------------------------------------------------------------------------------
@@ -72,12 +83,17 @@ class StepRatios:
             error of :func:`extrapolate` (order 1) of step ``i``'s output from the branch's outputs at
             steps ``i - h - 1`` and ``i - h`` (see :class:`MagnitudeRecorder`); empty in files recorded
             before ``method: extrapolate`` existed.
+        cfg_errors: ``{order: [rows, len(steps), HORIZONS] float64}``: at ``[r, i, h - 1]`` the relative
+            error of the unconditional output of step ``i`` estimated as its cond output plus
+            :func:`extrapolate` (``order``) of the branch difference ``uncond - cond`` at steps
+            ``i - h - 1, i - h`` (``caching.cfg_reuse``); empty in files recorded before it existed.
     """
 
     steps: tuple[int, ...]
     timesteps: tuple[float, ...]
     ratios: Mapping[str, np.ndarray]
     errors: Mapping[str, np.ndarray] = dataclasses.field(default_factory=dict)
+    cfg_errors: Mapping[int, np.ndarray] = dataclasses.field(default_factory=dict)
 
     def mean(self, branch: str) -> np.ndarray:
         """``[len(steps)]`` mean over rows (NaN where no row ran)."""
@@ -89,8 +105,11 @@ class StepRatios:
 
     def mean_errors(self, branch: str) -> np.ndarray:
         """``[len(steps), HORIZONS]`` mean extrapolation error over rows (NaN where no row has one)."""
-        e = self.errors[branch]
-        return np.stack([_nan_stat(e[:, :, h], np.nanmean) for h in range(e.shape[2])], axis=1)
+        return _mean_by_horizon(self.errors[branch])
+
+    def mean_cfg_errors(self, order: int) -> np.ndarray:
+        """``[len(steps), HORIZONS]`` mean error of the CFG-difference estimate at ``order`` over rows."""
+        return _mean_by_horizon(self.cfg_errors[order])
 
     def mean_by_step(self, branch: str) -> dict[int, float]:
         return dict(zip(self.steps, (float(x) for x in self.mean(branch))))
@@ -101,7 +120,10 @@ class StepRatios:
                 "rows": {b: int(r.shape[0]) for b, r in self.ratios.items()},
                 **{b: {"mean": _floats(self.mean(b)), "std": _floats(self.std(b))} for b in self.ratios},
                 **({"extrapolation_error": EXTRAPOLATION_ERROR, "errors_mean": {
-                    b: [_floats(row) for row in self.mean_errors(b)] for b in self.errors}} if self.errors else {})}
+                    b: [_floats(row) for row in self.mean_errors(b)] for b in self.errors}} if self.errors else {}),
+                **({"cfg_error": CFG_ERROR, "cfg_errors_mean": {
+                    str(o): [_floats(row) for row in self.mean_cfg_errors(o)] for o in self.cfg_errors}}
+                   if self.cfg_errors else {})}
 
     def save(self, path: str | Path) -> None:
         from safetensors.numpy import save_file
@@ -112,6 +134,8 @@ class StepRatios:
             tensors[f"{b}.mean"], tensors[f"{b}.std"] = self.mean(b), self.std(b)
         for b, e in self.errors.items():
             tensors[f"{b}.errors"] = np.ascontiguousarray(e, dtype=np.float64)
+        for o, e in self.cfg_errors.items():
+            tensors[f"cfg_delta.errors{o}"] = np.ascontiguousarray(e, dtype=np.float64)
         save_file(tensors, str(path), metadata={"format": _FORMAT, "magnitude": MAGNITUDE,
                                                 "branches": json.dumps(list(self.ratios))})
 
@@ -123,7 +147,8 @@ class StepRatios:
         branches = json.loads(meta["branches"])
         return cls(steps=tuple(int(s) for s in t["steps"]), timesteps=tuple(float(x) for x in t["timesteps"]),
                    ratios={b: t[f"{b}.ratios"] for b in branches},
-                   errors={b: t[f"{b}.errors"] for b in branches if f"{b}.errors" in t})
+                   errors={b: t[f"{b}.errors"] for b in branches if f"{b}.errors" in t},
+                   cfg_errors={o: t[f"cfg_delta.errors{o}"] for o in CFG_ORDERS if f"cfg_delta.errors{o}" in t})
 
     @classmethod
     def merged(cls, parts: Sequence[StepRatios]) -> StepRatios:
@@ -135,7 +160,9 @@ class StepRatios:
         rows = {b: np.concatenate([p.ratios[b] for p in parts]) for b in first.ratios}
         errors = {b: np.concatenate([p.errors[b] for p in parts]) for b in first.errors
                   if all(b in p.errors for p in parts)}
-        return cls(first.steps, first.timesteps, rows, errors)
+        cfg = {o: np.concatenate([p.cfg_errors[o] for p in parts]) for o in first.cfg_errors
+               if all(o in p.cfg_errors for p in parts)}
+        return cls(first.steps, first.timesteps, rows, errors, cfg)
 
     @classmethod
     def joined(cls, parts: Sequence[StepRatios]) -> StepRatios:
@@ -149,9 +176,11 @@ class StepRatios:
                                 "steps differ); re-run `trt-sora calibrate` for the pair")
         branches = [b for b in parts[0].ratios if all(b in p.ratios for p in parts)]
         with_errors = [b for b in branches if all(b in p.errors for p in parts)]
+        orders = [o for o in CFG_ORDERS if all(o in p.cfg_errors for p in parts)]
         return cls(tuple(s for s, _, _ in order), tuple(parts[i].timesteps[j] for _, i, j in order),
                    {b: np.stack([parts[i].ratios[b][:, j] for _, i, j in order], axis=1) for b in branches},
-                   {b: np.stack([parts[i].errors[b][:, j] for _, i, j in order], axis=1) for b in with_errors})
+                   {b: np.stack([parts[i].errors[b][:, j] for _, i, j in order], axis=1) for b in with_errors},
+                   {o: np.stack([parts[i].cfg_errors[o][:, j] for _, i, j in order], axis=1) for o in orders})
 
 
 def _nan_stat(a: np.ndarray, fn) -> np.ndarray:
@@ -159,6 +188,10 @@ def _nan_stat(a: np.ndarray, fn) -> np.ndarray:
     seen = ~np.isnan(a).all(axis=0)
     out[seen] = fn(a[:, seen], axis=0)
     return out
+
+
+def _mean_by_horizon(e: np.ndarray) -> np.ndarray:
+    return np.stack([_nan_stat(e[:, :, h], np.nanmean) for h in range(e.shape[2])], axis=1)
 
 
 def _floats(a: np.ndarray) -> list:
@@ -178,6 +211,8 @@ class MagnitudeRecorder:
         self._errors: dict[str, list[np.ndarray]] = {}
         self._prev: dict[str, list[tuple[int, float, Any, Any]]] = {}  # this trajectory's (step, t, output, m)
         self._timesteps: dict[int, float] = {}
+        self._cfg: dict[int, list[np.ndarray]] = {o: [] for o in CFG_ORDERS}
+        self._deltas: list[tuple[int, float, Any]] = []  # this trajectory's (step, t, uncond - cond)
 
     def reuse(self, step: int, branch: str) -> bool:
         return False
@@ -191,6 +226,10 @@ class MagnitudeRecorder:
             rows.append(np.full((mag.shape[0], self.num_steps), np.nan))  # a new trajectory
             self._errors.setdefault(branch, []).append(np.full((mag.shape[0], self.num_steps, HORIZONS), np.nan))
             prev = []
+            if branch == "uncond":
+                for o in CFG_ORDERS:
+                    self._cfg[o].append(np.full((mag.shape[0], self.num_steps, HORIZONS), np.nan))
+                self._deltas = []
         if prev and prev[-1][0] == step - 1:
             rows[-1][:, step] = mag / prev[-1][3]
         elif step == 0:
@@ -198,6 +237,9 @@ class MagnitudeRecorder:
         t = math.nan if timestep is None else float(timestep)
         self._record_errors(self._errors[branch][-1], prev, step, t, y)
         self._prev[branch] = [*prev[-HORIZONS:], (step, t, y, mag)]
+        cond = (self._prev.get("cond") or [(None,)])[-1]
+        if branch == "uncond" and cond[0] == step and cond[2].shape == y.shape:
+            self._record_cfg_errors(step, t, y, y - cond[2])
         if timestep is not None:
             self._timesteps.setdefault(step, float(timestep))
 
@@ -214,12 +256,27 @@ class MagnitudeRecorder:
             diff = (extrapolate(history, t, 1) - y).flatten(1).norm(dim=1).double()
             errors[:, step, h - 1] = (diff / norm.clamp_min(1e-30)).cpu().numpy()
 
+    def _record_cfg_errors(self, step: int, t: float, uncond, delta) -> None:
+        """``cfg[order][:, step, h - 1]``: each row's relative error of ``uncond`` estimated as this step's
+        cond plus the branch difference extrapolated (``order``) from steps ``step - h - 1, step - h``."""
+        by_step = {s: (ts, d) for s, ts, d in self._deltas}
+        norm = uncond.flatten(1).norm(dim=1).double().clamp_min(1e-30)
+        for h in range(1, HORIZONS + 1):
+            if step - h not in by_step:
+                continue
+            history = [by_step[s] for s in (step - h - 1, step - h) if s in by_step]
+            for o in CFG_ORDERS:
+                diff = (extrapolate(history, t, o) - delta).flatten(1).norm(dim=1).double()
+                self._cfg[o][-1][:, step, h - 1] = (diff / norm).cpu().numpy()
+        self._deltas = [*self._deltas[-HORIZONS:], (step, t, delta)]
+
     def ratios(self, steps: Sequence[int] | None = None) -> StepRatios:
         """The recorded ratios and errors over ``steps`` (default: every step), one row per trajectory row."""
         steps = tuple(range(self.num_steps)) if steps is None else tuple(int(s) for s in steps)
         return StepRatios(steps=steps, timesteps=tuple(self._timesteps.get(s, math.nan) for s in steps),
                           ratios={b: np.concatenate(r)[:, list(steps)] for b, r in self._rows.items()},
-                          errors={b: np.concatenate(e)[:, list(steps)] for b, e in self._errors.items()})
+                          errors={b: np.concatenate(e)[:, list(steps)] for b, e in self._errors.items()},
+                          cfg_errors={o: np.concatenate(e)[:, list(steps)] for o, e in self._cfg.items() if e})
 
 
 # -- the policy ---------------------------------------------------------------------------------------
@@ -301,21 +358,72 @@ def plan_extrapolated(errors: Mapping[str, np.ndarray], experts: Sequence[str | 
     return {b: tuple(reused) if b in deciding else () for b in errors}
 
 
+def plan_cfg_reuse(errors: np.ndarray, experts: Sequence[str | None], config: CachingConfig,
+                   reused: Mapping[str, Sequence[int]], budget: float | None = None) -> tuple[int, ...]:
+    """The steps whose uncond output is estimated from this step's cond plus the branch difference
+    (``caching.cfg_reuse``), among the steps where ``reused`` (the step plan) computes both branches.
+
+    Args:
+        errors: ``[n, HORIZONS]`` calibrated mean errors of that estimate at ``caching.cfg_order``
+            (``[i, h - 1]``: the difference taken ``h`` steps back; NaN: the step computes both).
+        experts: the expert serving each step (``None`` for one model).
+        config: warm-up / final steps; ``cfg_reuse`` is the default ``budget``.
+        reused: ``{branch: reused steps}`` of the step plan (those steps are not decided here).
+        budget: the summed errors a run of estimates since the last step computing both may reach.
+
+    A step computes both branches (and anchors the difference) when forced (warm-up, final, an expert's
+    first step: the difference is the expert's own; the step plans never skip those for uncond), or when
+    ``h`` (steps since the anchor) passes the recorded horizons or adding its error at ``h`` brings
+    ``err`` over the budget; otherwise it computes cond alone and ``err`` grows.
+    """
+    budget = config.cfg_reuse if budget is None else float(budget)
+    n = len(experts)
+    if errors.shape[0] != n:
+        raise ConfigError(f"caching: the CFG-difference errors cover {errors.shape[0]} steps but the schedule has "
+                          f"{n}; calibrate at the sampling settings the check runs")
+    skipped = {int(s) for steps in reused.values() for s in steps}
+    anchor, err, out = None, 0.0, []
+    for i in range(n):
+        if i in skipped:
+            continue
+        forced = i < config.warmup_steps or i >= n - config.final_steps or experts[i - 1] != experts[i]
+        h = i - anchor if anchor is not None else errors.shape[1] + 1
+        if not forced and h <= errors.shape[1] and err + float(errors[i, h - 1]) <= budget:  # NaN: False
+            err += float(errors[i, h - 1])
+            out.append(i)
+            continue
+        anchor, err = i, 0.0
+    return tuple(out)
+
+
 @dataclasses.dataclass(frozen=True)
 class CacheSchedule:
     """The sampler's step cache when serving: ``reused[branch]`` lists the steps that skip that
-    branch's call and take :func:`extrapolate` of its computed outputs at ``order`` (0: plain reuse);
-    it holds only for ``num_steps``-step trajectories."""
+    branch's call and take :func:`extrapolate` of its computed outputs at ``order`` (0: plain reuse),
+    except the steps of ``cfg_delta`` (all in ``reused["uncond"]``): there uncond is this step's cond
+    plus :func:`extrapolate` (``cfg_order``) of the branch difference at the expert's last steps computing
+    both. It holds only for ``num_steps``-step trajectories."""
 
     num_steps: int
     reused: Mapping[str, tuple[int, ...]]
     order: int = 0
+    cfg_delta: tuple[int, ...] = ()
+    cfg_order: int = 0
 
     def reuse(self, step: int, branch: str) -> bool:
         return step in self.reused.get(branch, ())
 
-    def estimate(self, step: int, branch: str, history: Sequence[tuple[float, Any]], timestep: float):
-        return extrapolate(history, timestep, self.order)
+    def estimate(self, step: int, branch: str, history: Mapping[str, Sequence[tuple[float, Any]]], timestep: float,
+                 computed: Mapping[str, Any]):
+        """``branch``'s output at ``step`` from ``history`` (per branch and :data:`~trt_sora.sampling.CFG_DELTA`:
+        the last two computed ``(timestep, output)``, oldest first) and this step's ``computed`` outputs."""
+        if branch != "uncond" or step not in self.cfg_delta:
+            return extrapolate(history[branch], timestep, self.order)
+        if CFG_DELTA not in history or "cond" not in computed:
+            raise ConfigError(f"the step cache estimates uncond at step {step} from cond and the branch difference, "
+                              "but no earlier step of this expert computed both branches (or cond is not computed "
+                              "there); re-plan the schedule with `trt-sora check`")
+        return computed["cond"] + extrapolate(history[CFG_DELTA], timestep, self.cfg_order)
 
     def observe(self, step: int, branch: str, output, timestep: float | None = None) -> None:
         return None
@@ -326,23 +434,28 @@ class CacheSchedule:
         return total - sum(1 for i, bs in enumerate(branches_per_step) for b in bs if self.reuse(i, b)), total
 
     def to_dict(self) -> dict[str, Any]:
+        cfg = {"cfg_delta": list(self.cfg_delta), "cfg_order": self.cfg_order} if self.cfg_delta else {}
         return {"num_steps": self.num_steps, "reused": {b: list(s) for b, s in self.reused.items()},
-                "order": self.order}
+                "order": self.order, **cfg}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], *, where: str = "caching schedule") -> CacheSchedule:
         try:
             reused = {str(b): tuple(int(s) for s in steps) for b, steps in d["reused"].items()}
             num_steps, order = int(d["num_steps"]), int(d.get("order", 0))
+            cfg_delta, cfg_order = tuple(int(s) for s in d.get("cfg_delta", ())), int(d.get("cfg_order", 0))
         except (KeyError, TypeError, ValueError, AttributeError):
             raise ArtifactError(f"{where} is not a step schedule of this trt_sora; re-run `trt-sora check`") from None
-        if order not in (0, 1):
-            raise ArtifactError(f"{where} extrapolates at order {order} (this trt_sora knows 0 and 1); re-run "
-                                "`trt-sora check`")
+        if order not in (0, 1) or cfg_order not in CFG_ORDERS:
+            raise ArtifactError(f"{where} extrapolates at order {order} / cfg_order {cfg_order} (this trt_sora knows "
+                                "0 and 1); re-run `trt-sora check`")
         if any(b not in CACHE_BRANCHES or any(not 0 < s < num_steps for s in st) for b, st in reused.items()):
             raise ArtifactError(f"{where} names an unknown branch or a step outside 1..{num_steps - 1}; re-run "
                                 "`trt-sora check`")
-        return cls(num_steps, reused, order)
+        if not set(cfg_delta) <= set(reused.get("uncond", ())) - set(reused.get("cond", ())):
+            raise ArtifactError(f"{where} estimates uncond from cond at steps {list(cfg_delta)} that do not compute "
+                                "cond alone; re-run `trt-sora check`")
+        return cls(num_steps, reused, order, cfg_delta, cfg_order)
 
 
 def step_experts(settings, timesteps: Sequence[float]) -> list[str | None]:
@@ -367,14 +480,27 @@ def schedule_for(config: CachingConfig, ratios: StepRatios, settings, timesteps:
             raise ArtifactError("caching.method=extrapolate needs the extrapolation errors the calibrate stage "
                                 "records; this calibration predates them: re-run `trt-sora calibrate`")
         errors = {b: ratios.mean_errors(b) for b in ratios.errors}
-        return CacheSchedule(n, plan_extrapolated(errors, experts, config, threshold), order=1)
+        return _with_cfg_reuse(CacheSchedule(n, plan_extrapolated(errors, experts, config, threshold), order=1),
+                               config, ratios, experts)
     means = {b: list(ratios.mean(b)) for b in ratios.ratios}
-    return CacheSchedule(n, plan_schedule(means, experts, config, threshold))
+    return _with_cfg_reuse(CacheSchedule(n, plan_schedule(means, experts, config, threshold)), config, ratios, experts)
+
+
+def _with_cfg_reuse(schedule: CacheSchedule, config: CachingConfig, ratios: StepRatios,
+                    experts: Sequence[str | None]) -> CacheSchedule:
+    """``schedule`` with the uncond estimates of ``caching.cfg_reuse`` added (unchanged when it is off or the
+    calibration ran no uncond branch)."""
+    if not config.cfg_reuse or "uncond" not in ratios.ratios:
+        return schedule
+    if config.cfg_order not in ratios.cfg_errors:
+        raise ArtifactError("caching.cfg_reuse needs the CFG-difference errors the calibrate stage records; this "
+                            "calibration predates them: re-run `trt-sora calibrate`")
+    cfg = plan_cfg_reuse(ratios.mean_cfg_errors(config.cfg_order), experts, config, schedule.reused)
+    reused = {**schedule.reused, "uncond": tuple(sorted({*schedule.reused.get("uncond", ()), *cfg}))}
+    return dataclasses.replace(schedule, reused=reused, cfg_delta=cfg, cfg_order=config.cfg_order)
 
 
 def caching_record(config: CachingConfig, schedule: CacheSchedule, settings, computed: int, total: int) -> dict:
     """What a report or a clip's metadata says of a cached trajectory."""
-    from trt_sora.config.base import to_dict
-
-    return {"setting": to_dict(config), "sampling": settings.to_dict(), "schedule": schedule.to_dict(),
+    return {"setting": config.setting(), "sampling": settings.to_dict(), "schedule": schedule.to_dict(),
             "calls": computed, "calls_uncached": total, "saved_fraction": round(1.0 - computed / max(total, 1), 6)}

@@ -186,7 +186,7 @@ class EnginePipeline:
                                 [b.to_yaml() for b in self.buckets],
                                 _file_hashes(*[self.side(e).qdq_model for e in sides]))
         inputs = [manifest_path(f) for s in ("export", "calibrate", "quantize", "build") for f in self.folders(s)]
-        caching = [to_dict(r.caching)] if r.caching.enabled else []  # off: the fingerprint runs had before
+        caching = [r.caching.setting()] if r.caching.enabled else []  # off: the fingerprint runs had before
         sparse = [to_dict(r.sparse_attention)] if r.sparse_attention.enabled else []
         return _fingerprint("check", __version__, to_dict(r.parity), self.adapter.sampling.to_dict(),
                             _file_hashes(*inputs), *caching, *sparse)

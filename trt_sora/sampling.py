@@ -43,10 +43,12 @@ the number of steps, the timestep, sigma and the CFG branch of each batch row gr
 (``("cond",)``, ``("uncond",)`` or ``("cond", "uncond")`` for a batched call).
 
 Step caching: ``cache`` (:mod:`trt_sora.caching`) is asked ``cache.reuse(step, branch)`` before each
-step's calls; a reused branch gets ``cache.estimate(step, branch, history, timestep)`` instead of a
-call, ``history`` being that branch's last two computed ``(timestep, output)``, oldest first (a batched
-step whose one branch is reused calls the other alone), and ``cache.observe(step, branch, output,
-timestep)`` sees every output computed. ``StepRecord.reused`` names the reused branches.
+step's calls; a reused branch gets ``cache.estimate(step, branch, history, timestep, computed)`` after
+the step's calls (a batched step whose one branch is reused calls the other alone): ``history`` maps
+each branch, and :data:`CFG_DELTA` (``uncond - cond`` at the steps of this expert computing both), to
+its last two ``(timestep, output)``, oldest first; ``computed`` holds this step's computed outputs.
+``cache.observe(step, branch, output, timestep)`` sees every output computed. ``StepRecord.reused``
+names the reused branches.
 
 No heavy imports at module load: torch is imported inside the functions.
 """
@@ -64,15 +66,18 @@ from trt_sora.errors import ConfigError, ShapeError, TrtSoraError
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-__all__ = ["CFG_MODES", "EXPERTS", "CallInfo", "Conditioner", "ModelCall", "SampleResult", "SamplingSettings",
-           "StepRecord", "adapter_call", "expert_calls", "gaussian_noise", "resolve_sampling", "runner_call",
-           "sample"]
+__all__ = ["CFG_DELTA", "CFG_MODES", "EXPERTS", "CallInfo", "Conditioner", "ModelCall", "SampleResult",
+           "SamplingSettings", "StepRecord", "adapter_call", "expert_calls", "gaussian_noise", "resolve_sampling",
+           "runner_call", "sample"]
 
 #: How the two CFG branches reach the model: two calls, or one call at twice the batch.
 CFG_MODES = ("split", "batched")
 
 #: The two experts of a boundary-switched model (Wan 2.2 A14B): high-noise steps first.
 EXPERTS = ("high", "low")
+
+#: A step cache's history key of the CFG branch difference ``uncond - cond``.
+CFG_DELTA = "uncond-cond"
 
 #: ``call(inputs) -> output``: ``inputs`` holds ``hidden_states``, ``timestep`` and the conditioning
 #: tensors; the output has ``hidden_states``' shape (any float dtype, any device).
@@ -216,7 +221,8 @@ class StepRecord:
     """One denoising step: ``step``, ``timestep``, ``sigma`` (input latents) and ``sigma_next``
     (after the update; the Euler update is ``x + (sigma_next - sigma) v``), plus, when asked for
     with ``keep``: ``latents`` after the step and the guided ``velocity`` (fp32, the latents' device);
-    ``reused``: the CFG branches whose output a step cache supplied instead of a call."""
+    ``reused``: the CFG branches whose output a step cache supplied instead of a call; ``expert``: the
+    expert that served the step (None for one model)."""
 
     step: int
     timestep: float
@@ -225,6 +231,7 @@ class StepRecord:
     latents: Any = None
     velocity: Any = None
     reused: tuple[str, ...] = ()
+    expert: str | None = None
 
 
 @dataclasses.dataclass
@@ -335,7 +342,7 @@ def sample(call: ModelCall | Mapping[str, ModelCall], noise, cond, uncond=None, 
             only steps ``start_step .. num_steps - 1`` run (records keep their schedule indices).
         conditioner: builds the model's inputs from latents + conditioning (the family adapter;
             see :class:`Conditioner`); None = text-to-video inputs.
-        cache: a step cache (``reuse(step, branch)``, ``estimate(step, branch, history, timestep)``,
+        cache: a step cache (``reuse(step, branch)``, ``estimate(step, branch, history, timestep, computed)``,
             ``observe(step, branch, output, timestep)``;
             :mod:`trt_sora.caching`); None = every step calls the model for every branch.
 
@@ -372,11 +379,13 @@ def sample(call: ModelCall | Mapping[str, ModelCall], noise, cond, uncond=None, 
         scheduler.set_begin_index(start_step)  # diffusers schedulers: step() continues from there
     latents = noise.float().clone()
     records: list[StepRecord] = []
-    history: dict[str, list] = {}  # per branch: a step cache's last two computed (timestep, output)
+    history: dict[str, list] = {}  # per branch and CFG_DELTA: a step cache's last two computed (timestep, output)
     with torch.inference_mode():
         for i, t in enumerate(scheduler.timesteps[start_step:], start_step):
             sigma = _sigma(scheduler, i)
             expert = settings.expert_at(float(t))
+            if i > start_step and expert != records[-1].expert:
+                history.pop(CFG_DELTA, None)  # the branch difference is the expert's own
             g = settings.guidance_at(float(t))
             branches = ("cond", "uncond") if g > 1.0 else ("cond",)
             reused = tuple(b for b in branches if cache is not None and cache.reuse(i, b))
@@ -387,27 +396,30 @@ def sample(call: ModelCall | Mapping[str, ModelCall], noise, cond, uncond=None, 
                 out.update(_call(calls[expert], latents, t, conds, group, dtype, hook,
                                  (i, settings.num_steps, sigma, expert), label, conditioner))
             if cache is not None:
-                out.update(_cached(cache, history, reused, i, float(t)))
+                out.update(_cached(cache, history, reused, i, float(t), out))
                 for b in todo:
                     cache.observe(i, b, out[b], float(t))
                     history[b] = [*history.get(b, [])[-1:], (float(t), out[b])]
+                if len(todo) == 2:
+                    history[CFG_DELTA] = [*history.get(CFG_DELTA, [])[-1:], (float(t), out["uncond"] - out["cond"])]
             v = out["cond"] if len(branches) == 1 else out["uncond"] + g * (out["cond"] - out["uncond"])
             latents = scheduler.step(v, t, latents, return_dict=False)[0]
             records.append(StepRecord(step=i, timestep=float(t), sigma=sigma, sigma_next=_sigma(scheduler, i + 1),
                                       latents=latents.clone() if "latents" in keep else None,
-                                      velocity=v if "velocity" in keep else None, reused=reused))
+                                      velocity=v if "velocity" in keep else None, reused=reused, expert=expert))
         latents = conditioner.final_latents(latents, conds["cond"])
     return SampleResult(latents=latents, steps=records)
 
 
-def _cached(cache, history: Mapping[str, list], reused: tuple[str, ...], step: int, t: float) -> dict[str, Any]:
-    """The cache's estimate of each reused branch's output at timestep ``t`` from that branch's computed
-    history; ConfigError when a branch has none yet."""
+def _cached(cache, history: Mapping[str, list], reused: tuple[str, ...], step: int, t: float,
+            computed: Mapping[str, Any]) -> dict[str, Any]:
+    """The cache's estimate of each reused branch's output at timestep ``t`` from the computed history and
+    this step's ``computed`` outputs; ConfigError when a branch has no computed output yet."""
     missing = [b for b in reused if b not in history]
     if missing:
         raise ConfigError(f"the step cache reuses branch {missing[0]!r} at step {step}, which has no computed output "
                           "yet; a schedule must compute a branch before reusing it (caching.warmup_steps >= 1)")
-    return {b: cache.estimate(step, b, history[b], t) for b in reused}
+    return {b: cache.estimate(step, b, history, t, dict(computed)) for b in reused}
 
 
 def _expert_calls(call, settings: SamplingSettings) -> dict:

@@ -160,6 +160,35 @@ def test_extrapolating_setting_is_checked_and_served(cached_run, tmp_path):
     assert clip.metadata["caching"]["applied"]
 
 
+def test_cfg_reuse_setting_is_checked_and_served(cached_run, tmp_path):
+    """caching.cfg_reuse through check and the runtime: steps 1 and 2 call cond alone (uncond estimated from
+    step 0's branch difference), the report records that schedule and the runtime replays exactly its calls."""
+    import trt_sora.runtime as rt
+    from trt_sora.parity import check_artifacts
+
+    setting = dict(method="extrapolate", threshold=1e-6, max_skips=1, warmup_steps=1, final_steps=1, cfg_reuse=10.0)
+    run = _with_recipe(cached_run[0], tmp_path / "run", _recipe(**setting))
+    rep = check_artifacts(run, _recipe(**setting))
+    cache = rep["caching"]
+    assert cache["schedule"] == {"num_steps": 4, "reused": {"cond": [], "uncond": [1, 2]}, "order": 1,
+                                 "cfg_delta": [1, 2], "cfg_order": 0}
+    assert cache["setting"]["cfg_reuse"] == 10.0 and (cache["calls"], cache["calls_uncached"]) == (6, 8)
+    assert rep["passed"], rep["failed"]
+    assert _level(rep, "caching")["metrics"]["psnr_db"] < _level(rep, "loop")["metrics"]["psnr_db"]
+    assert "uncond estimated from cond at steps [1, 2]" in (run / "parity" / "report.md").read_text()
+    sr = rt.load(run, backend="ort", warmup=False)
+    assert sr.caching.schedule.cfg_delta == (1, 2)
+    calls = []
+    clip = rt.generate(sr, "a cat walks", cfg="batched", hook=lambda c: calls.append((c.step, c.branch)))[0]
+    assert calls == [(0, "cond+uncond"), (1, "cond"), (2, "cond"), (3, "cond+uncond")]
+    assert clip.metadata["caching"]["applied"] and clip.metadata["caching"]["calls"] == 6
+    # the same recipe with CFG reuse off is another setting: refused
+    off = _with_recipe(cached_run[0], tmp_path / "off", _recipe(**{**setting, "cfg_reuse": 0.0}))
+    shutil.copytree(run / "parity", off / "parity", dirs_exist_ok=True)
+    with pytest.raises(ArtifactError, match="cfg_reuse: checked 10.0, asked None"):
+        rt.load(off, backend="ort", warmup=False)
+
+
 def test_runtime_refuses_an_unchecked_caching_setting(cached_run, checked_run, tmp_path, caplog):
     import trt_sora.runtime as rt
 

@@ -278,6 +278,12 @@ class CachingConfig:
     compute; only the ``branches`` listed may reuse. ``check`` gates the
     cached clip (``parity.loop`` / ``parity.frames``) and records the curve over ``sweep``; the
     runtime serves only the setting its check passed. ``method: none`` (the default) is off.
+
+    ``cfg_reuse`` (0: off): on a step where both branches would compute, the uncond branch is instead
+    estimated as this step's cond output plus the branch difference ``uncond - cond`` of the last steps
+    of this expert where both computed (continued in the timestep at ``cfg_order`` 1, the last one
+    reused at 0), while the summed calibrated relative errors of that estimate since the last
+    step computing both stay <= ``cfg_reuse`` (at most 4 steps apart); the step then calls cond alone.
     """
 
     method: CacheMethod = CacheMethod.NONE
@@ -287,6 +293,8 @@ class CachingConfig:
     final_steps: int = 1
     branches: tuple[str, ...] = CACHE_BRANCHES
     sweep: tuple[float, ...] = ()
+    cfg_reuse: float = 0.0
+    cfg_order: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.method, CacheMethod):  # built in Python with a string
@@ -312,6 +320,27 @@ class CachingConfig:
             hint = did_you_mean(bad[0], CACHE_BRANCHES) if bad else ""
             raise ConfigError(f"caching.branches={list(self.branches)}{hint}: list each CFG branch that may reuse "
                               f"once, from {list(CACHE_BRANCHES)}")
+        self._check_cfg_reuse()
+
+    def _check_cfg_reuse(self) -> None:
+        if self.cfg_reuse != 0.0:
+            _in_range("caching.cfg_reuse", self.cfg_reuse, 0.0, 10.0, lo_open=True,
+                      meaning=" (the summed error of the uncond estimates between steps computing both; 0: off)")
+        if isinstance(self.cfg_order, bool) or self.cfg_order not in (0, 1):
+            raise ConfigError(f"caching.cfg_order={self.cfg_order!r} must be 0 (reuse the last branch difference) "
+                              "or 1 (continue the last two in the timestep)")
+        if self.cfg_reuse and not self.enabled:
+            raise ConfigError("caching.cfg_reuse needs a step method to compose with; set caching.method to "
+                              "extrapolate or magcache (a tiny threshold reuses no whole step) or cfg_reuse: 0")
+        if self.cfg_reuse and "uncond" not in self.branches:
+            raise ConfigError(f"caching.cfg_reuse estimates the uncond branch but caching.branches="
+                              f"{list(self.branches)} keeps it computing; add uncond or set cfg_reuse: 0")
+
+    def setting(self) -> dict:
+        """The setting as a plain dict, the CFG-reuse keys only when it is on (so a record or fingerprint
+        of a recipe without it stays what it was before the keys existed)."""
+        d = to_dict(self)
+        return d if self.cfg_reuse else {k: v for k, v in d.items() if k not in ("cfg_reuse", "cfg_order")}
 
     @property
     def enabled(self) -> bool:

@@ -91,7 +91,8 @@ def render(record: dict) -> list[str]:
              f"{s['method']}, threshold {s['threshold']:g}, at most {s['max_skips']} reused steps in a row, first "
              f"{s['warmup_steps']} and last {s['final_steps']} steps computed, branches {s['branches']} may reuse: "
              f"{record['calls']} of {record['calls_uncached']} branch calls ({record['saved_fraction']:.1%} saved); "
-             f"reused steps {record['schedule']['reused']}. {'PASSED' if record['passed'] else 'FAILED'}.", "",
+             f"reused steps {record['schedule']['reused']}{_cfg_note(record)}. "
+             f"{'PASSED' if record['passed'] else 'FAILED'}.", "",
              "| threshold | calls | saved | latents PSNR dB | worst frame PSNR dB | gates |",
              "|---|---|---|---|---|---|"]
     for p in record["curve"]:
@@ -99,3 +100,12 @@ def render(record: dict) -> list[str]:
         lines.append(f"| {p['threshold']:g}{mark} | {p['calls']}/{p['calls_uncached']} | {p['saved_fraction']:.1%} | "
                      f"{p['psnr_db']:.2f} | {p['frames_psnr_db']:.2f} | {'pass' if p['passed'] else 'fail'} |")
     return lines
+
+
+def _cfg_note(record: dict) -> str:
+    """The CFG-reuse part of the report's setting line ('' when it is off)."""
+    s, sched = record["setting"], record["schedule"]
+    if not s.get("cfg_reuse"):
+        return ""
+    return (f"; CFG reuse (budget {s['cfg_reuse']:g}, order {s['cfg_order']}): uncond estimated from cond at steps "
+            f"{sched.get('cfg_delta', [])}")

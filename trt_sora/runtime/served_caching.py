@@ -31,12 +31,12 @@ class ServedCache:
 def _run_caching(run: Path, rep: dict | None) -> dict | None:
     """The caching setting a run folder asks for: its ``recipe.yaml``'s section (None when off), else
     (no recipe recorded) the setting its report checked."""
-    from trt_sora.config import load_recipe, to_dict
+    from trt_sora.config import load_recipe
 
     rf = RunFolder(run)
     if rf.recipe.is_file():
         c = load_recipe(rf.recipe).caching
-        return to_dict(c) if c.enabled else None
+        return c.setting() if c.enabled else None
     return ((rep or {}).get("caching") or {}).get("setting")
 
 
