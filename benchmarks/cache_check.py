@@ -6,11 +6,12 @@ then export into it) and writes a recipe
 into ``--work``/recipe.yaml and the run's recipe.yaml; the calibrate stage reads no caching setting, so a
 run calibrated once takes the setting a curve picks later. The caching setting is the one of a
 ``caching_bench.py`` curve (``--curve``, same model and step count) that saved the most calls (at least
-one) with its gate passed (ties: the better worst clip), with the curve's other thresholds at the same
-``max_skips`` and warm-up as the check's sweep; ``--setting`` when no curve row passed. The calibrate
-and quantize stages then run into that run folder (on the GPU: ``calibrate --device cuda``), and check
-gates the cached clip. ``show`` prints what a clip's metadata (``trt-sora generate -o X`` writes
-``X.json``) says of its stages' seconds and its caching. ``bash benchmarks/h200.sh ccalib cache50 checkcache gen``::
+one) with its gate passed (ties: the better worst clip; its ``cfg_reuse`` / ``cfg_order`` too), with the
+curve's other thresholds at the same ``max_skips``, warm-up and CFG reuse as the check's sweep;
+``--setting`` when no curve row passed. The calibrate and quantize stages then run into that run folder
+(on the GPU: ``calibrate --device cuda``), and check gates the cached clip. ``show`` prints what a clip's
+metadata (``trt-sora generate -o X`` writes ``X.json``) says of its stages' seconds and its caching.
+``bash benchmarks/h200.sh ccalib cache50 checkcache gen``::
 
     python benchmarks/cache_check.py prepare --run build/wan-shapes/rtx4090-fp8 --work /tmp/cc --steps 50 --fresh
     (calibrate and quantize into /tmp/cc/run; caching_bench.py --ratios /tmp/cc/run/calib/step_ratios.safetensors)
@@ -30,20 +31,25 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def choose(curve: dict | None, steps: int, model: str, fallback: tuple[float, int, int], method: str):
-    """``(threshold, max_skips, warmup, final, sweep, source)`` from ``curve`` (a caching_bench JSON)."""
+#: A curve row's keys that name its caching setting (caching_bench.py's SETTING; older curves lack the last two).
+SETTING = ("threshold", "max_skips", "warmup_steps", "cfg_reuse", "cfg_order")
+
+
+def choose(curve: dict | None, steps: int, model: str, fallback: dict, method: str):
+    """``(setting, final, sweep, source)`` from ``curve`` (a caching_bench JSON): ``setting`` holds
+    CachingConfig's :data:`SETTING` keywords of the best passing row, ``sweep`` the curve's other thresholds
+    at that row's other keys; ``fallback`` (the same keys) when no row of this model and step count passed."""
     rows = []
     if curve and curve["model"] == model and curve["sampling"]["num_steps"] == steps \
             and curve["caching"]["method"] == method:
         rows = [r for r in curve["curve"] if r["gate_passed"] and r["calls"] < r["calls_uncached"]]
-    final = curve["caching"]["final_steps"] if rows else 1
     if not rows:
-        thr, skips, warm = fallback
-        return thr, skips, warm, final, (), "--setting (no curve row of this model and step count passed)"
+        return dict(fallback), 1, (), "--setting (no curve row of this model and step count passed)"
     best = max(rows, key=lambda r: (r["saved_fraction"], r["clip_psnr_db"]["worst"], -r["threshold"]))
-    same = [r["threshold"] for r in curve["curve"] if (r["max_skips"], r["warmup_steps"]) ==
-            (best["max_skips"], best["warmup_steps"]) and r["threshold"] != best["threshold"]]
-    return (best["threshold"], best["max_skips"], best["warmup_steps"], final, tuple(sorted(set(same)))[:4],
+    setting = {k: best.get(k, 0) for k in SETTING}
+    same = [r["threshold"] for r in curve["curve"] if all(r.get(k, 0) == setting[k] for k in SETTING[1:])
+            and r["threshold"] != best["threshold"]]
+    return (setting, curve["caching"]["final_steps"], tuple(sorted(set(same)))[:4],
             f"the curve's best passing row ({best['saved_fraction']:.1%} saved, worst clip "
             f"{best['clip_psnr_db']['worst']:.2f} dB)")
 
@@ -53,13 +59,13 @@ def prepare(a) -> None:
     from trt_sora.runfolder import RunFolder
 
     curve = json.loads(Path(a.curve).read_text()) if a.curve and Path(a.curve).is_file() else None
-    fallback = tuple(t(x) for t, x in zip((float, int, int), a.setting.split(":")))
-    thr, skips, warm, final, sweep, source = choose(curve, a.steps, a.model, fallback, a.method)
+    fallback = {k: t(x) for (k, t), x in zip(zip(SETTING, (float, int, int, float, int)),
+                                             [*a.setting.split(":"), "0", "0"][:5])}
+    setting, final, sweep, source = choose(curve, a.steps, a.model, fallback, a.method)
     base = load_recipe(a.base)
     recipe = dataclasses.replace(
         base, name=f"{base.name}-cache{a.steps}",
-        caching=CachingConfig(method=a.method, threshold=thr, max_skips=skips, warmup_steps=warm, final_steps=final,
-                              sweep=sweep),
+        caching=CachingConfig(method=a.method, final_steps=final, sweep=sweep, **setting),
         calibration=dataclasses.replace(base.calibration, num_steps=a.steps),
         parity=dataclasses.replace(base.parity, loop_steps=a.steps))
     work = Path(a.work)
@@ -72,8 +78,8 @@ def prepare(a) -> None:
     text = dump_recipe(recipe)
     (work / "recipe.yaml").write_text(text)
     RunFolder(run).recipe.write_text(text)
-    print(f"caching {a.method} threshold {thr:g} max_skips {skips} warmup {warm} final {final} at {a.steps} steps "
-          f"(sweep {list(sweep)}), from {source}; run {run}, recipe {work / 'recipe.yaml'}")
+    print(f"caching {a.method} {setting} final {final} at {a.steps} steps (sweep {list(sweep)}), from {source}; "
+          f"run {run}, recipe {work / 'recipe.yaml'}")
 
 
 def show(a) -> None:
@@ -97,7 +103,8 @@ def main(argv=None) -> None:
     p.add_argument("--base", default="rtx4090-fp8", help="the recipe the caching one starts from")
     p.add_argument("--method", default="extrapolate", choices=("magcache", "extrapolate"))
     p.add_argument("--curve", default=None, help="a caching_bench.py JSON (missing file: --setting)")
-    p.add_argument("--setting", default="0.1:2:2", help="threshold:max_skips:warmup_steps without a passing row")
+    p.add_argument("--setting", default="0.1:2:2",
+                   help="threshold:max_skips:warmup_steps[:cfg_reuse[:cfg_order]] without a passing row")
     s = sub.add_parser("show")
     s.add_argument("metadata", help="a clip's metadata JSON")
     a = ap.parse_args(argv)

@@ -9,11 +9,13 @@ is rewritten after each setting, so a time limit keeps what finished. A setting 
 an earlier one's is not sampled again (``same_schedule_as``).
 Per setting: branch calls made of the uncached count, final-latent PSNR (peak: the uncached latents'
 max - min) and decoded-clip PSNR (peak 2.0, pixels in [-1, 1]) against the uncached
-fp32 clip of the same caption and noise, worst and mean over captions, and for wan-shapes the probe's
+fp32 clip of the same caption and noise, worst and mean over captions (a step calling cond alone, its
+uncond estimated under ``caching.cfg_reuse``, makes 1 of its 2 branch calls), and for wan-shapes the probe's
 verdicts (colour, motion, background, shape) against the uncached clip's. The gate (``--gate-db``) passes
 a setting whose clip PSNR reaches it on every caption with every probe verdict unchanged.
 
     python benchmarks/caching_bench.py --model wan-shapes --method extrapolate --captions 16 --out x.json
+    python benchmarks/caching_bench.py --method extrapolate --configs 0.05:1:2:0.3:0,0.05:1:2:0.3:1 --out c.json
     python benchmarks/caching_bench.py --device cuda --steps 50 --text-embeddings EMB --out y.json  # GPU box
 
 ``--text-embeddings``: the calibration and held-out captions' embeddings (``benchmarks/peer_modelopt.py
@@ -35,7 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 #: A curve row's keys that name its setting (the rest describe its schedule and clips).
-SETTING = ("threshold", "max_skips", "warmup_steps")
+SETTING = ("threshold", "max_skips", "warmup_steps", "cfg_reuse", "cfg_order")
 HELD_OUT = ("a red paper boat drifting down a rain-soaked street at dusk",
             "a slow pan across a snowy pine forest under northern lights",
             "a close-up of a hummingbird hovering over a purple flower",
@@ -85,7 +87,8 @@ def parse_args(argv):
     ap.add_argument("--captions", type=int, default=16)
     ap.add_argument("--calib-prompts", type=int, default=None, help="default: the model's calibration preset's")
     ap.add_argument("--configs", default="0.02:2:2,0.1:2:2,0.4:2:2",
-                    help="threshold:max_skips:warmup_steps, comma-separated ('': only write --reference)")
+                    help="threshold:max_skips:warmup_steps[:cfg_reuse[:cfg_order]], comma-separated (cfg_reuse: "
+                    "caching.cfg_reuse, default 0 = off; cfg_order default 0) ('': only write --reference)")
     ap.add_argument("--final", type=int, default=1)
     ap.add_argument("--ratios", default=None, help="a step-statistics file to reuse (written when missing)")
     ap.add_argument("--reference", default=None, help="a torch.save file of the uncached clips to reuse, e.g. "
@@ -169,7 +172,8 @@ def measure(b: Bench, schedule, ref, probe) -> dict:
     computed, total = schedule.calls([b.settings.branches] * b.settings.num_steps)
     lp = [psnr(r, x, float(r.max() - r.min())) for r, x in zip(ref_lat, lat)]
     fp = [psnr(r, x, 2.0) for r, x in zip(ref_frames, frames)]
-    row = {"reused": schedule.to_dict()["reused"], "calls": computed, "calls_uncached": total,
+    row = {"reused": schedule.to_dict()["reused"], "schedule": schedule.to_dict(), "calls": computed,
+           "calls_uncached": total,
            "saved_fraction": round(1 - computed / total, 4),
            "latents_psnr_db": {"worst": min(lp), "mean": sum(lp) / len(lp)},
            "clip_psnr_db": {"worst": min(fp), "mean": sum(fp) / len(fp), "per_caption": fp},
@@ -202,22 +206,32 @@ def main(argv=None) -> None:
            "uncached_sample_seconds": round(ref_s, 3), "psnr_peak": "latents: uncached max - min; clip: 2.0",
            "curve": [], "torch": torch.__version__, "threads": torch.get_num_threads()}
     for spec in a.configs.split(","):
-        thr, skips, warm = float(spec.split(":")[0]), int(spec.split(":")[1]), int(spec.split(":")[2])
-        cfg = CachingConfig(method=a.method, threshold=thr, max_skips=skips, warmup_steps=warm, final_steps=a.final)
+        setting = parse_setting(spec)
+        cfg = CachingConfig(method=a.method, final_steps=a.final, **setting)
         schedule = schedule_for(cfg, ratios, b.settings, b.timesteps())
-        same = next((i for i, r in enumerate(out["curve"]) if r["reused"] == schedule.to_dict()["reused"]), None)
+        same = next((i for i, r in enumerate(out["curve"]) if r["schedule"] == schedule.to_dict()), None)
         if same is None:
             row = measure(b, schedule, (ref_lat, ref_frames), probe)
         else:
             row = {**{k: v for k, v in out["curve"][same].items() if k not in SETTING}, "same_schedule_as": same}
-        row = {"threshold": thr, "max_skips": skips, "warmup_steps": warm, **row}
+        row = {**setting, **row}
         out["curve"].append(row)
         _write(a.out, out)
         verdicts = f", probe verdicts unchanged {row['probe_same_verdicts']}/{len(b.captions)}" if probe else ""
-        print(f"threshold {thr:g} max_skips {skips} warmup {warm}: {row['calls']}/{row['calls_uncached']} calls "
+        print(f"{spec}: cond-only steps {row['schedule'].get('cfg_delta', [])}, "
+              f"{row['calls']}/{row['calls_uncached']} calls "
               f"({row['saved_fraction']:.0%} saved), clip PSNR worst {row['clip_psnr_db']['worst']:.2f} mean "
               f"{row['clip_psnr_db']['mean']:.2f} dB{verdicts}, {a.gate_db:g} dB gate "
               f"{'pass' if row['gate_passed'] else 'FAIL'}", flush=True)
+
+
+def parse_setting(spec: str) -> dict:
+    """``threshold:max_skips:warmup_steps[:cfg_reuse[:cfg_order]]`` as CachingConfig keywords."""
+    parts = spec.split(":")
+    if not 3 <= len(parts) <= 5:
+        raise SystemExit(f"--configs entry {spec!r} is not threshold:max_skips:warmup_steps[:cfg_reuse[:cfg_order]]")
+    kinds = (("threshold", float), ("max_skips", int), ("warmup_steps", int), ("cfg_reuse", float), ("cfg_order", int))
+    return {k: t(x) for (k, t), x in zip(kinds, [*parts, "0", "0"][:5])}
 
 
 def _device_name(device: str) -> str:

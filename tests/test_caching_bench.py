@@ -126,9 +126,18 @@ def test_check_setting_is_the_curves_best_passing_row():
              "caching": {"method": "extrapolate", "final_steps": 1},
              "curve": [row(0.01, 2, 100, math.inf, True), row(0.1, 2, 50, 31.0, True), row(0.2, 2, 50, 32.0, True),
                        row(0.5, 2, 40, 25.0, False), row(0.3, 3, 55, 35.0, True)]}
-    thr, skips, warm, final, sweep, _ = cc.choose(curve, 50, "wan-shapes", (0.1, 2, 2), "extrapolate")
-    assert (thr, skips, warm, final, sweep) == (0.2, 2, 2, 1, (0.01, 0.1, 0.5))
+    def setting(thr, skips, warm, cfg=0.0, order=0):
+        return {"threshold": thr, "max_skips": skips, "warmup_steps": warm, "cfg_reuse": cfg, "cfg_order": order}
+
+    assert cc.choose(curve, 50, "wan-shapes", setting(0.1, 2, 2), "extrapolate")[:3] == \
+        (setting(0.2, 2, 2), 1, (0.01, 0.1, 0.5))
     for other in ((20, "wan-shapes", "extrapolate"), (50, "wan-tiny", "extrapolate"), (50, "wan-shapes", "magcache")):
-        assert cc.choose(curve, *other[:2], (0.7, 1, 3), other[2])[:5] == (0.7, 1, 3, 1, ())
+        assert cc.choose(curve, *other[:2], setting(0.7, 1, 3), other[2])[:3] == (setting(0.7, 1, 3), 1, ())
     nothing_saved = {**curve, "curve": [row(0.01, 2, 100, math.inf, True), row(0.5, 2, 40, 25.0, False)]}
-    assert cc.choose(nothing_saved, 50, "wan-shapes", (0.7, 1, 3), "extrapolate")[:3] == (0.7, 1, 3)
+    assert cc.choose(nothing_saved, 50, "wan-shapes", setting(0.7, 1, 3), "extrapolate")[0] == setting(0.7, 1, 3)
+    # CFG reuse: the best row's cfg_reuse / cfg_order go with it; the sweep keeps its cfg setting's rows
+    cfg = {**curve, "curve": curve["curve"] + [{**row(0.1, 2, 35, 30.5, True), "cfg_reuse": 0.3, "cfg_order": 1},
+                                               {**row(0.05, 2, 45, 33.0, True), "cfg_reuse": 0.3, "cfg_order": 1},
+                                               {**row(0.1, 2, 30, 29.0, False), "cfg_reuse": 0.6, "cfg_order": 1}]}
+    assert cc.choose(cfg, 50, "wan-shapes", setting(0.7, 1, 3), "extrapolate")[:3] == \
+        (setting(0.1, 2, 2, 0.3, 1), 1, (0.05,))
