@@ -60,8 +60,11 @@ def test_cond_only_steps_on_hand_worked_errors():
     compute (anchor); 5: NaN -> anchor; 6-8: .02 each at h1-3 reuse; 9: final."""
     e = _errors(10, {2: (1, .04), 3: (2, .05), 4: (3, .03), 6: (1, .02), 7: (2, .02), 8: (3, .02), 9: (4, 0.0)})
     assert plan_cfg_reuse(e, [None] * 10, CFG, {}) == (2, 3, 6, 7, 8)
-    # steps the step plan estimates whole (3) are not decided here and anchor nothing: 4 is h3 from 1
-    assert plan_cfg_reuse(e, [None] * 10, CFG, {"cond": (3,), "uncond": (3,)}) == (2, 4, 6, 7, 8)
+    # a step the step plan skips whole (3) after the cond-alone step 2 takes the difference too (h2: .09)
+    # and anchors nothing: 4 is h3 from 1, .12 -> anchor; without step 2 before it, 3 keeps uncond's own
+    assert plan_cfg_reuse(e, [None] * 10, CFG, {"cond": (3,), "uncond": (3,)}) == (2, 3, 6, 7, 8)
+    assert plan_cfg_reuse(e, [None] * 10, dataclasses.replace(CFG, warmup_steps=3), {"cond": (3,), "uncond": (3,)}) \
+        == (6, 7, 8)
     # a tighter budget; a step where one branch is reused (2) is skipped here too: 3 and 4 are h2 and h3
     assert plan_cfg_reuse(e, [None] * 10, CFG, {}, budget=0.03) == (6,)
     assert plan_cfg_reuse(e, [None] * 10, CFG, {"cond": (2,), "uncond": ()}) == (3, 4, 6, 7, 8)
@@ -88,17 +91,18 @@ def test_schedule_composes_step_and_cfg_plans_and_round_trips():
     cfg = CachingConfig(method="extrapolate", threshold=0.05, max_skips=1, warmup_steps=2, final_steps=1,
                         cfg_reuse=0.05, cfg_order=1)
     s = schedule_for(cfg, ratios, settings, ts)
-    # step plan: 2, 4 and 6 estimated whole; cfg: 3 (h2 from 1, .02) and 5 (h4 from 1, .04 <= .05); 7 final
-    assert s.reused == {"cond": (2, 4, 6), "uncond": (2, 3, 4, 5, 6)} and s.cfg_delta == (3, 5) and s.cfg_order == 1
-    assert s.calls([("cond", "uncond")] * n) == (8, 16)
-    assert schedule_for(dataclasses.replace(cfg, cfg_reuse=0.03), ratios, settings, ts).cfg_delta == (3,)
+    # step plan: 2, 4 and 6 estimated whole; cfg: 3 calls cond alone (h2 from 1, .02), so 4 (whole) takes the
+    # difference too (h3, .04); 5: h4, .06 > .05 -> both compute; 6 keeps uncond's own line; 7 final
+    assert s.reused == {"cond": (2, 4, 6), "uncond": (2, 3, 4, 6)} and s.cfg_delta == (3, 4) and s.cfg_order == 1
+    assert s.calls([("cond", "uncond")] * n) == (9, 16)
+    assert schedule_for(dataclasses.replace(cfg, cfg_reuse=0.01), ratios, settings, ts).cfg_delta == ()
     d = s.to_dict()
-    assert d["cfg_delta"] == [3, 5] and d["cfg_order"] == 1 and CacheSchedule.from_dict(d) == s
+    assert d["cfg_delta"] == [3, 4] and d["cfg_order"] == 1 and CacheSchedule.from_dict(d) == s
     # off: the schedule and its record are what they were before CFG reuse existed
     off = schedule_for(dataclasses.replace(cfg, cfg_reuse=0.0), ratios, settings, ts)
     assert off.cfg_delta == () and set(off.to_dict()) == {"num_steps", "reused", "order"}
-    with pytest.raises(ArtifactError, match="do not compute cond alone"):
-        CacheSchedule.from_dict({**d, "cfg_delta": [2]})
+    with pytest.raises(ArtifactError, match="do not reuse uncond"):
+        CacheSchedule.from_dict({**d, "cfg_delta": [5]})
     with pytest.raises(ArtifactError, match="cfg_order 2"):
         CacheSchedule.from_dict({**d, "cfg_order": 2})
 
@@ -174,13 +178,14 @@ def _line(hist, t, order):
 
 
 @pytest.mark.parametrize("cfg", ["split", "batched"])
-@pytest.mark.parametrize("order", [0, 1])
-def test_sampler_calls_cond_alone_and_matches_the_loop_written_out(cfg, order):
+@pytest.mark.parametrize("order, whole", [(0, ()), (1, ()), (1, (4,))])
+def test_sampler_calls_cond_alone_and_matches_the_loop_written_out(cfg, order, whole):
     noise = gaussian_noise((2, 3, 2, 4, 4), seed=5)
     g = torch.Generator().manual_seed(3)
     e_c, e_u = torch.randn(2, 5, 8, generator=g), torch.randn(2, 5, 8, generator=g) + 1.0
     settings = SamplingSettings(num_steps=8, guidance_scale=4.0, shift=3.0)
-    schedule = CacheSchedule(8, {"cond": (4,), "uncond": (2, 3, 4, 6)}, order=1, cfg_delta=(2, 3, 6), cfg_order=order)
+    schedule = CacheSchedule(8, {"cond": (4,), "uncond": (2, 3, 4, 6)}, order=1,
+                             cfg_delta=tuple(sorted((2, 3, 6) + whole)), cfg_order=order)
     seen = []
     res = sample(_toy, noise, e_c, e_u, scheduler=_scheduler(), settings=settings, cfg=cfg, cache=schedule,
                  hook=lambda c: seen.append((c.step, c.branches)))
@@ -191,9 +196,9 @@ def test_sampler_calls_cond_alone_and_matches_the_loop_written_out(cfg, order):
     assert [r.reused for r in res.steps][2:5] == [("uncond",), ("uncond",), ("cond", "uncond")]
     want = _written_out(schedule, noise, e_c, e_u, settings)
     torch.testing.assert_close(res.latents.double(), want, rtol=1e-5, atol=1e-5)  # fp32 loop vs float64
-    # the estimate matters: the whole skipped uncond of the plain step plan gives another clip
-    plain = sample(_toy, noise, e_c, e_u, scheduler=_scheduler(), settings=settings, cfg=cfg,
-                   cache=dataclasses.replace(schedule, cfg_delta=()))
+    # the estimate matters: uncond's own line at those steps gives another clip
+    other = dataclasses.replace(schedule, cfg_delta=(2, 3, 6) if whole else ())
+    plain = sample(_toy, noise, e_c, e_u, scheduler=_scheduler(), settings=settings, cfg=cfg, cache=other)
     assert not torch.allclose(plain.latents, res.latents, rtol=1e-3, atol=1e-4)
 
 

@@ -31,7 +31,8 @@ step for every branch that may reuse, on the summed errors of the worse branch a
 
 ``caching.cfg_reuse`` (:func:`plan_cfg_reuse`), on top of either: among the steps where the step plan
 computes both branches, the uncond call is replaced by cond plus the branch difference of the expert's
-last steps computing both, while the summed calibrated errors of that estimate stay under the budget.
+last steps computing both, while the summed calibrated errors of that estimate stay under the budget; a
+step skipped whole after such a step takes its uncond the same way from its cond estimate.
 
 No heavy imports at module load: numpy here, torch and safetensors inside the functions.
 """
@@ -360,39 +361,48 @@ def plan_extrapolated(errors: Mapping[str, np.ndarray], experts: Sequence[str | 
 
 def plan_cfg_reuse(errors: np.ndarray, experts: Sequence[str | None], config: CachingConfig,
                    reused: Mapping[str, Sequence[int]], budget: float | None = None) -> tuple[int, ...]:
-    """The steps whose uncond output is estimated from this step's cond plus the branch difference
-    (``caching.cfg_reuse``), among the steps where ``reused`` (the step plan) computes both branches.
+    """The steps whose uncond output is this step's cond (computed, or the step plan's estimate) plus the
+    branch difference (``caching.cfg_reuse``): steps where the step plan computes both branches and that
+    now call cond alone, and the steps the step plan skips whole after such a step (uncond's own outputs
+    are then older than cond's).
 
     Args:
         errors: ``[n, HORIZONS]`` calibrated mean errors of that estimate at ``caching.cfg_order``
             (``[i, h - 1]``: the difference taken ``h`` steps back; NaN: the step computes both).
         experts: the expert serving each step (``None`` for one model).
         config: warm-up / final steps; ``cfg_reuse`` is the default ``budget``.
-        reused: ``{branch: reused steps}`` of the step plan (those steps are not decided here).
+        reused: ``{branch: reused steps}`` of the step plan.
         budget: the summed errors a run of estimates since the last step computing both may reach.
 
-    A step computes both branches (and anchors the difference) when forced (warm-up, final, an expert's
-    first step: the difference is the expert's own; the step plans never skip those for uncond), or when
-    ``h`` (steps since the anchor) passes the recorded horizons or adding its error at ``h`` brings
-    ``err`` over the budget; otherwise it computes cond alone and ``err`` grows.
+    A step the plan computes whole computes both branches (and anchors the difference) when forced
+    (warm-up, final, an expert's first step: the difference is the expert's own; the step plans never
+    skip those for uncond), or when ``h`` (steps since the anchor) passes the recorded horizons or adding
+    its error at ``h`` brings ``err`` over the budget; otherwise it calls cond alone and ``err`` grows. A
+    step skipped whole after a cond-alone step since the anchor takes the difference too (within the
+    horizons; its error adds to ``err``).
     """
     budget = config.cfg_reuse if budget is None else float(budget)
-    n = len(experts)
+    n, width = len(experts), errors.shape[1]
     if errors.shape[0] != n:
         raise ConfigError(f"caching: the CFG-difference errors cover {errors.shape[0]} steps but the schedule has "
                           f"{n}; calibrate at the sampling settings the check runs")
     skipped = {int(s) for steps in reused.values() for s in steps}
-    anchor, err, out = None, 0.0, []
+    whole = set(reused.get("cond", ())) & set(reused.get("uncond", ()))
+    anchor, err, out, alone = None, 0.0, [], False  # alone: a cond-alone step since the anchor
     for i in range(n):
+        h = i - anchor if anchor is not None else width + 1
         if i in skipped:
+            if i in whole and alone and h <= width:
+                err += float(errors[i, h - 1])
+                out.append(i)
             continue
         forced = i < config.warmup_steps or i >= n - config.final_steps or experts[i - 1] != experts[i]
-        h = i - anchor if anchor is not None else errors.shape[1] + 1
-        if not forced and h <= errors.shape[1] and err + float(errors[i, h - 1]) <= budget:  # NaN: False
+        if not forced and h <= width and err + float(errors[i, h - 1]) <= budget:  # NaN: False
             err += float(errors[i, h - 1])
             out.append(i)
+            alone = True
             continue
-        anchor, err = i, 0.0
+        anchor, err, alone = i, 0.0, False
     return tuple(out)
 
 
@@ -401,8 +411,8 @@ class CacheSchedule:
     """The sampler's step cache when serving: ``reused[branch]`` lists the steps that skip that
     branch's call and take :func:`extrapolate` of its computed outputs at ``order`` (0: plain reuse),
     except the steps of ``cfg_delta`` (all in ``reused["uncond"]``): there uncond is this step's cond
-    plus :func:`extrapolate` (``cfg_order``) of the branch difference at the expert's last steps computing
-    both. It holds only for ``num_steps``-step trajectories."""
+    (computed, or estimated as above) plus :func:`extrapolate` (``cfg_order``) of the branch difference
+    at the expert's last steps computing both. It holds only for ``num_steps``-step trajectories."""
 
     num_steps: int
     reused: Mapping[str, tuple[int, ...]]
@@ -419,11 +429,12 @@ class CacheSchedule:
         the last two computed ``(timestep, output)``, oldest first) and this step's ``computed`` outputs."""
         if branch != "uncond" or step not in self.cfg_delta:
             return extrapolate(history[branch], timestep, self.order)
-        if CFG_DELTA not in history or "cond" not in computed:
+        if CFG_DELTA not in history or not ("cond" in computed or "cond" in history):
             raise ConfigError(f"the step cache estimates uncond at step {step} from cond and the branch difference, "
-                              "but no earlier step of this expert computed both branches (or cond is not computed "
-                              "there); re-plan the schedule with `trt-sora check`")
-        return computed["cond"] + extrapolate(history[CFG_DELTA], timestep, self.cfg_order)
+                              "but no earlier step of this expert computed both branches; re-plan the schedule "
+                              "with `trt-sora check`")
+        cond = computed["cond"] if "cond" in computed else extrapolate(history["cond"], timestep, self.order)
+        return cond + extrapolate(history[CFG_DELTA], timestep, self.cfg_order)
 
     def observe(self, step: int, branch: str, output, timestep: float | None = None) -> None:
         return None
@@ -452,9 +463,9 @@ class CacheSchedule:
         if any(b not in CACHE_BRANCHES or any(not 0 < s < num_steps for s in st) for b, st in reused.items()):
             raise ArtifactError(f"{where} names an unknown branch or a step outside 1..{num_steps - 1}; re-run "
                                 "`trt-sora check`")
-        if not set(cfg_delta) <= set(reused.get("uncond", ())) - set(reused.get("cond", ())):
-            raise ArtifactError(f"{where} estimates uncond from cond at steps {list(cfg_delta)} that do not compute "
-                                "cond alone; re-run `trt-sora check`")
+        if not set(cfg_delta) <= set(reused.get("uncond", ())):
+            raise ArtifactError(f"{where} estimates uncond from cond at steps {list(cfg_delta)} that do not reuse "
+                                "uncond; re-run `trt-sora check`")
         return cls(num_steps, reused, order, cfg_delta, cfg_order)
 
 

@@ -283,7 +283,8 @@ class CachingConfig:
     estimated as this step's cond output plus the branch difference ``uncond - cond`` of the last steps
     of this expert where both computed (continued in the timestep at ``cfg_order`` 1, the last one
     reused at 0), while the summed calibrated relative errors of that estimate since the last
-    step computing both stay <= ``cfg_reuse`` (at most 4 steps apart); the step then calls cond alone.
+    step computing both stay <= ``cfg_reuse`` (at most 4 steps apart); the step then calls cond alone. A
+    step skipped whole after such a step takes its uncond the same way, from its cond estimate.
     """
 
     method: CacheMethod = CacheMethod.NONE
