@@ -250,10 +250,7 @@ class MagnitudeRecorder:
         steps ``step - h - 1`` and ``step - h`` (the one at ``step - h`` alone at the trajectory's start)."""
         by_step = {s: (ts, out) for s, ts, out, _ in prev}
         norm = y.flatten(1).norm(dim=1).double()
-        for h in range(1, HORIZONS + 1):
-            if step - h not in by_step:
-                continue
-            history = [by_step[s] for s in (step - h - 1, step - h) if s in by_step]
+        for h, history in _histories(by_step, step):
             diff = (extrapolate(history, t, 1) - y).flatten(1).norm(dim=1).double()
             errors[:, step, h - 1] = (diff / norm.clamp_min(1e-30)).cpu().numpy()
 
@@ -262,10 +259,7 @@ class MagnitudeRecorder:
         cond plus the branch difference extrapolated (``order``) from steps ``step - h - 1, step - h``."""
         by_step = {s: (ts, d) for s, ts, d in self._deltas}
         norm = uncond.flatten(1).norm(dim=1).double().clamp_min(1e-30)
-        for h in range(1, HORIZONS + 1):
-            if step - h not in by_step:
-                continue
-            history = [by_step[s] for s in (step - h - 1, step - h) if s in by_step]
+        for h, history in _histories(by_step, step):
             for o in CFG_ORDERS:
                 diff = (extrapolate(history, t, o) - delta).flatten(1).norm(dim=1).double()
                 self._cfg[o][-1][:, step, h - 1] = (diff / norm).cpu().numpy()
@@ -278,6 +272,14 @@ class MagnitudeRecorder:
                           ratios={b: np.concatenate(r)[:, list(steps)] for b, r in self._rows.items()},
                           errors={b: np.concatenate(e)[:, list(steps)] for b, e in self._errors.items()},
                           cfg_errors={o: np.concatenate(e)[:, list(steps)] for o, e in self._cfg.items() if e})
+
+
+def _histories(by_step: Mapping[int, tuple[float, Any]], step: int):
+    """``(h, history)`` for ``h = 1 .. HORIZONS``: the recorded ``(timestep, output)`` at steps ``step - h - 1``
+    and ``step - h`` (the latter alone at a trajectory's start), where step ``step - h`` was recorded."""
+    for h in range(1, HORIZONS + 1):
+        if step - h in by_step:
+            yield h, [by_step[s] for s in (step - h - 1, step - h) if s in by_step]
 
 
 # -- the policy ---------------------------------------------------------------------------------------
