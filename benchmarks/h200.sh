@@ -37,7 +37,10 @@
 # (after checkcache: benchmarks/serve_bench.py serving that run folder with $EMB's captions at CC_STEPS, batched and
 # unbatched, CSERVE_REQUESTS (16) requests by 4 clients: clips/s, p50/p95, the caching served; needs the serve
 # extra's wheels: fastapi, uvicorn, prometheus-client).
+# CACHE_METHOD (extrapolate, magcache; +cfg: CFG-branch reuse on top, the grids CACHE50_CFG_GRID / CACHE20_CFG_GRID
+# of threshold:max_skips:warmup:cfg_reuse:cfg_order) picks the method of cacheN, ccalib and checkcache.
 #   bash benchmarks/h200.sh ccalib cache50 checkcache gen cserve cache20
+#   CACHE_METHOD=extrapolate+cfg bash benchmarks/h200.sh ccalib cache50 checkcache gen cserve cache20
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -58,6 +61,11 @@ GEN_OUT=${GEN_OUT:-clip.mp4}  # clip.gif without the imageio-ffmpeg wheel
 CAPTION=${CAPTION:-a green triangle slides left over a striped black background}
 CACHE50_GRID=${CACHE50_GRID:-0.02:1:2,0.05:1:2,0.1:1:2,0.3:1:2,0.05:2:2,0.1:2:2,0.2:2:2,0.5:2:2,0.1:3:2,0.3:3:2,1:3:2,0.2:4:2,0.5:4:2,2:4:2,10:4:2}
 CACHE20_GRID=${CACHE20_GRID:-0.05:1:2,0.1:1:2,0.1:2:2,0.2:2:2,0.5:2:2,0.3:3:2,1:3:2,10:2:2,10:4:2}
+CACHE_METHOD=${CACHE_METHOD:-extrapolate}
+CACHE50_CFG_GRID=${CACHE50_CFG_GRID:-0.05:1:2:0.02:0,0.05:1:2:0.05:0,0.1:1:2:0.05:0,0.1:1:2:0.1:0,0.2:2:2:0.05:0,0.2:2:2:0.1:0,0.5:2:2:0.1:0,0.1:1:8:0.1:0,0.3:3:2:0.1:0,0.1:1:2:0.05:1}
+CACHE20_CFG_GRID=${CACHE20_CFG_GRID:-0.05:1:2:0.032:0,0.05:1:2:0.046:1,0.05:1:2:0.038:0,0.05:1:2:0.04:0,0.05:1:2:0.054:1,0.1:1:8:0.03:0,0.1:1:8:0.045:0}
+if [ "${CACHE_METHOD%+cfg}" != "$CACHE_METHOD" ]; then CACHE50_GRID=$CACHE50_CFG_GRID; CACHE20_GRID=$CACHE20_CFG_GRID; fi
+CACHE_METHOD=${CACHE_METHOD%+cfg}
 # issue 13's lever table (benchmarks/quality_levers.py; ModelOpt's last: it needs nvidia-modelopt)
 LEVERS=${LEVERS:-bf16,fp8_mse_wch,fp8_minmax_wch,fp8_mse_wtensor,fp8_minmax_wtensor,fp8_mse_wch_gptq,fp8_minmax_wch_gptq,fp8_mse_wch_gptq_last2,fp8_mse_wch_last4,fp8_mse_wch_first4,fp8_mse_wch_excl=ffn.down,int8_minmax_wch,int8_mse_wch,int8_percentile_wch,int8_mse_wch_gptq,int8_minmax_wch_gptq,int8_minmax_wch_sq0.5,int8_mse_wch_gptq_last2,modelopt,modelopt_wch}
 python3 -c 'import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())'
@@ -139,7 +147,7 @@ for lvl in (ort.GraphOptimizationLevel.ORT_DISABLE_ALL, ort.GraphOptimizationLev
         print(lvl, \"FAILS\", str(e)[:300])
 print(ort.__version__)' \$X/quant/model.qdq.onnx" ;;
     ccalib) part ccalib $CC_LIMIT bash -c "set -e; python3 benchmarks/cache_check.py prepare --run '$RUN' --work $CCW \
-              --steps $CC_STEPS --fresh
+              --steps $CC_STEPS --method $CACHE_METHOD --fresh
             [ -d $CCW/run/export ] || python3 -m trt_sora export --model wan-shapes --recipe $CCW/recipe.yaml \
               --out $CCW/run/export
             python3 -m trt_sora calibrate --model wan-shapes --recipe $CCW/recipe.yaml --device $CC_DEVICE --no-report \
@@ -148,11 +156,11 @@ print(ort.__version__)' \$X/quant/model.qdq.onnx" ;;
               --stats $CCW/run/calib/stats.safetensors \$([ -f \$W ] && echo --weights \$W) --recipe $CCW/recipe.yaml \
               --out $CCW/run/quant" ;;
     cache[0-9]*) R=$CCW/run/calib/step_ratios.safetensors; [ "${p#cache}" = "$CC_STEPS" ] && [ -f $R ] || R=
-                     part $p $CC_LIMIT python3 benchmarks/caching_bench.py --device $CC_DEVICE --steps ${p#cache} --method extrapolate \
+                     part $p $CC_LIMIT python3 benchmarks/caching_bench.py --device $CC_DEVICE --steps ${p#cache} --method $CACHE_METHOD \
                        --captions 16 --threads 8 --text-embeddings "$EMB" ${R:+--ratios $R} --configs "$([ $p = cache20 ] \
                        && echo "$CACHE20_GRID" || echo "$CACHE50_GRID")" --out "$OUT/$p.json" ;;
     checkcache) TAIL=40 part checkcache $CC_LIMIT bash -c "set -e; python3 benchmarks/cache_check.py prepare --run '$RUN' \
-                  --work $CCW --steps $CC_STEPS --curve $OUT/cache$CC_STEPS.json
+                  --work $CCW --steps $CC_STEPS --method $CACHE_METHOD --curve $OUT/cache$CC_STEPS.json
                 trap 'cp $CCW/recipe.yaml $CCW/run/parity/report.json $CCW/run/parity/report.md $OUT/ 2>/dev/null' EXIT
                 python3 -m trt_sora check --run $CCW/run --recipe $CCW/recipe.yaml --backend $CC_BACKEND --device $CC_DEVICE \
                   --text-embeddings '$EMB'" ;;
