@@ -167,7 +167,7 @@ print(ort.__version__)' \$X/quant/model.qdq.onnx" ;;
     gen) TAIL=12 part gen 200 bash -c "set -e; python3 -m trt_sora generate --run $CCW/run --backend $CC_BACKEND --device $CC_DEVICE \
            --text-encoder '$EMB' --steps $CC_STEPS '$CAPTION' -o $OUT/$GEN_OUT
          python3 benchmarks/cache_check.py show $OUT/$GEN_OUT.json" ;;
-    cserve) TAIL=4 part cserve ${CSERVE_LIMIT:-240} python3 benchmarks/serve_bench.py --run $CC/run \
+    cserve) TAIL=4 part cserve ${CSERVE_LIMIT:-240} python3 benchmarks/serve_bench.py --run $CCW/run \
               --backend $CC_BACKEND --device $CC_DEVICE --steps $CC_STEPS --text-encoder "$EMB" --prompts-from "$EMB" \
               --requests ${CSERVE_REQUESTS:-16} --concurrency 4 --out "$OUT/cserve.json" ;;
     *) echo "unknown part $p" ;;
