@@ -59,3 +59,22 @@ def test_read_safetensors_names_a_missing_file_and_another_format(tmp_path):
     assert meta == {"format": "trt_sora.test/1", "k": "v"} and set(tensors) == {"a", "b"}
     np.testing.assert_array_equal(tensors["a"], [0.0, 1.0, 2.0])
     assert tensors["b"].dtype == np.float32 and tensors["b"].shape == (2, 2)
+
+
+def test_recorded_file_entry_takes_the_manifests_hashes_and_hashes_an_unlisted_file(tmp_path):
+    """The export and quantize manifests name their ONNX by the hashes its folder's manifest recorded
+    (no second pass over the external data); a file the manifest does not list is hashed."""
+    from trt_sora.manifest import file_entry, recorded_file_entry
+
+    onnx, data = tmp_path / "model.onnx", tmp_path / "model.onnx.data"
+    onnx.write_bytes(b"graph")
+    data.write_bytes(b"weights")
+    recorded = {"files": {"model.onnx": {"sha256": "a" * 64, "bytes": 5},
+                          "model.onnx.data": {"sha256": "b" * 64, "bytes": 7}}}
+    assert recorded_file_entry(onnx, recorded) == {
+        "path": str(onnx.resolve()), "sha256": "a" * 64, "bytes": 5,
+        "external_data": {"path": str(data.resolve()), "sha256": "b" * 64, "bytes": 7}}
+    sha, size = _recorded(onnx)
+    assert recorded_file_entry(onnx, {"files": {}}) == file_entry(onnx)
+    assert recorded_file_entry(onnx, None)["sha256"] == sha and file_entry(onnx)["bytes"] == size
+    assert file_entry(onnx)["external_data"]["sha256"] == _recorded(data)[0]

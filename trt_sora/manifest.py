@@ -164,6 +164,21 @@ def file_entry(path: str | os.PathLike, root: str | os.PathLike | None = None) -
     return entry
 
 
+def recorded_file_entry(path: str | os.PathLike, manifest: Mapping[str, Any] | None) -> dict[str, Any]:
+    """:func:`file_entry` of ``path`` from the hashes that ``manifest`` (its folder's) records for it and
+    its external data, when it lists them (no second pass over a multi-gigabyte ``model.onnx.data``);
+    else hashed from the file."""
+    p = Path(path)
+    files = (manifest or {}).get("files") or {}
+    if p.name not in files:
+        return file_entry(p)
+    entry: dict[str, Any] = {"path": str(p.resolve()), **files[p.name]}
+    data = files.get(p.name + ".data")
+    if data is not None:
+        entry["external_data"] = {"path": str(p.with_name(p.name + ".data").resolve()), **data}
+    return entry
+
+
 def folder_files(folder: str | os.PathLike) -> dict[str, dict[str, Any]]:
     """``{relative path: {"sha256", "bytes"}}`` of every file under ``folder`` except the manifest and
     hidden names (locks, temp files)."""

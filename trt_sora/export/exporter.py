@@ -18,7 +18,7 @@ from typing import Any
 
 from trt_sora.config import DimRange, DType, ExportConfig, ExternalData
 from trt_sora.errors import ExportError, require
-from trt_sora.manifest import file_entry, staged_dir, write_manifest
+from trt_sora.manifest import recorded_file_entry, staged_dir, write_manifest
 from trt_sora.metrics import compare  # noqa: F401 (one metric implementation for every stage)
 from trt_sora.onnx_tools import ort_session  # noqa: F401 (re-exported: export verification's session)
 from trt_sora.runfolder import ONNX_MODEL
@@ -255,7 +255,7 @@ def export_onnx(model_ref, config: ExportConfig, out_dir: str | Path, *, model=N
         manifest = _write_manifest(tmp, adapter, config, plan, source, parity=parity, dead=dead,
                                    seconds=seconds, peak_mb=peak_mb)
     out = Path(out_dir)
-    manifest["outputs"]["onnx_entry"] = _entry_from_manifest(out / ONNX_NAME, manifest)
+    manifest["outputs"]["onnx_entry"] = recorded_file_entry(out / ONNX_NAME, manifest)
     log.info("export of %s: %s", adapter.name, seconds)
     return ExportResult(out / ONNX_NAME, manifest)
 
@@ -349,19 +349,6 @@ def _streamed_reference(adapter, source, points, dtype: str) -> list:
         fns = [lambda i=i, p=p: reference_outputs(adapter, model, [p], dtype, first_index=i)[0]
                for i, p in enumerate(points)]
         return run_lockstep(model, fns)
-
-
-def _entry_from_manifest(path: Path, manifest: dict) -> dict:
-    """:func:`~trt_sora.manifest.file_entry` of the written ONNX, from the hashes the manifest just recorded
-    (re-hashing a 57 GB ``model.onnx.data`` would cost a minute)."""
-    files = manifest.get("files") or {}
-    if path.name not in files:
-        return file_entry(path)
-    entry = {"path": str(path.resolve()), **files[path.name]}
-    data = files.get(path.name + ".data")
-    if data is not None:
-        entry["external_data"] = {"path": str(path.with_name(path.name + ".data").resolve()), **data}
-    return entry
 
 
 def _peak_rss_mb() -> float:

@@ -17,6 +17,7 @@ from trt_sora.manifest import (
     file_entry,
     load_onnx,
     read_manifest,
+    recorded_file_entry,
     sha256_file,
     staged_dir,
     verified_input,
@@ -408,7 +409,7 @@ def _write(graph, src: _Inputs, config: QuantConfig, out_dir, *, entries: list[d
 
 
 def _manifest_inputs(src: _Inputs, weights) -> dict:
-    inputs = {"onnx": _input_entry(src.onnx_path, src.exp)}
+    inputs = {"onnx": recorded_file_entry(src.onnx_path, src.exp)}  # its hashes were verified before parsing
     if weights is not None:
         inputs["weights"] = file_entry(weights)
     if src.stats_path is not None:
@@ -430,19 +431,6 @@ def _write_onnx(graph, path: Path, *, external: bool, opset: int) -> dict:
         raise QuantizeError(f"onnx.checker rejected the Q/DQ graph ({str(exc).splitlines()[0]}); this is a "
                             "trt_sora bug - please report it with the recipe") from None
     return graph_io
-
-
-def _input_entry(onnx_path: Path, exp: dict | None) -> dict:
-    """The input's :func:`file_entry`, from its export manifest's hashes when that manifest lists it (those
-    were verified against the file before parsing it: no second pass over a 57 GB ``model.onnx.data``)."""
-    files = (exp or {}).get("files") or {}
-    if onnx_path.name not in files:
-        return file_entry(onnx_path)
-    entry = {"path": str(onnx_path.resolve()), **files[onnx_path.name]}
-    data = files.get(onnx_path.name + ".data")
-    if data is not None:
-        entry["external_data"] = {"path": str(onnx_path.with_name(onnx_path.name + ".data").resolve()), **data}
-    return entry
 
 
 def _elem_name(e: int) -> str:
