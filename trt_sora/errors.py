@@ -2,9 +2,13 @@
 
 All errors derive from :class:`TrtSoraError`, so a server or the CLI can catch
 one type and show a one-line message instead of a traceback from deep inside a
-library.
+library. The two lazy-import helpers live here too: :func:`require` (an optional dependency, or
+the error naming its extra) and :func:`lazy_exports` (a package's public names, imported on first use).
 """
 from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
 
 
 class TrtSoraError(Exception):
@@ -79,3 +83,18 @@ def require(module: str, *, extra: str, pip: str | None = None):
         raise BackendMissingError(
             f"{module!r} is not installed (needed here: {exc}). Install it with: {cmd}"
         ) from exc
+
+
+def lazy_exports(package: str, table: Mapping[str, str]) -> Callable[[str], Any]:
+    """A package's module ``__getattr__`` (PEP 562): ``name`` in ``table`` comes from the module
+    ``table[name]``, imported on first use, so importing the package imports none of them; any
+    other name raises AttributeError."""
+
+    def __getattr__(name: str) -> Any:
+        if name in table:
+            import importlib
+
+            return getattr(importlib.import_module(table[name]), name)
+        raise AttributeError(f"module {package!r} has no attribute {name!r}")
+
+    return __getattr__

@@ -13,7 +13,7 @@ transformer (FP8 weights with their scales, static input scales, the exclusions,
 """
 from __future__ import annotations
 
-import importlib
+from trt_sora.errors import lazy_exports
 
 _LAZY = {
     "export_checkpoint": "trt_sora.checkpoint.writer",
@@ -23,8 +23,4 @@ _LAZY = {
 
 __all__ = sorted(_LAZY)
 
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'trt_sora.checkpoint' has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _LAZY)

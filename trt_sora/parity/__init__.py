@@ -5,14 +5,14 @@ Importing this package loads no torch/onnx: :func:`check_artifacts` imports them
 """
 from __future__ import annotations
 
+from trt_sora.errors import lazy_exports
+
+_LAZY = {
+    **dict.fromkeys(("CheckPlan", "check_artifacts", "check_plan", "localize", "find_artifacts", "effective_buckets"),
+                    "trt_sora.parity.check"),
+    **dict.fromkeys(("compare", "frame_metrics", "ssim"), "trt_sora.parity.metrics"),
+}
+
 __all__ = ["CheckPlan", "check_artifacts", "check_plan", "compare", "frame_metrics", "localize", "ssim"]
 
-
-def __getattr__(name: str):
-    import importlib
-
-    if name in ("CheckPlan", "check_artifacts", "check_plan", "localize", "find_artifacts", "effective_buckets"):
-        return getattr(importlib.import_module("trt_sora.parity.check"), name)
-    if name in ("compare", "frame_metrics", "ssim"):
-        return getattr(importlib.import_module("trt_sora.parity.metrics"), name)
-    raise AttributeError(f"module 'trt_sora.parity' has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _LAZY)

@@ -15,7 +15,7 @@ graphsurgeon. The public names resolve lazily:
 """
 from __future__ import annotations
 
-import importlib
+from trt_sora.errors import lazy_exports
 
 _LAZY = {
     "quantize_onnx": "trt_sora.quantize.api",
@@ -28,8 +28,4 @@ _LAZY = {
 
 __all__ = sorted(_LAZY)
 
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'trt_sora.quantize' has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _LAZY)

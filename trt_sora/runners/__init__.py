@@ -11,6 +11,7 @@ backend in ``activate()``.
 """
 from __future__ import annotations
 
+from trt_sora.errors import lazy_exports
 from trt_sora.runners.base import Runner, RunnerStateError, to_numpy
 
 _LAZY = {
@@ -22,10 +23,4 @@ _LAZY = {
 
 __all__ = ["Runner", "RunnerStateError", "to_numpy", *_LAZY]
 
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'trt_sora.runners' has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _LAZY)
