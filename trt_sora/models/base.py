@@ -117,6 +117,18 @@ def torch_fp8_unsupported(adapter: ModelAdapter, why: str):
                        "(TensorRT), 'ort' (ONNX Runtime) or 'torch'")
 
 
+class StreamedDecoder:
+    """For a family with its own :meth:`ModelAdapter.frame_decoder` (a causal VAE, decoded latent frame
+    by latent frame): :meth:`ModelAdapter.decoder` is those frame groups, concatenated along frames.
+    List it before :class:`ModelAdapter` among the bases."""
+
+    def decoder(self, device=None, dtype=None):
+        import torch
+
+        groups, desc = self.frame_decoder(device, dtype)
+        return (lambda z: torch.cat(list(groups(z)), dim=2)), desc
+
+
 class ModelAdapter(Conditioner, abc.ABC):
     """One model family. Input names/shapes, loading, example inputs, scheduler, text encoder;
     as a :class:`~trt_sora.sampling.Conditioner` it builds the model's inputs from latents and

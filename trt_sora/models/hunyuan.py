@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from trt_sora.errors import ModelError, require
-from trt_sora.models.base import ModelAdapter, ModelSpec, torch_dtype, transformer_folder
+from trt_sora.models.base import ModelAdapter, ModelSpec, StreamedDecoder, torch_dtype, transformer_folder
 
 CLASS_NAME = "HunyuanVideo15Transformer3DModel"
 
@@ -276,7 +276,7 @@ class HunyuanTextEncoder:
                 "encoder_hidden_states_2": e2 * mask_2[..., None], "encoder_attention_mask_2": mask_2}
 
 
-class HunyuanVideo15Adapter(ModelAdapter):
+class HunyuanVideo15Adapter(StreamedDecoder, ModelAdapter):
     family = "hunyuan"
     input_names = ("hidden_states", "timestep", "encoder_hidden_states", "encoder_attention_mask",
                    "encoder_hidden_states_2", "encoder_attention_mask_2", "image_embeds")
@@ -482,13 +482,6 @@ class HunyuanVideo15Adapter(ModelAdapter):
                 vae = cls(latent_channels=self.latent_channels, block_out_channels=(8, 8, 8, 8, 8), layers_per_block=1)
             desc = f"random tiny {cls.__name__} (seed 0; no VAE weights with this model)"
         return vae.eval().requires_grad_(False), desc
-
-    def decoder(self, device=None, dtype=None):
-        """Latents -> frames: :meth:`frame_decoder`'s groups, concatenated."""
-        import torch
-
-        groups, desc = self.frame_decoder(device, dtype)
-        return (lambda z: torch.cat(list(groups(z)), dim=2)), desc
 
     def frame_decoder(self, device=None, dtype=None):
         """Latents -> frames through :meth:`vae` (latents / ``scaling_factor``, as the pipeline) on

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from trt_sora.errors import ModelError, require
-from trt_sora.models.base import ModelAdapter, ModelSpec, torch_dtype, transformer_folder
+from trt_sora.models.base import ModelAdapter, ModelSpec, StreamedDecoder, torch_dtype, transformer_folder
 
 CLASS_NAME = "WanTransformer3DModel"
 
@@ -245,7 +245,7 @@ QUANT_EXCLUDES: dict[str, str] = {
 MODELOPT_EXCLUDE = r".*(patch_embedding|condition_embedder|proj_out).*"
 
 
-class WanAdapter(ModelAdapter):
+class WanAdapter(StreamedDecoder, ModelAdapter):
     family = "wan"
     layer_kinds = LAYER_KINDS
     fusable_projections = FUSABLE_PROJECTIONS
@@ -644,13 +644,6 @@ class WanAdapter(ModelAdapter):
             return vae.eval().requires_grad_(False), f"AutoencoderKLWan from {cand}"
         vae, desc = _random_vae(self.latent_channels, self.spec.defaults.get("vae") == "wan2.2")
         return vae.eval().requires_grad_(False), desc
-
-    def decoder(self, device=None, dtype=None):
-        """Latents -> frames: :meth:`frame_decoder`'s groups, concatenated."""
-        import torch
-
-        groups, desc = self.frame_decoder(device, dtype)
-        return (lambda z: torch.cat(list(groups(z)), dim=2)), desc
 
     def frame_decoder(self, device=None, dtype=None):
         """Latents -> frames through :meth:`vae` (un-normalised with its ``latents_mean`` /
