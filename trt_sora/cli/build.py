@@ -1,14 +1,15 @@
 """``trt-sora build --onnx QDIR/model.qdq.onnx --recipe R --out EDIR``."""
 from __future__ import annotations
 
+from trt_sora.cli.common import add_stage_args, stage_line, stage_recipe
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("build", help="(Q/DQ) ONNX -> TensorRT / TensorRT-RTX engine + build report",
                        description="Build engine(s) into OUT with build_report.json/.md and manifest.json; "
                                    "fails when the engine misses the recipe's build.requirements.")
     p.add_argument("--onnx", required=True, help="ONNX file (quant/model.qdq.onnx for fp8/int8 recipes)")
-    p.add_argument("--recipe", required=True, help="recipe name (recipes/*.yaml) or path")
-    p.add_argument("--out", required=True, help="output folder (engine, report, manifest)")
+    add_stage_args(p, out_help="output folder (engine, report, manifest)")
     p.add_argument("--export-manifest", default=None,
                    help="export folder or manifest.json giving the exported dynamic ranges the buckets must "
                         "lie in (default: found beside the ONNX or in ../export)")
@@ -18,13 +19,8 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from trt_sora.build import build_engine
-    from trt_sora.cli.common import stage_line
-    from trt_sora.config import load_recipe
-    from trt_sora.manifest import check_out_dir
 
-    check_out_dir(args.out)  # fail before the work, not after it
-
-    recipe = load_recipe(args.recipe)
+    recipe = stage_recipe(args)
     with stage_line("build"):
         res = build_engine(args.onnx, recipe, args.out, export_manifest=args.export_manifest,
                            model_name=args.model_name)

@@ -7,6 +7,8 @@ A pair of experts (Wan 2.2 A14B) calibrates both over the same trajectories into
 """
 from __future__ import annotations
 
+from trt_sora.cli.common import add_stage_args, overridden
+
 METHODS = ("minmax", "ema", "percentile", "mse")
 
 
@@ -14,13 +16,10 @@ def add_parser(sub) -> None:
     p = sub.add_parser("calibrate", help="collect FP8/INT8 activation ranges over real denoising trajectories",
                        description="Calibrate a model: DIR/stats.safetensors, DIR/report.md (+ figures/), "
                                    "DIR/manifest.json.")
-    p.add_argument("--model", default=None, help="registry name (see `trt-sora info`) or a diffusers checkpoint "
-                   "folder; default: the recipe's model.default")
-    p.add_argument("--recipe", required=True, help="recipe name (recipes/*.yaml) or path")
+    add_stage_args(p, model=True)
     p.add_argument("--method", choices=METHODS, default=None,
                    help="observer whose amax goes into the stats (default: the recipe's calibration.method); "
                         "all four are collected and compared in the report")
-    p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--preset", default=None, help="calibration preset name (calib/presets) or YAML path; default: "
                    "the model's own preset, else the recipe's calibration.preset")
     p.add_argument("--text-embeddings", default=None, metavar="FILE",
@@ -53,7 +52,6 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    import dataclasses
     import os
     import subprocess
     import sys
@@ -70,14 +68,11 @@ def run(args) -> int:
 
     from trt_sora.calibrate.run import ReportOptions, calibrate, calibrate_experts
     from trt_sora.config import load_recipe
-    from trt_sora.config.recipe import CalibMethod
     from trt_sora.manifest import check_out_dir
     from trt_sora.models import get_adapter
 
     recipe = load_recipe(args.recipe)
-    cfg = recipe.calibration
-    if args.method:
-        cfg = dataclasses.replace(cfg, method=CalibMethod(args.method))
+    cfg = overridden(recipe.calibration, method=args.method)
     adapter = get_adapter(recipe.model.default if args.model is None else args.model)
     for e in adapter.experts or (None,):  # fail before the work, not after it (a pair: OUT/<expert> each)
         check_out_dir(Path(args.out) / e if e else args.out)

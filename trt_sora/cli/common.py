@@ -1,10 +1,40 @@
-"""Shared CLI helpers: progress lines (CLI only, never in library code), JSON summaries."""
+"""Shared CLI helpers: a stage command's arguments and recipe, progress lines (CLI only, never in library
+code), JSON summaries."""
 from __future__ import annotations
 
 import json
 import sys
 import time
 from contextlib import contextmanager
+
+RECIPE_HELP = "recipe name (recipes/*.yaml) or path"
+MODEL_HELP = "registry name (see `trt-sora info`) or a diffusers checkpoint folder; default: the recipe's model.default"
+
+
+def add_stage_args(p, *, model: bool = False, out_help: str = "output folder") -> None:
+    """``--recipe R --out DIR`` of a stage command that writes one folder; with ``model``, ``--model M`` first."""
+    if model:
+        p.add_argument("--model", default=None, help=MODEL_HELP)
+    p.add_argument("--recipe", required=True, help=RECIPE_HELP)
+    p.add_argument("--out", required=True, help=out_help)
+
+
+def stage_recipe(args):
+    """The recipe ``--recipe`` names, once ``--out`` is known to be writable (fail before the work, not after it)."""
+    from trt_sora.config import load_recipe
+    from trt_sora.manifest import check_out_dir
+
+    check_out_dir(args.out)
+    return load_recipe(args.recipe)
+
+
+def overridden(section, **flags):
+    """A recipe section with the fields its command-line flags set (None: not given, the recipe's value
+    stays), read as the recipe's YAML is (``"int8"`` -> ``QuantFormat.INT8``)."""
+    from trt_sora.config.base import from_dict, to_dict
+
+    given = {k: v for k, v in flags.items() if v is not None}
+    return from_dict(type(section), {**to_dict(section), **given}, where="command line") if given else section
 
 
 @contextmanager

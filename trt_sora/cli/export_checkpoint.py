@@ -1,6 +1,8 @@
 """``trt-sora export-checkpoint --stats DIR/stats.safetensors --recipe R --out CDIR``: a ModelOpt-format checkpoint."""
 from __future__ import annotations
 
+from trt_sora.cli.common import add_stage_args, overridden, stage_line
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("export-checkpoint",
@@ -10,8 +12,7 @@ def add_parser(sub) -> None:
                                    ".safetensors and CDIR/manifest.json from the PyTorch weights and the calibration "
                                    "stats; the recipe's quantization section picks the format and the exclusions.")
     p.add_argument("--stats", required=True, help="stats.safetensors from `trt-sora calibrate`")
-    p.add_argument("--recipe", required=True, help="recipe name (recipes/*.yaml) or path")
-    p.add_argument("--out", required=True, help="output folder (a diffusers component: the pipeline's transformer)")
+    add_stage_args(p, out_help="output folder (a diffusers component: the pipeline's transformer)")
     p.add_argument("--model", default=None, help="model name or checkpoint folder (default: the one the "
                    "calibration folder's manifest names)")
     p.add_argument("--format", choices=["fp8_e4m3", "int8"], default=None,
@@ -29,16 +30,10 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    import dataclasses
-
     from trt_sora.checkpoint import export_checkpoint
-    from trt_sora.cli.common import stage_line
     from trt_sora.config import load_recipe
-    from trt_sora.config.recipe import QuantFormat
 
-    cfg = load_recipe(args.recipe).quantization
-    if args.format:
-        cfg = dataclasses.replace(cfg, format=QuantFormat(args.format))
+    cfg = overridden(load_recipe(args.recipe).quantization, format=args.format)
     with stage_line("export-checkpoint"):
         res = export_checkpoint(args.stats, cfg, args.out, model=args.model, dtype=args.dtype,
                                 max_shard_size=args.max_shard_size, verify=args.verify_modelopt,

@@ -1,6 +1,8 @@
 """``trt-sora quantize --onnx DIR/model.onnx --stats DIR/stats.safetensors --recipe R --out QDIR``."""
 from __future__ import annotations
 
+from trt_sora.cli.common import add_stage_args, overridden, stage_line, stage_recipe
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("quantize", help="insert calibrated FP8/INT8 Q/DQ into an exported ONNX graph",
@@ -10,8 +12,7 @@ def add_parser(sub) -> None:
                    "(not needed with quantization.format: none)")
     p.add_argument("--weights", default=None, help="weights.safetensors from `trt-sora calibrate` with "
                    "calibration.weight_rounding: gptq (the rounded weights replace the graph's)")
-    p.add_argument("--recipe", required=True, help="recipe name (recipes/*.yaml) or path")
-    p.add_argument("--out", required=True, help="output folder")
+    add_stage_args(p)
     p.add_argument("--format", choices=["fp8_e4m3", "int8", "none"], default=None,
                    help="override quantization.format")
     p.add_argument("--graph-dtype", choices=["fp16", "bf16", "fp32"], default=None,
@@ -21,24 +22,11 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    import dataclasses
-
-    from trt_sora.cli.common import stage_line
-    from trt_sora.config import load_recipe
-    from trt_sora.config.recipe import DType, QuantFormat
-    from trt_sora.manifest import check_out_dir
     from trt_sora.quantize import quantize_onnx
 
-    check_out_dir(args.out)  # fail before the work, not after it
-
-    recipe = load_recipe(args.recipe)
-    cfg = recipe.quantization
-    if args.format:
-        cfg = dataclasses.replace(cfg, format=QuantFormat(args.format))
-    if args.graph_dtype:
-        cfg = dataclasses.replace(cfg, graph_dtype=DType(args.graph_dtype))
-    if args.no_fused_qkv:
-        cfg = dataclasses.replace(cfg, fused_qkv=False)
+    recipe = stage_recipe(args)
+    cfg = overridden(recipe.quantization, format=args.format, graph_dtype=args.graph_dtype,
+                     fused_qkv=False if args.no_fused_qkv else None)
     with stage_line("quantize"):
         res = quantize_onnx(args.onnx, args.stats, cfg, args.out, weights=args.weights)
     c = res.counts
