@@ -21,7 +21,7 @@ from trt_sora.sm import HOPPER_SM, device_sm
 SCALE_BLOCK = 128  # tokens per Q / K quantization block = the attention kernel's tile (one scale per tile)
 #: Warps of the fused-QKV epilogue's three launches (per-token RMS, per-head tile pass, K/V quantization).
 EPILOGUE_WARPS = {"rms": 4, "post": 8, "kv": 8}
-#: The epilogue's tile passes launch the heads of one token block together (see :func:`_tile_ids`).
+#: The epilogue's tile passes launch the heads of one token block together (see :func:`_token_tile`).
 EPILOGUE_HEADS_FAST = True
 
 __all__ = ["SCALE_BLOCK", "abs_scaled", "attention_fp8", "attention_kernel", "gated_add", "gelu_quant",
@@ -217,13 +217,25 @@ def _rms_kernel(QKV, RSTD, S, C, eps, BLOCK_S: tl.constexpr, BLOCK_C: tl.constex
 
 
 @triton.jit
-def _tile_ids(HEADS_FAST: tl.constexpr):
-    """``(token block, batch x head)`` of this program. HEADS_FAST: the grid is (B*H, blocks), so the
-    programs launched together are the heads of one token block: they share its RoPE table tile and
-    RMS statistics in L2 and read whole token rows of ``qkv``."""
+def _token_tile(S, H, BLOCK_S: tl.constexpr, HEADS_FAST: tl.constexpr):
+    """This program's tile of an epilogue tile pass: ``(token block, batch x head, batch, head, its
+    tokens [BLOCK_S], which of them are < S, their rows of qkv as int64)``. HEADS_FAST: the grid is
+    (B*H, blocks), so the programs launched together are the heads of one token block: they share its
+    RoPE table tile and RMS statistics in L2 and read whole token rows of ``qkv``."""
     if HEADS_FAST:
-        return tl.program_id(1), tl.program_id(0)
-    return tl.program_id(0), tl.program_id(1)
+        pid_s, bh = tl.program_id(1), tl.program_id(0)
+    else:
+        pid_s, bh = tl.program_id(0), tl.program_id(1)
+    b = bh // H
+    t = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
+    return pid_s, bh, b, bh % H, t, t < S, (b * S + t).to(tl.int64)
+
+
+@triton.jit
+def _i8_scale(a):
+    """The INT8 scale of a tile of magnitudes ``a`` [M, N]: its max / 127 (1 for an all-zero tile)."""
+    s = tl.max(tl.max(a, 1), 0) / 127.0
+    return tl.where(s > 0, s, 1.0)
 
 
 @triton.jit
@@ -268,13 +280,8 @@ def _qkv_post_kernel(QKV, RSTD, WQ, WK, CS, QO, KO, VO, QS, KSUM, VMAX, S, H, nb
     (bf16 path) or its partial per-channel sums (8-bit path: K is quantized once its mean is known),
     V copied (bf16 path) or its partial per-channel amax. KEYS: only tokens before ``KLEN[b]`` count
     in the Q scale, K sums and V amax (8-bit path)."""
-    pid_s, bh = _tile_ids(HEADS_FAST)
-    b = bh // H
-    h = bh % H
+    pid_s, bh, b, h, t, rm, row64 = _token_tile(S, H, BLOCK_S, HEADS_FAST)
     C = H * D
-    t = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
-    rm = t < S
-    row64 = (b * S + t).to(tl.int64)
     pos = t.to(tl.int64)
     d = tl.arange(0, D)
     out = (bh.to(tl.int64) * S + t)[:, None] * D + d[None, :]
@@ -287,8 +294,7 @@ def _qkv_post_kernel(QKV, RSTD, WQ, WK, CS, QO, KO, VO, QS, KSUM, VMAX, S, H, nb
         if KEYS:  # padding past the key length: in no scale or sum
             km = t < tl.load(KLEN + b)
             qa, va = tl.where(km[:, None], qa, 0.0), tl.where(km[:, None], va, 0.0)
-        s = tl.max(tl.max(qa, 1), 0) / 127.0
-        s = tl.where(s > 0, s, 1.0)
+        s = _i8_scale(qa)
         tl.store(QO + out, _qi8(q, s), mask=rm[:, None])
         tl.store(QS + bh * nblk + pid_s, s)
         part = (bh * nblk + pid_s).to(tl.int64) * D + d
@@ -316,13 +322,8 @@ def _kv_quant_kernel(QKV, RSTD, WK, CS, KMEAN, K8, KS, VS, VT8, S, S_pad, H, nbl
     """K (recomputed from ``qkv``: cheaper than a bf16 round trip) minus its mean -> INT8 per block;
     V -> FP8 per channel, stored transposed [D, S_pad] in the P V product's key order, padding zeros
     (KEYS: zeros from ``KLEN[b]`` on, K and V alike)."""
-    pid_s, bh = _tile_ids(HEADS_FAST)
-    b = bh // H
-    h = bh % H
+    pid_s, bh, b, h, t, rm, row64 = _token_tile(S, H, BLOCK_S, HEADS_FAST)
     C = H * D
-    t = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
-    rm = t < S
-    row64 = (b * S + t).to(tl.int64)
     d = tl.arange(0, D)
     ce, so = _rope_tile(CS, t.to(tl.int64), rm, D, BLOCK_S, ROPE)
     k = _norm_rope_tile(QKV, RSTD, WK, ce, so, row64, rm, C, h, 1, C, D, BLOCK_S, ROPE)
@@ -330,8 +331,7 @@ def _kv_quant_kernel(QKV, RSTD, WK, CS, KMEAN, K8, KS, VS, VT8, S, S_pad, H, nbl
     if KEYS:
         km = t < tl.load(KLEN + b)
     k = tl.where(km[:, None], k - tl.load(KMEAN + bh * D + d)[None, :], 0.0)
-    s = tl.max(tl.max(tl.abs(k), 1), 0) / 127.0
-    s = tl.where(s > 0, s, 1.0)
+    s = _i8_scale(tl.abs(k))
     tl.store(K8 + (bh.to(tl.int64) * S + t)[:, None] * D + d[None, :], _qi8(k, s), mask=rm[:, None])
     tl.store(KS + bh * nblk + pid_s, s)
     v = tl.load(QKV + row64[:, None] * (3 * C) + 2 * C + h * D + d[None, :], mask=km[:, None], other=0.0)
