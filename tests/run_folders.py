@@ -5,7 +5,8 @@ tests/conftest.py, for every test folder:
 * ``pair_run``, ``i2v_run``, ``ti2v_run``, ``hunyuan_run``: ``make engine`` (every stage, a real
   TensorRT-RTX FP8 build included) on the tiny Wan 2.2 A14B pair, Wan 2.1 I2V, Wan 2.2 TI2V and
   HunyuanVideo 1.5 configs with :func:`ci_recipe`, as ``(EnginePipeline, outcomes)``. Tests read them;
-  a test that damages one works on a copy."""
+  a test that damages one works on a copy;
+* :func:`write_preset`: a small calibration preset for the tests that calibrate."""
 from __future__ import annotations
 
 import shutil
@@ -64,6 +65,20 @@ def ti2v_run(tmp_path_factory):
 @pytest.fixture(scope="session")
 def hunyuan_run(tmp_path_factory):
     return _engine(tmp_path_factory, "hunyuan-tiny", ci_recipe(HUNYUAN_POINTS, eval_prompts=1))
+
+
+def write_preset(path: Path, *shapes: dict, prompt_set: str = "video_prompts_v1", num_prompts: int = 2,
+                 num_steps: int = 2, guidance_scale: float = 5.0, shift: float = 3.0, seed: int = 0,
+                 negative_prompt: str = "blurry, low quality", **more) -> Path:
+    """A calibration preset YAML at ``path``: ``num_prompts`` prompts of ``prompt_set``, ``num_steps``
+    steps, at each of ``shapes`` (``{batch, latent_frames, ...}``); ``more``: further preset keys."""
+    import yaml
+
+    path.write_text(yaml.safe_dump({"prompt_set": prompt_set, "num_prompts": num_prompts, "num_steps": num_steps,
+                                    "guidance_scale": guidance_scale, "shift": shift, "seed": seed,
+                                    "negative_prompt": negative_prompt, **more, "shapes": [dict(s) for s in shapes]},
+                                   sort_keys=False))
+    return path
 
 
 def assert_every_stage_passed(run, points, *, attentions: int) -> dict:

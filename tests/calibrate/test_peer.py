@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from run_folders import write_preset
 
 pytest.importorskip("torch")
 pytest.importorskip("modelopt")
@@ -12,25 +13,15 @@ from trt_sora.calibrate.run import ReportOptions, calibrate  # noqa: E402
 from trt_sora.config.recipe import CalibConfig, QuantConfig  # noqa: E402
 from trt_sora.errors import ConfigError  # noqa: E402
 
-SMALL = """description: "peer test: two prompts, two steps, one shape"
-prompt_set: video_prompts_v1
-split: calib
-num_prompts: 2
-num_steps: 2
-guidance_scale: 5.0
-shift: 3.0
-seed: 0
-negative_prompt: ""
-shapes:
-  - {batch: 2, latent_frames: 2, latent_height: 6, latent_width: 6, text_len: 8}
-"""
+SHAPE = {"batch": 2, "latent_frames": 2, "latent_height": 6, "latent_width": 6, "text_len": 8}
 
 
 def test_peer_in_report(tmp_path, tiny_adapter, tiny_model):
     """ModelOpt's FP8 recipe, replayed on our calibration trajectories, sits in the report next to ours: the
     replay saw our exact activations (ModelOpt's max = our minmax), every row compares finite numbers against
     the same reference, and ModelOpt on our sites quantizes exactly our linears."""
-    (tmp_path / "small.yaml").write_text(SMALL)
+    write_preset(tmp_path / "small.yaml", SHAPE, negative_prompt="",
+                 description="peer test: two prompts, two steps, one shape")
     opts = ReportOptions(eval_prompts=2, eval_steps=1, sensitivity="none", formats=("fp8_e4m3",), peer="modelopt",
                          peer_prompts=2)
     res = calibrate(tiny_adapter, CalibConfig(method="percentile"), tmp_path / "c", model=tiny_model,

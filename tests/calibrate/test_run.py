@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import json
 import re
-import textwrap
 
 import pytest
+from run_folders import write_preset
 
 torch = pytest.importorskip("torch")
 
@@ -17,27 +17,18 @@ from trt_sora.errors import CalibrationError, ConfigError, ShapeError  # noqa: E
 NUM_STEPS = 2
 
 
-def _preset(path, *, prompt_set="video_prompts_v1", num_prompts=2, shapes=None, steps=NUM_STEPS, seed=0):
-    shapes = shapes or ["{batch: 1, latent_frames: 2, latent_height: 4, latent_width: 4, text_len: 8}",
-                        "{batch: 2, latent_frames: 3, latent_height: 4, latent_width: 6, text_len: 6}"]
-    path.write_text(textwrap.dedent(f"""\
-        prompt_set: {prompt_set}
-        num_prompts: {num_prompts}
-        num_steps: {steps}
-        guidance_scale: 5.0
-        shift: 3.0
-        seed: {seed}
-        negative_prompt: "blurry, low quality"
-        shapes:
-        """) + "".join(f"  - {s}\n" for s in shapes))
-    return path
+ONE = {"batch": 1, "latent_frames": 2, "latent_height": 4, "latent_width": 4, "text_len": 8}
+TWO = {"batch": 2, "latent_frames": 3, "latent_height": 4, "latent_width": 6, "text_len": 6}
+
+
+def _preset(path, *, prompt_set="video_prompts_v1", num_prompts=2, shapes=(ONE, TWO)):
+    return write_preset(path, *shapes, prompt_set=prompt_set, num_prompts=num_prompts, num_steps=NUM_STEPS)
 
 
 @pytest.fixture(scope="module")
 def small_preset(tmp_path_factory):
     """1 prompt, 2 steps, one shape: 4 forwards."""
-    return _preset(tmp_path_factory.mktemp("preset") / "one.yaml", num_prompts=1,
-                   shapes=["{batch: 1, latent_frames: 2, latent_height: 4, latent_width: 4, text_len: 8}"])
+    return _preset(tmp_path_factory.mktemp("preset") / "one.yaml", num_prompts=1, shapes=(ONE,))
 
 
 @pytest.fixture(scope="module")

@@ -2,9 +2,8 @@
 wan-tiny equals the one-pass run tensor for tensor, and incomplete or mismatched shard sets are refused."""
 from __future__ import annotations
 
-import textwrap
-
 import pytest
+from run_folders import write_preset
 
 torch = pytest.importorskip("torch")
 
@@ -65,19 +64,9 @@ def test_parse_and_slices():
 
 @pytest.fixture(scope="module")
 def preset(tmp_path_factory):
-    path = tmp_path_factory.mktemp("preset") / "three.yaml"
-    path.write_text(textwrap.dedent("""\
-        prompt_set: video_prompts_v1
-        num_prompts: 3
-        num_steps: 2
-        guidance_scale: 5.0
-        shift: 3.0
-        seed: 0
-        negative_prompt: "blurry, low quality"
-        shapes:
-          - {batch: 1, latent_frames: 2, latent_height: 4, latent_width: 4, text_len: 8}
-        """))
-    return path
+    return write_preset(tmp_path_factory.mktemp("preset") / "three.yaml",
+                        {"batch": 1, "latent_frames": 2, "latent_height": 4, "latent_width": 4, "text_len": 8},
+                        num_prompts=3)
 
 
 def test_two_shard_calibration_equals_one_pass(tmp_path, tiny_adapter, tiny_model, preset):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from run_folders import write_preset
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("diffusers")
@@ -25,30 +26,6 @@ from trt_sora.parity.metrics import compare  # noqa: E402
 
 EVAL_TINY = {"batch": 2, "latent_frames": 3, "latent_height": 6, "latent_width": 4, "text_len": 9}
 EVAL_SHAPES = {"batch": 1, "latent_frames": 5, "latent_height": 16, "latent_width": 16, "text_len": 16}
-TINY_PRESET = """description: "two prompts, two steps, one shape: checkpoint tests"
-prompt_set: video_prompts_v1
-split: calib
-num_prompts: 2
-num_steps: 2
-guidance_scale: 5.0
-shift: 3.0
-seed: 0
-negative_prompt: ""
-shapes:
-  - {batch: 2, latent_frames: 2, latent_height: 6, latent_width: 8, text_len: 8}
-"""
-SHAPES_PRESET = """description: "one caption, two steps: checkpoint tests"
-prompt_set: moving_shapes_v1
-split: calib
-num_prompts: 1
-num_steps: 2
-guidance_scale: 4.0
-shift: 2.0
-seed: 0
-negative_prompt: ""
-shapes:  # smaller than the trained 9x32x32 clip: these tests check the format, not the samples
-  - {batch: 1, latent_frames: 5, latent_height: 16, latent_width: 16, text_len: 16}
-"""
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +36,9 @@ def calib_dirs(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("ckpt_calib")
     out = {}
-    (root / "tiny.yaml").write_text(TINY_PRESET)
+    write_preset(root / "tiny.yaml", {"batch": 2, "latent_frames": 2, "latent_height": 6, "latent_width": 8,
+                                      "text_len": 8},
+                 negative_prompt="", description="two prompts, two steps, one shape: checkpoint tests")
     # nearest weight rounding: what ModelOpt's FP8 export holds (GPTQ: test_gptq_rounded_weights)
     calibrate(get_adapter("wan-tiny"), CalibConfig(method="percentile", weight_rounding="nearest"), root / "tiny",
               preset=str(root / "tiny.yaml"), report=False)
@@ -67,7 +46,11 @@ def calib_dirs(tmp_path_factory):
     from trt_sora.models.moving_shapes.text import is_available
 
     if is_available():
-        (root / "shapes.yaml").write_text(SHAPES_PRESET)
+        # smaller than the trained 9x32x32 clip: these tests check the format, not the samples
+        write_preset(root / "shapes.yaml", {"batch": 1, "latent_frames": 5, "latent_height": 16, "latent_width": 16,
+                                            "text_len": 16},
+                     prompt_set="moving_shapes_v1", num_prompts=1, guidance_scale=4.0, shift=2.0, negative_prompt="",
+                     description="one caption, two steps: checkpoint tests")
         calibrate(get_adapter("wan-shapes"), CalibConfig(method="mse", weight_rounding="nearest"), root / "shapes",
                   preset=str(root / "shapes.yaml"), report=False)
         out["wan-shapes"] = root / "shapes"
