@@ -4,13 +4,41 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
+import signal
+import subprocess
+import sys
 import threading
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 #: How long a helper waits before calling the test hung. It never decides an outcome.
 HANG = 240.0
+
+
+def trt_sora_cli(*args: str) -> tuple[list[str], dict]:
+    """``(command, env)`` of ``python -m trt_sora ARGS`` on this checkout, one thread each: the clips are
+    tiny, and on a shared 2-core machine thread pools only contend."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
+    return [sys.executable, "-m", "trt_sora", *args], env
+
+
+def kill_batch_after_clips(cmd: list[str], env: dict, clips: int = 2) -> None:
+    """Run ``trt-sora -v batch ...`` and SIGKILL it once it has logged its ``clips``-th finished clip
+    (each ``INFO ... done (`` line follows the clip's commit), reading the log as it is written."""
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    seen, lines = 0, []
+    for line in proc.stderr:
+        lines.append(line)
+        seen += " done (" in line and line.split()[0] == "INFO"
+        if seen == clips:
+            break
+    assert seen == clips and proc.poll() is None, f"the batch ended before it could be killed: {''.join(lines)[-800:]}"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    proc.stderr.close()
 
 
 class Lines:

@@ -1,15 +1,13 @@
 """trt-sora batch: per-clip outputs + manifest, failures recorded, retries, quality gate, resume after kill -9."""
 import hashlib
 import json
-import os
 import re
-import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from http_helpers import kill_batch_after_clips, trt_sora_cli
 
 from trt_sora.errors import ConfigError
 
@@ -344,12 +342,6 @@ def _ffmpeg_without_libvmaf(tmp_path: Path) -> Path:
     return exe
 
 
-def _cli(*args):
-    # one thread each: the clips are tiny, and on a shared 2-core machine thread pools only contend
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "OMP_NUM_THREADS": "1"}
-    return [sys.executable, "-m", "trt_sora", *args], env
-
-
 @pytest.mark.slow
 def test_resume_after_kill_9(checked_run, tiny_runner, tmp_path):
     """kill -9 mid-batch, leave a partial clip behind, rerun: the exact set of outputs, finished
@@ -360,21 +352,9 @@ def test_resume_after_kill_9(checked_run, tiny_runner, tmp_path):
     jobs = _write_jobs(tmp_path / "jobs.jsonl", [{"id": f"j{i}", "prompt": f"clip number {i}", "seed": i}
                                                  for i in range(n)])
     out = tmp_path / "out"
-    cmd, env = _cli("-v", "batch", "--run", str(checked_run), "--backend", "ort", "--prompts", str(jobs), "--out",
-                    str(out), "--formats", "npy,png", "--threads", "1", "--no-progress")
-    # the kill lands after the batch logs its second finished clip (each log line follows the clip's commit):
-    # the test reads the log as it is written, with no polling
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    seen, lines = 0, []
-    for line in proc.stderr:
-        lines.append(line)
-        seen += " done (" in line and line.split()[0] == "INFO"
-        if seen == 2:
-            break
-    assert seen == 2 and proc.poll() is None, f"the batch ended before it could be killed: {''.join(lines)[-800:]}"
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    proc.stderr.close()
+    cmd, env = trt_sora_cli("-v", "batch", "--run", str(checked_run), "--backend", "ort", "--prompts", str(jobs),
+                            "--out", str(out), "--formats", "npy,png", "--threads", "1", "--no-progress")
+    kill_batch_after_clips(cmd, env, clips=2)  # no polling: it reads the log as it is written
     finished = {p.stem: (p.read_text(), (out / "clips" / f"{p.stem}.npy").stat().st_mtime_ns)
                 for p in (out / "clips").glob("j*.json") if json.loads(p.read_text())["status"] == "done"}
     assert 2 <= len(finished) < n

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from http_helpers import kill_batch_after_clips, trt_sora_cli
 
 from trt_sora.errors import BackendMissingError, ConfigError, StorageError
 
@@ -307,21 +308,10 @@ def test_cli_kill_9_then_rerun_skips_finished_uploads(checked_run, s3, tmp_path)
     over both runs, by the server's log) and finishes the rest."""
     n = 4
     jobs = _jobs(tmp_path / "jobs.jsonl", n)
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "trt_sora", "-v", "batch", "--run", str(checked_run), "--backend", "ort", "--prompts",
-           str(jobs), "--out", "s3://clips/run1", "--formats", "npy", "--threads", "1", "--no-progress",
-           "--max-batch", "1"]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    seen, lines = 0, []
-    for line in proc.stderr:  # each "done (" log line follows its clip's record
-        lines.append(line)
-        seen += " done (" in line and line.split()[0] == "INFO"
-        if seen == 2:
-            break
-    assert seen == 2 and proc.poll() is None, f"the batch ended before it could be killed: {''.join(lines)[-800:]}"
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    proc.stderr.close()
+    cmd, env = trt_sora_cli("-v", "batch", "--run", str(checked_run), "--backend", "ort", "--prompts", str(jobs),
+                            "--out", "s3://clips/run1", "--formats", "npy", "--threads", "1", "--no-progress",
+                            "--max-batch", "1")
+    kill_batch_after_clips(cmd, env, clips=2)
     client = s3.client()
     finished = {k[6:8] for k, v in _keys(client).items() if re.fullmatch(r"clips/c\d\.json", k)}
     assert 2 <= len(finished) < n and "run1/.batch.lock" in [o["Key"] for o in client.list_objects_v2(
