@@ -5,7 +5,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from khelpers import assert_operands_match  # noqa: E402
+from khelpers import (  # noqa: E402
+    RESIDUAL_NORM_VARIANTS,
+    assert_operands_match,
+    assert_qkv_epilogue_matches,
+    residual_norm_inputs,
+)
 
 from trt_sora.kernels import reference as ref  # noqa: E402
 
@@ -27,20 +32,10 @@ def _deq_close(a, b, scale, max_mismatch=0.01):
 
 
 @pytest.mark.parametrize("c", [64, 1536, 5120])
-@pytest.mark.parametrize("variant", ["mod", "residual_gate_affine", "residual_mod", "bf16_out"])
+@pytest.mark.parametrize("variant", RESIDUAL_NORM_VARIANTS)
 def test_residual_norm_quant(c, variant):
     t = _tri()
-    g = torch.Generator(device="cuda").manual_seed(c)
-    b, s = 2, 257
-    x = torch.randn(b, s, c, device="cuda", generator=g).to(torch.bfloat16)
-    r = torch.randn(b, s, c, device="cuda", generator=g).to(torch.bfloat16)
-    gate, ms, mh = (torch.randn(b, c, device="cuda", generator=g) * 0.3 for _ in range(3))
-    w, bi = torch.randn(c, device="cuda", generator=g), torch.randn(c, device="cuda", generator=g)
-    sc = torch.tensor(6.0 / 448, device="cuda")
-    kw = {"mod": dict(mod_scale=ms, mod_shift=mh, act_scale=sc),
-          "residual_gate_affine": dict(branch=r, gate=gate, weight=w, bias=bi, act_scale=sc),
-          "residual_mod": dict(branch=r, mod_scale=ms, mod_shift=mh, act_scale=sc),
-          "bf16_out": dict(branch=r, gate=gate, mod_scale=ms, mod_shift=mh)}[variant]
+    x, kw, sc = residual_norm_inputs(variant, 2, 257, c, torch.Generator(device="cuda").manual_seed(c))
     xa, ya = t.residual_norm_quant(x, **kw)
     xb, yb = ref.residual_norm_quant(x, **kw)
     torch.testing.assert_close(xa.float(), xb.float(), atol=1e-5, rtol=8e-3)  # one bf16 ulp (FMA vs mul+add)
@@ -72,17 +67,7 @@ def _qkv_inputs(b=2, s=1000, h=4, d=128, seed=1):
 
 
 def test_qkv_epilogue_bf16_and_8bit():
-    t = _tri()
-    qkv, wq, wk, cos, sin, h = _qkv_inputs()
-    for got, want in zip(t.qkv_rmsnorm_rope(qkv, wq, wk, cos, sin, h, fp8=False),
-                         ref.qkv_rmsnorm_rope(qkv, wq, wk, cos, sin, h, fp8=False)):
-        torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=2e-2)
-    ops8 = t.qkv_rmsnorm_rope(qkv, wq, wk, cos, sin, h, fp8=True)
-    ref8 = ref.qkv_rmsnorm_rope(qkv, wq, wk, cos, sin, h, fp8=True)
-    s, vt8 = qkv.shape[1], ops8[4]
-    assert_operands_match(ops8, ref8, s)
-    assert (ops8[0].int() - ref8[0].int()).abs().max() <= 2
-    assert not vt8[..., ref.vt_key_order(vt8.shape[-1]).cuda() >= s].float().any()  # the padding: zeros
+    assert_qkv_epilogue_matches(_tri(), *_qkv_inputs())
 
 
 def _bytes(x):

@@ -25,7 +25,13 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 ml_dtypes = pytest.importorskip("ml_dtypes")
 
-from khelpers import assert_operands_match, bits  # noqa: E402
+from khelpers import (  # noqa: E402
+    RESIDUAL_NORM_VARIANTS,
+    assert_operands_match,
+    assert_qkv_epilogue_matches,
+    bits,
+    residual_norm_inputs,
+)
 
 from trt_sora.kernels import reference as ref  # noqa: E402
 
@@ -97,19 +103,10 @@ def test_interpreter_fp8_rounding_is_the_gpus(t):
 # fp32 value by a few ulps of the largest terms, which can move its bf16 or FP8 rounding by one step
 # at a boundary: outputs are held to one step of their format (see _bf16_close, _fp8_close).
 @interp
-@pytest.mark.parametrize("variant", ["mod", "residual_gate_affine", "residual_mod", "bf16_out"])
+@pytest.mark.parametrize("variant", RESIDUAL_NORM_VARIANTS)
 def test_residual_norm_quant(t, variant):
-    g = torch.Generator().manual_seed(3)
-    b, s, c = 2, 37, 64  # C and the rows not powers of two: the masked tail of each row
-    x = torch.randn(b, s, c, generator=g).to(torch.bfloat16)
-    r = torch.randn(b, s, c, generator=g).to(torch.bfloat16)
-    gate, ms, mh = (torch.randn(b, c, generator=g) * 0.3 for _ in range(3))
-    w, bi = torch.randn(c, generator=g), torch.randn(c, generator=g)
-    sc = torch.tensor(6.0 / 448)
-    kw = {"mod": dict(mod_scale=ms, mod_shift=mh, act_scale=sc),
-          "residual_gate_affine": dict(branch=r, gate=gate, weight=w, bias=bi, act_scale=sc),
-          "residual_mod": dict(branch=r, mod_scale=ms, mod_shift=mh, act_scale=sc),
-          "bf16_out": dict(branch=r, gate=gate, mod_scale=ms, mod_shift=mh)}[variant]
+    # 37 rows of 64 channels (not powers of two): the masked tail of each row
+    x, kw, sc = residual_norm_inputs(variant, 2, 37, 64, torch.Generator().manual_seed(3))
     xa, ya = t.residual_norm_quant(x, **kw)
     xb, yb = ref.residual_norm_quant(x, **kw)
     _bf16_close(xa, xb)
@@ -170,16 +167,7 @@ def qkv_case():
 def test_qkv_epilogue_bf16_and_8bit(t, qkv_case):
     qkv, wq, wk, cos, sin, h = qkv_case
     torch.testing.assert_close(t.rms_stats(qkv), ref.rms_stats(qkv), rtol=1e-5, atol=0)  # 128-term sums
-    for got, want in zip(t.qkv_rmsnorm_rope(qkv, wq, wk, cos, sin, h, fp8=False),
-                         ref.qkv_rmsnorm_rope(qkv, wq, wk, cos, sin, h, fp8=False)):
-        # norm, weight and the RoPE rotation round in turn (two bf16 steps): the GPU test's bound
-        torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=2e-2)
-    ops8 = t.qkv_rmsnorm_rope(qkv, wq, wk, cos, sin, h, fp8=True)
-    ref8 = ref.qkv_rmsnorm_rope(qkv, wq, wk, cos, sin, h, fp8=True)
-    s, vt8 = qkv.shape[1], ops8[4]
-    assert_operands_match(ops8, ref8, s)  # the GPU test's bounds
-    assert (ops8[0].int() - ref8[0].int()).abs().max() <= 2
-    assert not vt8[..., ref.vt_key_order(vt8.shape[-1]) >= s].float().any()  # the padding: zeros
+    assert_qkv_epilogue_matches(t, qkv, wq, wk, cos, sin, h)  # the GPU test's bounds
 
 
 @interp
