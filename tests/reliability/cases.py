@@ -360,6 +360,12 @@ def _load(run, **kw):
     return rt.load(run, **kw)
 
 
+def _load_refused(run, silent: str, **kw) -> Outcome:
+    """Loading ``run`` where the runtime must refuse: the error's outcome, or ``silent`` when it loaded."""
+    _, exc = call(_load, run, **kw)
+    return Outcome("silent", silent) if exc is None else from_exc(exc)
+
+
 def _served_diff(clean: Path, tampered: Path, **kw) -> Outcome:
     r, exc = call(_load, tampered, backend="ort", **kw)
     if exc is not None:
@@ -400,19 +406,13 @@ def load_tampered_copy(env: Env) -> Outcome:
 def load_corrupt_onnx(env: Env, force: bool = False) -> Outcome:
     _, run = env.copy_run()
     damage(run / "quant" / "model.qdq.onnx", "corrupt")
-    r, exc = call(_load, run, backend="ort", force=force)
-    if exc is not None:
-        return from_exc(exc)
-    return Outcome("silent", "a corrupt model.qdq.onnx loaded")
+    return _load_refused(run, "a corrupt model.qdq.onnx loaded", backend="ort", force=force)
 
 
 def load_without_quant(env: Env) -> Outcome:
     _, run = env.copy_run()
     shutil.rmtree(run / "quant")
-    r, exc = call(_load, run, backend="ort")
-    if exc is not None:
-        return from_exc(exc)
-    return Outcome("silent", "served the fp32 export, which was never the checked candidate")
+    return _load_refused(run, "served the fp32 export, which was never the checked candidate", backend="ort")
 
 
 def check_fp8_without_quant(env: Env) -> Outcome:
@@ -449,10 +449,8 @@ def load_torch_fp8_checked_on_cpu(env: Env) -> Outcome:
     rep, exc = call(check_artifacts, run, cheap, backend="torch-fp8", device="cpu")
     if exc is not None:
         return Outcome("wrong", f"setup: check --backend torch-fp8 --device cpu failed: {from_exc(exc).detail}")
-    r, exc = call(_load, run, backend="torch-fp8", device="cpu")
-    if exc is not None:
-        return from_exc(exc)
-    return Outcome("silent", "torch-fp8 served on a report that never ran on an SM >= 8.9 GPU")
+    return _load_refused(run, "torch-fp8 served on a report that never ran on an SM >= 8.9 GPU", backend="torch-fp8",
+                         device="cpu")
 
 
 def import_tensorrt_for_rtx_engine(env: Env) -> Outcome:
@@ -486,10 +484,7 @@ def import_tensorrt_for_rtx_engine(env: Env) -> Outcome:
 def report_not_json(env: Env) -> Outcome:
     _, run = env.copy_run()
     (run / "parity" / "report.json").write_text("{not json")
-    r, exc = call(_load, run, backend="ort")
-    if exc is not None:
-        return from_exc(exc)
-    return Outcome("silent", "loaded with an unreadable report")
+    return _load_refused(run, "loaded with an unreadable report", backend="ort")
 
 
 # -- 5. raw tracebacks from bad files and folders -------------------------------------------------------------
