@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import subprocess
 import time
 from pathlib import Path
+
+from medians import finish
 
 
 def main() -> int:
@@ -49,14 +50,8 @@ def main() -> int:
             print(json.dumps(rows[-1]), flush=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=Path(rt.__file__).parent).stdout.strip()
-    summary = {f"median_{k}": round(statistics.median(r[k] for r in rows), 4)
-               for k in ("first_frames_s", "total_s", "decode_s")}
-    result = {"run": args.run, "backend": args.backend, "size": args.size, "threads": args.threads,
-              "commit": commit, "requests": rows, "summary": summary}
-    print(json.dumps(result["summary"]))
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    return 0
+    return finish({"run": args.run, "backend": args.backend, "size": args.size, "threads": args.threads,
+                   "commit": commit}, rows, ("first_frames_s", "total_s", "decode_s"), args.out)
 
 
 if __name__ == "__main__":

@@ -23,13 +23,14 @@ import argparse
 import json
 import os
 import re
-import statistics
 import subprocess
 import sys
 import threading
 import time
 import urllib.request
 from pathlib import Path
+
+from medians import finish
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -118,14 +119,8 @@ def main() -> int:
         proc.wait()
     keys = ("first_chunk_s", "first_step_s", "first_mp4_s", "total_s", "decode_s", "first_mp4_before_decode_end_s",
             "http_total_s")
-    result = {"run": args.run, "backend": args.backend, "ready": ready, "steps": args.steps, "scale": args.scale,
-              "size": args.size,
-              "requests": rows, "summary": {f"median_{k}": round(statistics.median(r[k] for r in rows), 4)
-                                            for k in keys}}
-    print(json.dumps(result["summary"]))
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    return 0
+    return finish({"run": args.run, "backend": args.backend, "ready": ready, "steps": args.steps, "scale": args.scale,
+                   "size": args.size}, rows, keys, args.out)
 
 
 def encode_only(args) -> int:
@@ -156,13 +151,8 @@ def encode_only(args) -> int:
                      "last_piece_s": round(times[-1], 4), "pieces": len(sizes), "largest_piece_bytes": max(sizes),
                      "mp4_bytes": sum(sizes), "write_mp4_s": round(file_s, 4)})
         print(json.dumps(rows[-1]), flush=True)
-    keys = ("first_piece_s", "first_fragment_s", "last_piece_s", "write_mp4_s")
-    result = {"encode": [f, h, w], "requests": rows,
-              "summary": {f"median_{k}": round(statistics.median(r[k] for r in rows), 4) for k in keys}}
-    print(json.dumps(result["summary"]))
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    return 0
+    return finish({"encode": [f, h, w]}, rows, ("first_piece_s", "first_fragment_s", "last_piece_s", "write_mp4_s"),
+                  args.out)
 
 
 if __name__ == "__main__":
