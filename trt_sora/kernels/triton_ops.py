@@ -167,16 +167,12 @@ def quantize(x, act_scale):
 @triton.jit
 def _heads_to_tokens_kernel(O, Y, SC, S, H, s_b, s_h, s_s, D: tl.constexpr, BLOCK_S: tl.constexpr,
                             QUANT: tl.constexpr):
-    pid_s = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    rows = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
+    _, _, b, h, rows, in_s, row64 = _token_tile(S, H, BLOCK_S, False)
     d = tl.arange(0, D)
-    rm = rows[:, None] < S
+    rm = in_s[:, None]
     x = tl.load(O + b.to(tl.int64) * s_b + h * s_h + rows.to(tl.int64)[:, None] * s_s + d[None, :], mask=rm,
                 other=0.0).to(tl.float32)
-    yp = Y + (b * S + rows).to(tl.int64)[:, None] * (H * D) + h * D + d[None, :]
+    yp = Y + row64[:, None] * (H * D) + h * D + d[None, :]
     if QUANT:
         tl.store(yp, _q8(x.to(tl.bfloat16).to(tl.float32), tl.load(SC)), mask=rm)
     else:
@@ -218,10 +214,11 @@ def _rms_kernel(QKV, RSTD, S, C, eps, BLOCK_S: tl.constexpr, BLOCK_C: tl.constex
 
 @triton.jit
 def _token_tile(S, H, BLOCK_S: tl.constexpr, HEADS_FAST: tl.constexpr):
-    """This program's tile of an epilogue tile pass: ``(token block, batch x head, batch, head, its
-    tokens [BLOCK_S], which of them are < S, their rows of qkv as int64)``. HEADS_FAST: the grid is
-    (B*H, blocks), so the programs launched together are the heads of one token block: they share its
-    RoPE table tile and RMS statistics in L2 and read whole token rows of ``qkv``."""
+    """This program's tile in a grid of (token blocks, B*H): ``(token block, batch x head, batch, head,
+    its tokens [BLOCK_S], which of them are < S, their rows of a [B*S, ...] tensor as int64)``.
+    HEADS_FAST: the grid is (B*H, blocks), so the programs launched together are the heads of one
+    token block: they share its RoPE table tile and RMS statistics in L2 and read whole token rows of
+    ``qkv``."""
     if HEADS_FAST:
         pid_s, bh = tl.program_id(1), tl.program_id(0)
     else:
