@@ -25,6 +25,9 @@ from trt_sora.sampling import Conditioner, SamplingSettings
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
+#: The named dynamic axes of a latent tensor ``[B, C, F, H, W]`` (``hidden_states``, ``sample``).
+LATENT_AXES = {0: "batch", 2: "latent_frames", 3: "latent_height", 4: "latent_width"}
+
 DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 
 

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from trt_sora.errors import ModelError, require
-from trt_sora.models.base import ModelAdapter, ModelSpec, StreamedDecoder, torch_dtype, transformer_folder
+from trt_sora.models.base import LATENT_AXES, ModelAdapter, ModelSpec, StreamedDecoder, torch_dtype, transformer_folder
 
 CLASS_NAME = "HunyuanVideo15Transformer3DModel"
 
@@ -359,17 +359,24 @@ class HunyuanVideo15Adapter(StreamedDecoder, ModelAdapter):
 
     @staticmethod
     def random_init_rule(name: str, shape: tuple, g):
-        return _random_rule(name, shape, g)
+        """Random init of the parameters outside ``nn.Linear`` / ``nn.Conv`` / ``nn.LayerNorm``: diffusers'
+        ``RMSNorm`` weights (QK norms) are ones, the ``cond_type_embed`` table ``N(0, 1)`` (``nn.Embedding``)."""
+        import torch
+
+        if name.endswith("cond_type_embed.weight"):
+            return torch.randn(shape, generator=g, dtype=torch.float32)
+        if ".norm" in name and name.endswith(".weight"):
+            return torch.ones(shape)
+        return None
 
     # -- inputs ------------------------------------------------------------------------------
     def input_dims(self) -> dict[str, dict[int, str]]:
-        spatial = {0: "batch", 2: "latent_frames", 3: "latent_height", 4: "latent_width"}
-        return {"hidden_states": dict(spatial), "timestep": {0: "batch"},
+        return {"hidden_states": dict(LATENT_AXES), "timestep": {0: "batch"},
                 "encoder_hidden_states": {0: "batch", 1: "text_len"},
                 "encoder_attention_mask": {0: "batch", 1: "text_len"},
                 "encoder_hidden_states_2": {0: "batch", 1: "text_len_2"},
                 "encoder_attention_mask_2": {0: "batch", 1: "text_len_2"},
-                "image_embeds": {0: "batch"}, "sample": dict(spatial)}
+                "image_embeds": {0: "batch"}, "sample": dict(LATENT_AXES)}
 
     def fixed_axes(self) -> dict[str, dict[int, int]]:
         d = self._dims()
@@ -593,18 +600,6 @@ def _set_processors(model) -> None:
     for name in model.attn_processors:
         procs[name] = HunyuanRefinerAttnProcessor() if ".token_refiner." in f".{name}" else HunyuanJointAttnProcessor()
     model.set_attn_processor(procs)
-
-
-def _random_rule(name: str, shape: tuple, g):
-    """Random init of the parameters outside ``nn.Linear`` / ``nn.Conv`` / ``nn.LayerNorm``: diffusers'
-    ``RMSNorm`` weights (QK norms) are ones, the ``cond_type_embed`` table ``N(0, 1)`` (``nn.Embedding``)."""
-    import torch
-
-    if name.endswith("cond_type_embed.weight"):
-        return torch.randn(shape, generator=g, dtype=torch.float32)
-    if ".norm" in name and name.endswith(".weight"):
-        return torch.ones(shape)
-    return None
 
 
 class _PipelineSigmas:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from trt_sora.errors import ModelError, require
-from trt_sora.models.base import ModelAdapter, ModelSpec, StreamedDecoder, torch_dtype, transformer_folder
+from trt_sora.models.base import LATENT_AXES, ModelAdapter, ModelSpec, StreamedDecoder, torch_dtype, transformer_folder
 
 CLASS_NAME = "WanTransformer3DModel"
 
@@ -391,15 +391,24 @@ class WanAdapter(StreamedDecoder, ModelAdapter):
 
     @staticmethod
     def random_init_rule(name: str, shape: tuple, g):
-        return _random_rule(name, shape, g)
+        """Random init of Wan's own parameters: diffusers' ``randn / sqrt(dim)`` for the AdaLN tables.
+
+        Every other parameter gets its module's ``reset_parameters`` distribution, drawn per parameter
+        on the CPU (:mod:`trt_sora.weights.random_init`): the same config and seed give the same weights
+        on every device and in any loading order, and a 14B model never needs more than one parameter
+        in host memory."""
+        import torch
+
+        if name.endswith("scale_shift_table"):
+            return torch.randn(shape, generator=g, dtype=torch.float32) / shape[-1] ** 0.5
+        return None
 
     def input_dims(self) -> dict[str, dict[int, str]]:
-        spatial = {0: "batch", 2: "latent_frames", 3: "latent_height", 4: "latent_width"}
         dims = {
-            "hidden_states": dict(spatial),
+            "hidden_states": dict(LATENT_AXES),
             "timestep": {0: "batch", 1: "latent_frames"} if self.frame_timesteps else {0: "batch"},
             "encoder_hidden_states": {0: "batch", 1: "text_len"},
-            "sample": dict(spatial),
+            "sample": dict(LATENT_AXES),
         }
         if self.is_i2v:
             dims["encoder_hidden_states_image"] = {0: "batch"}
@@ -880,20 +889,6 @@ def _cast_keep_fp32(model, dtype) -> None:
     for name, b in model.named_buffers():
         if b.is_floating_point() and not any(k in name.split(".") for k in keep):
             b.data = b.data.to(dtype)
-
-
-def _random_rule(name: str, shape: tuple, g):
-    """Random init of Wan's own parameters: diffusers' ``randn / sqrt(dim)`` for the AdaLN tables.
-
-    Every other parameter gets its module's ``reset_parameters`` distribution, drawn per parameter
-    on the CPU (:mod:`trt_sora.weights.random_init`): the same config and seed give the same weights
-    on every device and in any loading order, and a 14B model never needs more than one parameter
-    in host memory."""
-    import torch
-
-    if name.endswith("scale_shift_table"):
-        return torch.randn(shape, generator=g, dtype=torch.float32) / shape[-1] ** 0.5
-    return None
 
 
 def checkpoint_defaults(config: Mapping[str, Any], pipeline: Mapping[str, Any]) -> dict[str, Any]:
