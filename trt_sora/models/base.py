@@ -239,6 +239,17 @@ class ModelAdapter(Conditioner, abc.ABC):
     def _construct(self):
         """Build the module from ``spec.config`` (called under a device context)."""
 
+    def _construct_empty(self):
+        """:meth:`_construct` with every parameter on the meta device and the buffers real (for
+        :meth:`load_empty`)."""
+        from trt_sora.errors import require
+
+        require("accelerate", extra="export")
+        from accelerate import init_empty_weights
+
+        with init_empty_weights(include_buffers=False):
+            return self._construct()
+
     @abc.abstractmethod
     def load(self, dtype: str = "fp32", device: str = "cpu"):
         """The eval-mode ``torch.nn.Module`` in ``dtype`` on ``device``."""

@@ -346,11 +346,7 @@ class HunyuanVideo15Adapter(StreamedDecoder, ModelAdapter):
     def load_empty(self, dtype: str = "fp32"):
         """The module :meth:`load` returns with every parameter on the meta device and buffers real (for
         tracing without weights and streamed loading)."""
-        require("accelerate", extra="export")
-        from accelerate import init_empty_weights
-
-        with init_empty_weights(include_buffers=False):
-            model = self._construct()
+        model = self._construct_empty()
         tdtype = torch_dtype(dtype)
         for t in list(model.parameters()) + [b for b in model.buffers() if b.is_floating_point()]:
             t.data = t.data.to(tdtype)

@@ -373,11 +373,7 @@ class WanAdapter(StreamedDecoder, ModelAdapter):
         """The module :meth:`load` returns (same classes, dtypes, processors), with every parameter on the
         meta device and buffers (RoPE tables) real: for tracing without weights and streamed loading."""
         self._one()
-        require("accelerate", extra="export")
-        from accelerate import init_empty_weights
-
-        with init_empty_weights(include_buffers=False):
-            model = self._construct()
+        model = self._construct_empty()
         _exact_rope_tables(model)
         if self.spec.source == "checkpoint":
             from trt_sora.models import frame_embed
