@@ -46,3 +46,14 @@ def test_stage_commands_refuse_a_foreign_out_folder_before_reading_the_recipe(tm
     args = build_parser().parse_args([*argv, "--recipe", "no-such-recipe", "--out", str(tmp_path)])
     with pytest.raises(ArtifactError, match="not a trt_sora artifact"):
         args.func(args)
+
+
+@pytest.mark.parametrize("argv", [["generate", "a caption", "-o", "c.mp4"],
+                                  ["batch", "--prompts", "j.jsonl", "--out", "o"], ["serve"]])
+def test_run_folder_commands_share_the_runtime_and_cfg_arguments(argv):
+    parser = build_parser()
+    args = parser.parse_args([*argv, "--run", "r", "--backend", "ort", "--threads", "1", "--cfg", "split"])
+    assert (args.run, args.backend, args.threads, args.force, args.cfg) == ("r", "ort", 1, False, "split")
+    assert parser.parse_args([*argv, "--run", "r"]).cfg == "auto"
+    with pytest.raises(SystemExit):
+        parser.parse_args([*argv, "--run", "r", "--cfg", "sometimes"])

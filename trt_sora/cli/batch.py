@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import sys
 
+from trt_sora.cli.common import add_cfg_arg, add_runtime_args
+
 
 def add_parser(sub) -> None:
-    from trt_sora.cli.generate import add_runtime_args
-
     p = sub.add_parser("batch", help="a JSONL file of jobs -> clips + manifest + summary (resumable)",
                        description="Generate one clip per line of a JSONL file (prompt, seed, steps, guidance, "
                                    "shift, negative_prompt, num_frames, height, width, image, id; image: the "
@@ -25,7 +25,7 @@ def add_parser(sub) -> None:
     p.add_argument("--retries", type=int, default=2, help="extra attempts for transient errors (default 2)")
     p.add_argument("--retry-wait", type=float, default=1.0, help="first backoff in seconds (doubles)")
     p.add_argument("--max-batch", type=int, default=None, help="at most N clips per transformer call group")
-    p.add_argument("--cfg", default="auto", choices=["auto", "batched", "split"])
+    add_cfg_arg(p)
     g = p.add_argument_group("quality gate (each clip made again by a reference backend and compared; any of these "
                              "options turns it on; a clip under a bar is a failed job and the command exits 1)")
     g.add_argument("--gate-against", default=None, choices=["torch", "ort"],

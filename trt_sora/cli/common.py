@@ -1,11 +1,13 @@
-"""Shared CLI helpers: a stage command's arguments and recipe, progress lines (CLI only, never in library
-code), JSON summaries."""
+"""Shared CLI helpers: a stage command's arguments and recipe, the argument groups of the commands that
+load a run folder, progress lines (CLI only, never in library code), JSON summaries."""
 from __future__ import annotations
 
 import json
 import sys
 import time
 from contextlib import contextmanager
+
+from trt_sora.runners.registry import BACKENDS
 
 RECIPE_HELP = "recipe name (recipes/*.yaml) or path"
 MODEL_HELP = "registry name (see `trt-sora info`) or a diffusers checkpoint folder; default: the recipe's model.default"
@@ -35,6 +37,28 @@ def overridden(section, **flags):
 
     given = {k: v for k, v in flags.items() if v is not None}
     return from_dict(type(section), {**to_dict(section), **given}, where="command line") if given else section
+
+
+def add_runtime_args(p) -> None:
+    """Arguments that load a run folder (generate, batch and serve)."""
+    p.add_argument("--run", required=True, help="run folder build/<model>/<recipe>/ (checked by `trt-sora check`)")
+    p.add_argument("--backend", default="auto", choices=["auto", *BACKENDS],
+                   help="runtime backend (default auto: TensorRT, else torch-fp8 on an FP8 GPU, else ONNX Runtime)")
+    p.add_argument("--device", default=None, help="torch / trt device (default cuda when present)")
+    p.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")
+    p.add_argument("--force", action="store_true", help="load even when the parity report is missing or failed")
+    p.add_argument("--text-encoder", default=None, help="override the recorded text encoder (hash, minilm, a "
+                   ".safetensors embedding file, a pipeline folder)")
+    p.add_argument("--parallel", default=None, metavar="cfg=2,ulysses=U",
+                   help="split every call over the processes of a torchrun job (CFG-parallel x Ulysses sequence "
+                        "parallel; torch / torch-fp8 backends): torchrun --nproc-per-node 4 -m trt_sora ... "
+                        "--parallel cfg=2,ulysses=2. Rank 0 does the work of the command, the others follow it")
+
+
+def add_cfg_arg(p) -> None:
+    """``--cfg``: how the CFG branches run (generate, batch and serve)."""
+    p.add_argument("--cfg", default="auto", choices=["auto", "batched", "split"],
+                   help="CFG branches in one call when a bucket allows (auto), always (batched) or two calls (split)")
 
 
 @contextmanager

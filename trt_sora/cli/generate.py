@@ -4,23 +4,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from trt_sora.runners.registry import BACKENDS
-
-
-def add_runtime_args(p) -> None:
-    """Arguments that load a run folder (shared by generate, batch and serve)."""
-    p.add_argument("--run", required=True, help="run folder build/<model>/<recipe>/ (checked by `trt-sora check`)")
-    p.add_argument("--backend", default="auto", choices=["auto", *BACKENDS],
-                   help="runtime backend (default auto: TensorRT, else torch-fp8 on an FP8 GPU, else ONNX Runtime)")
-    p.add_argument("--device", default=None, help="torch / trt device (default cuda when present)")
-    p.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")
-    p.add_argument("--force", action="store_true", help="load even when the parity report is missing or failed")
-    p.add_argument("--text-encoder", default=None, help="override the recorded text encoder (hash, minilm, a "
-                   ".safetensors embedding file, a pipeline folder)")
-    p.add_argument("--parallel", default=None, metavar="cfg=2,ulysses=U",
-                   help="split every call over the processes of a torchrun job (CFG-parallel x Ulysses sequence "
-                        "parallel; torch / torch-fp8 backends): torchrun --nproc-per-node 4 -m trt_sora ... "
-                        "--parallel cfg=2,ulysses=2. Rank 0 does the work of the command, the others follow it")
+from trt_sora.cli.common import add_cfg_arg, add_runtime_args
 
 
 def add_sampling_args(p) -> None:
@@ -33,8 +17,7 @@ def add_sampling_args(p) -> None:
     p.add_argument("--frames", type=int, default=None, help="num_frames in pixels (default: first bucket's opt)")
     p.add_argument("--height", type=int, default=None)
     p.add_argument("--width", type=int, default=None)
-    p.add_argument("--cfg", default="auto", choices=["auto", "batched", "split"],
-                   help="CFG branches in one call when a bucket allows (auto), always (batched) or two calls (split)")
+    add_cfg_arg(p)
 
 
 def add_parser(sub) -> None:

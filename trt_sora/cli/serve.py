@@ -2,10 +2,10 @@
 and with ``--grpc-port`` the gRPC stream of clips beside it."""
 from __future__ import annotations
 
+from trt_sora.cli.common import add_cfg_arg, add_runtime_args
+
 
 def add_parser(sub) -> None:
-    from trt_sora.cli.generate import add_runtime_args
-
     p = sub.add_parser("serve", help="HTTP server: submit / poll / fetch clips, /healthz, /readyz, /metrics",
                        description="Serve a checked run folder over HTTP (FastAPI on uvicorn): POST /v1/jobs, GET "
                                    "/v1/jobs/ID, GET /v1/jobs/ID/result, POST /v1/generate, /v1/info, /healthz, "
@@ -48,7 +48,7 @@ def add_parser(sub) -> None:
     p.add_argument("--max-jobs-per-key", type=int, default=None, help="most jobs one key may have queued or "
                    "running (429 past it)")
     p.add_argument("--warmup-steps", type=int, default=1)
-    p.add_argument("--cfg", default="auto", choices=["auto", "batched", "split"])
+    add_cfg_arg(p)
     p.add_argument("--max-steps", type=int, default=250, help="most denoising steps a request may ask for (default "
                    "250; more: 400)")
     p.add_argument("--drain-timeout", type=float, default=600.0, help="longest drain on SIGTERM (s)")
