@@ -11,6 +11,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from caching_helpers import error_table  # noqa: E402
+
 from trt_sora.caching import (  # noqa: E402
     HORIZONS,
     CacheSchedule,
@@ -78,17 +80,6 @@ def test_expert_switch_forces_a_compute():
                                                                         "uncond": (2, 3, 5, 6, 7)}
 
 
-def _errors(n, at):
-    """``[n, HORIZONS]`` errors: ``at[step] = (horizon, error)`` sets one horizon (the others 0.5, more than
-    any budget here), ``(None, error)`` every horizon; steps not listed are NaN."""
-    out = np.full((n, HORIZONS), np.nan)
-    for i, (h, e) in at.items():
-        out[i] = e if h is None else 0.5
-        if h is not None:
-            out[i, h - 1] = e
-    return out
-
-
 EXTRA = CachingConfig(method="extrapolate", threshold=0.1, max_skips=3, warmup_steps=2, final_steps=1)
 
 
@@ -97,9 +88,9 @@ def test_extrapolated_schedule_on_hand_worked_errors():
     Worked by hand (budget .1, max_skips 3): 2: k1, max(.02, .03) -> .03 reuse; 3: k2, +.05 = .08 reuse;
     4: k3, +.04 = .12 -> compute; 5: k1, .09 reuse; 6: k2, +.2 -> compute; 7: k1 .01; 8: k2 .03; 9: k3
     .06 reuse; 10: a fourth in a row -> compute; 11: final."""
-    cond = _errors(12, {2: (1, .02), 3: (2, .05), 4: (3, .04), 5: (1, .09), 6: (2, .2), 7: (1, .01),
+    cond = error_table(12, {2: (1, .02), 3: (2, .05), 4: (3, .04), 5: (1, .09), 6: (2, .2), 7: (1, .01),
                         8: (2, .02), 9: (3, .03), 10: (None, 0.0), 11: (None, 0.0)})
-    uncond = _errors(12, {2: (1, .03), 3: (2, .04), 4: (3, .01), 5: (1, .01), 6: (2, .01), 7: (1, .01),
+    uncond = error_table(12, {2: (1, .03), 3: (2, .04), 4: (3, .01), 5: (1, .01), 6: (2, .01), 7: (1, .01),
                           8: (2, .01), 9: (3, .01), 10: (None, 0.0), 11: (None, 0.0)})
     want = (2, 3, 5, 7, 8, 9)
     assert plan_extrapolated({"cond": cond, "uncond": uncond}, [None] * 12, EXTRA) == {"cond": want, "uncond": want}
@@ -116,7 +107,7 @@ def test_extrapolated_schedule_on_hand_worked_errors():
 
 
 def test_extrapolated_schedule_switch_warmup_and_horizons():
-    flat = _errors(10, {i: (None, 0.0) for i in range(10)})
+    flat = error_table(10, {i: (None, 0.0) for i in range(10)})
     cfg = CachingConfig(method="extrapolate", threshold=0.1, max_skips=2, warmup_steps=3, final_steps=2)
     assert plan_extrapolated({"cond": flat}, [None] * 10, cfg)["cond"] == (3, 4, 6, 7)
     pair = ["high"] * 4 + ["low"] * 6  # the low expert's first step (4) computes for both branches

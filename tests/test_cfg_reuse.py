@@ -12,6 +12,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from caching_helpers import error_table  # noqa: E402
+
 from trt_sora.caching import (  # noqa: E402
     HORIZONS,
     CacheSchedule,
@@ -43,22 +45,11 @@ def _toy(inputs):
     return x * (0.3 + 0.2 * m) + torch.sin(3.0 * s) * m + s
 
 
-def _errors(n, at):
-    """``[n, HORIZONS]``: ``at[step] = (horizon, error)`` (other horizons 0.5), ``(None, e)`` every horizon;
-    steps not listed NaN."""
-    out = np.full((n, HORIZONS), np.nan)
-    for i, (h, e) in at.items():
-        out[i] = e if h is None else 0.5
-        if h is not None:
-            out[i, h - 1] = e
-    return out
-
-
 # -- the plan -----------------------------------------------------------------------------------------
 def test_cond_only_steps_on_hand_worked_errors():
     """Budget .1, warm-up 2, final 1. 2: h1 .04 reuse; 3: h2 +.05 = .09 reuse; 4: h3 +.03 = .12 -> both
     compute (anchor); 5: NaN -> anchor; 6-8: .02 each at h1-3 reuse; 9: final."""
-    e = _errors(10, {2: (1, .04), 3: (2, .05), 4: (3, .03), 6: (1, .02), 7: (2, .02), 8: (3, .02), 9: (4, 0.0)})
+    e = error_table(10, {2: (1, .04), 3: (2, .05), 4: (3, .03), 6: (1, .02), 7: (2, .02), 8: (3, .02), 9: (4, 0.0)})
     assert plan_cfg_reuse(e, [None] * 10, CFG, {}) == (2, 3, 6, 7, 8)
     # a step the step plan skips whole (3) after the cond-alone step 2 takes the difference too (h2: .09)
     # and anchors nothing: 4 is h3 from 1, .12 -> anchor; without step 2 before it, 3 keeps uncond's own
@@ -75,7 +66,7 @@ def test_cond_only_steps_on_hand_worked_errors():
 def test_horizon_limit_and_the_pair_switch():
     """At most HORIZONS (4) steps from the last step computing both; the low expert's first step computes
     both (the difference is the expert's own)."""
-    flat = _errors(12, {i: (None, 0.0) for i in range(12)})
+    flat = error_table(12, {i: (None, 0.0) for i in range(12)})
     cfg = dataclasses.replace(CFG, warmup_steps=1, final_steps=0)
     assert plan_cfg_reuse(flat, [None] * 12, cfg, {}) == (1, 2, 3, 4, 6, 7, 8, 9, 11)
     pair = ["high"] * 4 + ["low"] * 6
