@@ -17,8 +17,16 @@ decode + MP4; with ``--cache-saved F`` also a row whose transformer calls are cu
 that the step cache saved on the checked model (the cache's own bookkeeping is not timed). The
 composition is stated in the JSON; nothing is extrapolated that was not measured per unit.
 
+``--measure clips`` composes nothing: it runs whole ``--clip-steps`` clips of ours end to end (text encode, every
+step of the sampler, VAE decode bf16, MP4), the cached clip first, its step schedule from ``--cache-schedule`` (a
+run folder or a JSON with a check's caching record, or a ``CacheSchedule`` JSON) or ``--cache-reuse`` (steps),
+replayed through the sampler's ``cache=`` as ``runtime.generate`` replays a checked one.
+
     python benchmarks/e2e_bench.py --out benchmarks/results/h200_e2e_2026-12-05.json        # GPU
     python benchmarks/e2e_bench.py --model wan-tiny --size tiny --steps 2 --out /tmp/e2e.json  # CPU smoke
+    python benchmarks/e2e_bench.py --measure clips --cache-schedule RESULTS.json --out clips.json      # GPU
+    python benchmarks/e2e_bench.py --measure clips --model wan-tiny --size tiny --clip-steps 4 --cache-reuse 2 \
+        --out /tmp/clips.json                                                                        # CPU smoke
 """
 from __future__ import annotations
 
@@ -76,6 +84,35 @@ def vae_for(model_name: str, dev: str, dtype):
     return vae.to(dev, dtype).eval().requires_grad_(False)
 
 
+def export_call(adapter, mdl):
+    """``(call, f)``: the sampler's ``call(inputs)`` over ``mdl`` (the adapter's export signature ``f``), no
+    autograd."""
+    f = adapter.export_module(mdl)
+
+    def call(inputs):
+        with torch.inference_mode():
+            return f(*[inputs[n] for n in adapter.input_names])
+    return call, f
+
+
+def fp8_runner(adapter, model, fwd, noise, text, dev: str):
+    """Our torch-fp8 runner (fused FP8 quantization, 8-bit attention, CUDA graphs on a GPU), activated; its
+    input amax calibrated on one call of ``fwd`` at timestep 700 with ``noise`` [1, C, F, H, W] and ``text``
+    [1, L, D]. ``model`` is rewritten in place (the runner's from then on)."""
+    import sys
+
+    from trt_sora.runners.fp8_runner import AttentionPolicy, TorchFp8Runner
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from fp8_bench import calibrate_plan
+
+    feeds = {"hidden_states": noise.bfloat16(), "timestep": torch.full((1,), 700.0, device=dev),
+             "encoder_hidden_states": text.bfloat16()}
+    plan = calibrate_plan(model, lambda *a: fwd(*a), [feeds[n] for n in adapter.input_names], adapter.quant_excludes)
+    return TorchFp8Runner(adapter, None, plan=plan, device=dev, model=model, mode="fused",
+                          attention=AttentionPolicy(enabled=True), cuda_graphs=True).activate()
+
+
 def measure(args) -> dict:
     from trt_sora.models import get_adapter
     from trt_sora.sampling import SamplingSettings, gaussian_noise, runner_call, sample
@@ -130,16 +167,7 @@ def measure(args) -> dict:
         marks.append(time.perf_counter())
         return (marks[-1] - marks[2]) / args.steps
 
-    def call_of(mdl):
-        """The sampler's ``call(inputs)`` over ``mdl`` (the adapter's export signature), no autograd."""
-        f = adapter.export_module(mdl)
-
-        def call(inputs):
-            with torch.inference_mode():
-                return f(*[inputs[n] for n in adapter.input_names])
-        return call, f
-
-    eager, fwd = call_of(model)
+    eager, fwd = export_call(adapter, model)
 
     def attempt(name: str, fn) -> None:  # one path's failure is recorded, and the next path still runs
         if name not in args.paths:
@@ -154,19 +182,7 @@ def measure(args) -> dict:
         m["eager_bf16_split_step_s"] = loop(eager, "split")
 
     def run_ours() -> None:
-        import sys
-
-        from trt_sora.runners.fp8_runner import AttentionPolicy, TorchFp8Runner
-
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        from fp8_bench import calibrate_plan
-
-        feeds = {"hidden_states": noise.bfloat16(), "timestep": torch.full((1,), 700.0, device=dev),
-                 "encoder_hidden_states": emb[:1].bfloat16()}
-        plan = calibrate_plan(model, lambda *a: fwd(*a), [feeds[n] for n in adapter.input_names],
-                              adapter.quant_excludes)
-        runner = TorchFp8Runner(adapter, None, plan=plan, device=dev, model=model, mode="fused",
-                                attention=AttentionPolicy(enabled=True), cuda_graphs=True).activate()
+        runner = fp8_runner(adapter, model, fwd, noise, emb[:1], dev)
         try:
             m["ours_fp8_batched_graph_step_s"] = loop(runner_call(runner), "batched")
             m["ours_report"] = {k: v for k, v in runner.report().items() if isinstance(v, (int, float, str, bool))}
@@ -178,7 +194,7 @@ def measure(args) -> dict:
         t0 = time.perf_counter()
         mdl.compile_repeated_blocks(fullgraph=True)
         try:
-            m[key] = loop(call_of(mdl)[0], "split")
+            m[key] = loop(export_call(adapter, mdl)[0], "split")
             m[key.replace("_step_s", "_wall_with_compile_s")] = time.perf_counter() - t0
         finally:
             for sub in mdl.modules():
@@ -235,6 +251,147 @@ def measure(args) -> dict:
     return res
 
 
+def cache_schedule(source: str | None, reuse: str | None, order: int, steps: int):
+    """``(CacheSchedule, record)``: the step schedule a cached clip replays, and what the JSON says of it.
+
+    ``reuse``: an explicit comma list of steps both CFG branches reuse (extrapolated at ``order``). Else
+    ``source``: a run folder (its verified ``parity/report.json`` caching record), a check report's JSON
+    (``caching``), a results JSON holding one (``check_report.caching``) or a ``CacheSchedule`` JSON
+    (``num_steps``, ``reused``). ConfigError when it covers another step count or its check failed."""
+    from trt_sora.caching import CacheSchedule
+    from trt_sora.errors import ConfigError
+    from trt_sora.runfolder import RunFolder
+
+    if reuse is not None:
+        at = [int(x) for x in reuse.split(",") if x.strip()]
+        sched = CacheSchedule.from_dict({"num_steps": steps, "reused": {"cond": at, "uncond": at}, "order": order},
+                                        where=f"--cache-reuse {reuse}")
+        return sched, {"source": "explicit list of reused steps (--cache-reuse; not read from a check)",
+                       "checked": None, "schedule": sched.to_dict()}
+    if source is None:
+        raise ConfigError("a cached clip needs a schedule: pass --cache-schedule (a run folder or a JSON written by "
+                          "`trt-sora check`) or --cache-reuse (steps), or --clips uncached")
+    path = Path(source)
+    doc = RunFolder(path).read_report() if path.is_dir() else json.loads(path.read_text())
+    record = (doc or {}).get("check_report", doc) or {}
+    model = record.get("model")
+    record = record.get("caching", record)
+    if "reused" not in record and "schedule" not in record:
+        raise ConfigError(f"{source} holds no step schedule (no caching record of a check, no CacheSchedule); run "
+                          "`trt-sora check` with a caching: section, or pass --cache-reuse")
+    if record.get("passed") is False:
+        raise ConfigError(f"{source}: its check failed this step schedule; pick a setting the check passed")
+    sched = CacheSchedule.from_dict(record.get("schedule", record), where=str(source))
+    if sched.num_steps != steps:
+        raise ConfigError(f"{source} schedules {sched.num_steps} steps but the clip runs --clip-steps {steps}; "
+                          f"pass --clip-steps {sched.num_steps} or a schedule of {steps} steps")
+    checked = None if "schedule" not in record else {
+        "model": model, "setting": record.get("setting"), "sampling": record.get("sampling"),
+        "passed": record.get("passed"), "calls": record.get("calls"), "calls_uncached": record.get("calls_uncached")}
+    kind = "a check's caching record" if checked else "a CacheSchedule JSON"
+    return sched, {"source": f"{kind}: {source}", "checked": checked, "schedule": sched.to_dict()}
+
+
+def measure_clips(args) -> dict:
+    """Whole clips, every stage and every step measured (nothing composed): per clip, the text encode (prompt
+    + negative), ``args.clip_steps`` steps of the sampler with our torch-fp8 runner (batched CFG, CUDA graph)
+    and, for the cached clip, the step schedule replayed through the sampler's ``cache=`` (as
+    ``runtime.generate`` serves a checked one), the VAE decode (bf16) and the MP4 encode. One warm-up first
+    (a 2-step trajectory: graph capture, autotuning; an encode; a decode), timed apart. The JSON is written
+    after each clip."""
+    from trt_sora.caching import CacheSchedule
+    from trt_sora.models import get_adapter
+    from trt_sora.runtime.video import write_clip
+    from trt_sora.sampling import SamplingSettings, gaussian_noise, runner_call, sample
+
+    dev, cuda = args.device, args.device.startswith("cuda")
+    adapter = get_adapter(args.model)
+    schedule, source = cache_schedule(args.cache_schedule, args.cache_reuse, args.cache_order, args.clip_steps) \
+        if "cached" in args.clips else (None, None)
+    frames, height, width = SIZES[args.size]
+    lat = adapter.latent_size(frames, height, width)
+    text_len = 512 if args.model.startswith("wan2") else 16
+    settings = SamplingSettings(num_steps=args.clip_steps, guidance_scale=5.0, shift=adapter.sampling.shift)
+    res: dict = {"mode": "measured clips: every stage and step run, nothing composed", "model": args.model,
+                 "size": args.size, "frames": frames, "height": height, "width": width, "latent": lat,
+                 "text_len": text_len, "sampling": settings.to_dict(), "cfg": "batched", "backend": "torch-fp8",
+                 "device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
+                 "weights": "random (timing only)", "schedule": source, "setup": {}, "clips": {}}
+    if source is not None:
+        source["branch_calls"], source["branch_calls_uncached"] = schedule.calls([("cond", "uncond")] * args.clip_steps)
+        source["note"] = ("the step schedule is replayed by step index through trt_sora.caching.CacheSchedule (the "
+                          "sampler's cache=, as runtime.generate applies a checked one); this model's random weights "
+                          "cannot be calibrated or checked, so the schedule is the one named above")
+    setup = res["setup"]
+
+    def save() -> None:  # what finished so far, in case a later clip runs past the call's time limit
+        Path(args.out).write_text(json.dumps(res, indent=2, default=str) + "\n")
+
+    t0 = time.perf_counter()
+    enc, vocab = text_encoder(args.model, adapter.text_dim, dev)
+    vae = vae_for(args.model, dev, torch.bfloat16)
+    model = adapter.load("bf16", dev)
+    setup["build_s"] = time.perf_counter() - t0  # text encoder, VAE, transformer (random weights)
+    ids = torch.randint(0, vocab, (2, text_len), device=dev, generator=torch.Generator(dev).manual_seed(0))
+    noise = gaussian_noise((1, adapter.latent_channels, lat["latent_frames"], lat["latent_height"],
+                            lat["latent_width"]), 0).to(dev)
+    mean = torch.tensor(vae.config.latents_mean, device=dev).view(1, -1, 1, 1, 1)
+    std = torch.tensor(vae.config.latents_std, device=dev).view(1, -1, 1, 1, 1)
+    with torch.inference_mode():
+        emb = enc(input_ids=ids).last_hidden_state.float()
+    t0 = time.perf_counter()
+    runner = fp8_runner(adapter, model, export_call(adapter, model)[1], noise, emb[:1], dev)
+    call = runner_call(runner)
+    setup["runner_s"] = time.perf_counter() - t0  # FP8 plan calibration (one call) + block rewrite
+    save()
+
+    def clip(name: str, steps: SamplingSettings, cache) -> dict:
+        """One clip's stages, each timed after a device sync; ``calls``: the sampler's transformer calls."""
+        calls: list[tuple[str, ...]] = []
+        marks = [time.perf_counter()]
+        with torch.inference_mode():
+            text = enc(input_ids=ids).last_hidden_state
+            sync(dev)
+            marks.append(time.perf_counter())
+            out = sample(call, noise, text[:1], text[1:], scheduler=adapter.scheduler(steps.shift), settings=steps,
+                         cfg="batched", dtype=torch.bfloat16, cache=cache,
+                         hook=lambda info: calls.append(info.branches))
+            sync(dev)
+            marks.append(time.perf_counter())
+            x = vae.decode((out.latents * std + mean).bfloat16(), return_dict=False)[0]
+            sync(dev)
+            marks.append(time.perf_counter())
+            pixels = ((x[0].float().clamp(-1, 1) + 1) * 127.5).round().byte().permute(1, 2, 3, 0).cpu().numpy()
+        path = write_clip(pixels, Path(args.tmp) / f"e2e_{name}.mp4", 16.0)
+        marks.append(time.perf_counter())
+        stages = dict(zip(("text_encode_s", "denoise_s", "vae_decode_s", "mp4_s"),
+                          (b - a for a, b in zip(marks, marks[1:]))))
+        branch_calls = sum(len(c) for c in calls)
+        return {**stages, "clip_s": marks[-1] - marks[0], "steps": steps.num_steps,
+                "s_per_step": stages["denoise_s"] / steps.num_steps, "transformer_calls": len(calls),
+                "branch_calls": branch_calls, "branch_calls_uncached": 2 * steps.num_steps,
+                "reused": {b: [r.step for r in out.steps if b in r.reused] for b in ("cond", "uncond")},
+                "frames": int(pixels.shape[0]), "mp4_bytes": path.stat().st_size}
+
+    t0 = time.perf_counter()
+    clip("warmup", settings.override(num_steps=2), None)
+    if schedule is not None and any(schedule.reuse(i, "cond") != schedule.reuse(i, "uncond")
+                                    for i in range(args.clip_steps)):
+        clip("warmup", settings.override(num_steps=2), CacheSchedule(2, {"uncond": (1,)}))  # a lone branch's graph
+    setup["warmup_s"] = time.perf_counter() - t0
+    setup["ours_report"] = {k: v for k, v in runner.report().items() if isinstance(v, (int, float, str, bool))}
+    save()
+    for name in args.clips:
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        res["clips"][name] = clip(name, settings, schedule if name == "cached" else None)
+        if cuda:
+            res["clips"][name]["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        save()
+    runner.deactivate()
+    return res
+
+
 def compose(res: dict, clip_steps: int, cache_saved: float | None) -> dict:
     """Seconds per clip from the measured units (stated, so a reader can redo the sum). A row whose step
     was not measured is left out; a stage not measured in this run is left out of every row (named)."""
@@ -267,7 +424,7 @@ def compose(res: dict, clip_steps: int, cache_saved: float | None) -> dict:
             "stages_not_measured": missing, "rows": table}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="wan2.1-t2v-14b")
     ap.add_argument("--size", default="480p", choices=list(SIZES))
@@ -281,12 +438,24 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--tmp", default="/tmp")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--measure", default="units", choices=("units", "clips"), help="units: time each stage and a "
+                    "few steps per path, compose a clip; clips: run whole --clip-steps clips of ours end to end")
+    ap.add_argument("--clips", default="cached,uncached", help="--measure clips: which clips, in order (comma list "
+                    "of cached, uncached)")
+    ap.add_argument("--cache-schedule", default=None, help="the cached clip's schedule: a run folder (its checked "
+                    "parity report), a check report / results JSON with its caching record, or a CacheSchedule JSON")
+    ap.add_argument("--cache-reuse", default=None, help="instead: the steps both CFG branches reuse (comma list)")
+    ap.add_argument("--cache-order", type=int, default=1, help="--cache-reuse's extrapolation order (0: reuse)")
     ap.add_argument("--compose-from", default=None, help="recompose a measured JSON (e.g. with --cache-saved) "
                     "instead of measuring")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     args.paths = set(args.paths.split(","))
-    res = json.loads(Path(args.compose_from).read_text()) if args.compose_from else measure(args)
-    res["per_clip"] = compose(res, args.clip_steps, args.cache_saved)
+    args.clips = [c for c in args.clips.split(",") if c]
+    if args.measure == "clips":
+        res = measure_clips(args)
+    else:
+        res = json.loads(Path(args.compose_from).read_text()) if args.compose_from else measure(args)
+        res["per_clip"] = compose(res, args.clip_steps, args.cache_saved)
     text = json.dumps(res, indent=2, default=str)
     Path(args.out).write_text(text + "\n")
     print(text)

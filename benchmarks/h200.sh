@@ -5,7 +5,9 @@
 #
 #   bash benchmarks/h200.sh tests attention quality m13 m14 ...
 #
-# Parts: tests (pytest -m gpu), e2e (seconds per clip stage by stage, Wan 14B 480p x 81: benchmarks/e2e_bench.py), ws (the warp-specialized Gluon attention kernel vs the Triton one: bits, speed;
+# Parts: tests (pytest -m gpu), e2e (seconds per clip stage by stage, Wan 14B 480p x 81: benchmarks/e2e_bench.py),
+# e2eclip (two whole 50-step 14B clips of ours measured end to end, the cached one first with the schedule check
+# accepted on wan-shapes, E2ECLIP_SCHEDULE; the JSON after each clip), ws (the warp-specialized Gluon attention kernel vs the Triton one: bits, speed;
 # WS_CONFIGS picks its configs; WS_VARIANTS=name=path,... other builds of the Gluon module), gemm (block GEMMs,
 # exact vs fast FP8 accumulation), attention (kernel vs
 # cuDNN/flash), cudnn_attn (issue 32: our 8-bit Triton kernel vs cuDNN's FP8 SDPA alone, 1 x 40 x 32,760 x 128;
@@ -83,6 +85,9 @@ part() {  # name, limit_s, command...
 for p in "$@"; do
   case $p in
     e2e) part e2e ${E2E_LIMIT:-540} python3 benchmarks/e2e_bench.py ${E2E_ARGS:-} --out "$OUT/e2e.json" ;;
+    e2eclip) part e2eclip ${E2ECLIP_LIMIT:-560} python3 benchmarks/e2e_bench.py --measure clips ${E2ECLIP_ARGS:-} \
+              --cache-schedule "${E2ECLIP_SCHEDULE:-benchmarks/results/h100_check_generate_caching_wan-shapes_2026-12-05.json}" \
+              --out "$OUT/e2eclip.json" ;;
     tests) part tests ${TESTS_LIMIT:-360} python3 -m pytest -q -m gpu -p no:cacheprovider ${TESTS:-tests} ;;
     calib13) part calib13 300 bash -c "python3 benchmarks/calib_overhead.py --model wan2.1-t2v-1.3b --cfg split --variants ${CALIB_VARIANTS:-r2,shipped} --out $OUT/calib13_split.json && python3 benchmarks/calib_overhead.py --model wan2.1-t2v-1.3b --cfg batched --variants ${CALIB_VARIANTS:-r2,shipped} --out $OUT/calib13_batched.json" ;;
     calib14) part calib14 360 python3 benchmarks/calib_overhead.py --model wan2.1-t2v-14b --cfg batched --reps 3 --variants ${CALIB14_VARIANTS:-shipped} --out "$OUT/calib14_batched.json" ;;

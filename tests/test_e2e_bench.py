@@ -1,0 +1,88 @@
+"""benchmarks/e2e_bench.py --measure clips on wan-tiny (CPU): whole clips through our torch-fp8 runner, the cached
+one replaying its step schedule. The transformer calls are counted at the runner (not by the sampler's hook the
+bench reports from): a schedule the clip ignored would call it at every step."""
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from trt_sora.errors import ConfigError  # noqa: E402
+from trt_sora.runners.fp8_runner import TorchFp8Runner  # noqa: E402
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "e2e_bench.py"
+#: the warm-up's 2-step trajectory (batched CFG: one batch-2 call a step).
+WARMUP = [2, 2]
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("e2e_bench", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _run(tmp_path, monkeypatch, *schedule) -> tuple[dict, list[int]]:
+    """The bench's JSON and the batch of every call the runner served, in order."""
+    rows: list[int] = []
+    infer = TorchFp8Runner._infer_impl
+
+    def counted(self, feeds):
+        rows.append(int(feeds["hidden_states"].shape[0]))
+        return infer(self, feeds)
+
+    monkeypatch.setattr(TorchFp8Runner, "_infer_impl", counted)
+    out = tmp_path / "clips.json"
+    _bench().main(["--measure", "clips", "--model", "wan-tiny", "--size", "tiny", "--device", "cpu",
+                   "--clip-steps", "4", "--tmp", str(tmp_path), "--out", str(out), *schedule])
+    return json.loads(out.read_text()), rows
+
+
+def test_cached_clip_calls_the_transformer_as_its_schedule_says(tmp_path, monkeypatch):
+    res, rows = _run(tmp_path, monkeypatch, "--cache-reuse", "2")
+    # 2 warm-up steps, the cached clip's steps 0, 1, 3, then the uncached clip's 4: both branches in one call
+    assert rows == WARMUP + [2] * 3 + [2] * 4
+    cached, uncached = res["clips"]["cached"], res["clips"]["uncached"]
+    assert list(res["clips"]) == ["cached", "uncached"]  # the cached clip first
+    assert (cached["transformer_calls"], cached["branch_calls"]) == (3, 6)
+    assert (uncached["transformer_calls"], uncached["branch_calls"]) == (4, 8)
+    assert cached["reused"] == {"cond": [2], "uncond": [2]} and uncached["reused"] == {"cond": [], "uncond": []}
+    assert res["schedule"]["checked"] is None and "explicit" in res["schedule"]["source"]
+    for c in (cached, uncached):
+        stages = c["text_encode_s"] + c["denoise_s"] + c["vae_decode_s"] + c["mp4_s"]
+        assert 0 < stages <= c["clip_s"] and c["frames"] == 9 and c["mp4_bytes"] > 0
+    assert res["setup"]["ours_report"]["fp8_gemms_per_call"] > 0
+
+
+def test_a_lone_branch_is_called_at_batch_one_after_its_own_warm_up(tmp_path, monkeypatch):
+    sched = tmp_path / "schedule.json"
+    sched.write_text(json.dumps({"num_steps": 4, "reused": {"uncond": [2]}, "order": 0}))
+    res, rows = _run(tmp_path, monkeypatch, "--cache-schedule", str(sched))
+    # warm-ups: 2 steps, then 2 steps whose second calls cond alone; the cached clip's step 2 calls cond alone
+    assert rows == WARMUP + [2, 1] + [2, 2, 1, 2] + [2] * 4
+    assert res["clips"]["cached"]["branch_calls"] == res["schedule"]["branch_calls"] == 7
+    assert "CacheSchedule JSON" in res["schedule"]["source"]
+
+
+def _report(tmp_path, **caching) -> str:
+    rec = {"setting": {"method": "extrapolate"}, "sampling": {"num_steps": 4}, "passed": True,
+           "schedule": {"num_steps": 4, "reused": {"cond": [2], "uncond": [2]}, "order": 1}, **caching}
+    path = tmp_path / "check.json"
+    path.write_text(json.dumps({"what": "a results JSON", "check_report": {"model": "wan-tiny", "caching": rec}}))
+    return str(path)
+
+
+def test_schedule_from_a_checked_report(tmp_path):
+    sched, rec = _bench().cache_schedule(_report(tmp_path), None, 1, 4)
+    assert sched.reused == {"cond": (2,), "uncond": (2,)} and sched.order == 1
+    assert rec["checked"]["model"] == "wan-tiny" and rec["checked"]["passed"] is True
+
+
+@pytest.mark.parametrize("caching, steps, why", [({}, 5, "--clip-steps 4"), ({"passed": False}, 4, "failed")])
+def test_schedule_refused(tmp_path, caching, steps, why):
+    with pytest.raises(ConfigError, match=why):
+        _bench().cache_schedule(_report(tmp_path, **caching), None, 1, steps)
