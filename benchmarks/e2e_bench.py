@@ -389,6 +389,8 @@ def measure_clips(args) -> dict:
             res["clips"][name]["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
         save()
     runner.deactivate()
+    if {"cached", "uncached"} <= set(res["clips"]):
+        res["cached_speedup"] = res["clips"]["uncached"]["clip_s"] / res["clips"]["cached"]["clip_s"]
     return res
 
 
@@ -451,6 +453,8 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     args.paths = set(args.paths.split(","))
     args.clips = [c for c in args.clips.split(",") if c]
+    if not args.clips or set(args.clips) - {"cached", "uncached"}:
+        ap.error(f"--clips {','.join(args.clips)}: name cached and/or uncached")
     if args.measure == "clips":
         res = measure_clips(args)
     else:

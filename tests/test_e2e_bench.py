@@ -26,7 +26,7 @@ def _bench():
     return mod
 
 
-def _run(tmp_path, monkeypatch, *schedule) -> tuple[dict, list[int]]:
+def _run(tmp_path, monkeypatch, *schedule, device: str = "cpu") -> tuple[dict, list[int]]:
     """The bench's JSON and the batch of every call the runner served, in order."""
     rows: list[int] = []
     infer = TorchFp8Runner._infer_impl
@@ -37,7 +37,7 @@ def _run(tmp_path, monkeypatch, *schedule) -> tuple[dict, list[int]]:
 
     monkeypatch.setattr(TorchFp8Runner, "_infer_impl", counted)
     out = tmp_path / "clips.json"
-    _bench().main(["--measure", "clips", "--model", "wan-tiny", "--size", "tiny", "--device", "cpu",
+    _bench().main(["--measure", "clips", "--model", "wan-tiny", "--size", "tiny", "--device", device,
                    "--clip-steps", "4", "--tmp", str(tmp_path), "--out", str(out), *schedule])
     return json.loads(out.read_text()), rows
 
@@ -56,6 +56,7 @@ def test_cached_clip_calls_the_transformer_as_its_schedule_says(tmp_path, monkey
         stages = c["text_encode_s"] + c["denoise_s"] + c["vae_decode_s"] + c["mp4_s"]
         assert 0 < stages <= c["clip_s"] and c["frames"] == 9 and c["mp4_bytes"] > 0
     assert res["setup"]["ours_report"]["fp8_gemms_per_call"] > 0
+    assert res["cached_speedup"] == pytest.approx(uncached["clip_s"] / cached["clip_s"], rel=1e-12)
 
 
 def test_a_lone_branch_is_called_at_batch_one_after_its_own_warm_up(tmp_path, monkeypatch):
@@ -66,6 +67,14 @@ def test_a_lone_branch_is_called_at_batch_one_after_its_own_warm_up(tmp_path, mo
     assert rows == WARMUP + [2, 1] + [2, 2, 1, 2] + [2] * 4
     assert res["clips"]["cached"]["branch_calls"] == res["schedule"]["branch_calls"] == 7
     assert "CacheSchedule JSON" in res["schedule"]["source"]
+
+
+@pytest.mark.gpu
+def test_cuda_clips_replay_one_graph_and_the_schedule(tmp_path, monkeypatch):
+    res, rows = _run(tmp_path, monkeypatch, "--cache-reuse", "2", device="cuda")
+    assert rows == WARMUP + [2] * 3 + [2] * 4  # the runner is asked once per call; graphs replay inside it
+    assert res["setup"]["ours_report"]["cuda_graphs"] == 1 and res["clips"]["cached"]["peak_gib"] > 0
+    assert res["clips"]["cached"]["branch_calls"] == 6 and res["device"] != "cpu"
 
 
 def _report(tmp_path, **caching) -> str:
