@@ -30,7 +30,11 @@ Parts (``--parts``):
   ``fp8_fused_attn8_graph_exactacc``: the full rung with exact accumulation;
   ``fp8_fused_attn8_graph_otherkernel``: with the 8-bit attention kernel that is not the default, the
   warp-specialized Gluon one on SM 9.x; ``fp8_fused_attn8_cudnn`` / ``fp8_fused_attn8_graph_cudnn``: with
-  cuDNN's FP8 SDPA, eager with its profiler split, and graphed; a failure there is recorded, not fatal).
+  cuDNN's FP8 SDPA, eager with its profiler split, and graphed; a failure there is recorded, not fatal;
+  ``fp8_fused_attn8_graph_sparse``: the full rung with block-sparse self-attention, once per window of
+  ``--sparse-windows`` (rung ``fp8_fused_attn8_graph_sparse_F-H-W``; every layer and step, the first
+  ``--sparse-global-frames`` latent frames global), with its block density and its speed-up and cosine
+  against the dense full rung of the same run).
   Median of ``--iters`` calls after warm-up, cosine vs eager BF16, what the backend reports it ran, and a profiler split
   (GEMM / attention / other) of the BF16 and the full FP8 call with achieved TFLOP/s against the measured ceilings.
 
@@ -38,7 +42,15 @@ Parts (``--parts``):
         --sizes 480p --batches 1,2 --iters 10 --out benchmarks/results/h200_fp8_bench.json
 
 ``--points 480p:2,720p:1`` picks size:batch pairs instead of the product; each model is built once
-and shared by all its points. HunyuanVideo 1.5 at 480p (32,760 video tokens, as Wan 14B's call):
+and shared by all its points. Wan 14B at 720p with sparse attention beside the dense full rung:
+
+    python benchmarks/fp8_bench.py --parts models --models wan2.1-t2v-14b --points 720p:1 --iters 5 \
+        --eager-iters 1 --no-profile --rungs fp8_fused_attn8_graph,fp8_fused_attn8_graph_sparse \
+        --sparse-windows 4-2-2,2-2-2 --out x.json
+
+``--device cpu`` with a tiny model and a small ``--sizes HxW`` runs the models part on the CPU's reference
+kernels (a dry run of the wiring: no timings worth reading). HunyuanVideo 1.5 at 480p (32,760 video tokens,
+as Wan 14B's call):
 
     python benchmarks/fp8_bench.py --parts models --models hunyuanvideo-1.5-480p-t2v --points 480p:1 \
         --iters 10 --out benchmarks/results/h200_fp8_bench_hunyuan.json   # and again with --all-keys
@@ -299,15 +311,26 @@ class GpuSampler:
                 "temp_c_max": max(cols[2])}
 
 
-def call_inputs(adapter, size: str, batch: int, frames: int = 81, all_keys: bool = False) -> tuple[dict, list]:
+def pixels(size: str) -> tuple[int, int]:
+    """``(height, width)`` of a ``SIZES`` name or ``HxW`` (a small size for a CPU dry run)."""
+    if size in SIZES:
+        return SIZES[size]
+    h, _, w = size.partition("x")
+    if not (h.isdigit() and w.isdigit()):
+        raise SystemExit(f"size {size!r}: use one of {', '.join(SIZES)} or HxW pixels (e.g. 64x128)")
+    return int(h), int(w)
+
+
+def call_inputs(adapter, size: str, batch: int, frames: int = 81, all_keys: bool = False,
+                device: str = "cuda") -> tuple[dict, list]:
     """``(point, inputs)`` of one benchmark call: ``frames`` pixel frames (81: 21 latent) at ``size``
-    (height rounded down to what the VAE and patch divide), text 512, timestep 700, on cuda. ``all_keys``:
-    every attention key a real token (full text masks, image tokens given), where a family masks some
-    (HunyuanVideo: no padding for its 8-bit attention to skip)."""
-    h, w = SIZES[size]
+    (height rounded down to what the VAE and patch divide), text 512, timestep 700, on ``device``.
+    ``all_keys``: every attention key a real token (full text masks, image tokens given), where a family
+    masks some (HunyuanVideo: no padding for its 8-bit attention to skip)."""
+    h, w = pixels(size)
     unit = adapter.vae_scale[1] * adapter.patch_size[1]
     point = {"batch": batch, "text_len": 512, **adapter.latent_size(frames, h // unit * unit, w)}
-    feeds = adapter.example_inputs(point, dtype="bf16", device="cuda", seed=1)
+    feeds = adapter.example_inputs(point, dtype="bf16", device=device, seed=1)
     feeds["timestep"] = torch.full_like(feeds["timestep"], 700.0)  # TI2V: [B, latent_frames]
     if all_keys:
         for m in adapter.mask_inputs:
@@ -392,15 +415,20 @@ def attention_in_model_part(name: str = "wan2.1-t2v-14b") -> dict:
 
 
 # -- whole transformer calls ---------------------------------------------------------------------------------
+def _sync() -> None:
+    if torch.cuda.is_initialized():  # a CPU dry run never touches CUDA
+        torch.cuda.synchronize()
+
+
 def timed_calls(fn, iters: int, warmup: int = 2):
     for _ in range(warmup):
         y = fn()
-    torch.cuda.synchronize()
+    _sync()
     times = []
     for _ in range(iters):
         t0 = time.perf_counter()
         y = fn()
-        torch.cuda.synchronize()
+        _sync()
         times.append(time.perf_counter() - t0)
     return y, statistics.median(times), times
 
@@ -478,12 +506,28 @@ def model_flops(cfg, point, context_len: int) -> dict:
     return {"gemm": gemm, "attention": attn, "tokens": s}
 
 
+def sparse_rungs(rungs: list[str], windows: str, tile: str, global_frames: int) -> dict:
+    """``{rung name: SparsePlan}``: ``fp8_fused_attn8_graph_sparse`` in ``rungs`` once per window of
+    ``windows`` (``F-H-W`` tile distances, comma-separated), every layer and step sparse."""
+    from trt_sora.sparse import SparsePlan
+
+    if "fp8_fused_attn8_graph_sparse" not in rungs:
+        return {}
+    t = tuple(int(x) for x in tile.split("-"))
+    return {f"fp8_fused_attn8_graph_sparse_{w}": SparsePlan(t, {"*": tuple(int(x) for x in w.split("-"))},
+                                                           global_frames)
+            for w in windows.split(",")}
+
+
 def model_part(name: str, size: str, batch: int, iters: int, rungs: list[str], save=lambda res: None, *,
-               model, profile: bool = True, frames: int = 81, all_keys: bool = False) -> dict:
+               model, profile: bool = True, frames: int = 81, all_keys: bool = False, device: str = "cuda",
+               eager_iters: int | None = None, sparse: dict | None = None) -> dict:
     """One model x size x batch. ``model``: the random-init model (its weights are drawn on the CPU, ~110 s
     for 14B, so :func:`main` builds it once for every size and batch); every rung runs on a GPU copy of
     it; ``save(res)`` after each rung, so a run cut off by its time limit keeps what it measured.
-    ``profile``: the profiler split of the eager and fused calls (one more call each)."""
+    ``profile``: the profiler split of the eager and fused calls (one more call each). ``eager_iters``:
+    timed eager calls (default ``iters``; 1: one warm-up). ``sparse``: :func:`sparse_rungs`' plans, run
+    after the ladder with the full rung's options."""
     import copy
 
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -491,7 +535,7 @@ def model_part(name: str, size: str, batch: int, iters: int, rungs: list[str], s
     from trt_sora.runners.fp8_runner import AttentionPolicy, TorchFp8Runner
 
     adapter = bench_adapter(name)
-    point, inputs = call_inputs(adapter, size, batch, frames, all_keys)
+    point, inputs = call_inputs(adapter, size, batch, frames, all_keys, device)
     context = sum(x.shape[1] for n, x in zip(adapter.input_names, inputs)
                   if n.startswith(("encoder_hidden_states", "image_embeds")))
     res = {"model": name, "size": size, "batch": batch, "point": point, "all_keys": all_keys,
@@ -504,7 +548,8 @@ def model_part(name: str, size: str, batch: int, iters: int, rungs: list[str], s
         with torch.inference_mode(), sdpa_kernel(cudnn):
             return fwd(*inputs)
 
-    y_ref, t, ts = timed_calls(eager, iters)
+    n_eager = eager_iters or iters
+    y_ref, t, ts = timed_calls(eager, n_eager, warmup=1 if n_eager == 1 else 2)
     res["rungs"]["eager_bf16"] = {"s": t, "all_s": ts, "split_ms": profile_split(eager) if profile else None}
     plan = calibrate_plan(model, lambda *a: eager(), inputs, adapter.quant_excludes)
     res["quantized_sites"] = len(plan)
@@ -543,11 +588,13 @@ def model_part(name: str, size: str, batch: int, iters: int, rungs: list[str], s
     from trt_sora.kernels import triton_ops
 
     shipped_ws = triton_ops.ATTN_WS
-    for rung, kw in ladder.items():
-        if rung not in rungs:
-            continue
+    plans = {rung: None for rung in ladder if rung in rungs} | dict(sparse or {})
+    y_dense = None
+    for rung, sparse_plan in plans.items():
+        kw = ladder["fp8_fused_attn8_graph"] if sparse_plan is not None else ladder[rung]
         triton_ops.ATTN_WS = shipped_ws != rung.endswith("_otherkernel")
-        r = TorchFp8Runner(adapter, None, plan=plan, device="cuda", model=copy.deepcopy(model), **kw).activate()
+        r = TorchFp8Runner(adapter, None, plan=plan, device=device, model=copy.deepcopy(model), sparse=sparse_plan,
+                           **kw).activate()
         feeds_r = {n: x for n, x in zip(adapter.input_names, inputs)}
         call = lambda: r.infer(feeds_r)["sample"]  # noqa: E731
         try:
@@ -569,6 +616,11 @@ def model_part(name: str, size: str, batch: int, iters: int, rungs: list[str], s
             rep["split_ms"] = profile_split(call)
         rep.update({"s": t, "all_s": ts, "cosine_vs_eager_bf16": cos(y, y_ref),
                     "expected_fp8_gemms": r.expected_gemms()})
+        if rung == "fp8_fused_attn8_graph":
+            y_dense = y
+        if sparse_plan is not None:
+            rep.update(sparse_record(sparse_plan, adapter.token_grid(inputs[0].shape), y, y_dense, t,
+                                     res["rungs"].get("fp8_fused_attn8_graph", {}).get("s")))
         if not r.cuda_graphs and rep["fp8_gemms_per_call"] != rep["expected_fp8_gemms"]:
             raise SystemExit(f"{rung}: ran {rep['fp8_gemms_per_call']} FP8 GEMMs, the plan needs "
                              f"{rep['expected_fp8_gemms']}: a silent no-op")
@@ -598,6 +650,16 @@ def model_part(name: str, size: str, batch: int, iters: int, rungs: list[str], s
     return res
 
 
+def sparse_record(plan, grid, y, y_dense, s: float, dense_s: float | None) -> dict:
+    """A sparse rung's pattern (window, block density at ``grid``) and, beside the dense full rung of the
+    same run, its speed-up and output cosine."""
+    rec = {"token_grid": list(grid), "window": list(plan.windows["*"]),
+           "density": plan.density(["all"], grid)["all"]}
+    if y_dense is not None and dense_s:
+        rec.update(speedup_vs_dense_full_rung=dense_s / s, cosine_vs_dense_full_rung=cos(y, y_dense))
+    return rec
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--parts", default="attention,models")
@@ -613,14 +675,23 @@ def main(argv=None) -> None:
     ap.add_argument("--all-keys", action="store_true",
                     help="every attention key valid (full text masks, image tokens given); otherwise "
                          "HunyuanVideo's 8-bit attention runs over its valid keys")
+    ap.add_argument("--eager-iters", type=int, default=None, help="timed eager BF16 calls (default: --iters)")
+    ap.add_argument("--sparse-windows", default="4-2-2,2-2-2",
+                    help="the sparse rung's windows (frames-rows-cols of tiles), one rung each")
+    ap.add_argument("--sparse-tile", default="1-8-16", help="the sparse rung's tile (tokens: frames-rows-cols)")
+    ap.add_argument("--sparse-global-frames", type=int, default=1, help="latent frames every query attends")
+    ap.add_argument("--device", default="cuda", help="cpu: a dry run of the models part on the reference kernels")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    out = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "ceilings": CEILING, "runs": []}
-    import triton
+    on_gpu = a.device.startswith("cuda")
+    out = {"gpu": torch.cuda.get_device_name() if on_gpu else "cpu", "torch": torch.__version__,
+           "ceilings": CEILING, "runs": []}
+    if on_gpu:
+        import triton
 
-    out["triton"] = triton.__version__
+        out["triton"] = triton.__version__
     parts = set(a.parts.split(","))
     if "gemm" in parts:
         out["gemm"] = gemm_part()
@@ -636,7 +707,7 @@ def main(argv=None) -> None:
             Path(a.out).write_text(json.dumps(out, indent=1))
     if "models" in parts:
         for m in a.models.split(","):
-            model = bench_adapter(m).load("bf16", "cuda")  # once per model: every size and batch shares it
+            model = bench_adapter(m).load("bf16", a.device)  # once per model: every size and batch shares it
             points = ([(p.split(":")[0], int(p.split(":")[1])) for p in a.points.split(",")] if a.points else
                       [(sz, int(b)) for sz in a.sizes.split(",") for b in a.batches.split(",")])
             for sz, b in points:
@@ -647,13 +718,16 @@ def main(argv=None) -> None:
                     if a.out:
                         Path(a.out).write_text(json.dumps(out, indent=1))
 
-                r = model_part(m, sz, b, a.iters, a.rungs.split(","), save, model=model,
-                               profile=not a.no_profile, frames=a.frames, all_keys=a.all_keys)
+                rungs = a.rungs.split(",")
+                r = model_part(m, sz, b, a.iters, rungs, save, model=model, profile=not a.no_profile,
+                               frames=a.frames, all_keys=a.all_keys, device=a.device, eager_iters=a.eager_iters,
+                               sparse=sparse_rungs(rungs, a.sparse_windows, a.sparse_tile, a.sparse_global_frames))
                 print(json.dumps({k: r[k] for k in ("model", "size", "batch")} | {
                     k: {kk: v.get(kk) for kk in ("s", "speedup_vs_eager_bf16", "speedup_vs_compile_bf16",
                                                    "cosine_vs_eager_bf16", "fp8_gemms_per_call",
                                                    "fp8_attention_layers", "bf16_attention_layers",
-                                                   "attention_keys_padded", "cuda_graphs")}
+                                                   "attention_keys_padded", "cuda_graphs", "density",
+                                                   "speedup_vs_dense_full_rung")}
                     for k, v in r["rungs"].items()}), flush=True)
                 if a.out:
                     Path(a.out).write_text(json.dumps(out, indent=1))

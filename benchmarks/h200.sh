@@ -23,7 +23,8 @@
 # m13 / m14 (one transformer call, 480p x 81, batch 1: eager, compile, the torch-fp8 ladder),
 # calib13 / calib14 (calibration observer overhead; CALIB_VARIANTS picks calib13's observer paths),
 # hist (one batch's |x| histogram several ways; HIST_ARGS=--only-cuda: the torch path and the NVRTC kernel),
-# m14b2 (14B batch 2), m14_720 (14B 720p batch 1), m14x (14B 480p batch 2, 720p batch 1 and 2: eager vs full torch-fp8,
+# m14b2 (14B batch 2), m14_720 (14B 720p batch 1), m14sparse (issue 32: the 14B 720p call, the full torch-fp8 rung
+# dense and with block-sparse attention per window of SPARSE_WINDOWS (4-2-2,2-2-2), iters 5, one eager call), m14x (14B 480p batch 2, 720p batch 1 and 2: eager vs full torch-fp8,
 # one model build, no profiler; the JSON keeps what finished), prof14 (profiler of the 14B fp8 call),
 # peer (issue 17: wan-shapes calibrated here, then NVIDIA ModelOpt's FP8 recipe vs ours on 16 held-out
 # prompts at 20 steps; needs build/wan_shapes_peer_prompts.safetensors from
@@ -131,6 +132,10 @@ for p in "$@"; do
              --iters 10 --rungs fp8_fused_attn8_graph --out "$OUT/m14b2.json" ;;
     m14_720) part m14_720 540 python3 benchmarks/fp8_bench.py --parts models --models wan2.1-t2v-14b --sizes 720p \
                --batches 1 --iters 10 --rungs fp8_fused_attn8_graph --out "$OUT/m14_720.json" ;;
+    m14sparse) part m14sparse ${M14SPARSE_LIMIT:-300} python3 benchmarks/fp8_bench.py --parts models \
+                 --models wan2.1-t2v-14b --points 720p:1 --iters 5 --eager-iters 1 --no-profile \
+                 --rungs fp8_fused_attn8_graph,fp8_fused_attn8_graph_sparse --sparse-windows "${SPARSE_WINDOWS:-4-2-2,2-2-2}" \
+                 --out "$OUT/m14sparse.json" ;;
     e2e720) part e2e720 ${E2E720_LIMIT:-300} python3 benchmarks/e2e_bench.py --size 720p --paths eager,ours --steps 2 \
               --out "$OUT/e2e720.json" ;;
     fam) part fam ${FAM_LIMIT:-300} python3 benchmarks/fp8_bench.py --parts models \
