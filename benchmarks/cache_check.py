@@ -6,7 +6,8 @@ then export into it) and writes a recipe
 into ``--work``/recipe.yaml and the run's recipe.yaml; the calibrate stage reads no caching setting, so a
 run calibrated once takes the setting a curve picks later. The caching setting is the one of a
 ``caching_bench.py`` curve (``--curve``, same model and step count) that saved the most calls (at least
-one) with its gate passed (ties: the better worst clip; its ``cfg_reuse`` / ``cfg_order`` too), with the
+one) with its gate passed (ties: the better worst clip; its ``cfg_reuse`` / ``cfg_order`` too; a curve of
+``--plan``'s ``caching.plan``), with the
 curve's other thresholds at the same ``max_skips``, warm-up and CFG reuse as the check's sweep;
 ``--setting`` when no curve row passed. The calibrate and quantize stages then run into that run folder
 (on the GPU: ``calibrate --device cuda``), and check gates the cached clip. ``show`` prints what a clip's
@@ -35,13 +36,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 SETTING = ("threshold", "max_skips", "warmup_steps", "cfg_reuse", "cfg_order")
 
 
-def choose(curve: dict | None, steps: int, model: str, fallback: dict, method: str):
+def choose(curve: dict | None, steps: int, model: str, fallback: dict, method: str, plan: str = "runs"):
     """``(setting, final, sweep, source)`` from ``curve`` (a caching_bench JSON): ``setting`` holds
     CachingConfig's :data:`SETTING` keywords of the best passing row, ``sweep`` the curve's other thresholds
     at that row's other keys; ``fallback`` (the same keys) when no row of this model and step count passed."""
     rows = []
     if curve and curve["model"] == model and curve["sampling"]["num_steps"] == steps \
-            and curve["caching"]["method"] == method:
+            and curve["caching"]["method"] == method and curve["caching"].get("plan", "runs") == plan:
         rows = [r for r in curve["curve"] if r["gate_passed"] and r["calls"] < r["calls_uncached"]]
     if not rows:
         return dict(fallback), 1, (), "--setting (no curve row of this model and step count passed)"
@@ -61,11 +62,11 @@ def prepare(a) -> None:
     curve = json.loads(Path(a.curve).read_text()) if a.curve and Path(a.curve).is_file() else None
     fallback = {k: t(x) for (k, t), x in zip(zip(SETTING, (float, int, int, float, int)),
                                              [*a.setting.split(":"), "0", "0"][:5])}
-    setting, final, sweep, source = choose(curve, a.steps, a.model, fallback, a.method)
+    setting, final, sweep, source = choose(curve, a.steps, a.model, fallback, a.method, a.plan)
     base = load_recipe(a.base)
     recipe = dataclasses.replace(
         base, name=f"{base.name}-cache{a.steps}",
-        caching=CachingConfig(method=a.method, final_steps=final, sweep=sweep, **setting),
+        caching=CachingConfig(method=a.method, final_steps=final, sweep=sweep, plan=a.plan, **setting),
         calibration=dataclasses.replace(base.calibration, num_steps=a.steps),
         parity=dataclasses.replace(base.parity, loop_steps=a.steps))
     work = Path(a.work)
@@ -78,8 +79,8 @@ def prepare(a) -> None:
     text = dump_recipe(recipe)
     (work / "recipe.yaml").write_text(text)
     RunFolder(run).recipe.write_text(text)
-    print(f"caching {a.method} {setting} final {final} at {a.steps} steps (sweep {list(sweep)}), from {source}; "
-          f"run {run}, recipe {work / 'recipe.yaml'}")
+    print(f"caching {a.method} plan {a.plan} {setting} final {final} at {a.steps} steps (sweep {list(sweep)}), "
+          f"from {source}; run {run}, recipe {work / 'recipe.yaml'}")
 
 
 def show(a) -> None:
@@ -102,6 +103,7 @@ def main(argv=None) -> None:
     p.add_argument("--model", default="wan-shapes")
     p.add_argument("--base", default="rtx4090-fp8", help="the recipe the caching one starts from")
     p.add_argument("--method", default="extrapolate", choices=("magcache", "extrapolate"))
+    p.add_argument("--plan", default="runs", choices=("runs", "global"), help="caching.plan of extrapolate")
     p.add_argument("--curve", default=None, help="a caching_bench.py JSON (missing file: --setting)")
     p.add_argument("--setting", default="0.1:2:2",
                    help="threshold:max_skips:warmup_steps[:cfg_reuse[:cfg_order]] without a passing row")

@@ -90,6 +90,9 @@ def parse_args(argv):
                     help="threshold:max_skips:warmup_steps[:cfg_reuse[:cfg_order]], comma-separated (cfg_reuse: "
                     "caching.cfg_reuse, default 0 = off; cfg_order default 0) ('': only write --reference)")
     ap.add_argument("--final", type=int, default=1)
+    ap.add_argument("--plan", default="runs", choices=("runs", "global"),
+                    help="caching.plan of method extrapolate: the threshold per run of reused steps, or the "
+                    "whole trajectory's budget")
     ap.add_argument("--ratios", default=None, help="a step-statistics file to reuse (written when missing)")
     ap.add_argument("--reference", default=None, help="a torch.save file of the uncached clips to reuse, e.g. "
                     "ref.pt (written when missing)")
@@ -201,13 +204,14 @@ def main(argv=None) -> None:
            "calibration": {"preset": b.preset.name, "prompts": b.preset.num_prompts,
                            "seconds": calib_s and round(calib_s, 1), "reused_file": calib_s is None and a.ratios,
                            "ratios": ratios.summary()},
-           "caching": {"method": a.method, "final_steps": a.final},
+           "caching": {"method": a.method, "final_steps": a.final,
+                       **({"plan": a.plan} if a.plan != "runs" else {})},
            "gate": {"min_clip_psnr_db_every_caption": a.gate_db, "probe_verdicts": "all unchanged"},
            "uncached_sample_seconds": round(ref_s, 3), "psnr_peak": "latents: uncached max - min; clip: 2.0",
            "curve": [], "torch": torch.__version__, "threads": torch.get_num_threads()}
     for spec in a.configs.split(","):
         setting = parse_setting(spec)
-        cfg = CachingConfig(method=a.method, final_steps=a.final, **setting)
+        cfg = CachingConfig(method=a.method, final_steps=a.final, plan=a.plan, **setting)
         schedule = schedule_for(cfg, ratios, b.settings, b.timesteps())
         same = next((i for i, r in enumerate(out["curve"]) if r["schedule"] == schedule.to_dict()), None)
         if same is None:

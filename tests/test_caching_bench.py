@@ -141,3 +141,8 @@ def test_check_setting_is_the_curves_best_passing_row():
                                                {**row(0.1, 2, 30, 29.0, False), "cfg_reuse": 0.6, "cfg_order": 1}]}
     assert cc.choose(cfg, 50, "wan-shapes", setting(0.7, 1, 3), "extrapolate")[:3] == \
         (setting(0.1, 2, 2, 0.3, 1), 1, (0.05,))
+    # caching.plan: a curve of the other plan is not read (a curve before the key: plan runs)
+    assert cc.choose(curve, 50, "wan-shapes", setting(0.7, 1, 3), "extrapolate", "global")[0] == setting(0.7, 1, 3)
+    planned = {**curve, "caching": {**curve["caching"], "plan": "global"}}
+    assert cc.choose(planned, 50, "wan-shapes", setting(0.7, 1, 3), "extrapolate", "global")[0] == setting(0.2, 2, 2)
+    assert cc.choose(planned, 50, "wan-shapes", setting(0.7, 1, 3), "extrapolate")[0] == setting(0.7, 1, 3)

@@ -47,13 +47,14 @@ from typing import Any
 
 import numpy as np
 
-from trt_sora.config.recipe import CACHE_BRANCHES, CacheMethod, CachingConfig
+from trt_sora.config.recipe import CACHE_BRANCHES, CacheMethod, CachePlan, CachingConfig
 from trt_sora.errors import ArtifactError, ConfigError
 from trt_sora.manifest import read_safetensors
 from trt_sora.sampling import CFG_DELTA
 
 __all__ = ["CFG_ORDERS", "HORIZONS", "RATIOS_FILE", "CacheSchedule", "MagnitudeRecorder", "StepRatios",
-           "caching_record", "extrapolate", "plan_cfg_reuse", "plan_extrapolated", "plan_schedule", "schedule_for"]
+           "caching_record", "extrapolate", "plan_cfg_reuse", "plan_extrapolated", "plan_global", "plan_schedule",
+           "schedule_for"]
 
 #: The calibrate stage's file of per-step magnitude ratios (beside ``stats.safetensors``).
 RATIOS_FILE = "step_ratios.safetensors"
@@ -343,12 +344,7 @@ def plan_extrapolated(errors: Mapping[str, np.ndarray], experts: Sequence[str | 
     while ``err <= threshold`` and ``k <= max_skips``; a computing step resets ``err = 0, k = 0``.
     """
     budget = config.threshold if threshold is None else float(threshold)
-    n, deciding = len(experts), [b for b in config.branches if b in errors]
-    for b, e in errors.items():
-        if e.shape[0] != n or e.shape[1] < config.max_skips:
-            raise ConfigError(f"caching: the extrapolation errors of branch {b!r} cover {e.shape[0]} steps x "
-                              f"{e.shape[1]} horizons; this schedule needs {n} steps x caching.max_skips="
-                              f"{config.max_skips} (at most {e.shape[1]})")
+    n, deciding = len(experts), _deciding(errors, len(experts), config)
     err, k, reused = 0.0, 0, []
     for i in range(n):
         if i >= config.warmup_steps and i < n - config.final_steps and experts[i] == experts[i - 1] and deciding:
@@ -359,6 +355,66 @@ def plan_extrapolated(errors: Mapping[str, np.ndarray], experts: Sequence[str | 
                 continue
         err, k = 0.0, 0
     return {b: tuple(reused) if b in deciding else () for b in errors}
+
+
+def _deciding(errors: Mapping[str, np.ndarray], n: int, config: CachingConfig) -> list[str]:
+    """The branches whose errors decide a step; ConfigError when the errors do not cover ``n`` steps x
+    ``caching.max_skips`` horizons."""
+    for b, e in errors.items():
+        if e.shape[0] != n or e.shape[1] < config.max_skips:
+            raise ConfigError(f"caching: the extrapolation errors of branch {b!r} cover {e.shape[0]} steps x "
+                              f"{e.shape[1]} horizons; this schedule needs {n} steps x caching.max_skips="
+                              f"{config.max_skips} (at most {e.shape[1]})")
+    return [b for b in config.branches if b in errors]
+
+
+def plan_global(errors: Mapping[str, np.ndarray], experts: Sequence[str | None], config: CachingConfig,
+                threshold: float | None = None) -> dict[str, tuple[int, ...]]:
+    """``{branch: reused steps}`` of ``caching.plan: global``: one budget for the whole trajectory.
+
+    Args:
+        errors: ``{branch: [n, HORIZONS]}`` calibrated mean extrapolation errors (NaN: the step computes).
+        experts: the expert serving each step (``None`` for one model): a change forces a compute.
+        config: warm-up / final steps, ``max_skips``, the branches that may reuse (one decision for all).
+        threshold: the budget of the summed errors of every reused step (default ``config.threshold``).
+
+    A plan's error is the sum over its reused steps of the worse branch's error at the step's horizon (its
+    place in its run of reused steps; runs of at most ``max_skips``, no forced step: warm-up, final, an
+    expert's first step). The schedule reuses the most steps whose least-error plan stays within the
+    budget, and that plan: the calls saved never fall as the budget grows.
+    """
+    budget = config.threshold if threshold is None else float(threshold)
+    n, deciding = len(experts), _deciding(errors, len(experts), config)
+    if not deciding:
+        return {b: () for b in errors}
+    worst = np.max(np.stack([np.asarray(errors[b], np.float64) for b in deciding]), axis=0)  # NaN propagates
+    forced = {i for i in range(n) if i < config.warmup_steps or i >= n - config.final_steps}
+    forced |= {i for i in range(1, n) if experts[i] != experts[i - 1]}
+    plans = _least_error_plans(worst, [i not in forced for i in range(n)], config.max_skips)
+    steps = max((p for cost, p in plans.values() if cost <= budget), key=len, default=())
+    return {b: steps if b in deciding else () for b in errors}
+
+
+def _least_error_plans(worst: np.ndarray, free: Sequence[bool], max_skips: int) -> dict[int, tuple[float, tuple]]:
+    """``{count: (error, steps)}``: per number of reused steps, the ``free`` steps with the least summed
+    ``worst[i, h - 1]`` (``h``: the step's place in its run, at most ``max_skips``), by dynamic programming
+    over the steps with the state (length of the run so far, steps reused)."""
+    plans: dict[tuple[int, int], tuple[float, tuple]] = {(0, 0): (0.0, ())}
+    for i, can in enumerate(free):
+        nxt: dict[tuple[int, int], tuple[float, tuple]] = {}
+        for (run, count), (cost, steps) in plans.items():
+            options = [((0, count), (cost, steps))]
+            if can and run < max_skips and math.isfinite(worst[i, run]):
+                options.append(((run + 1, count + 1), (cost + float(worst[i, run]), (*steps, i))))
+            for key, plan in options:
+                if key not in nxt or plan[0] < nxt[key][0]:
+                    nxt[key] = plan
+        plans = nxt
+    best: dict[int, tuple[float, tuple]] = {}
+    for (_, count), plan in plans.items():
+        if count not in best or plan[0] < best[count][0]:
+            best[count] = plan
+    return best
 
 
 def plan_cfg_reuse(errors: np.ndarray, experts: Sequence[str | None], config: CachingConfig,
@@ -493,7 +549,8 @@ def schedule_for(config: CachingConfig, ratios: StepRatios, settings, timesteps:
             raise ArtifactError("caching.method=extrapolate needs the extrapolation errors the calibrate stage "
                                 "records; this calibration predates them: re-run `trt-sora calibrate`")
         errors = {b: ratios.mean_errors(b) for b in ratios.errors}
-        return _with_cfg_reuse(CacheSchedule(n, plan_extrapolated(errors, experts, config, threshold), order=1),
+        plan = plan_global if config.plan is CachePlan.GLOBAL else plan_extrapolated
+        return _with_cfg_reuse(CacheSchedule(n, plan(errors, experts, config, threshold), order=1),
                                config, ratios, experts)
     means = {b: list(ratios.mean(b)) for b in ratios.ratios}
     return _with_cfg_reuse(CacheSchedule(n, plan_schedule(means, experts, config, threshold)), config, ratios, experts)

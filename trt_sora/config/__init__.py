@@ -12,6 +12,7 @@ from trt_sora.config.recipe import (
     BuildConfig,
     BuildRequirements,
     CacheMethod,
+    CachePlan,
     CachingConfig,
     CalibConfig,
     CalibMethod,
@@ -33,7 +34,8 @@ from trt_sora.config.shapes import DIM_NAMES, DimRange, ShapeProfile, check_poin
 from trt_sora.errors import ConfigError
 
 __all__ = [
-    "AttentionKernel", "AttentionMode", "Backend", "BuildConfig", "BuildRequirements", "CacheMethod", "CachingConfig",
+    "AttentionKernel", "AttentionMode", "Backend", "BuildConfig", "BuildRequirements", "CacheMethod", "CachePlan",
+    "CachingConfig",
     "CalibConfig",
     "CalibMethod",
     "DIM_NAMES", "DType", "DimRange", "ExportConfig", "ExternalData", "ModelConfig", "ParityConfig",

@@ -57,6 +57,12 @@ class CacheMethod(str, enum.Enum):
     EXTRAPOLATE = "extrapolate"
 
 
+class CachePlan(str, enum.Enum):
+    """How ``method: extrapolate`` spends ``caching.threshold`` (see :class:`CachingConfig`)."""
+    RUNS = "runs"
+    GLOBAL = "global"
+
+
 class AttentionMode(str, enum.Enum):
     NATIVE = "native"
     PLUGIN = "plugin"
@@ -285,6 +291,11 @@ class CachingConfig:
     reused at 0), while the summed calibrated relative errors of that estimate since the last
     step computing both stay <= ``cfg_reuse`` (at most 4 steps apart); the step then calls cond alone. A
     step skipped whole after such a step takes its uncond the same way, from its cond estimate.
+
+    ``plan`` (``method: extrapolate`` only): ``runs`` (the default) spends ``threshold`` per run of reused
+    steps, as above; ``global`` makes ``threshold`` the whole trajectory's budget: the schedule reuses the
+    most steps whose least summed errors (each reused step's, the worse branch's, at its place in its run)
+    stay within it, so the calls saved never fall as the budget grows.
     """
 
     method: CacheMethod = CacheMethod.NONE
@@ -296,14 +307,11 @@ class CachingConfig:
     sweep: tuple[float, ...] = ()
     cfg_reuse: float = 0.0
     cfg_order: int = 0
+    plan: CachePlan = CachePlan.RUNS
 
     def __post_init__(self) -> None:
-        if not isinstance(self.method, CacheMethod):  # built in Python with a string
-            choices = [m.value for m in CacheMethod]
-            if self.method not in choices:
-                raise ConfigError(f"caching.method={self.method!r} is not one of {choices}"
-                                  f"{did_you_mean(self.method, choices)}")
-            object.__setattr__(self, "method", CacheMethod(self.method))
+        object.__setattr__(self, "method", _enum_value("caching.method", CacheMethod, self.method))
+        object.__setattr__(self, "plan", _enum_value("caching.plan", CachePlan, self.plan))
         object.__setattr__(self, "branches", tuple(self.branches))
         object.__setattr__(self, "sweep", tuple(self.sweep))
         _in_range("caching.threshold", self.threshold, 0.0, 10.0, lo_open=True,
@@ -322,6 +330,9 @@ class CachingConfig:
             raise ConfigError(f"caching.branches={list(self.branches)}{hint}: list each CFG branch that may reuse "
                               f"once, from {list(CACHE_BRANCHES)}")
         self._check_cfg_reuse()
+        if self.plan is CachePlan.GLOBAL and self.method is not CacheMethod.EXTRAPOLATE:
+            raise ConfigError(f"caching.plan=global budgets the extrapolation errors of method: extrapolate, not "
+                              f"method: {self.method.value}; set caching.method: extrapolate or plan: runs")
 
     def _check_cfg_reuse(self) -> None:
         if self.cfg_reuse != 0.0:
@@ -338,14 +349,27 @@ class CachingConfig:
                               f"{list(self.branches)} keeps it computing; add uncond or set cfg_reuse: 0")
 
     def setting(self) -> dict:
-        """The setting as a plain dict, the CFG-reuse keys only when it is on (so a record or fingerprint
-        of a recipe without it stays what it was before the keys existed)."""
+        """The setting as a plain dict, the CFG-reuse keys only when it is on and ``plan`` only when it is
+        not ``runs`` (so a record or fingerprint of a recipe without them stays what it was before the keys
+        existed)."""
         d = to_dict(self)
+        if self.plan is CachePlan.RUNS:
+            del d["plan"]
         return d if self.cfg_reuse else {k: v for k, v in d.items() if k not in ("cfg_reuse", "cfg_order")}
 
     @property
     def enabled(self) -> bool:
         return self.method is not CacheMethod.NONE
+
+
+def _enum_value(key: str, kind: type[enum.Enum], value):
+    """``value`` as a member of ``kind`` (a recipe or a Python caller may give its string)."""
+    if isinstance(value, kind):
+        return value
+    choices = [m.value for m in kind]
+    if value not in choices:
+        raise ConfigError(f"{key}={value!r} is not one of {choices}{did_you_mean(str(value), choices)}")
+    return kind(value)
 
 
 _Window = tuple[int, int, int]
