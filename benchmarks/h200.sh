@@ -42,8 +42,11 @@
 # extra's wheels: fastapi, uvicorn, prometheus-client).
 # CACHE_METHOD (extrapolate, magcache; +cfg: CFG-branch reuse on top, the grids CACHE50_CFG_GRID / CACHE20_CFG_GRID
 # of threshold:max_skips:warmup:cfg_reuse:cfg_order) picks the method of cacheN, ccalib and checkcache.
+# CACHE_PLAN (runs; global: caching.plan global, the threshold is the clip's error budget, the grids
+# CACHE50_GLOBAL_GRID / CACHE20_GLOBAL_GRID) picks the plan of cacheN and checkcache.
 #   bash benchmarks/h200.sh ccalib cache50 checkcache gen cserve cache20
 #   CACHE_METHOD=extrapolate+cfg bash benchmarks/h200.sh ccalib cache50 checkcache gen cserve cache20
+#   CACHE_PLAN=global bash benchmarks/h200.sh ccalib cache50 checkcache gen
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -69,6 +72,12 @@ CACHE50_CFG_GRID=${CACHE50_CFG_GRID:-0.05:1:2:0.02:0,0.05:1:2:0.05:0,0.1:1:2:0.0
 CACHE20_CFG_GRID=${CACHE20_CFG_GRID:-0.05:1:2:0.032:0,0.05:1:2:0.046:1,0.05:1:2:0.038:0,0.05:1:2:0.04:0,0.05:1:2:0.054:1,0.1:1:8:0.03:0,0.1:1:8:0.045:0}
 if [ "${CACHE_METHOD%+cfg}" != "$CACHE_METHOD" ]; then CACHE50_GRID=$CACHE50_CFG_GRID; CACHE20_GRID=$CACHE20_CFG_GRID; fi
 CACHE_METHOD=${CACHE_METHOD%+cfg}
+CACHE_PLAN=${CACHE_PLAN:-runs}
+# budgets of plan global, from the 50-step errors of h100_caching_wan-shapes_50steps_grid2: 0.5:2:2 reuses 24
+# of 50 steps (the runs plan's passing 48%), 0.8:3:x 28-29 (56-58%), 1:3:2 32 (64%)
+CACHE50_GLOBAL_GRID=${CACHE50_GLOBAL_GRID:-0.5:2:2,0.6:2:2,0.72:3:2,0.8:3:2,0.9:3:2,1:3:2,0.63:3:10,0.8:3:10,0.9:3:10,1.1:3:10,0.8:3:6,0.9:3:6,1.2:4:2,0.8:3:2:0.05:0,0.8:3:10:0.05:0}
+CACHE20_GLOBAL_GRID=${CACHE20_GLOBAL_GRID:-0.21:2:2,0.26:2:2,0.34:2:2,0.35:3:7,0.5:3:7,0.45:3:2,0.26:2:2:0.038:0}
+if [ "$CACHE_PLAN" = global ]; then CACHE50_GRID=$CACHE50_GLOBAL_GRID; CACHE20_GRID=$CACHE20_GLOBAL_GRID; fi
 # issue 13's lever table (benchmarks/quality_levers.py; ModelOpt's last: it needs nvidia-modelopt)
 LEVERS=${LEVERS:-bf16,fp8_mse_wch,fp8_minmax_wch,fp8_mse_wtensor,fp8_minmax_wtensor,fp8_mse_wch_gptq,fp8_minmax_wch_gptq,fp8_mse_wch_gptq_last2,fp8_mse_wch_last4,fp8_mse_wch_first4,fp8_mse_wch_excl=ffn.down,int8_minmax_wch,int8_mse_wch,int8_percentile_wch,int8_mse_wch_gptq,int8_minmax_wch_gptq,int8_minmax_wch_sq0.5,int8_mse_wch_gptq_last2,modelopt,modelopt_wch}
 python3 -c 'import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())'
@@ -167,10 +176,11 @@ print(ort.__version__)' \$X/quant/model.qdq.onnx" ;;
               --out $CCW/run/quant" ;;
     cache[0-9]*) R=$CCW/run/calib/step_ratios.safetensors; [ "${p#cache}" = "$CC_STEPS" ] && [ -f $R ] || R=
                      part $p $CC_LIMIT python3 benchmarks/caching_bench.py --device $CC_DEVICE --steps ${p#cache} --method $CACHE_METHOD \
+                       --plan $CACHE_PLAN \
                        --captions 16 --threads 8 --text-embeddings "$EMB" ${R:+--ratios $R} --configs "$([ $p = cache20 ] \
                        && echo "$CACHE20_GRID" || echo "$CACHE50_GRID")" --out "$OUT/$p.json" ;;
     checkcache) TAIL=40 part checkcache $CC_LIMIT bash -c "set -e; python3 benchmarks/cache_check.py prepare --run '$RUN' \
-                  --work $CCW --steps $CC_STEPS --method $CACHE_METHOD --curve $OUT/cache$CC_STEPS.json
+                  --work $CCW --steps $CC_STEPS --method $CACHE_METHOD --plan $CACHE_PLAN --curve $OUT/cache$CC_STEPS.json
                 trap 'cp $CCW/recipe.yaml $CCW/run/parity/report.json $CCW/run/parity/report.md $OUT/ 2>/dev/null' EXIT
                 python3 -m trt_sora check --run $CCW/run --recipe $CCW/recipe.yaml --backend $CC_BACKEND --device $CC_DEVICE \
                   --text-embeddings '$EMB'" ;;
