@@ -453,8 +453,8 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     args.paths = set(args.paths.split(","))
     args.clips = [c for c in args.clips.split(",") if c]
-    if not args.clips or set(args.clips) - {"cached", "uncached"}:
-        ap.error(f"--clips {','.join(args.clips)}: name cached and/or uncached")
+    if not args.clips or set(args.clips) - {"cached", "uncached"} or len(set(args.clips)) < len(args.clips):
+        ap.error(f"--clips {','.join(args.clips)}: name cached and/or uncached, each once")
     if args.measure == "clips":
         res = measure_clips(args)
     else:

@@ -95,3 +95,10 @@ def test_schedule_from_a_checked_report(tmp_path):
 def test_schedule_refused(tmp_path, caching, steps, why):
     with pytest.raises(ConfigError, match=why):
         _bench().cache_schedule(_report(tmp_path, **caching), None, 1, steps)
+
+
+@pytest.mark.parametrize("clips", ["cache", "cached,cached", ""])
+def test_unknown_or_repeated_clips_refused_before_anything_loads(tmp_path, clips, capsys):
+    with pytest.raises(SystemExit):
+        _bench().main(["--measure", "clips", "--clips", clips, "--out", str(tmp_path / "x.json")])
+    assert "each once" in capsys.readouterr().err and not (tmp_path / "x.json").exists()
