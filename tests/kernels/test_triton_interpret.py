@@ -231,6 +231,37 @@ def test_attention_configs_match_fp32_attention_and_each_other(t, qkv_case):
     _fp8_close(outs[True][0], ref.quantize(outs[False][0], osc), osc, max_mismatch=0.05)
 
 
+@interp
+@pytest.mark.parametrize("s", [150, 300, 700])
+def test_wide_key_tiles_track_fp32_attention(t, s):
+    """256-key tiles (two K scale blocks each, K's second block scaled 3x so a tile's groups differ): its
+    configs the same bits, cosine >= 0.999 against fp32 attention over the dequantized operands and >= 0.9995
+    against the 8-bit reference (the online softmax quantizes P against a running max): no full tile (150),
+    a ragged tile past V^T's padding (300), full and ragged tiles (700)."""
+    import triton
+
+    qkv, wq, wk, cos, sin = ref.example_qkv(1, s, 2, 64, seed=3, device="cpu")
+    q8, qs, k8, ks, vt8, vs = t.qkv_rmsnorm_rope(qkv, wq, wk, cos, sin, 2, fp8=True)
+    ks[..., 1::2] *= 3.0
+    b, h, _, d = q8.shape
+    outs = []
+    for cfg in t._attn_configs(256)[:2]:  # the stages do not change the interpreter's run
+        o = torch.full((b, s, h * d), float("nan")).to(torch.bfloat16)
+        t._attn_fp8_kernel.fn[(triton.cdiv(s, cfg.kwargs["BLOCK_M"]), b * h)](
+            q8, qs, k8, ks, vt8, vs, o, o, s, vt8.shape[-1], h, qs.shape[-1], 1.4426950408889634 / d ** 0.5,
+            s.bit_length(), qs, qs, qs, 0, qs, D=d, OUT_FP8=False, SPARSE=False, KEYS=False, BLOCK_N=256, TMA=False,
+            **cfg.kwargs)
+        outs.append(o)
+    assert torch.equal(bits(outs[0]), bits(outs[1]))
+    o = outs[0].float()
+    assert not o.isnan().any()
+    deq = lambda x8, sc: x8.float() * sc.repeat_interleave(128, dim=2)[:, :, :s, None]  # noqa: E731
+    want = ref.heads_to_tokens(ref.attention(deq(q8, qs), deq(k8, ks), ref.vt_natural(vt8, s).float() * vs[:, :, None]))
+    mine = ref.heads_to_tokens(ref.attention_fp8(q8, qs, k8, ks, ref.vt_natural(vt8, s), vs))
+    cos_ = lambda a, b: torch.nn.functional.cosine_similarity(a.flatten(), b.float().flatten(), dim=0).item()  # noqa: E731
+    assert cos_(o, want) >= 0.999 and cos_(o, mine) >= 0.9995, (cos_(o, want), cos_(o, mine))
+
+
 def _run_attention(t, ops8, cfg, blocks=None, key_len=None):
     import triton
 

@@ -18,7 +18,11 @@ from trt_sora.kernels import gluon_attention
 from trt_sora.kernels.reference import FP8, FP8_MAX
 from trt_sora.sm import HOPPER_SM, device_sm
 
-SCALE_BLOCK = 128  # tokens per Q / K quantization block = the attention kernel's tile (one scale per tile)
+SCALE_BLOCK = 128  # tokens per Q / K quantization block = the attention kernel's default key tile
+_SB = tl.constexpr(SCALE_BLOCK)
+#: Keys per tile :func:`attention_fp8` takes (``block_n``): the scale block, or two of them (one K scale per
+#: 128-key group of the tile; dense attention only).
+ATTN_BLOCK_N = (128, 256)
 #: Warps of the fused-QKV epilogue's three launches (per-token RMS, per-head tile pass, K/V quantization).
 EPILOGUE_WARPS = {"rms": 4, "post": 8, "kv": 8}
 #: The epilogue's tile passes launch the heads of one token block together (see :func:`_token_tile`).
@@ -408,22 +412,34 @@ def qkv_rmsnorm_rope(qkv, wq, wk, cos, sin, heads: int, eps: float = 1e-6, *, fp
 
 
 # -- 8-bit flash attention ----------------------------------------------------------------------------------
-def _attn_configs():
-    """Query tile x warps x PIPE (3 stages). A 64-row tile on one warpgroup needs about half the
-    registers of a 128-row tile on two, so two CTAs share an SM and one's softmax (special-function
-    unit) runs while another's tensor-core products do: the overlap that FA3 gets from ping-pong
-    scheduling. PIPE issues the next key tile's Q K^T before this tile's softmax in source order
-    (FA3's intra-warpgroup order); Triton 3.6 still waits on that product right after issuing it
-    (SASS: ``WARPGROUP.DEPBAR.LE gsb0, 0x0``), so nothing overlaps within a CTA, yet it is faster
-    on 128-row tiles and is kept there. Every config computes bit-identical results (same key
-    tiles, same per-row arithmetic in the same order), so the choice never changes numbers. Tried
-    and dropped (benchmarks/README.md has the timings): an exponential in packed f16 pairs; three
-    CTAs per SM at 168 registers and 2 stages; 64-row tiles with PIPE; the row sums as a
-    tensor-core product P8 @ ones (no faster, and the FP8 products' accumulation loses part of a
-    long key sum); skipping the rescale of tiles where no row max moved (the block-wide test costs
-    more than the multiplies)."""
+def _attn_configs(block_n: int = SCALE_BLOCK):
+    """The autotuner's configs for key tiles of ``block_n``. 128: query tile x warps x PIPE (3 stages). A 64-row
+    tile on one warpgroup needs about half the registers of a 128-row tile on two, so two CTAs share an SM and
+    one's softmax (special-function unit) runs while another's tensor-core products do: the overlap that FA3
+    gets from ping-pong scheduling. PIPE issues the next key tile's Q K^T before this tile's softmax in source
+    order (FA3's intra-warpgroup order); Triton 3.6 still waits on that product right after issuing it (SASS:
+    ``WARPGROUP.DEPBAR.LE gsb0, 0x0``), so nothing overlaps within a CTA, yet it is faster on 128-row tiles and
+    is kept there. Every config computes bit-identical results (same key tiles, same per-row arithmetic in the
+    same order), so the choice never changes numbers. Tried and dropped (benchmarks/README.md has the timings):
+    an exponential in packed f16 pairs; three CTAs per SM at 168 registers and 2 stages; 64-row tiles with PIPE;
+    the row sums as a tensor-core product P8 @ ones (no faster, and the FP8 products' accumulation loses part of
+    a long key sum); skipping the rescale of tiles where no row max moved (the block-wide test costs more than
+    the multiplies).
+
+    A wider tile takes the 64-row tile only (128 rows with PIPE spill at 255 registers); its ring stages set
+    the CTAs per SM by shared memory (1 stage: two CTAs; 2 or 3: one)."""
+    if block_n != SCALE_BLOCK:
+        return [triton.Config({"BLOCK_M": 64, "PIPE": False}, num_warps=4, num_stages=st) for st in (1, 2, 3)]
     return [triton.Config({"BLOCK_M": bm, "PIPE": pipe}, num_warps=w, num_stages=3)
             for bm, pipe, w in ((64, False, 4), (128, True, 8))]
+
+
+_ATTN_CONFIGS = {bn: _attn_configs(bn) for bn in ATTN_BLOCK_N}
+
+
+def _configs_of_block_n(configs, named_args, **kw):
+    """The autotuner's prune: the configs of this launch's key tile."""
+    return _ATTN_CONFIGS[kw["BLOCK_N"]]
 
 
 @triton.jit
@@ -431,11 +447,20 @@ def _attn_tile(qk_i32, c, m_i, l_i, acc, vt):
     """One full key tile: online softmax of ``qk_i32 * c`` (log2 domain) and ``acc += P V``.
     int32 -> fp32 by the magic-number add (exact, |acc| < 2**22 for D <= 256; no I2F on the
     special-function unit); its offset 1.5 * 2**23 is folded into the one FMA to the log2 domain,
-    then EX2, row max / sum, FP8 pack of 448 * p."""
+    then EX2, row max / sum, FP8 pack of 448 * p. A wide tile (G scale blocks, ``c`` [G]) is seen as
+    [BLOCK_M, G, 128]: a row max per group times its scale, still one FMA per element."""
     LOG2_448: tl.constexpr = 8.807354922057604
     raw = (qk_i32 + 0x4B400000).to(tl.float32, bitcast=True)  # = qk + 12582912, exactly
-    m_new = tl.maximum(m_i, (tl.max(raw, 1) - 12582912.0) * c)
-    p = tl.math.exp2(raw * c - (12582912.0 * c + m_new - LOG2_448)[:, None])  # 448 * softmax numerator
+    BM: tl.constexpr = raw.shape[0]
+    BN: tl.constexpr = raw.shape[1]
+    if BN == _SB:
+        m_new = tl.maximum(m_i, (tl.max(raw, 1) - 12582912.0) * c)
+        p = tl.math.exp2(raw * c - (12582912.0 * c + m_new - LOG2_448)[:, None])  # 448 * softmax numerator
+    else:
+        raw3 = tl.reshape(raw, [BM, BN // _SB, _SB])
+        c3 = c[None, :, None]
+        m_new = tl.maximum(m_i, tl.max((tl.max(raw3, 2) - 12582912.0) * c[None, :], 1))
+        p = tl.reshape(tl.math.exp2(raw3 * c3 - (12582912.0 * c3 + m_new[:, None, None] - LOG2_448)), [BM, BN])
     alpha = tl.math.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = tl.dot(_vt_order(p.to(tl.float8e4nv)), tl.trans(vt), acc * alpha[:, None])
@@ -459,22 +484,39 @@ def _k_tile(K8, kp, bh, n0, S, KL, D: tl.constexpr, BLOCK_N: tl.constexpr, TMA: 
 
 
 @triton.jit
-def _v_tile(VT8, vp, bh, n0, D: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr):
+def _v_tile(VT8, vp, bh, n0, D: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr, S_pad=0,
+            MASK: tl.constexpr = False):
     """V^T [D, BLOCK_N] fp8 of the key tile at token ``n0``, keys in :func:`_vt_order` (the padding past S
-    holds zeros: a key of the ragged tile can sit at any position of its group)."""
+    holds zeros: a key of the ragged tile can sit at any position of its group). MASK: a wide ragged tile
+    runs past ``S_pad``: zeros there (TMA's fill; the pointer load masked)."""
     if TMA:
         return VT8.load([bh, 0, n0]).reshape(D, BLOCK_N)
+    elif MASK:
+        return tl.load(vp + n0, mask=(n0 + tl.arange(0, BLOCK_N) < S_pad)[None, :], other=0.0)
     else:
         return tl.load(vp + n0)
 
 
-@triton.autotune(configs=_attn_configs(), key=["D", "S_LOG2", "TMA", "SPARSE", "KEYS"])
+@triton.jit
+def _k_scales(KSB, t, nblk, qsc, BLOCK_N: tl.constexpr):
+    """Key tile t's K scale times ``qsc``: a scalar for a tile of one scale block, else [BLOCK_N // 128]
+    (blocks past the last clamped to it: their keys are masked)."""
+    if BLOCK_N == _SB:
+        return qsc * tl.load(KSB + t)
+    else:
+        return qsc * tl.load(KSB + tl.minimum(t * (BLOCK_N // _SB) + tl.arange(0, BLOCK_N // _SB), nblk - 1))
+
+
+@triton.autotune(configs=[c for cs in _ATTN_CONFIGS.values() for c in cs],
+                 key=["D", "S_LOG2", "TMA", "SPARSE", "KEYS", "BLOCK_N"],
+                 prune_configs_by={"early_config_prune": _configs_of_block_n})
 @triton.jit
 def _attn_fp8_kernel(Q8, QS, K8, KS, VT8, VS, O, OSC, S, S_pad, H, nblk, qk_scale, S_LOG2, KIDX, KCNT, KRAG, KSTRIDE,
                      KLEN, D: tl.constexpr, OUT_FP8: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr,
                      SPARSE: tl.constexpr, KEYS: tl.constexpr, BLOCK_M: tl.constexpr, PIPE: tl.constexpr):
-    """One (query tile of BLOCK_M rows, batch x head); key tiles of BLOCK_N = the scale block, so
-    each K tile has one scale and each query tile lies inside one Q scale block. TMA: ``K8``/``VT8``
+    """One (query tile of BLOCK_M rows, batch x head); key tiles of BLOCK_N = the scale block (each K tile
+    has one scale) or, dense only, a multiple of it (:data:`ATTN_BLOCK_N`); each query tile lies inside one Q
+    scale block. TMA: ``K8``/``VT8``
     are tensor descriptors (zero-filled past S), else pointers. SPARSE: only the full key tiles
     ``KIDX[qb, :KCNT[qb]]`` of the query's 128-row block ``qb``, and the ragged last one when ``KRAG[qb]``.
     KEYS: the keys of batch element b end at ``KLEN[b]`` (padding after it); tiles past it are skipped and
@@ -489,7 +531,8 @@ def _attn_fp8_kernel(Q8, QS, K8, KS, VT8, VS, O, OSC, S, S_pad, H, nblk, qk_scal
     mm = offs_m < S
     qkb = bh.to(tl.int64) * S * D
     q = tl.load(Q8 + qkb + offs_m[:, None] * D + d[None, :], mask=mm[:, None], other=0)
-    qsc = tl.load(QS + bh * nblk + (pid_m * BLOCK_M) // BLOCK_N) * qk_scale
+    qsc = tl.load(QS + bh * nblk + (pid_m * BLOCK_M) // _SB) * qk_scale
+    KSB = KS + bh * nblk
     if TMA:  # K8 / VT8 are tensor descriptors
         kp, vp = K8, VT8
     else:
@@ -514,13 +557,13 @@ def _attn_fp8_kernel(Q8, QS, K8, KS, VT8, VS, O, OSC, S, S_pad, H, nblk, qk_scal
         qk = tl.dot(q, tl.trans(_k_tile(K8, kp, bh, 0, S, kl, D, BLOCK_N, TMA, True, KEYS)))
         for j in range(0, n_full):
             qk_next = tl.dot(q, tl.trans(_k_tile(K8, kp, bh, (j + 1) * BLOCK_N, S, kl, D, BLOCK_N, TMA, True, KEYS)))
-            m_i, l_i, acc = _attn_tile(qk, qsc * tl.load(KS + bh * nblk + j), m_i, l_i, acc,
+            m_i, l_i, acc = _attn_tile(qk, _k_scales(KSB, j, nblk, qsc, BLOCK_N), m_i, l_i, acc,
                                        _v_tile(VT8, vp, bh, j * BLOCK_N, D, BLOCK_N, TMA))
             qk = qk_next
     else:
         for j in range(0, n_full):
             qk = tl.dot(q, tl.trans(_k_tile(K8, kp, bh, j * BLOCK_N, S, kl, D, BLOCK_N, TMA, False, False)))
-            m_i, l_i, acc = _attn_tile(qk, qsc * tl.load(KS + bh * nblk + j), m_i, l_i, acc,
+            m_i, l_i, acc = _attn_tile(qk, _k_scales(KSB, j, nblk, qsc, BLOCK_N), m_i, l_i, acc,
                                        _v_tile(VT8, vp, bh, j * BLOCK_N, D, BLOCK_N, TMA))
     if n_full * BLOCK_N < kl:  # the ragged last block: keys past S (or KLEN) are masked out of the softmax
         LOG2_448: tl.constexpr = 8.807354922057604
@@ -529,14 +572,16 @@ def _attn_fp8_kernel(Q8, QS, K8, KS, VT8, VS, O, OSC, S, S_pad, H, nblk, qk_scal
             nm = nm & (tl.load(KRAG + (pid_m * BLOCK_M) // BLOCK_N) != 0)
         if SPARSE or not PIPE:
             qk = tl.dot(q, tl.trans(_k_tile(K8, kp, bh, n_full * BLOCK_N, S, kl, D, BLOCK_N, TMA, True, False)))
-        c = qsc * tl.load(KS + bh * nblk + n_full)
+        c = _k_scales(KSB, n_full, nblk, qsc, BLOCK_N)
+        if BLOCK_N > _SB:  # one scale per key
+            c = tl.reshape(tl.broadcast_to(c[:, None], [BLOCK_N // _SB, _SB]), [BLOCK_N])[None, :]
         sc = (qk + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
         sc = tl.where(nm[None, :], sc * c, -1.0e30)
         m_new = tl.maximum(m_i, tl.max(sc, 1))
         p = tl.math.exp2(sc - (m_new - LOG2_448)[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        vt = _v_tile(VT8, vp, bh, n_full * BLOCK_N, D, BLOCK_N, TMA)
+        vt = _v_tile(VT8, vp, bh, n_full * BLOCK_N, D, BLOCK_N, TMA, S_pad, BLOCK_N > _SB)
         acc = tl.dot(_vt_order(p.to(tl.float8e4nv)), tl.trans(vt), acc * alpha[:, None])
     vs = tl.load(VS + bh * D + d)
     o = acc / l_i[:, None] * vs[None, :]
@@ -555,16 +600,16 @@ ATTN_TMA = True
 ATTN_WS = False
 
 
-def kv_descriptors(k8, vt8):
+def kv_descriptors(k8, vt8, block_n: int = SCALE_BLOCK):
     """TMA descriptors of the attention kernel's K [B, H, S, D] and V^T [B, H, D, S_pad] as [B*H, S, D] and
     [B*H, D, S_pad] (V^T's padding is the epilogue's zeros: its key order puts keys of the ragged tile past
-    S), one key tile per block."""
+    S), one key tile of ``block_n`` keys per block."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     b, h, s, d = k8.shape
     s_pad = vt8.shape[-1]
-    return (TensorDescriptor(k8, [b * h, s, d], [s * d, d, 1], [1, SCALE_BLOCK, d]),
-            TensorDescriptor(vt8, [b * h, d, s_pad], [d * s_pad, s_pad, 1], [1, d, SCALE_BLOCK]))
+    return (TensorDescriptor(k8, [b * h, s, d], [s * d, d, 1], [1, block_n, d]),
+            TensorDescriptor(vt8, [b * h, d, s_pad], [d * s_pad, s_pad, 1], [1, d, block_n]))
 
 
 def attention_kernel(device=None) -> str:
@@ -574,7 +619,8 @@ def attention_kernel(device=None) -> str:
 
 
 def attention_fp8(q8, q_scale, k8, k_scale, vt8, v_scale, *, out_scale=None, tma: bool | None = None,
-                  ws: bool | None = None, blocks=None, key_len=None, head_dim: int | None = None):
+                  ws: bool | None = None, blocks=None, key_len=None, head_dim: int | None = None,
+                  block_n: int = SCALE_BLOCK):
     """Softmax attention on 8-bit operands -> [B, S, H*D] token-major (``to_out``'s input layout):
     INT8 Q K^T and FP8 P V on tensor cores (SageAttention2's 8-bit recipe), fp32 online softmax.
 
@@ -588,13 +634,16 @@ def attention_fp8(q8, q_scale, k8, k_scale, vt8, v_scale, *, out_scale=None, tma
     ``key_len`` [B] int32 >= 1 on the device: only the keys before it are attended, the operands made with
     the same ``key_len`` (:func:`qkv_rmsnorm_rope`); the Triton kernel, tiles past it never loaded.
     ``head_dim``: the heads' width for the softmax scale when the operands carry zero channels past it.
+    ``block_n``: keys per tile of the Triton kernel, one of :data:`ATTN_BLOCK_N` (wider than 128: dense attention
+    only; the online softmax's steps every ``block_n`` keys, the same math with its sums in another order).
     """
+    _check_block_n(block_n, ws or blocks is not None or key_len is not None)
     if key_len is not None and (ws or blocks is not None):
         from trt_sora.errors import ConfigError
 
         raise ConfigError("key lengths run on the dense Triton attention kernel only: pass ws=False and no "
                           "sparse blocks, or pad no keys")
-    if blocks is not None or key_len is not None:
+    if blocks is not None or key_len is not None or block_n != SCALE_BLOCK:
         ws = False
     if ws is None:
         ws = tma is None and attention_kernel(q8.device) == "gluon-ws"
@@ -603,21 +652,30 @@ def attention_fp8(q8, q_scale, k8, k_scale, vt8, v_scale, *, out_scale=None, tma
     b, h, s, d = q8.shape
     if d < MIN_HEAD_DIM:
         return _attention_narrow_heads(q8, q_scale, k8, k_scale, vt8, v_scale, out_scale=out_scale, tma=tma,
-                                       blocks=blocks, key_len=key_len)
+                                       blocks=blocks, key_len=key_len, block_n=block_n)
     s_pad = vt8.shape[-1]
     o = torch.empty((b, s, h * d), device=q8.device, dtype=FP8 if out_scale is not None else torch.bfloat16)
     qk_scale = 1.0 / math.sqrt(head_dim or d) * 1.4426950408889634
     if tma is None:
         tma = ATTN_TMA and device_sm(q8.device) >= HOPPER_SM
-    k_arg, v_arg = kv_descriptors(k8, vt8) if tma else (k8, vt8)
+    k_arg, v_arg = kv_descriptors(k8, vt8, block_n) if tma else (k8, vt8)
     grid = lambda meta: (triton.cdiv(s, meta["BLOCK_M"]), b * h)  # noqa: E731
     kidx, kcnt, krag = blocks if blocks is not None else (q_scale, q_scale, q_scale)  # unread when dense
     _attn_fp8_kernel[grid](q8, q_scale, k_arg, k_scale, v_arg, v_scale, o, out_scale if out_scale is not None else o,
                            s, s_pad, h, q_scale.shape[-1], qk_scale, max(1, s).bit_length(), kidx, kcnt, krag,
                            kidx.shape[-1] if blocks is not None else 0, key_len if key_len is not None else q_scale,
-                           D=d, OUT_FP8=out_scale is not None, BLOCK_N=SCALE_BLOCK, TMA=tma,
+                           D=d, OUT_FP8=out_scale is not None, BLOCK_N=block_n, TMA=tma,
                            SPARSE=blocks is not None, KEYS=key_len is not None)
     return o
+
+
+def _check_block_n(block_n: int, not_dense: bool) -> None:
+    if block_n not in ATTN_BLOCK_N or (block_n != SCALE_BLOCK and not_dense):
+        from trt_sora.errors import ConfigError
+
+        raise ConfigError(f"the Triton attention kernel takes {ATTN_BLOCK_N} keys per tile, wider than "
+                          f"{SCALE_BLOCK} for dense attention only (no ws, sparse blocks or key lengths); got "
+                          f"block_n={block_n}: pick one of those")
 
 
 #: The INT8 Q K^T's smallest reduction width on tensor cores: narrower heads (tiny test models) are padded.
