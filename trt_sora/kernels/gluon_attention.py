@@ -45,14 +45,11 @@ try:  # Gluon ships with Triton >= 3.4; without it the Triton kernel serves ever
 except ImportError:  # pragma: no cover - depends on the installed Triton
     HAVE_GLUON = False
 
-__all__ = ["BLOCK_M", "BLOCK_N_CHOICES", "CONFIG", "attention_fp8_ws", "available"]
+__all__ = ["BLOCK_M", "CONFIG", "attention_fp8_ws", "available"]
 
 BLOCK_M = 128  #: query rows per CTA (two consumer warpgroups of 64)
-#: (ring slots, consumer registers, producer registers, ping-pong, keys per tile) of the launch.
-CONFIG = (3, 240, 24, 1, 128)
-#: Keys per tile the kernel takes: the scale block (128) or a power-of-two multiple of it (Gluon's tensors
-#: are powers of two; a wide tile has one K scale per 128-key group).
-BLOCK_N_CHOICES = (128, 256)
+#: (ring slots, consumer registers, producer registers, ping-pong) of the launch.
+CONFIG = (3, 240, 24, 1)
 
 if HAVE_GLUON:
     LOG2_448 = gl.constexpr(8.807354922057604)
@@ -63,7 +60,7 @@ if HAVE_GLUON:
                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
         """The TMA warp: Q's two halves, then K_t and V^T_t of every key tile t into slot t % STAGES once both
         consumers released it (K rows past S: the next head's keys, masked; past the end: zeros. V^T's
-        padding: the epilogue's zeros; past S_pad, a wide tile's last keys: TMA's zero fill)."""
+        padding: the epilogue's zeros)."""
         q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn = r
         HALF: gl.constexpr = BLOCK_M // 2
         mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
@@ -81,69 +78,21 @@ if HAVE_GLUON:
 
 
     @gluon.jit
-    def _softmax(qk, c, m_i, l_i, n0, S, MASKED: gl.constexpr, SB: gl.constexpr, layout: gl.constexpr):
+    def _softmax(qk, c, m_i, l_i, n0, S, MASKED: gl.constexpr, BLOCK_N: gl.constexpr, layout: gl.constexpr):
         """Online softmax of one int32 key tile ``qk * c`` (log2 domain) -> (m_new, l_i, alpha, p): ``p`` =
         448 * the numerator, fp32; int32 -> fp32 by the magic-number add, exactly as the Triton kernel's
-        ``_attn_tile``. MASKED: keys at ``n0 + i >= S`` drop out. A tile of G > 1 scale blocks of SB keys
-        (``c`` [G], :func:`_kscale`): :func:`_softmax_groups`."""
-        if qk.shape[1] > SB:
-            m_new, l_i, alpha, p = _softmax_groups(qk, c, m_i, l_i, n0, S, MASKED, SB, layout)
-        else:
-            raw = (qk + 0x4B400000).to(gl.float32, bitcast=True)
-            if MASKED:
-                cols = n0 + gl.arange(0, SB, layout=gl.SliceLayout(0, layout))
-                sc = gl.where(gl.expand_dims(cols < S, 0), (raw - 12582912.0) * c, -1.0e30)
-                m_new = gl.maximum(m_i, gl.max(sc, 1))
-                p = gl.exp2(sc - gl.expand_dims(m_new - LOG2_448, 1))
-            else:
-                m_new = gl.maximum(m_i, (gl.max(raw, 1) - 12582912.0) * c)
-                p = gl.exp2(raw * c - gl.expand_dims(12582912.0 * c + m_new - LOG2_448, 1))
-            alpha = gl.exp2(m_i - m_new)
-            l_i = l_i * alpha + gl.sum(p, 1)
-        return m_new, l_i, alpha, p
-
-
-    @gluon.jit
-    def _rows3(v, layout3: gl.constexpr):
-        """A row vector [M] as [M, 1, 1] of ``layout3``'s rows."""
-        return gl.expand_dims(gl.expand_dims(gl.convert_layout(v, gl.SliceLayout(1, gl.SliceLayout(2, layout3))), 1), 2)
-
-
-    @gluon.jit
-    def _softmax_groups(qk, c, m_i, l_i, n0, S, MASKED: gl.constexpr, SB: gl.constexpr, layout: gl.constexpr):
-        """:func:`_softmax` of a wide key tile [M, G * SB] seen as [M, G, SB] (the split falls on the
-        accumulator's registers, no data moves): the row max per group times its scale ``c`` [G], so each
-        element still takes one FMA and one EX2; same math, the tile's groups summed in a different order."""
-        M: gl.constexpr = qk.shape[0]
-        G: gl.constexpr = qk.shape[1] // SB
-        raw = gl.reshape((qk + 0x4B400000).to(gl.float32, bitcast=True), [M, G, SB])
-        L3: gl.constexpr = raw.type.layout
-        c2 = gl.expand_dims(gl.convert_layout(c, gl.SliceLayout(0, gl.SliceLayout(2, L3))), 0)  # [1, G]
-        c3 = gl.expand_dims(c2, 2)
+        ``_attn_tile``. MASKED: keys at ``n0 + i >= S`` drop out."""
+        raw = (qk + 0x4B400000).to(gl.float32, bitcast=True)
         if MASKED:
-            cols = gl.reshape(n0 + gl.arange(0, G * SB, layout=gl.SliceLayout(0, layout)), [G, SB])
-            sc = gl.where(gl.expand_dims(gl.convert_layout(cols, gl.SliceLayout(0, L3)), 0) < S,
-                          (raw - 12582912.0) * c3, -1.0e30)
-            m_new = gl.maximum(m_i, gl.convert_layout(gl.max(gl.max(sc, 2), 1), m_i.type.layout))
-            p = gl.exp2(sc - _rows3(m_new - LOG2_448, L3))
+            cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
+            sc = gl.where(gl.expand_dims(cols < S, 0), (raw - 12582912.0) * c, -1.0e30)
+            m_new = gl.maximum(m_i, gl.max(sc, 1))
+            p = gl.exp2(sc - gl.expand_dims(m_new - LOG2_448, 1))
         else:
-            gmax = (gl.max(raw, 2) - 12582912.0) * c2
-            m_new = gl.maximum(m_i, gl.convert_layout(gl.max(gmax, 1), m_i.type.layout))
-            p = gl.exp2(raw * c3 - (12582912.0 * c3 + _rows3(m_new, L3) - LOG2_448))
+            m_new = gl.maximum(m_i, (gl.max(raw, 1) - 12582912.0) * c)
+            p = gl.exp2(raw * c - gl.expand_dims(12582912.0 * c + m_new - LOG2_448, 1))
         alpha = gl.exp2(m_i - m_new)
-        l_i = l_i * alpha + gl.convert_layout(gl.sum(gl.sum(p, 2), 1), m_i.type.layout)
-        return m_new, l_i, alpha, gl.convert_layout(gl.reshape(p, [M, G * SB]), layout, assert_trivial=True)
-
-
-    @gluon.jit
-    def _kscale(KSB, t, nblk, qsc, G: gl.constexpr):
-        """Key tile t's K scale(s) times ``qsc``: a scalar for a tile of one scale block, else [G] (blocks
-        past the last clamped to it: their keys are masked)."""
-        if G == 1:
-            return qsc * gl.load(KSB + gl.minimum(t, nblk - 1))
-        else:
-            blk = t * G + gl.arange(0, G, layout=gl.BlockedLayout([G], [32], [4], [0]))
-            return qsc * gl.load(KSB + gl.minimum(blk, nblk - 1))
+        return m_new, l_i * alpha + gl.sum(p, 1), alpha, p
 
 
     @gluon.jit
@@ -157,40 +106,22 @@ if HAVE_GLUON:
 
 
     @gluon.jit
-    def _p_operand(p, p_layout: gl.constexpr):
-        """``P`` as the FP8 A operand of the P V product, its keys in V^T's order (``triton_ops._vt_order``): the
-        accumulator's registers as they are, which ``assert_trivial`` checks at compile time."""
+    def _pv_operands(acc, alpha, p, o_layout: gl.constexpr, p_layout: gl.constexpr):
+        """Before tile j's P V: the accumulator rescaled to tile j's row max, and ``P`` as the FP8 A operand,
+        its keys in V^T's order (``triton_ops._vt_order``): the accumulator's registers as they are, which
+        ``assert_trivial`` checks at compile time."""
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
         p8 = p.to(gl.float8e4nv)
         M: gl.constexpr = p8.shape[0]
         N: gl.constexpr = p8.shape[1]
         p8 = gl.reshape(gl.permute(gl.reshape(p8, [M, N // 16, 2, 4, 2]), (0, 1, 3, 2, 4)), [M, N])
-        return gl.convert_layout(p8, p_layout, assert_trivial=True)
-
-
-    @gluon.jit
-    def _pv_operands(acc, alpha, p, o_layout: gl.constexpr, p_layout: gl.constexpr):
-        """Before tile j's P V: the accumulator rescaled to tile j's row max, and ``P`` as its A operand."""
-        acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-        return acc, _p_operand(p, p_layout)
-
-
-    @gluon.jit
-    def _pv_wide(acc, alpha, p, v, o_layout: gl.constexpr, p_layout: gl.constexpr):
-        """A wide tile's P V issued (asynchronous) as two products over its halves of keys, each half of P
-        converted right before its own: half the FP8 operand registers held while a product is in flight."""
-        acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-        M: gl.constexpr = p.shape[0]
-        H: gl.constexpr = p.shape[1] // 2
-        lo, hi = gl.split(gl.permute(gl.reshape(p, [M, 2, H]), (0, 2, 1)))
-        acc = warpgroup_mma(_p_operand(lo, p_layout), v.slice(0, H, 1).permute((1, 0)), acc, is_async=True)
-        return warpgroup_mma(_p_operand(hi, p_layout), v.slice(H, H, 1).permute((1, 0)), acc, is_async=True)
+        return acc, gl.convert_layout(p8, p_layout, assert_trivial=True)
 
 
     @gluon.jit
     def _iter(r, q, j, p, alpha, c, c_next, m_i, l_i, acc, KSB, qsc, nblk, S, MASKED: gl.constexpr,
               WG: gl.constexpr, PINGPONG: gl.constexpr, STAGES: gl.constexpr, HALF: gl.constexpr,
-              BLOCK_N: gl.constexpr, SB: gl.constexpr, qk_layout: gl.constexpr, o_layout: gl.constexpr,
-              p_layout: gl.constexpr):
+              BLOCK_N: gl.constexpr, qk_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
         """Tile j's Q K^T issued, tile j-1's P V issued (its P ``p`` fp32, rescale ``alpha``), tile j's softmax
         while P V runs."""
         q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn = r
@@ -211,57 +142,28 @@ if HAVE_GLUON:
             pv = warpgroup_mma(p8, v_smem.index(sp).permute((1, 0)), acc, is_async=True)
         c_cur = c
         c = c_next
-        c_next = _kscale(KSB, j + 2, nblk, qsc, BLOCK_N // SB)
+        c_next = qsc * gl.load(KSB + gl.minimum(j + 2, nblk - 1))
         qk = warpgroup_mma_wait(1, deps=(tok,))
         mbarrier.arrive(k_empty.index(j % STAGES), count=1)
-        m_i, l_i, alpha, p = _softmax(qk, c_cur, m_i, l_i, j * BLOCK_N, S, MASKED, SB, qk_layout)
+        m_i, l_i, alpha, p = _softmax(qk, c_cur, m_i, l_i, j * BLOCK_N, S, MASKED, BLOCK_N, qk_layout)
         acc, p = warpgroup_mma_wait(0, deps=(pv, p))
         return p, alpha, c, c_next, m_i, l_i, acc
 
 
     @gluon.jit
-    def _iter_wide(r, q, j, p, alpha, c, c_next, m_i, l_i, acc, KSB, qsc, nblk, S, MASKED: gl.constexpr,
-                   WG: gl.constexpr, PINGPONG: gl.constexpr, STAGES: gl.constexpr, HALF: gl.constexpr,
-                   BLOCK_N: gl.constexpr, SB: gl.constexpr, qk_layout: gl.constexpr, o_layout: gl.constexpr,
-                   p_layout: gl.constexpr):
-        """:func:`_iter` for a wide key tile: tile j-1's P V issued before tile j's Q K^T, both waited before
-        tile j's softmax, so P is FP8 before the Q K^T accumulator exists (fp32 P beside it would pass 240
-        registers). The tensor cores run the other warpgroup's products through this one's softmax (ping-pong),
-        not its own P V."""
-        q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn = r
-        sp = (j - 1) % STAGES
-        if PINGPONG:
-            mbarrier.wait(turn.index(WG), (j - 1) & 1)
-        mbarrier.wait(v_ready.index(sp), ((j - 1) // STAGES) & 1)
-        acc = warpgroup_mma_wait(0, deps=(_pv_wide(acc, alpha, p, v_smem.index(sp), o_layout, p_layout),))
-        mbarrier.arrive(v_empty.index(sp), count=1)
-        tok = _qk(r, q, j, STAGES, HALF, BLOCK_N, qk_layout)
-        if PINGPONG:
-            mbarrier.arrive(turn.index(1 - WG), count=1)
-        c_cur = c
-        c = c_next
-        c_next = _kscale(KSB, j + 2, nblk, qsc, BLOCK_N // SB)
-        qk = warpgroup_mma_wait(0, deps=(tok,))
-        mbarrier.arrive(k_empty.index(j % STAGES), count=1)
-        m_i, l_i, alpha, p = _softmax(qk, c_cur, m_i, l_i, j * BLOCK_N, S, MASKED, SB, qk_layout)
-        return p, alpha, c, c_next, m_i, l_i, acc
-
-
-    @gluon.jit
     def _consumer(r, KS, VS, O, S, H, nblk, qk_scale, bh, pid_m, n_tiles, WG: gl.constexpr, D: gl.constexpr,
-                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, SB: gl.constexpr, STAGES: gl.constexpr,
-                  OUT_FP8: gl.constexpr, QS, OSC, PINGPONG: gl.constexpr):
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, OUT_FP8: gl.constexpr,
+                  QS, OSC, PINGPONG: gl.constexpr):
         """Consumer warpgroup WG: query rows ``pid_m * BLOCK_M + WG * BLOCK_M / 2`` onwards, every key tile, then
         the normalized rows stored token-major (bf16, or FP8 at ``OSC``)."""
         q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn = r
         HALF: gl.constexpr = BLOCK_M // 2
         qk_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                            instr_shape=[16, SB, 32])  # a wide tile: G products
+                                                            instr_shape=[16, BLOCK_N, 32])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, D, 32])
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
-        qsc = gl.load(QS + bh * nblk + (pid_m * BLOCK_M + WG * HALF) // SB) * qk_scale
-        G: gl.constexpr = BLOCK_N // SB
+        qsc = gl.load(QS + bh * nblk + (pid_m * BLOCK_M + WG * HALF) // BLOCK_N) * qk_scale
         KSB = KS + bh * nblk
         m_i = gl.full([HALF], -1.0e30, gl.float32, gl.SliceLayout(1, qk_layout))
         l_i = gl.zeros([HALF], gl.float32, gl.SliceLayout(1, qk_layout))
@@ -274,42 +176,28 @@ if HAVE_GLUON:
         tok = _qk(r, q, 0, STAGES, HALF, BLOCK_N, qk_layout)
         qk = warpgroup_mma_wait(0, deps=(tok,))
         mbarrier.arrive(k_empty.index(0), count=1)
-        c = _kscale(KSB, 0, nblk, qsc, G)
-        c_next = _kscale(KSB, 1, nblk, qsc, G)
+        c = qsc * gl.load(KSB)
+        c_next = qsc * gl.load(KSB + gl.minimum(1, nblk - 1))
         if n_full > 0:
-            m_i, l_i, alpha, p = _softmax(qk, c, m_i, l_i, 0, S, False, SB, qk_layout)
+            m_i, l_i, alpha, p = _softmax(qk, c, m_i, l_i, 0, S, False, BLOCK_N, qk_layout)
         else:
-            m_i, l_i, alpha, p = _softmax(qk, c, m_i, l_i, 0, S, True, SB, qk_layout)
+            m_i, l_i, alpha, p = _softmax(qk, c, m_i, l_i, 0, S, True, BLOCK_N, qk_layout)
         c = c_next
-        c_next = _kscale(KSB, 2, nblk, qsc, G)
+        c_next = qsc * gl.load(KSB + gl.minimum(2, nblk - 1))
         for j in range(1, n_full):
-            if G > 1:
-                p, alpha, c, c_next, m_i, l_i, acc = _iter_wide(r, q, j, p, alpha, c, c_next, m_i, l_i, acc, KSB, qsc,
-                                                                nblk, S, False, WG, PINGPONG, STAGES, HALF, BLOCK_N,
-                                                                SB, qk_layout, o_layout, p_layout)
-            else:
-                p, alpha, c, c_next, m_i, l_i, acc = _iter(r, q, j, p, alpha, c, c_next, m_i, l_i, acc, KSB, qsc, nblk,
-                                                           S, False, WG, PINGPONG, STAGES, HALF, BLOCK_N, SB,
-                                                           qk_layout, o_layout, p_layout)
+            p, alpha, c, c_next, m_i, l_i, acc = _iter(r, q, j, p, alpha, c, c_next, m_i, l_i, acc, KSB, qsc, nblk, S,
+                                                       False, WG, PINGPONG, STAGES, HALF, BLOCK_N, qk_layout, o_layout,
+                                                       p_layout)
         if (n_full > 0) & (n_full < n_tiles):
-            if G > 1:
-                p, alpha, c, c_next, m_i, l_i, acc = _iter_wide(r, q, n_full, p, alpha, c, c_next, m_i, l_i, acc, KSB,
-                                                                qsc, nblk, S, True, WG, PINGPONG, STAGES, HALF,
-                                                                BLOCK_N, SB, qk_layout, o_layout, p_layout)
-            else:
-                p, alpha, c, c_next, m_i, l_i, acc = _iter(r, q, n_full, p, alpha, c, c_next, m_i, l_i, acc, KSB, qsc,
-                                                           nblk, S, True, WG, PINGPONG, STAGES, HALF, BLOCK_N, SB,
-                                                           qk_layout, o_layout, p_layout)
+            p, alpha, c, c_next, m_i, l_i, acc = _iter(r, q, n_full, p, alpha, c, c_next, m_i, l_i, acc, KSB, qsc, nblk,
+                                                       S, True, WG, PINGPONG, STAGES, HALF, BLOCK_N, qk_layout,
+                                                       o_layout, p_layout)
+        acc, p8 = _pv_operands(acc, alpha, p, o_layout, p_layout)
         last = n_tiles - 1
         sl = last % STAGES
-        if G > 1:  # tile last-1's V slot is released
-            mbarrier.wait(v_ready.index(sl), (last // STAGES) & 1)
-            acc = warpgroup_mma_wait(0, deps=(_pv_wide(acc, alpha, p, v_smem.index(sl), o_layout, p_layout),))
-        else:
-            acc, p8 = _pv_operands(acc, alpha, p, o_layout, p_layout)
-            mbarrier.arrive(v_empty.index((last + STAGES - 1) % STAGES), count=1, pred=last > 0)
-            mbarrier.wait(v_ready.index(sl), (last // STAGES) & 1)
-            acc = warpgroup_mma(p8, v_smem.index(sl).permute((1, 0)), acc)
+        mbarrier.arrive(v_empty.index((last + STAGES - 1) % STAGES), count=1, pred=last > 0)
+        mbarrier.wait(v_ready.index(sl), (last // STAGES) & 1)
+        acc = warpgroup_mma(p8, v_smem.index(sl).permute((1, 0)), acc)
         mbarrier.arrive(v_empty.index(sl), count=1)
         d = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
         vs = gl.load(VS + bh * D + d)
@@ -331,9 +219,8 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _attn_ws_kernel(q_desc, k_desc, v_desc, QS, KS, VS, O, OSC, S, H, nblk, qk_scale,
-                        D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, SB: gl.constexpr,
-                        STAGES: gl.constexpr, OUT_FP8: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                        PRODUCER_REGS: gl.constexpr,
+                        D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                        OUT_FP8: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                         PINGPONG: gl.constexpr):
         pid_m = gl.program_id(0)
         bh = gl.program_id(1)
@@ -358,9 +245,9 @@ if HAVE_GLUON:
         r = (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn)
         n_tiles = gl.cdiv(S, BLOCK_N)
         gl.warp_specialize([
-            (_consumer, (r, KS, VS, O, S, H, nblk, qk_scale, bh, pid_m, n_tiles, 0, D, BLOCK_M, BLOCK_N, SB, STAGES,
+            (_consumer, (r, KS, VS, O, S, H, nblk, qk_scale, bh, pid_m, n_tiles, 0, D, BLOCK_M, BLOCK_N, STAGES,
                          OUT_FP8, QS, OSC, PINGPONG)),
-            (_consumer, (r, KS, VS, O, S, H, nblk, qk_scale, bh, pid_m, n_tiles, 1, D, BLOCK_M, BLOCK_N, SB, STAGES,
+            (_consumer, (r, KS, VS, O, S, H, nblk, qk_scale, bh, pid_m, n_tiles, 1, D, BLOCK_M, BLOCK_N, STAGES,
                          OUT_FP8, QS, OSC, PINGPONG)),
             (_producer, (q_desc, k_desc, v_desc, r, bh, pid_m, S, n_tiles, D, BLOCK_M, BLOCK_N, STAGES)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -376,24 +263,17 @@ def available(device=None) -> bool:
 
 def attention_fp8_ws(q8, q_scale, k8, k_scale, vt8, v_scale, *, out_scale=None, config=None):
     """:func:`trt_sora.kernels.triton_ops.attention_fp8` through the warp-specialized Gluon kernel (same
-    arguments and layouts, same result). ``config``: (ring slots, consumer registers, producer registers, ping-pong
-    [, keys per tile, one of :data:`BLOCK_N_CHOICES`; default 128]). A tile of 256 keys takes the online softmax's
-    steps every 256 keys: the same math, its sums in another order (fp32 rounding apart, the same result)."""
+    arguments and layouts, same result). ``config``: (ring slots, consumer registers, producer registers, ping-pong)."""
     if not available(q8.device):
         from trt_sora.errors import BackendMissingError
 
         raise BackendMissingError("the warp-specialized attention kernel needs Triton's Gluon with warp "
                                   "specialization (pip install 'triton>=3.5') and an SM 9.x GPU; "
                                   "triton_ops.attention_fp8(..., ws=False) runs the Triton kernel anywhere")
-    stages, c_regs, p_regs, pingpong, block_n = (*config, *CONFIG[len(config):]) if config else CONFIG
-    if block_n not in BLOCK_N_CHOICES:
-        from trt_sora.errors import ConfigError
-
-        raise ConfigError(f"the warp-specialized attention kernel takes {BLOCK_N_CHOICES} keys per tile, got "
-                          f"{block_n}: pick one of those")
+    stages, c_regs, p_regs, pingpong = config or CONFIG
     b, h, s, d = q8.shape
     s_pad = vt8.shape[-1]
-    sb = s_pad // q_scale.shape[-1]  # tokens per Q / K scale block
+    block_n = s_pad // q_scale.shape[-1]
     half = BLOCK_M // 2
     lay = gl.NVMMASharedLayout.get_default_for
     q_desc = TensorDescriptor(q8, [b * h * s, d], [d, 1], [half, d], lay([half, d], gl.int8))
@@ -402,8 +282,7 @@ def attention_fp8_ws(q8, q_scale, k8, k_scale, vt8, v_scale, *, out_scale=None, 
     o = torch.empty((b, s, h * d), device=q8.device, dtype=vt8.dtype if out_scale is not None else torch.bfloat16)
     _attn_ws_kernel[(-(-s // BLOCK_M), b * h)](
         q_desc, k_desc, v_desc, q_scale, k_scale, v_scale, o, out_scale if out_scale is not None else o, s, h,
-        q_scale.shape[-1], 1.4426950408889634 / math.sqrt(d), D=d, BLOCK_M=BLOCK_M, BLOCK_N=block_n, SB=sb,
-        STAGES=stages, OUT_FP8=out_scale is not None, CONSUMER_REGS=c_regs, PRODUCER_REGS=p_regs,
-        PINGPONG=bool(pingpong),
+        q_scale.shape[-1], 1.4426950408889634 / math.sqrt(d), D=d, BLOCK_M=BLOCK_M, BLOCK_N=block_n, STAGES=stages,
+        OUT_FP8=out_scale is not None, CONSUMER_REGS=c_regs, PRODUCER_REGS=p_regs, PINGPONG=bool(pingpong),
         num_warps=4, maxnreg=168)  # 12 warps x 32 x 168 registers fill the register file; setmaxnreg moves them
     return o
