@@ -110,6 +110,21 @@ def test_warp_specialized_attention_refuses_without_hopper_and_gluon():
         g.attention_fp8_ws(q8, None, q8, None, q8, None)
 
 
+def test_wide_key_tiles_refuse_what_the_kernel_does_not_run():
+    """Keys per tile: 128 or 256, the wider for dense attention on the Triton kernel only; anything else is
+    refused with the choices before a launch."""
+    pytest.importorskip("triton")
+    from trt_sora.errors import ConfigError
+    from trt_sora.kernels import triton_ops as t
+
+    x = torch.zeros(1, 1, 128, 128, dtype=torch.int8)
+    with pytest.raises(ConfigError, match=r"\(128, 256\) keys per tile"):
+        t.attention_fp8(x, x, x, x, x, x, block_n=192)
+    for kw in ({"ws": True}, {"key_len": x}, {"blocks": (x, x, x)}):
+        with pytest.raises(ConfigError, match="dense attention only"):
+            t.attention_fp8(x, x, x, x, x, x, block_n=256, **kw)
+
+
 def test_vt_key_order_puts_each_lanes_p_operand_in_its_own_accumulator_registers():
     """PTX ISA fragments: the Q K^T accumulator (wgmma / mma C layout) gives lane q of a quad the key
     columns 8c + 2q + {0, 1} (c < 4) of every 32; the FP8 A operand of the P V product (k32) gives it
