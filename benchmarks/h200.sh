@@ -8,7 +8,8 @@
 # Parts: tests (pytest -m gpu), e2e (seconds per clip stage by stage, Wan 14B 480p x 81: benchmarks/e2e_bench.py),
 # e2eclip (two whole 50-step 14B clips of ours measured end to end, the cached one first with the schedule check
 # accepted on wan-shapes, E2ECLIP_SCHEDULE; the JSON after each clip), ws (the warp-specialized Gluon attention kernel vs the Triton one: bits, speed;
-# WS_CONFIGS picks its configs; WS_VARIANTS=name=path,... other builds of the Gluon module), gemm (block GEMMs,
+# WS_CONFIGS picks its configs; WS_VARIANTS=name=path,... other builds of the Gluon module), wsn (the Triton attention
+# kernel's 256-key tiles vs its default 128: benchmarks/attention_tiles.py), gemm (block GEMMs,
 # exact vs fast FP8 accumulation), attention (kernel vs
 # cuDNN/flash), cudnn_attn (issue 32: our 8-bit Triton kernel vs cuDNN's FP8 SDPA alone, 1 x 40 x 32,760 x 128;
 # needs the nvidia-cudnn-frontend wheel in .whl; cudnn_tests: its GPU tests), m14cudnn (the 14B 480p call with cuDNN's FP8 SDPA as the
@@ -103,6 +104,7 @@ for p in "$@"; do
     calib14) part calib14 360 python3 benchmarks/calib_overhead.py --model wan2.1-t2v-14b --cfg batched --reps 3 --variants ${CALIB14_VARIANTS:-shipped} --out "$OUT/calib14_batched.json" ;;
     attn_model) part attn_model 400 python3 benchmarks/fp8_bench.py --parts attention_in_model \
                   --out "$OUT/attn_model.json" ;;
+    wsn) part wsn 240 python3 benchmarks/attention_tiles.py --out "$OUT/wsn.json" ;;
     ws) part ws 300 python3 benchmarks/gluon_attention.py ${WS_CONFIGS:+--configs "$WS_CONFIGS"} \
           ${WS_VARIANTS:+--variants "$WS_VARIANTS"} --out "$OUT/ws.json" ;;
     cudnn_tests) part cudnn_tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_cudnn_attention.py \

@@ -287,3 +287,41 @@ def test_attention_on_heads_narrower_than_the_int8_dot(d):
     want = ref.heads_to_tokens(ref.attention(q, k, v)).float()
     cos_ = lambda a, b: torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0).item()  # noqa: E731
     assert cos_(o, mine) >= 0.9995 and cos_(o, want) >= 0.999, (cos_(o, mine), cos_(o, want))
+
+
+@pytest.mark.parametrize("b,s", [(1, 100), (1, 300), (2, 1000), (1, 4133)])
+def test_wide_key_tiles(b, s):
+    """256-key tiles (``block_n=256``): every config (ring stages 1-3) and both loads (TMA, pointers) the same
+    bits; the 8-bit reference's result (up to the online softmax's running max) and fp32 attention's, bf16 and
+    FP8 output; no tile past S, ragged tiles past V^T's padding, batch 2 (a tile running into the next head)."""
+    import math
+
+    import triton
+
+    t = _tri()
+    qkv, wq, wk, cos, sin, h = _qkv_inputs(b=b, s=s, h=2)
+    ops8 = t.qkv_rmsnorm_rope(qkv, wq, wk, cos, sin, h, fp8=True)
+    q8, qs, k8, ks, vt8, vs = ops8
+    d = q8.shape[-1]
+    o = t.attention_fp8(*ops8, block_n=256)
+    outs = []
+    for cfg in t._attn_configs(256):
+        for tma in (True, False):
+            k_arg, v_arg = t.kv_descriptors(k8, vt8, 256) if tma else (k8, vt8)
+            x = torch.full_like(o, float("nan"))
+            t._attn_fp8_kernel.fn[(triton.cdiv(s, cfg.kwargs["BLOCK_M"]), b * h)](
+                q8, qs, k_arg, ks, v_arg, vs, x, x, s, vt8.shape[-1], h, qs.shape[-1],
+                1.4426950408889634 / math.sqrt(d), s.bit_length(), qs, qs, qs, 0, qs, D=d, OUT_FP8=False,
+                SPARSE=False, KEYS=False, BLOCK_N=256, TMA=tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                **cfg.kwargs)
+            outs.append(x)
+    assert all(torch.equal(x, o) for x in outs)
+    mine = ref.heads_to_tokens(ref.attention_fp8(q8, qs, k8, ks, ref.vt_natural(vt8, s), vs)).float()
+    q, k, v = ref.qkv_rmsnorm_rope(qkv, wq, wk, cos, sin, h, fp8=False)
+    want = ref.heads_to_tokens(ref.attention(q, k, v)).float()
+    cos_ = lambda a, b: torch.nn.functional.cosine_similarity(a.float().flatten(), b.flatten(), dim=0).item()  # noqa: E731
+    assert cos_(o, mine) >= 0.9995 and cos_(o, want) >= 0.999, (cos_(o, mine), cos_(o, want))
+    sc = torch.tensor(float(o.float().abs().max()) / 448, device="cuda")
+    o8 = t.attention_fp8(*ops8, block_n=256, out_scale=sc)
+    _deq_close(o8, ref.quantize(o, sc), sc, max_mismatch=0.05)
+
