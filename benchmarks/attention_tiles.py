@@ -1,9 +1,9 @@
 """Key-tile widths of the 8-bit Triton attention kernel (:func:`trt_sora.kernels.triton_ops.attention_fp8`,
 ``block_n``) in one process on one GPU: the default (128 keys, autotuned) against 256-key tiles, autotuned and
-each of their configs (64-row tile at 1, 2 and 3 ring stages), at Wan 14B's 1 x 40 heads x 32,760 x 128.
-Per config: TFLOP/s per timing round (bf16 and FP8 output, rounds interleaved), the cosine against fp32
-attention (4 heads), the largest difference from the default's output; and on small ragged shapes, the
-cosine against the default (the online softmax's steps move, so bits may differ).
+each of their configs (64-row tile at 1, 2 and 3 ring stages, 128-row tile at 2), at Wan 14B's 1 x 40 heads x
+32,760 x 128. Per config: TFLOP/s per timing round (bf16 and FP8 output, rounds interleaved), the cosine against
+fp32 attention (4 heads), the largest difference from the default's output; and on small ragged shapes, the cosine
+against the default (the online softmax's steps move, so bits may differ).
 
     python benchmarks/attention_tiles.py --out results.json      # H100/H200
 """

@@ -291,7 +291,7 @@ def test_attention_on_heads_narrower_than_the_int8_dot(d):
 
 @pytest.mark.parametrize("b,s", [(1, 100), (1, 300), (2, 1000), (1, 4133)])
 def test_wide_key_tiles(b, s):
-    """256-key tiles (``block_n=256``): every config (ring stages 1-3) and both loads (TMA, pointers) the same
+    """256-key tiles (``block_n=256``): every config (64 and 128 rows, ring stages) and both loads the same
     bits; the 8-bit reference's result (up to the online softmax's running max) and fp32 attention's, bf16 and
     FP8 output; no tile past S, ragged tiles past V^T's padding, batch 2 (a tile running into the next head)."""
     import math

@@ -245,7 +245,7 @@ def test_wide_key_tiles_track_fp32_attention(t, s):
     ks[..., 1::2] *= 3.0
     b, h, _, d = q8.shape
     outs = []
-    for cfg in t._attn_configs(256)[:2]:  # the stages do not change the interpreter's run
+    for cfg in t._attn_configs(256)[::3]:  # 64 and 128 rows; the stages do not change the interpreter's run
         o = torch.full((b, s, h * d), float("nan")).to(torch.bfloat16)
         t._attn_fp8_kernel.fn[(triton.cdiv(s, cfg.kwargs["BLOCK_M"]), b * h)](
             q8, qs, k8, ks, vt8, vs, o, o, s, vt8.shape[-1], h, qs.shape[-1], 1.4426950408889634 / d ** 0.5,

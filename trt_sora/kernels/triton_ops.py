@@ -426,10 +426,12 @@ def _attn_configs(block_n: int = SCALE_BLOCK):
     a long key sum); skipping the rescale of tiles where no row max moved (the block-wide test costs more than
     the multiplies).
 
-    A wider tile takes the 64-row tile only (128 rows with PIPE spill at 255 registers); its ring stages set
-    the CTAs per SM by shared memory (1 stage: two CTAs; 2 or 3: one)."""
+    A wider tile runs without PIPE (with it, 128 rows spill at 255 registers): 64 rows at 1, 2 or 3 ring stages
+    (shared memory allows two CTAs per SM at 1 stage, one at 2 or 3), or 128 rows on two warpgroups sharing
+    each K / V tile at 2 stages (one CTA per SM)."""
     if block_n != SCALE_BLOCK:
-        return [triton.Config({"BLOCK_M": 64, "PIPE": False}, num_warps=4, num_stages=st) for st in (1, 2, 3)]
+        return [triton.Config({"BLOCK_M": bm, "PIPE": False}, num_warps=w, num_stages=st)
+                for bm, w, st in ((64, 4, 1), (64, 4, 2), (64, 4, 3), (128, 8, 2))]
     return [triton.Config({"BLOCK_M": bm, "PIPE": pipe}, num_warps=w, num_stages=3)
             for bm, pipe, w in ((64, False, 4), (128, True, 8))]
 
