@@ -1,8 +1,8 @@
 """``python gated_serve.py ARM FIFO serve ...``: ``trt-sora serve ...`` whose runner, once the engine is
-warm and the file ARM exists, stops at the first transformer call: it prints ``gate: entered`` and
-blocks reading the named pipe FIFO until the test opens it for writing (then the gate stays open).
-So a test knows, without a clock, that a job is at the model's door when it kills or signals the
-server, or that it has gone in."""
+warm, stops at the first transformer call made while the file ARM exists (created before the start
+or later): it prints ``gate: entered`` and blocks reading the named pipe FIFO until the test opens
+it for writing (then the gate stays open). So a test knows, without a clock, that a job is at the
+model's door when it kills or signals the server, or that it has gone in."""
 import os
 import sys
 
@@ -11,7 +11,7 @@ from trt_sora.cli import main
 from trt_sora.serve import scheduler
 
 ARM, FIFO, ARGS = sys.argv[1], sys.argv[2], sys.argv[3:]
-_gate = {"active": False}
+_gate = {"warm": False, "passed": False}
 
 
 class _Gated:
@@ -22,11 +22,11 @@ class _Gated:
         return getattr(self._runner, name)
 
     def infer(self, feeds):
-        if _gate["active"]:
+        if _gate["warm"] and not _gate["passed"] and os.path.exists(ARM):
             print("gate: entered", flush=True)
             with open(FIFO) as fh:  # blocks until the test opens the pipe for writing (or never)
                 fh.read()
-            _gate["active"] = False
+            _gate["passed"] = True
         return self._runner.infer(feeds)
 
 
@@ -38,7 +38,7 @@ def load(*args, **kwargs):
 
 
 def resume(self):  # after the warm-up, before the workers start
-    _gate["active"] = os.path.exists(ARM)
+    _gate["warm"] = True
     _resume(self)
 
 

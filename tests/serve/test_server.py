@@ -24,11 +24,16 @@ from http_helpers import HANG, Gated, Http, Lines, http_server
 
 @pytest.fixture(scope="module")
 def server(checked_run, tmp_path_factory):
-    """``trt-sora serve --port 0`` in a subprocess: a queue of 8, a 1 s wait budget, results in a folder;
-    ``(proc, http, results, stderr lines)``."""
+    """``trt-sora serve --port 0`` in a subprocess (through gated_serve.py): a queue of 8, a 1 s wait
+    budget, results in a folder; ``(proc, http, results, stderr lines, (arm, fifo, stdout lines))``,
+    the last the gate: once ``arm`` exists the next transformer call prints ``gate: entered`` and
+    waits until ``fifo`` is opened for writing."""
     results = tmp_path_factory.mktemp("results")
+    arm, fifo = results.parent / f"{results.name}.arm", results.parent / f"{results.name}.fifo"
+    os.mkfifo(fifo)
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "trt_sora", "serve", "--run", str(checked_run), "--backend", "ort",
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("gated_serve.py")), str(arm), str(fifo),
+                             "serve", "--run", str(checked_run), "--backend", "ort",
                              "--port", "0", "--threads", "1", "--max-queue", "8", "--max-wait-ms", "1000",
                              "--results", str(results), "--drain-grace", "3"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -39,14 +44,14 @@ def server(checked_run, tmp_path_factory):
     except AssertionError as exc:
         proc.kill()
         raise AssertionError(f"{exc}\nstderr:\n{err.text()[-2000:]}") from None
-    yield proc, Http(port), results, err
+    yield proc, Http(port), results, err, (arm, fifo, out)
     if proc.poll() is None:
         proc.kill()
     proc.wait()
 
 
 def test_health_info_and_clear_4xx(server):
-    _, http, _, _ = server
+    _, http, _, _, _ = server
     assert http.json("GET", "/healthz") == (200, {"status": "ok"})
     status, info = http.json("GET", "/v1/info")
     assert status == 200 and info["backend"] == "ort" and info["sampling"]["num_steps"] == 4
@@ -86,7 +91,7 @@ def test_concurrent_clients_are_batched_and_match_generate(server, tiny_runner):
     the formation exactly."""
     import trt_sora.runtime as rt
 
-    _, http, _, _ = server
+    _, http, _, _, _ = server
     before = {n: http.metric("trt_sora_batches_total", clips=str(n)) for n in (1, 2)}
     calls_before = http.metric("trt_sora_transformer_call_seconds_count", call_batch="2")
     jobs = [{"prompt": f"clip {i}", "seed": 100 + i, "guidance": 1.0} for i in range(3)]  # no CFG: 2 clips a call
@@ -284,7 +289,7 @@ def test_a_server_of_a_text_embeddings_file_warms_up_on_its_captions(tiny_runner
 
 
 def test_a_long_prompt_is_refused_unless_the_request_accepts_a_cut(server):
-    _, http, _, _ = server
+    _, http, _, _, _ = server
     long = " ".join(f"w{i}" for i in range(200))
     status, err = http.json("POST", "/v1/jobs", {"prompt": long})
     assert status == 400 and "prompt has 200 tokens; hash's text_len at this size is" in err["error"]
@@ -295,9 +300,16 @@ def test_a_long_prompt_is_refused_unless_the_request_accepts_a_cut(server):
 
 
 def test_sigterm_drains_then_exits_0(server):
-    """Last in the module: it ends the server."""
-    proc, http, results, err = server
-    ids = [http.json("POST", "/v1/jobs", {"prompt": f"drain {i}", "seed": i})[1]["id"] for i in range(3)]
+    """Last in the module: it ends the server. SIGTERM while a job is held inside the model (so the
+    drain cannot end before the test has looked): /readyz and new submissions answer 503, a finished
+    job's clip is still served, and once the gate opens every accepted job finishes and the process
+    exits 0."""
+    proc, http, results, err, (arm, fifo, out) = server
+    first = http.json("POST", "/v1/jobs", {"prompt": "drain 0", "seed": 0})[1]["id"]
+    assert http.wait_done(first)["status"] == "done"
+    arm.write_text("")  # the next transformer call waits at the gate
+    ids = [first] + [http.json("POST", "/v1/jobs", {"prompt": f"drain {i}", "seed": i})[1]["id"] for i in (1, 2)]
+    out.wait_for(r"^gate: entered")
     mark = len(err.lines)
     proc.send_signal(signal.SIGTERM)
     err.wait_for(r"signal SIGTERM: draining", start=mark)  # logged once the engine refuses new jobs
@@ -305,10 +317,12 @@ def test_sigterm_drains_then_exits_0(server):
     assert status == 503 and body["error"] == "draining"
     status, body = http.json("POST", "/v1/jobs", {"prompt": "too late"})
     assert status == 503 and "draining" in body["error"]
-    assert [http.wait_done(i)["status"] for i in ids] == ["done"] * 3  # every accepted job finishes
-    assert http("GET", f"/v1/jobs/{ids[-1]}/result?format=npy")[0] == 200
-    assert proc.wait(timeout=HANG) == 0
-    assert {f"{i}.npy" for i in ids} <= {p.name for p in results.iterdir()}
+    assert [http.json("GET", f"/v1/jobs/{i}")[1]["status"] for i in ids] == ["done", "running", "queued"]
+    assert http("GET", f"/v1/jobs/{first}/result?format=npy")[0] == 200  # results are served while draining
+    with open(fifo, "w"):  # open the gate: the held job goes on
+        pass
+    assert proc.wait(timeout=HANG) == 0, err.text()[-2000:]
+    assert {f"{i}.npy" for i in ids} <= {p.name for p in results.iterdir()}  # every accepted job finished
 
 
 class _Clock:
