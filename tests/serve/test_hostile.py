@@ -6,6 +6,7 @@ The app runs in-process on 127.0.0.1 over an engine that was never started: each
 refused while the body is read and parsed, before the engine is asked for anything (a request
 that got that far would answer 503, not ready)."""
 import json
+import socket
 from http import client
 
 import pytest
@@ -120,23 +121,24 @@ def impatient(tiny_runner):
         engine.close()
 
 
-def _partial(http, sent: bytes, declared: int):
-    conn = _connect(http)
-    conn.putrequest("POST", "/v1/jobs")
-    conn.putheader("Content-Type", "application/json")
-    conn.putheader("Content-Length", str(declared))
-    conn.endheaders()
-    conn.send(sent)
-    return conn
+def _partial(http, sent: bytes, declared: int) -> socket.socket:
+    """A POST announcing ``declared`` bytes whose headers and first ``sent`` bytes go in one write (so
+    the server has those bytes when its body timeout starts, however late this process runs next)."""
+    host, port = http.base.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)), timeout=60)
+    sock.sendall(f"POST /v1/jobs HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {declared}\r\n\r\n".encode() + sent)
+    return sock
 
 
 def test_a_stalled_body_gets_408_and_holds_nothing(impatient):
     """10 of 100 announced bytes, then silence: the body timeout answers 408; nothing is queued."""
     http, _, engine = impatient
-    conn = _partial(http, b'{"prompt":', 100)
-    r = conn.getresponse()
+    sock = _partial(http, b'{"prompt":', 100)
+    r = client.HTTPResponse(sock)
+    r.begin()
     assert r.status == 408 and "not complete 0.3 s after the headers (10 bytes came)" in json.loads(r.read())["error"]
-    conn.close()
+    sock.close()
     assert engine.queue_depth == 0 and http.metric("trt_sora_rejected_total", reason="body_timeout") == 1
 
 
