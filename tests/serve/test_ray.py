@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from http_helpers import HANG
 
 ray = pytest.importorskip("ray", reason="Ray is an optional extra: pip install 'trt_sora[ray]'")
 pytestmark = pytest.mark.slow
@@ -67,7 +68,7 @@ def test_ray_serve_deployment(cluster, checked_run, tiny_runner):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(deployment(checked_run, backend="ort", threads=1, config=ServeConfig(max_wait_s=2.0)),
+    serve.run(deployment(checked_run, backend="ort", threads=1, config=ServeConfig(max_wait_s=HANG, max_batch=2)),
               route_prefix="/", name="trt_sora")
     base = f"http://127.0.0.1:{port}"
     assert json.loads(urllib.request.urlopen(base + "/readyz", timeout=30).read())["status"] == "ready"
