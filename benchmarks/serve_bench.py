@@ -65,6 +65,13 @@ def _metrics(base: str) -> dict:
     return {"batches": batches, "calls": calls}
 
 
+def server_env(environ) -> dict:
+    """The server's environment: this checkout first on ``PYTHONPATH``, the caller's entries kept (the
+    device installs the serve extra's wheels into a folder named there)."""
+    path = os.pathsep.join(p for p in (str(ROOT), environ.get("PYTHONPATH")) if p)
+    return {**environ, "PYTHONPATH": path}
+
+
 def run_mode(args, mode: str) -> dict:
     port = _port()
     base = f"http://127.0.0.1:{port}"
@@ -79,8 +86,7 @@ def run_mode(args, mode: str) -> dict:
         cmd += ["--text-encoder", args.text_encoder]
     if args.force:  # speed of an artifact whose parity gate failed (never for serving it)
         cmd += ["--force"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(cmd, env=server_env(os.environ), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         t0 = time.monotonic()
         while True:
