@@ -49,3 +49,22 @@ def test_the_pattern_is_applied(rungs):
     assert whole["density"] == 1.0
     assert whole["cosine_vs_dense_full_rung"] > 1 - 1e-9  # every key block: the dense attention
     assert narrow["cosine_vs_dense_full_rung"] < 0.99999
+
+
+@pytest.mark.gpu
+def test_the_sparse_rung_runs_graphed_on_cuda(tmp_path):
+    """The GPU part's path: the block-sparse kernel in CUDA graphs (a tile of 128 tokens, the kernel's)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    out = tmp_path / "m.json"
+    # 128 x 256 pixels, 17 frames: tokens 5 x 8 x 16; a tile of 1 x 8 x 16 (128 tokens) is a frame
+    _bench().main(["--parts", "models", "--models", "wan-tiny", "--points", "128x256:1", "--frames", "17",
+                   "--iters", "2", "--eager-iters", "1", "--no-profile",
+                   "--rungs", "fp8_fused_attn8_graph,fp8_fused_attn8_graph_sparse", "--sparse-tile", "1-8-16",
+                   "--sparse-global-frames", "0", "--sparse-windows", "0-0-0,4-0-0", "--out", str(out)])
+    rungs = json.loads(out.read_text())["runs"][0]["rungs"]
+    narrow, whole = rungs["fp8_fused_attn8_graph_sparse_0-0-0"], rungs["fp8_fused_attn8_graph_sparse_4-0-0"]
+    assert narrow["cuda_graphs"] == 1 and narrow["density"] == pytest.approx(0.2, abs=1e-6)
+    # every key tile, in tile order: the dense attention up to the order the online softmax sums its keys in
+    assert whole["density"] == 1.0 and whole["cosine_vs_dense_full_rung"] > 1 - 1e-6
+    assert narrow["cosine_vs_dense_full_rung"] < 0.99999
