@@ -147,3 +147,15 @@ def test_an_accepted_job_is_in_the_store_before_submit_returns(tiny_runner, tmp_
         gated.release.set()
         engine.wait(b.id, HANG)
         engine.close()
+
+
+def test_a_closed_engine_stops_its_retention_sweeper(tiny_runner, tmp_path):
+    """close() ends the sweeper at once, not after its interval (when it would sweep a closed store)."""
+    from trt_sora.serve.scheduler import Engine, ServeConfig
+
+    engine = Engine(tiny_runner, ServeConfig(state_dir=str(tmp_path), sweep_interval_s=10 * HANG))
+    engine.start(block=True)
+    (sweeper,) = [t for t in engine._threads if t.name == "trt-sora-sweep"]
+    engine.close()
+    sweeper.join(HANG)
+    assert not sweeper.is_alive(), "the sweeper sleeps out its interval after close()"

@@ -261,6 +261,7 @@ class Engine:
         self._cond = threading.Condition()
         self._threads: list[threading.Thread] = []
         self._stop = False
+        self._closed = threading.Event()  # set by close(): the sweeper ends at once
         self._tmp = None
         self._finishes: collections.deque[float] = collections.deque(maxlen=32)  # finish times: the drain rate
         self._warm_clip_s: float | None = None
@@ -433,6 +434,7 @@ class Engine:
         with self._cond:
             self._stop = True
             self._cond.notify_all()
+        self._closed.set()
         if self._tmp is not None:
             self._tmp.cleanup()
         if self.store is not None and not self._running:
@@ -519,8 +521,7 @@ class Engine:
             log.error("serve: %s", exc)
 
     def _sweeper(self) -> None:
-        stop = threading.Event()
-        while not self._stop and not stop.wait(self.config.sweep_interval_s):
+        while not self._closed.wait(self.config.sweep_interval_s) and not self._stop:
             try:
                 self.sweep()
             except Exception as exc:  # a failed sweep must not stop serving; the next one retries
