@@ -1,13 +1,13 @@
 """benchmarks/architecture_metrics.py on a synthetic package whose cycles, imports and hits are known."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import struct
 import sys
 from pathlib import Path
 
 import pytest
+from script_loader import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -41,13 +41,9 @@ FILES = {
 
 @pytest.fixture(scope="module")
 def am():
-    path = ROOT / "benchmarks" / "architecture_metrics.py"
-    spec = importlib.util.spec_from_file_location("architecture_metrics", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look the module up by name
-    spec.loader.exec_module(mod)
+    mod = load_script("benchmarks/architecture_metrics.py")
     yield mod
-    sys.modules.pop(spec.name, None)
+    sys.modules.pop(mod.__name__, None)
 
 
 @pytest.fixture()

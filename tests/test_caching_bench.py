@@ -3,12 +3,11 @@ uncached clips, each caption its own clip, the JSON rewritten after each setting
 the rows before it), the numbers against a loop written out here; on a GPU, the same uncached clips."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-from pathlib import Path
 
 import pytest
+from script_loader import load_script
 
 torch = pytest.importorskip("torch")
 
@@ -18,7 +17,6 @@ from trt_sora.models import get_adapter  # noqa: E402
 from trt_sora.parity.loop import loop_inputs  # noqa: E402
 from trt_sora.sampling import adapter_call, gaussian_noise, sample  # noqa: E402
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "caching_bench.py"
 #: wan-tiny samples 4 steps; the first two settings plan one schedule.
 GRID = "1:2:1,2:2:1,0.01:1:1"
 #: wan-tiny's calibration preset's shape (the bench samples its captions at it).
@@ -26,10 +24,7 @@ TINY = {"latent_frames": 2, "latent_height": 8, "latent_width": 8, "text_len": 1
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("caching_bench", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("benchmarks/caching_bench.py")
 
 
 def _args(tmp_path, *more):
@@ -114,9 +109,7 @@ def test_cuda_uncached_clips_match_the_cpu_ones(curve, tmp_path):
 
 
 def test_check_setting_is_the_curves_best_passing_row():
-    spec = importlib.util.spec_from_file_location("cache_check", SCRIPT.with_name("cache_check.py"))
-    cc = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cc)
+    cc = load_script("benchmarks/cache_check.py")
 
     def row(thr, skips, calls, worst, passed):
         return {"threshold": thr, "max_skips": skips, "warmup_steps": 2, "calls": calls, "calls_uncached": 100,

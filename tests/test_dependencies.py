@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import tomllib
+from script_loader import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 #: Modules of declared distributions that are not installed on this machine (GPU-only or alternatives):
@@ -146,11 +147,7 @@ def test_the_scan_sees_lazy_imports():
 def test_ci_constraints_pin_what_ci_installs():
     """``.ci/constraints.txt`` pins exactly the distributions the Makefile's extras pull in (their requirement
     closure, read from the installed metadata), each at its installed version: nothing stale, nothing missing."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("ci_constraints", ROOT / ".ci" / "constraints.py")
-    ci = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ci)
+    ci = load_script(".ci/constraints.py")
     try:
         want = ci.closure(ci.makefile_extras())
     except LookupError as e:

@@ -3,27 +3,22 @@ one replaying its step schedule. The transformer calls are counted at the runner
 bench reports from): a schedule the clip ignored would call it at every step."""
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
+from script_loader import load_script
 
 torch = pytest.importorskip("torch")
 
 from trt_sora.errors import ConfigError  # noqa: E402
 from trt_sora.runners.fp8_runner import TorchFp8Runner  # noqa: E402
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "e2e_bench.py"
 #: the warm-up's 2-step trajectory (batched CFG: one batch-2 call a step).
 WARMUP = [2, 2]
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("e2e_bench", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("benchmarks/e2e_bench.py")
 
 
 def _run(tmp_path, monkeypatch, *schedule, device: str = "cpu") -> tuple[dict, list[int]]:

@@ -3,22 +3,17 @@ once per window beside the dense full rung, records its pattern, and its output 
 the window covers the grid and another where it does not (a dry run of the GPU part ``m14sparse``)."""
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
+from script_loader import load_script
 
 torch = pytest.importorskip("torch")
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "fp8_bench.py"
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("fp8_bench", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("benchmarks/fp8_bench.py")
 
 
 @pytest.fixture(scope="module")

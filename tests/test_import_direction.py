@@ -5,11 +5,11 @@ function-level import of a module below, never of one above."""
 from __future__ import annotations
 
 import ast
-import importlib.util
 import sys
 from pathlib import Path
 
 import pytest
+from script_loader import load_script
 
 import trt_sora
 
@@ -122,14 +122,7 @@ def _module_edges(path: Path, root: Path, modules: set[str]) -> set[str]:
 
 def _metrics():
     """benchmarks/architecture_metrics.py, whose Tarjan components count the cycles it reports."""
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "architecture_metrics.py"
-    spec = importlib.util.spec_from_file_location("architecture_metrics", path)
-    mod = sys.modules.get(spec.name)
-    if mod is None:
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = mod  # dataclasses look the module up by name
-        spec.loader.exec_module(mod)
-    return mod
+    return sys.modules.get("architecture_metrics") or load_script("benchmarks/architecture_metrics.py")
 
 
 def _cycles(root: Path) -> list[list[str]]:

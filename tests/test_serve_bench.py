@@ -2,20 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "serve_bench.py"
+from script_loader import ROOT, load_script
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("serve_bench", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("benchmarks/serve_bench.py")
 
 
 def test_the_server_imports_what_the_callers_pythonpath_holds(tmp_path):
@@ -27,4 +23,4 @@ def test_the_server_imports_what_the_callers_pythonpath_holds(tmp_path):
                           "print(m.WHERE, trt_sora.__file__)"], env=env, capture_output=True, text=True, check=True)
     where, trt_sora_file = out.stdout.split()
     assert where == "caller"
-    assert Path(trt_sora_file).resolve().is_relative_to(SCRIPT.parents[1].resolve())
+    assert Path(trt_sora_file).resolve().is_relative_to(ROOT.resolve())

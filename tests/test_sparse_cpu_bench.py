@@ -3,12 +3,11 @@ gives the clip of sampling with its plan from the first step (written out here),
 counts the dense steps whole."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-from pathlib import Path
 
 import pytest
+from script_loader import load_script
 
 torch = pytest.importorskip("torch")
 
@@ -18,15 +17,12 @@ from trt_sora.parity.loop import loop_inputs  # noqa: E402
 from trt_sora.sampling import adapter_call, sample  # noqa: E402
 from trt_sora.sparse import plan_sparse  # noqa: E402
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "sparse_cpu.py"
 SEED = 7
 
 
 @pytest.fixture(scope="module")
 def curve(tmp_path_factory):
-    spec = importlib.util.spec_from_file_location("sparse_cpu", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script("benchmarks/sparse_cpu.py")
     out = tmp_path_factory.mktemp("sc") / "c.json"
     mod.main(["--model", "wan-tiny", "--captions", "1", "--calib-prompts", "1", "--tile", "1-1-1", "--threads", "1",
               "--candidates", "0-0-0,1-1-1", "--seed", str(SEED), "--configs", "window=0-0-0/dense=2,budget=0.000001",
