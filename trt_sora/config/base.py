@@ -26,6 +26,15 @@ def did_you_mean(word: str, choices) -> str:
     return f" (did you mean {match[0]!r}?)" if match else ""
 
 
+def enum_member(tp: type[enum.Enum], value: Any, where: str) -> enum.Enum:
+    """``value`` (a member or its value) as a member of ``tp``; ConfigError naming the choices otherwise."""
+    try:
+        return tp(value)
+    except ValueError:
+        choices = [m.value for m in tp]
+        raise ConfigError(f"{where}: {value!r} is not one of {choices}{did_you_mean(str(value), choices)}") from None
+
+
 def _convert(tp: Any, value: Any, where: str) -> Any:
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
@@ -51,13 +60,7 @@ def _convert(tp: Any, value: Any, where: str) -> Any:
             raise ConfigError(f"{where}: expected a mapping, got {type(value).__name__} {value!r}")
         return from_dict(tp, value, where=where)
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
-        try:
-            return tp(value)
-        except ValueError:
-            choices = [m.value for m in tp]
-            raise ConfigError(
-                f"{where}: {value!r} is not one of {choices}{did_you_mean(value, choices)}"
-            ) from None
+        return enum_member(tp, value, where)
     if origin in (tuple, list):
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{where}: expected a list, got {value!r}")

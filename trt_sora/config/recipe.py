@@ -6,7 +6,7 @@ import enum
 import math
 from collections.abc import Mapping
 
-from trt_sora.config.base import did_you_mean, from_dict, to_dict
+from trt_sora.config.base import did_you_mean, enum_member, from_dict, to_dict
 from trt_sora.config.shapes import DIM_NAMES, DimRange, ShapeProfile
 from trt_sora.errors import ConfigError
 from trt_sora.sm import sm_dotted, sm_int
@@ -310,8 +310,8 @@ class CachingConfig:
     plan: CachePlan = CachePlan.RUNS
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "method", _enum_value("caching.method", CacheMethod, self.method))
-        object.__setattr__(self, "plan", _enum_value("caching.plan", CachePlan, self.plan))
+        object.__setattr__(self, "method", enum_member(CacheMethod, self.method, "caching.method"))
+        object.__setattr__(self, "plan", enum_member(CachePlan, self.plan, "caching.plan"))
         object.__setattr__(self, "branches", tuple(self.branches))
         object.__setattr__(self, "sweep", tuple(self.sweep))
         _in_range("caching.threshold", self.threshold, 0.0, 10.0, lo_open=True,
@@ -360,16 +360,6 @@ class CachingConfig:
     @property
     def enabled(self) -> bool:
         return self.method is not CacheMethod.NONE
-
-
-def _enum_value(key: str, kind: type[enum.Enum], value):
-    """``value`` as a member of ``kind`` (a recipe or a Python caller may give its string)."""
-    if isinstance(value, kind):
-        return value
-    choices = [m.value for m in kind]
-    if value not in choices:
-        raise ConfigError(f"{key}={value!r} is not one of {choices}{did_you_mean(str(value), choices)}")
-    return kind(value)
 
 
 _Window = tuple[int, int, int]
