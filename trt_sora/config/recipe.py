@@ -252,10 +252,8 @@ class TorchFp8Config:
         lo, hi = self.attention_timesteps
         if not 0.0 <= lo <= hi <= 1000.0:
             raise ConfigError(f"torch_fp8.attention_timesteps={[lo, hi]}: need 0 <= lo <= hi <= 1000")
-        kernels = [k.value for k in AttentionKernel]
-        if self.attention_kernel not in kernels:
-            raise ConfigError(f"torch_fp8.attention_kernel={self.attention_kernel!r}: use one of {kernels}")
-        object.__setattr__(self, "attention_kernel", AttentionKernel(self.attention_kernel))
+        object.__setattr__(self, "attention_kernel",
+                           enum_member(AttentionKernel, self.attention_kernel, "torch_fp8.attention_kernel"))
 
     def attention_policy(self) -> dict:
         """As :meth:`trt_sora.runners.fp8_runner.AttentionPolicy.from_dict` reads it."""
