@@ -128,19 +128,26 @@ class Bench:
         sched.set_timesteps(self.settings.num_steps)
         return [float(t) for t in sched.timesteps]
 
-    def run(self, cache):
-        """``(latents, frames, seconds)`` of every caption (on the CPU) sampled with ``cache``."""
+    def sampled(self, inits=None, **kw):
+        """``(results, frames, seconds)``: the sampler over every caption (``inits``: each clip's starting
+        latents, ``None`` for its noise; ``kw``: more of ``sample``'s arguments) and the decoded frames, timed
+        together."""
         from trt_sora.sampling import adapter_call, sample
 
         call, s = adapter_call(self.adapter, self.model), self.settings
         _sync(self.a.device)
         t0 = time.perf_counter()
-        lat = [sample(call, n, c, u, scheduler=self.adapter.scheduler(s.shift), settings=s, cfg="batched",
-                      conditioner=self.adapter, cache=cache).latents for n, c, u in self.clips]
-        frames = [self.decode(x).float() for x in lat]
+        res = [sample(call, n if x0 is None else x0, c, u, scheduler=self.adapter.scheduler(s.shift), settings=s,
+                      cfg="batched", conditioner=self.adapter, **kw)
+               for (n, c, u), x0 in zip(self.clips, inits or [None] * len(self.clips))]
+        frames = [self.decode(r.latents).float() for r in res]
         _sync(self.a.device)
-        secs = time.perf_counter() - t0
-        return [x.cpu() for x in lat], [f.cpu() for f in frames], secs
+        return res, frames, time.perf_counter() - t0
+
+    def run(self, cache):
+        """``(latents, frames, seconds)`` of every caption (on the CPU) sampled with ``cache``."""
+        res, frames, secs = self.sampled(cache=cache)
+        return [r.latents.cpu() for r in res], [f.cpu() for f in frames], secs
 
     def reference(self):
         """The uncached clips, from ``--reference`` when it holds these captions and settings."""

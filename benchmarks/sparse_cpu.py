@@ -66,27 +66,15 @@ class SparseBench(Bench):
 
     def trajectory(self):
         """The dense clips: ``(latents, frames, seconds, per-step latents)``."""
-        from trt_sora.sampling import adapter_call, sample
-
-        call, s = adapter_call(self.adapter, self.model), self.settings
-        t0 = time.perf_counter()
-        res = [sample(call, n, c, u, scheduler=self.adapter.scheduler(s.shift), settings=s, cfg="batched",
-                      conditioner=self.adapter, keep=("latents",)) for n, c, u in self.clips]
-        lat = [r.latents for r in res]
-        frames = [self.decode(x).float() for x in lat]
-        return lat, frames, time.perf_counter() - t0, [[st.latents for st in r.steps] for r in res]
+        res, frames, secs = self.sampled(keep=("latents",))
+        return [r.latents for r in res], frames, secs, [[st.latents for st in r.steps] for r in res]
 
     def run_plan(self, plan, sites, grid, start: int, steps):
         """``(latents, frames, seconds)`` with ``plan`` from step ``start`` on (``steps``: the dense latents)."""
-        from trt_sora.sampling import adapter_call, sample
-
-        call, s = adapter_call(self.adapter, self.model), self.settings
         hook = lambda c: plan.applied(sites, grid, c.timestep, "cpu")  # noqa: E731
-        t0 = time.perf_counter()
-        lat = [sample(call, st[start - 1] if start else n, c, u, scheduler=self.adapter.scheduler(s.shift),
-                      settings=s, cfg="batched", conditioner=self.adapter, hook=hook, start_step=start).latents
-               for (n, c, u), st in zip(self.clips, steps)]
-        return lat, [self.decode(x).float() for x in lat], time.perf_counter() - t0
+        res, frames, secs = self.sampled([st[start - 1] if start else None for st in steps], hook=hook,
+                                         start_step=start)
+        return [r.latents for r in res], frames, secs
 
 
 def calibrated_mass(b: Bench, base, keep: str | None):
