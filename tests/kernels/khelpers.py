@@ -56,3 +56,26 @@ def assert_operands_match(got, want, s: int) -> None:
     torch.testing.assert_close(vs, rvs, rtol=1e-6, atol=0)
     assert (k8.int() - rk8.int()).abs().max() <= 2
     assert torch.equal(bits(ref.vt_natural(vt8, s)), bits(rv8))
+
+
+def run_attention(t, ops8, cfg, *, block_n=None, tma=False, blocks=None, key_len=None, out_scale=None):
+    """``t._attn_fp8_kernel`` over the operands ``ops8`` with one autotuner config ``cfg`` (``.fn``: no
+    autotuning, which would time configs on a GPU), into a NaN-filled output: bf16, or FP8 at ``out_scale``.
+    ``block_n`` keys per tile (default the scale block); ``tma``: K / V^T through descriptors; ``blocks``
+    ``(kidx, kcnt, krag)``: the sparse path; ``key_len``: the key-lengths path."""
+    import triton
+
+    q8, qs, k8, ks, vt8, vs = ops8
+    b, h, s, d = q8.shape
+    bn = block_n or t.SCALE_BLOCK
+    fp8 = out_scale is not None
+    o = torch.full((b, s, h * d), float("nan"), device=q8.device).to(ref.FP8 if fp8 else torch.bfloat16)
+    k_arg, v_arg = t.kv_descriptors(k8, vt8, bn) if tma else (k8, vt8)
+    kidx, kcnt, krag = blocks if blocks is not None else (qs, qs, qs)
+    t._attn_fp8_kernel.fn[(triton.cdiv(s, cfg.kwargs["BLOCK_M"]), b * h)](
+        q8, qs, k_arg, ks, v_arg, vs, o, out_scale if fp8 else o, s, vt8.shape[-1], h, qs.shape[-1],
+        1.4426950408889634 / d ** 0.5, s.bit_length(), kidx, kcnt, krag, kidx.shape[-1] if blocks is not None else 0,
+        key_len if key_len is not None else qs, D=d, OUT_FP8=fp8, SPARSE=blocks is not None,
+        KEYS=key_len is not None, BLOCK_N=bn, TMA=tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **cfg.kwargs)
+    return o

@@ -10,6 +10,7 @@ from khelpers import (  # noqa: E402
     assert_operands_match,
     assert_qkv_epilogue_matches,
     residual_norm_inputs,
+    run_attention,
 )
 
 from trt_sora.kernels import reference as ref  # noqa: E402
@@ -134,23 +135,12 @@ def test_attention_configs_give_identical_results(s):
     """The autotuner may pick any config (tile, warps, stages, PIPE), and K/V may come through TMA
     descriptors or pointer loads: each one must compute the same bits, with a ragged last key tile and
     with no full tile at all."""
-    import triton
-
     t = _tri()
     qkv, wq, wk, cos, sin, h = _qkv_inputs(b=1, s=s, h=2)
-    q8, qs, k8, ks, vt8, vs = t.qkv_rmsnorm_rope(qkv, wq, wk, cos, sin, h, fp8=True)
-    b, _, s, d = q8.shape
-    sp = vt8.shape[-1]
-    blk = t.SCALE_BLOCK
-    kv = {False: (k8, vt8), True: t.kv_descriptors(k8, vt8)}
+    ops8 = t.qkv_rmsnorm_rope(qkv, wq, wk, cos, sin, h, fp8=True)
     outs = []
     for tma, cfg in ((tma, cfg) for tma in (False, True) for cfg in t._attn_configs()):
-        o = torch.full((b, s, h * d), float("nan"), device="cuda", dtype=torch.bfloat16)
-        grid = (triton.cdiv(s, cfg.kwargs["BLOCK_M"]), b * h)
-        t._attn_fp8_kernel.fn[grid](q8, qs, kv[tma][0], ks, kv[tma][1], vs, o, o, s, sp, h, qs.shape[-1],
-                                    1.4426950408889634 / d ** 0.5, s.bit_length(), qs, qs, qs, 0, qs, D=d,
-                                    OUT_FP8=False, SPARSE=False, KEYS=False, BLOCK_N=blk,
-                                    TMA=tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **cfg.kwargs)
+        o = run_attention(t, ops8, cfg, tma=tma)
         assert not o.isnan().any()
         outs.append(o)
     for o in outs[1:]:
@@ -231,7 +221,6 @@ def test_attention_with_key_lengths(s, lens):
     (the dense test's bounds), the valid rows track fp32 attention under the key mask (cosine >= 0.999),
     every config and TMA / pointer loads give the same bits, garbage in the padding changes no valid
     row's bits, lengths of S are the dense kernel's bits, and the Gluon kernel refuses key lengths."""
-    import triton
 
     from trt_sora.errors import ConfigError
 
@@ -249,16 +238,8 @@ def test_attention_with_key_lengths(s, lens):
     for i, n in enumerate(lens):
         c = torch.nn.functional.cosine_similarity(o[i, :n].float().flatten(), want[i, :n].flatten(), dim=0).item()
         assert c >= 0.999, (i, c)
-    b, _, _, d = q8.shape
-    kv = {False: (k8, vt8), True: t.kv_descriptors(k8, vt8)}
     for tma, cfg in ((tma, cfg) for tma in (False, True) for cfg in t._attn_configs()):
-        oc = torch.full_like(o, float("nan"))
-        t._attn_fp8_kernel.fn[(triton.cdiv(s, cfg.kwargs["BLOCK_M"]), b * h)](
-            q8, qs, kv[tma][0], ks, kv[tma][1], vs, oc, oc, s, vt8.shape[-1], h, qs.shape[-1],
-            1.4426950408889634 / d ** 0.5, s.bit_length(), qs, qs, qs, 0, key_len, D=d, OUT_FP8=False, SPARSE=False,
-            KEYS=True, BLOCK_N=t.SCALE_BLOCK, TMA=tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-            **cfg.kwargs)
-        assert torch.equal(oc, o), (tma, cfg)
+        assert torch.equal(run_attention(t, ops8, cfg, tma=tma, key_len=key_len), o), (tma, cfg)
     junk = torch.where(valid[..., None], qkv, (60 * torch.randn_like(qkv, dtype=torch.float32) - 30).to(qkv.dtype))
     oj = t.attention_fp8(*t.qkv_rmsnorm_rope(junk, wq, wk, cos, sin, h, fp8=True, key_len=key_len), key_len=key_len)
     rows = valid[..., None].expand_as(o)
@@ -294,27 +275,14 @@ def test_wide_key_tiles(b, s):
     """256-key tiles (``block_n=256``): every config (64 and 128 rows, ring stages) and both loads the same
     bits; the 8-bit reference's result (up to the online softmax's running max) and fp32 attention's, bf16 and
     FP8 output; no tile past S, ragged tiles past V^T's padding, batch 2 (a tile running into the next head)."""
-    import math
 
-    import triton
 
     t = _tri()
     qkv, wq, wk, cos, sin, h = _qkv_inputs(b=b, s=s, h=2)
     ops8 = t.qkv_rmsnorm_rope(qkv, wq, wk, cos, sin, h, fp8=True)
     q8, qs, k8, ks, vt8, vs = ops8
-    d = q8.shape[-1]
     o = t.attention_fp8(*ops8, block_n=256)
-    outs = []
-    for cfg in t._attn_configs(256):
-        for tma in (True, False):
-            k_arg, v_arg = t.kv_descriptors(k8, vt8, 256) if tma else (k8, vt8)
-            x = torch.full_like(o, float("nan"))
-            t._attn_fp8_kernel.fn[(triton.cdiv(s, cfg.kwargs["BLOCK_M"]), b * h)](
-                q8, qs, k_arg, ks, v_arg, vs, x, x, s, vt8.shape[-1], h, qs.shape[-1],
-                1.4426950408889634 / math.sqrt(d), s.bit_length(), qs, qs, qs, 0, qs, D=d, OUT_FP8=False,
-                SPARSE=False, KEYS=False, BLOCK_N=256, TMA=tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                **cfg.kwargs)
-            outs.append(x)
+    outs = [run_attention(t, ops8, cfg, block_n=256, tma=tma) for cfg in t._attn_configs(256) for tma in (True, False)]
     assert all(torch.equal(x, o) for x in outs)
     mine = ref.heads_to_tokens(ref.attention_fp8(q8, qs, k8, ks, ref.vt_natural(vt8, s), vs)).float()
     q, k, v = ref.qkv_rmsnorm_rope(qkv, wq, wk, cos, sin, h, fp8=False)

@@ -31,6 +31,7 @@ from khelpers import (  # noqa: E402
     assert_qkv_epilogue_matches,
     bits,
     residual_norm_inputs,
+    run_attention,
 )
 
 from trt_sora.kernels import reference as ref  # noqa: E402
@@ -204,7 +205,6 @@ def test_qkv_epilogue_passes_normed_qk_through(t, qkv_case):
 def test_attention_configs_match_fp32_attention_and_each_other(t, qkv_case):
     """Both autotuner configs (64-row and 128-row query tiles, PIPE): the same bits, bf16 and FP8
     output, and cosine >= 0.999 against fp32 softmax attention (a per-channel K bias in the inputs)."""
-    import triton
 
     qkv, wq, wk, cos, sin, h = qkv_case
     q, k, v = ref.qkv_rmsnorm_rope(qkv, wq, wk, cos, sin, h, fp8=False)
@@ -215,13 +215,7 @@ def test_attention_configs_match_fp32_attention_and_each_other(t, qkv_case):
     outs = {}
     for fp8 in (False, True):
         for cfg in t._attn_configs():
-            o = torch.full((b, s, h * d), float("nan")).to(ref.FP8 if fp8 else torch.bfloat16)
-            grid = (triton.cdiv(s, cfg.kwargs["BLOCK_M"]), b * h)
-            # .fn: the kernel without its autotuner, which would time configs on a GPU
-            t._attn_fp8_kernel.fn[grid](q8, qs, k8, ks, vt8, vs, o, osc if fp8 else o, s, vt8.shape[-1], h,
-                                        qs.shape[-1], 1.4426950408889634 / d ** 0.5, s.bit_length(), qs, qs, qs, 0, qs,
-                                        D=d, OUT_FP8=fp8, SPARSE=False, KEYS=False, BLOCK_N=t.SCALE_BLOCK, TMA=False,
-                                        **cfg.kwargs)
+            o = run_attention(t, (q8, qs, k8, ks, vt8, vs), cfg, out_scale=osc if fp8 else None)
             outs.setdefault(fp8, []).append(o)
     for fp8, (a, b_) in outs.items():
         assert torch.equal(bits(a), bits(b_)), fp8
@@ -238,20 +232,12 @@ def test_wide_key_tiles_track_fp32_attention(t, s):
     configs the same bits, cosine >= 0.999 against fp32 attention over the dequantized operands and >= 0.9995
     against the 8-bit reference (the online softmax quantizes P against a running max): no full tile (150),
     a ragged tile past V^T's padding (300), full and ragged tiles (700)."""
-    import triton
 
     qkv, wq, wk, cos, sin = ref.example_qkv(1, s, 2, 64, seed=3, device="cpu")
     q8, qs, k8, ks, vt8, vs = t.qkv_rmsnorm_rope(qkv, wq, wk, cos, sin, 2, fp8=True)
     ks[..., 1::2] *= 3.0
-    b, h, _, d = q8.shape
-    outs = []
-    for cfg in t._attn_configs(256)[::3]:  # 64 and 128 rows; the stages do not change the interpreter's run
-        o = torch.full((b, s, h * d), float("nan")).to(torch.bfloat16)
-        t._attn_fp8_kernel.fn[(triton.cdiv(s, cfg.kwargs["BLOCK_M"]), b * h)](
-            q8, qs, k8, ks, vt8, vs, o, o, s, vt8.shape[-1], h, qs.shape[-1], 1.4426950408889634 / d ** 0.5,
-            s.bit_length(), qs, qs, qs, 0, qs, D=d, OUT_FP8=False, SPARSE=False, KEYS=False, BLOCK_N=256, TMA=False,
-            **cfg.kwargs)
-        outs.append(o)
+    # 64 and 128 rows; the stages do not change the interpreter's run
+    outs = [run_attention(t, (q8, qs, k8, ks, vt8, vs), cfg, block_n=256) for cfg in t._attn_configs(256)[::3]]
     assert torch.equal(bits(outs[0]), bits(outs[1]))
     o = outs[0].float()
     assert not o.isnan().any()
@@ -260,21 +246,6 @@ def test_wide_key_tiles_track_fp32_attention(t, s):
     mine = ref.heads_to_tokens(ref.attention_fp8(q8, qs, k8, ks, ref.vt_natural(vt8, s), vs))
     cos_ = lambda a, b: torch.nn.functional.cosine_similarity(a.flatten(), b.float().flatten(), dim=0).item()  # noqa: E731
     assert cos_(o, want) >= 0.999 and cos_(o, mine) >= 0.9995, (cos_(o, want), cos_(o, mine))
-
-
-def _run_attention(t, ops8, cfg, blocks=None, key_len=None):
-    import triton
-
-    q8, qs, k8, ks, vt8, vs = ops8
-    b, h, s, d = q8.shape
-    o = torch.full((b, s, h * d), float("nan")).to(torch.bfloat16)
-    kidx, kcnt, krag = blocks if blocks is not None else (qs, qs, qs)
-    t._attn_fp8_kernel.fn[(triton.cdiv(s, cfg.kwargs["BLOCK_M"]), b * h)](
-        q8, qs, k8, ks, vt8, vs, o, o, s, vt8.shape[-1], h, qs.shape[-1], 1.4426950408889634 / d ** 0.5,
-        s.bit_length(), kidx, kcnt, krag, kidx.shape[-1] if blocks is not None else 0,
-        key_len if key_len is not None else qs, D=d, OUT_FP8=False, SPARSE=blocks is not None,
-        KEYS=key_len is not None, BLOCK_N=t.SCALE_BLOCK, TMA=False, **cfg.kwargs)
-    return o
 
 
 @interp
@@ -292,7 +263,7 @@ def test_block_sparse_attention_skips_exactly_the_masked_key_tiles(t):
     mask = torch.from_numpy(token_mask(grid, tile, window, order="tile"))
     assert 0.3 < mask.float().mean() < 0.9
     blocks = tuple(torch.from_numpy(a) for a in kernel_blocks(grid, tile, window))
-    outs = [_run_attention(t, ops8, cfg, blocks) for cfg in t._attn_configs()]
+    outs = [run_attention(t, ops8, cfg, blocks=blocks) for cfg in t._attn_configs()]
     assert torch.equal(outs[0], outs[1])
     got = outs[0].float().flatten()
     masked = ref.heads_to_tokens(torch.nn.functional.scaled_dot_product_attention(
@@ -303,7 +274,7 @@ def test_block_sparse_attention_skips_exactly_the_masked_key_tiles(t):
     assert cos_(got, dense, dim=0).item() < 0.99  # the mask changes the answer: skipping is not a no-op
     full = tuple(torch.from_numpy(a) for a in kernel_blocks(grid, tile, (3, 1, 1)))
     for cfg in t._attn_configs():
-        assert torch.equal(_run_attention(t, ops8, cfg, full), _run_attention(t, ops8, cfg))
+        assert torch.equal(run_attention(t, ops8, cfg, blocks=full), run_attention(t, ops8, cfg))
 
 
 @interp
@@ -322,10 +293,10 @@ def test_attention_with_key_lengths_attends_the_valid_keys_only(t):
     # the reference's V^T holds zeros past each key length: so must the kernel's
     assert_operands_match(ops8, ref.qkv_rmsnorm_rope(qkv, wq, wk, cos, sin, h, fp8=True, key_len=key_len), s)
     assert not k8[~valid[:, None, :, None].expand_as(k8)].any()
-    outs = [_run_attention(t, ops8, cfg, key_len=key_len) for cfg in t._attn_configs()]
+    outs = [run_attention(t, ops8, cfg, key_len=key_len) for cfg in t._attn_configs()]
     assert torch.equal(outs[0], outs[1])
     ops_junk = t.qkv_rmsnorm_rope(junk, wq, wk, cos, sin, h, fp8=True, key_len=key_len)
-    got = _run_attention(t, ops_junk, t._attn_configs()[1], key_len=key_len)
+    got = run_attention(t, ops_junk, t._attn_configs()[1], key_len=key_len)
     rows = valid[..., None].expand_as(got)
     assert torch.equal(got[rows], outs[0][rows])
     q, k, v = ref.qkv_rmsnorm_rope(qkv, wq, wk, cos, sin, h, fp8=False)
@@ -343,4 +314,4 @@ def test_attention_with_key_lengths_attends_the_valid_keys_only(t):
     dense_ops = t.qkv_rmsnorm_rope(qkv, wq, wk, cos, sin, h, fp8=True)
     full_ops = t.qkv_rmsnorm_rope(qkv, wq, wk, cos, sin, h, fp8=True, key_len=full)
     for cfg in t._attn_configs():
-        assert torch.equal(_run_attention(t, full_ops, cfg, key_len=full), _run_attention(t, dense_ops, cfg))
+        assert torch.equal(run_attention(t, full_ops, cfg, key_len=full), run_attention(t, dense_ops, cfg))
