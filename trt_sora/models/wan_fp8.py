@@ -124,19 +124,16 @@ class FusedWanBlock(torch.nn.Module):
         return ops.quantize(ops.heads_to_tokens(att) + ops.heads_to_tokens(att_img), self.out2.act_scale)
 
 
-def _blocks(model):
-    return [(f"blocks.{i}", blk) for i, blk in enumerate(model.blocks)]
-
-
 def fuse_blocks(model, plan: Mapping[str, Any], counters: dict) -> list[FusedWanBlock]:
     """Replace every block of a loaded ``WanTransformer3DModel`` by a :class:`FusedWanBlock`
-    (weights quantized once, the diffusers block freed as it goes). Returns the new blocks."""
+    (weights quantized once, the diffusers block freed as it goes: nothing here holds the blocks
+    not yet rewritten, so the rewrite's peak is the model plus one block, not two models). Returns
+    the new blocks."""
     out = []
-    for i, (name, blk) in enumerate(_blocks(model)):
-        fb = FusedWanBlock(blk, name, plan, counters)
+    for i in range(len(model.blocks)):
+        fb = FusedWanBlock(model.blocks[i], f"blocks.{i}", plan, counters)
         model.blocks[i] = fb
         out.append(fb)
-        del blk
     return out
 
 
