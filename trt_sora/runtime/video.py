@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import queue
 import subprocess
+import tempfile
+import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -19,14 +22,17 @@ import numpy as np
 
 from trt_sora.errors import ConfigError, TrtSoraError, require
 
-__all__ = ["FORMATS", "VideoError", "check_frames", "check_image_path", "contact_sheet", "ffmpeg_exe",
-           "has_ffmpeg_filter", "read_image", "read_video", "upscale_frames", "write_clip", "write_gif", "write_mp4",
-           "write_png_sheet"]
+__all__ = ["FORMATS", "PRESETS", "Mp4Writer", "VideoError", "check_frames", "check_image_path", "contact_sheet",
+           "ffmpeg_exe", "has_ffmpeg_filter", "read_image", "read_video", "upscale_frames", "write_clip", "write_gif",
+           "write_mp4", "write_png_sheet"]
 
 #: File suffix -> what is written.
 FORMATS = {".mp4": "H.264 MP4 (yuv420p)", ".gif": "animated GIF", ".png": "PNG contact sheet of the frames",
            ".npy": "raw uint8 frames [F, H, W, 3]"}
 PIP = "pip install 'trt_sora[serve]'  (or: pip install imageio-ffmpeg)"
+#: libx264 presets a clip may be encoded with (``medium`` is x264's default); benchmarks/README.md's
+#: "The clip's tail" section measures size and quality per preset at crf 18.
+PRESETS = ("ultrafast", "superfast", "veryfast", "faster", "fast", "medium", "slow")
 
 
 class VideoError(TrtSoraError):
@@ -63,12 +69,17 @@ def upscale_frames(x: np.ndarray, scale: int) -> np.ndarray:
     return x if scale == 1 else x.repeat(scale, axis=1).repeat(scale, axis=2)
 
 
+def _tmp_path(path: Path) -> Path:
+    """A temp path with ``path``'s suffix beside it (the parent folder made)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path.with_name(f".{path.stem}.tmp{os.getpid()}{path.suffix}")
+
+
 @contextlib.contextmanager
 def _atomic(path: Path) -> Iterator[Path]:
     """A temp path with ``path``'s suffix beside it; renamed onto ``path`` when the block succeeds."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.stem}.tmp{os.getpid()}{path.suffix}")
+    tmp = _tmp_path(path)
     try:
         yield tmp
         os.replace(tmp, path)
@@ -76,18 +87,132 @@ def _atomic(path: Path) -> Iterator[Path]:
         tmp.unlink(missing_ok=True)
 
 
-def write_mp4(frames, path, fps: float, *, scale: int = 1, crf: int = 18) -> Path:
-    """H.264 MP4 (yuv420p, odd sizes padded to even, ``+faststart``); ``scale`` upsamples by
-    pixel repetition first (a 32x32 clip is hard to see). Returns ``path``."""
-    x = upscale_frames(check_frames(frames), scale)
-    f, h, w, _ = x.shape
-    with _atomic(Path(path)) as tmp:
+class Mp4Writer:
+    """An H.264 MP4 written as its frames come: ffmpeg starts at once, :meth:`write` hands each group
+    of frames to a writer thread that feeds ffmpeg's stdin, so libx264 encodes one group while the
+    caller makes the next (a GPU decoding the following latent frame). :meth:`close` waits for
+    ffmpeg and renames the temp file onto ``path``; any error (ffmpeg failing, a group of the wrong
+    size, an exception in the ``with`` block) kills ffmpeg and removes the temp file, so no
+    half-written clip is left. ::
+
+        with Mp4Writer("clip.mp4", fps=16, height=480, width=832) as mp4:
+            for group in groups:          # uint8 [f, 480, 832, 3]
+                mp4.write(group)
+        # clip.mp4 is complete here
+
+    Args:
+        path: the MP4 to write.
+        fps: frames per second.
+        height, width: the frames' size before ``scale`` (odd sizes are padded to even).
+        scale: pixel-repeat upsampling of every frame (:func:`upscale_frames`).
+        crf: x264's constant rate factor (18: visually near-lossless).
+        preset: an x264 preset of :data:`PRESETS` (speed vs size at the same crf).
+        threads: x264's threads (0: x264's choice by core count). The bytes of an H.264 stream depend
+            on the thread count, not on how the frames were grouped.
+    """
+
+    def __init__(self, path, fps: float, *, height: int, width: int, scale: int = 1, crf: int = 18,
+                 preset: str = "medium", threads: int = 0):
+        if preset not in PRESETS:
+            raise ConfigError(f"preset={preset!r} is not an x264 preset; use one of {', '.join(PRESETS)}")
+        if scale < 1:
+            raise ConfigError(f"scale={scale} must be an integer >= 1")
+        self.path, self.scale, self.frames = Path(path), scale, 0
+        self.shape = (int(height), int(width), 3)
+        self._tmp = _tmp_path(self.path)
+        h, w = self.shape[0] * scale, self.shape[1] * scale
         cmd = [ffmpeg_exe(), "-hide_banner", "-loglevel", "error", "-y", "-f", "rawvideo", "-pix_fmt", "rgb24",
                "-s", f"{w}x{h}", "-r", f"{fps:g}", "-i", "-", "-vf", "pad=ceil(iw/2)*2:ceil(ih/2)*2",
-               "-c:v", "libx264", "-pix_fmt", "yuv420p", "-crf", str(int(crf)), "-movflags", "+faststart", str(tmp)]
-        res = subprocess.run(cmd, input=x.tobytes(), capture_output=True, check=False)
-        if res.returncode != 0:
-            raise VideoError(f"ffmpeg could not write {path}: {res.stderr.decode(errors='replace').strip()[-400:]}")
+               "-c:v", "libx264", "-preset", preset, "-pix_fmt", "yuv420p", "-crf", str(int(crf)),
+               "-threads", str(int(threads)), "-movflags", "+faststart", str(self._tmp)]
+        self._stderr = tempfile.TemporaryFile()  # a file, not a pipe: ffmpeg never blocks on its log
+        self._proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=self._stderr)
+        self._queue: queue.Queue = queue.Queue()
+        self._broken = threading.Event()  # ffmpeg stopped reading (it failed; close() says why)
+        self._thread = threading.Thread(target=self._feed, name="mp4-writer", daemon=True)
+        self._thread.start()
+        self._open = True
+
+    def _feed(self) -> None:
+        """The writer thread: groups from the queue to ffmpeg's stdin until None (end) comes."""
+        while (x := self._queue.get()) is not None:
+            if self._broken.is_set():
+                continue  # drain: the caller learns of the failure at write() or close()
+            try:
+                self._proc.stdin.write(memoryview(x).cast("B"))
+            except (BrokenPipeError, ValueError, OSError):
+                self._broken.set()
+
+    def write(self, frames) -> None:
+        """Queue a group of frames (uint8 ``[f, height, width, 3]``) for encoding and return at once.
+        VideoError (ffmpeg killed, temp file removed) for a group of another size or dtype, or when
+        ffmpeg already failed."""
+        if not self._open:
+            raise VideoError(f"{self.path}: the MP4 writer is closed; open a new one for another clip")
+        x = np.asarray(frames)
+        if x.dtype != np.uint8 or x.ndim != 4 or x.shape[1:] != self.shape or x.shape[0] < 1:
+            self.abort()
+            raise VideoError(f"{self.path}: a group of frames is {x.dtype} {tuple(x.shape)}, the clip's are uint8 "
+                             f"[f, {self.shape[0]}, {self.shape[1]}, 3]; give every group the clip's size")
+        if self._broken.is_set():
+            self.close()  # raises with ffmpeg's message
+        self._queue.put(np.ascontiguousarray(upscale_frames(x, self.scale)))
+        self.frames += x.shape[0]
+
+    def close(self) -> Path:
+        """Wait for ffmpeg to encode every queued frame, then rename the file onto ``path``; returns
+        ``path``. VideoError (no file left) when no frame came or ffmpeg failed."""
+        if not self._open:
+            return self.path
+        self._queue.put(None)
+        self._thread.join()
+        try:
+            self._proc.stdin.close()
+        except (BrokenPipeError, OSError):
+            self._broken.set()
+        code = self._proc.wait()
+        if code != 0 or self.frames == 0 or self._broken.is_set():
+            self._stderr.seek(0)
+            log = self._stderr.read().decode(errors="replace").strip()[-400:]
+            self.abort()
+            why = "no frames were written" if self.frames == 0 else f"ffmpeg exited with {code}: {log}"
+            raise VideoError(f"could not write {self.path}: {why}")
+        os.replace(self._tmp, self.path)
+        self._open = False
+        self._stderr.close()
+        return self.path
+
+    def abort(self) -> None:
+        """Kill ffmpeg and remove the temp file (nothing is written under ``path``)."""
+        if not self._open:
+            return
+        self._open = False
+        self._proc.kill()
+        self._queue.put(None)
+        self._thread.join()
+        self._proc.wait()
+        for f in (self._proc.stdin, self._stderr):
+            with contextlib.suppress(BrokenPipeError, OSError):
+                f.close()
+        self._tmp.unlink(missing_ok=True)
+
+    def __enter__(self) -> Mp4Writer:
+        return self
+
+    def __exit__(self, kind, exc, tb) -> None:
+        if kind is None:
+            self.close()
+        else:
+            self.abort()
+
+
+def write_mp4(frames, path, fps: float, *, scale: int = 1, crf: int = 18, preset: str = "medium") -> Path:
+    """H.264 MP4 (yuv420p, odd sizes padded to even, ``+faststart``) of ``frames`` (uint8 ``[F, H, W, 3]``)
+    through one :class:`Mp4Writer`; ``scale`` upsamples by pixel repetition first (a 32x32 clip is hard
+    to see). Returns ``path``."""
+    x = check_frames(frames)
+    with Mp4Writer(path, fps, height=x.shape[1], width=x.shape[2], scale=scale, crf=crf, preset=preset) as mp4:
+        mp4.write(x)
     return Path(path)
 
 
