@@ -84,3 +84,48 @@ def test_bad_settings_are_refused_before_ffmpeg_starts(tmp_path):
 
     with pytest.raises(ConfigError, match="not an x264 preset.*veryfast"):
         Mp4Writer(tmp_path / "c.mp4", 16.0, height=8, width=8, preset="quick")
+
+
+def numpy_uint8(x: np.ndarray) -> np.ndarray:
+    """The reference: numpy in float32, ``rint`` rounds half to even."""
+    v = (np.clip(x, -1, 1) + 1) * np.float32(127.5)
+    return np.transpose(np.rint(v).astype(np.uint8), (1, 2, 3, 0))
+
+
+def frames_with_halves() -> tuple[np.ndarray, int]:
+    """float32 ``[3, F, H, W]`` frames: random values, values past [-1, 1] and values whose float32
+    ``(x + 1) * 127.5`` is exactly k + 0.5 (count returned)."""
+    k = np.arange(255, dtype=np.float32)
+    halves = (np.float32(-1) + (2 * k + 1) / np.float32(255)).astype(np.float32)
+    halves = halves[(np.clip(halves, -1, 1) + 1) * np.float32(127.5) % 1 == 0.5]
+    rng = np.random.default_rng(0)
+    x = rng.uniform(-1.2, 1.2, (3, 5, 8, 12)).astype(np.float32)
+    flat = x.reshape(-1)
+    flat[:halves.size] = halves
+    flat[halves.size:halves.size + 4] = [-1, 1, -3, 2]
+    return rng.permutation(flat).reshape(x.shape), halves.size
+
+
+def to_uint8_on(device: str) -> None:
+    import torch
+
+    from trt_sora.runtime.generate import to_uint8
+
+    x, n = frames_with_halves()
+    assert n > 100
+    ref = numpy_uint8(x)
+    half = (np.clip(x, -1, 1) + 1) * np.float32(127.5) % 1 == 0.5
+    assert {int(v) % 2 for v in np.rint((np.clip(x, -1, 1)[half] + 1) * np.float32(127.5))} == {0}  # to even
+    got = to_uint8(torch.from_numpy(x).to(device))
+    assert got.dtype == np.uint8 and got.shape == (5, 8, 12, 3)
+    np.testing.assert_array_equal(got, ref)
+    np.testing.assert_array_equal(to_uint8(x), ref)  # an array goes the same way
+
+
+def test_frames_to_uint8_round_half_to_even_as_numpy():
+    to_uint8_on("cpu")
+
+
+@pytest.mark.gpu
+def test_frames_to_uint8_on_the_gpu_as_numpy():
+    to_uint8_on("cuda")

@@ -190,9 +190,16 @@ class _Resolved:
 
 
 def to_uint8(frames) -> np.ndarray:
-    """Frames ``[3, F, H, W]`` float in ``[-1, 1]`` -> uint8 ``[F, H, W, 3]`` (``round((x + 1) * 127.5)``)."""
-    x = np.asarray(frames, dtype=np.float32)
-    return np.transpose(np.rint((np.clip(x, -1, 1) + 1) * 127.5).astype(np.uint8), (1, 2, 3, 0)).copy()
+    """Frames ``[3, F, H, W]`` float in ``[-1, 1]`` (a torch tensor on any device, or an array) -> uint8
+    ``[F, H, W, 3]`` on the host: ``round((clip(x, -1, 1) + 1) * 127.5)`` in float32, half to even.
+
+    Computed where the tensor lies, so a GPU's frames cross to the host as uint8 (a quarter of float32's
+    bytes) and the host does no float work on them."""
+    import torch
+
+    x = frames if isinstance(frames, torch.Tensor) else torch.from_numpy(np.asarray(frames, dtype=np.float32))
+    x = ((x.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
+    return x.permute(1, 2, 3, 0).contiguous().cpu().numpy()
 
 
 class Generator:
@@ -546,7 +553,7 @@ def _decode(decode_groups, latents, i: int, on_frames, wanted) -> np.ndarray | N
         return None
     parts = []
     for x in decode_groups(latents[i:i + 1]):
-        parts.append(to_uint8(x.float().cpu().numpy()[0]))
+        parts.append(to_uint8(x[0]))
         if on_frames is not None:
             on_frames(i, parts[-1])
         if wanted is not None and not wanted(i):
