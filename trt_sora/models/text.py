@@ -83,12 +83,13 @@ class PrecomputedTextEncoder:
 
 
 def save_embeddings(prompts: list[str], embeddings, path: str | Path) -> None:
-    """Write ``embeddings`` ``[N, L, D]`` for ``prompts`` (atomic)."""
+    """Write ``embeddings`` ``[N, L, D]`` for ``prompts`` (atomic; missing folders are made)."""
     import os
 
     from safetensors.torch import save_file
 
     path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
     save_file({"embeddings": embeddings.contiguous().float()}, str(tmp), metadata={"prompts": json.dumps(prompts)})
     os.replace(tmp, path)
