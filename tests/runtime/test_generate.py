@@ -251,6 +251,44 @@ def test_on_frames_gets_each_clips_frames_group_by_group(runner):
         np.testing.assert_array_equal(np.concatenate([f for j, f in seen if j == i]), clip.frames)
 
 
+def test_an_mp4_is_encoded_while_its_clip_decodes(runner, tmp_path, monkeypatch):
+    """``out=``: each clip's groups reach ffmpeg as they are decoded (the writer is fed before the
+    next group is made), the file equals the whole-clip writer's on the returned frames, the metadata
+    names the overlapped stage; another format is written after the clip."""
+    import trt_sora.runtime as rt
+    from trt_sora.runtime import video
+
+    events = []
+    feed = video.Mp4Writer.write
+    monkeypatch.setattr(video.Mp4Writer, "write", lambda w, f: (events.append(("mp4", w.path.name, len(f))),
+                                                                feed(w, f))[1])
+    clips = rt.generate(runner, ["a cat walks", "a dog runs"], seed=[5, 6], guidance=1.0, scale=2,
+                        out=[tmp_path / "a.mp4", tmp_path / "b.gif"],
+                        on_frames=lambda i, f: events.append(("group", i, len(f))))
+    assert events[:7] == [("mp4", "a.mp4", 1), ("group", 0, 1), ("mp4", "a.mp4", 4), ("group", 0, 4),
+                          ("mp4", "a.mp4", 4), ("group", 0, 4), ("group", 1, 1)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.mp4", "b.gif"]  # no temp files
+    video.write_mp4(clips[0].frames, tmp_path / "whole.mp4", clips[0].fps, scale=2)
+    np.testing.assert_array_equal(video.read_video(tmp_path / "a.mp4"), video.read_video(tmp_path / "whole.mp4"))
+    assert video.read_video(tmp_path / "b.gif").shape == (9, 64, 96, 3)
+    sa, sb = clips[0].metadata["seconds"], clips[1].metadata["seconds"]
+    assert "decode" not in sa and sa["decode_and_encode"] >= sa["encode_finish"] >= 0
+    assert "preset medium" in clips[0].metadata["tail"] and "tail" not in clips[1].metadata
+    assert sb["decode"] > 0 and sb["write"] > 0 and sb["total"] > sb["decode"] + sb["write"]
+
+
+def test_a_decode_that_fails_leaves_no_mp4(runner, tmp_path):
+    import trt_sora.runtime as rt
+
+    def fail(i, frames):
+        if frames.shape[0] == 4:
+            raise RuntimeError("the decoder ran out of memory")
+
+    with pytest.raises(RuntimeError, match="out of memory"):
+        rt.generate(runner, "a cat walks", seed=5, guidance=1.0, out=tmp_path / "a.mp4", on_frames=fail)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_the_decoder_runs_where_and_in_the_dtype_it_is_asked(runner):
     """A GPU generator decodes in bf16 on its device; the same copy-on-place path on the CPU: a bf16
     copy of the VAE, the fp32 one every stage shares untouched, frames within bf16's error of fp32."""

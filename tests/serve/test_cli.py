@@ -15,12 +15,14 @@ def test_generate_writes_clip_metadata_and_sheet(checked_run, tmp_path, capsys):
 
     out = tmp_path / "clip.mp4"
     rc = main(["generate", "--run", str(checked_run), "--backend", "ort", "a red kite", "a cat walks", "-o", str(out),
-               "--seed", "7", "--steps", "2", "--scale", "2", "--sheet", str(tmp_path / "sheet.png")])
+               "--seed", "7", "--steps", "2", "--scale", "2", "--sheet", str(tmp_path / "sheet.png"),
+               "--preset", "veryfast"])
     assert rc == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith(f"{tmp_path / 'clip-0.mp4'}  9x32x48  seed 7  2 steps, CFG 5 (batched)")
     meta = json.loads((tmp_path / "clip-1.mp4.json").read_text())
     assert meta["seed"] == 8 and meta["prompt"] == "a cat walks" and meta["sampling"]["num_steps"] == 2
+    assert "preset veryfast" in meta["tail"] and meta["seconds"]["decode_and_encode"] > 0  # encoded while decoding
     assert video.read_video(tmp_path / "clip-1.mp4").shape == (9, 64, 96, 3)
     from PIL import Image
 

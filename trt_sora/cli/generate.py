@@ -37,10 +37,18 @@ def add_parser(sub) -> None:
                         "optional): one for every caption, or repeat it once per caption; resized to the clip's size")
     add_sampling_args(p)
     p.add_argument("--scale", type=int, default=1, help="pixel-repeat upscaling of the written file (e.g. 4 for 32x32)")
+    p.add_argument("--preset", default="medium", choices=video_presets(), help="x264 preset of an MP4 (crf 18; "
+                   "faster presets make larger files: benchmarks/README.md, \"The clip's tail\")")
     p.add_argument("--sheet", default=None, help="also write a PNG contact sheet of all clips (one row each)")
     p.add_argument("--probe", action="store_true", help="read each clip back against its caption with the model's "
                    "own checker (wan-shapes) and print the verdict")
     p.set_defaults(func=run)
+
+
+def video_presets() -> tuple:
+    from trt_sora.runtime.video import PRESETS
+
+    return PRESETS
 
 
 def load_runner(args):
@@ -141,16 +149,16 @@ def check_args(args) -> list:
 def run(args) -> int:
     from trt_sora.manifest import write_json
     from trt_sora.runtime import video
-    from trt_sora.runtime.generate import generator_for
+    from trt_sora.runtime.generate import generator_for, run_to_files
 
     reqs = check_args(args)  # before the model loads (seconds to minutes)
     paths = outputs_for(args.out, len(args.captions))
     runner = load_runner(args)
-    clips = generator_for(runner, text_encoder=args.text_encoder).run(reqs, cfg=args.cfg)
+    clips = run_to_files(generator_for(runner, text_encoder=args.text_encoder), reqs, paths, scale=args.scale,
+                         preset=args.preset, cfg=args.cfg)  # an MP4 is encoded while its clip decodes
     probe = generator_for(runner).adapter.caption_probe() if args.probe else None
     passed = 0
     for clip, path in zip(clips, paths):
-        video.write_clip(clip.frames, path, clip.fps, scale=args.scale)
         meta = dict(clip.metadata)
         if probe is not None:
             meta["probe"] = probe(clip.prompt, clip.frames)

@@ -44,7 +44,7 @@ from trt_sora.runfolder import RunFolder
 
 log = logging.getLogger("trt_sora")
 
-__all__ = ["Clip", "ClipRequest", "Generator", "check_bounds", "clip_requests", "generate", "to_uint8"]
+__all__ = ["Clip", "ClipRequest", "Generator", "check_bounds", "clip_requests", "generate", "run_to_files", "to_uint8"]
 
 CFG_CHOICES = ("auto", "batched", "split")
 #: Request bounds, checked before any work. Steps: flow matching trains on 1000 timesteps, more steps
@@ -561,6 +561,91 @@ def _decode(decode_groups, latents, i: int, on_frames, wanted) -> np.ndarray | N
     return np.concatenate(parts)
 
 
+class _Mp4Streams:
+    """``on_frames(i, frames)`` of :meth:`Generator.run` that streams clip ``i``'s groups into an
+    :class:`~trt_sora.runtime.video.Mp4Writer` on ``paths[i]`` (opened at its first group, closed at its
+    ``counts[i]``-th frame); ``waited[i]``: seconds its close waited for ffmpeg after the last group."""
+
+    def __init__(self, paths: Mapping[int, Path], counts: Mapping[int, int], fps: float, scale: int, preset: str):
+        self.paths, self.counts, self.fps, self.scale, self.preset = paths, counts, fps, scale, preset
+        self.writers: dict[int, Any] = {}
+        self.waited: dict[int, float] = {}
+
+    def __call__(self, i: int, frames: np.ndarray) -> None:
+        from trt_sora.runtime.video import Mp4Writer
+
+        if i not in self.paths:
+            return
+        if i not in self.writers:
+            self.writers[i] = Mp4Writer(self.paths[i], self.fps, height=frames.shape[1], width=frames.shape[2],
+                                        scale=self.scale, preset=self.preset)
+        self.writers[i].write(frames)
+        if self.writers[i].frames == self.counts[i]:
+            self.close(i)
+
+    def close(self, i: int) -> None:
+        t0 = time.perf_counter()
+        self.writers[i].close()
+        self.waited[i] = round(time.perf_counter() - t0, 4)
+
+    def abort(self) -> None:
+        """Stop every writer not closed (their temp files removed)."""
+        for mp4 in self.writers.values():
+            mp4.abort()
+
+
+def run_to_files(gen: Generator, requests: Sequence[ClipRequest], paths: Sequence, *, scale: int = 1,
+                 preset: str = "medium", **run) -> list[Clip]:
+    """:meth:`Generator.run` (``run``: its keyword arguments) writing clip ``i`` to ``paths[i]``, in the
+    format its suffix names (:data:`trt_sora.runtime.video.FORMATS`). An MP4 is written while the clip
+    decodes: each group of frames goes to ffmpeg as it is made (:class:`~trt_sora.runtime.video.Mp4Writer`,
+    x264 ``preset``), so the encode overlaps the decode; its metadata's ``seconds`` then say
+    ``decode_and_encode`` (the decode with the encode beside it, and the wait for ffmpeg to finish,
+    ``encode_finish``) instead of ``decode``, and ``tail`` says so. Other formats are written after
+    the clip (``seconds.write``). On an error no MP4 is left half-written."""
+    from trt_sora.runtime.video import write_clip
+
+    if len(paths) != len(requests):
+        raise ConfigError(f"{len(requests)} requests but {len(paths)} output paths; give one path per request")
+    paths = [Path(p) for p in paths]
+    streamed = {i: p for i, p in enumerate(paths) if p.suffix.lower() == ".mp4"}
+    counts = {i: gen.resolve(requests[i]).size[0] for i in streamed}
+    sink = _Mp4Streams(streamed, counts, float(gen.adapter.fps), scale, preset)
+    given = run.pop("on_frames", None)
+
+    def on_frames(i: int, frames: np.ndarray) -> None:
+        sink(i, frames)
+        if given is not None:
+            given(i, frames)
+
+    try:
+        clips = gen.run(requests, on_frames=on_frames, **run)
+    except BaseException:
+        sink.abort()
+        raise
+    for i, (clip, path) in enumerate(zip(clips, paths)):
+        seconds = dict(clip.metadata["seconds"])
+        if clip.frames is None:  # its decode was stopped: no file
+            if i in sink.writers:
+                sink.writers[i].abort()
+        elif i in streamed:
+            if i not in sink.waited:  # it made another count of frames than asked: closed here, after the run
+                sink.close(i)
+                seconds["total"] = round(seconds["total"] + sink.waited[i], 4)
+            seconds["decode_and_encode"] = seconds.pop("decode")
+            seconds["encode_finish"] = sink.waited[i]
+            clip.metadata["tail"] = (f"each decoded group streamed to ffmpeg (libx264 crf 18, preset {preset}) as it "
+                                     "was made: decode_and_encode holds the decode, the encode overlapped with it "
+                                     "and encode_finish, the wait for ffmpeg after the last group")
+        elif clip.frames is not None:
+            t0 = time.perf_counter()
+            write_clip(clip.frames, path, clip.fps, scale=scale)
+            seconds["write"] = round(time.perf_counter() - t0, 4)
+            seconds["total"] = round(seconds["total"] + seconds["write"], 4)
+        clip.metadata["seconds"] = seconds
+    return clips
+
+
 def _caching_metadata(served, cache, steps, settings) -> dict:
     """What a clip's metadata says of step caching: the checked setting, whether it applied (only at the
     sampling settings it was checked at) and the branch calls made and reused."""
@@ -603,7 +688,7 @@ def generate(runner, prompts: str | Sequence[str], *, steps: int | None = None, 
              num_frames: int | None = None, height: int | None = None, width: int | None = None,
              cfg: str = "auto", max_batch: int | None = None, text_encoder: str | None = None,
              hook: Callable | None = None, image: Any = None, truncate: bool = False,
-             on_frames: Callable | None = None) -> list[Clip]:
+             on_frames: Callable | None = None, out: Any = None, scale: int = 1) -> list[Clip]:
     """Generate one clip per prompt with a loaded artifact (``trt_sora.runtime.load``).
 
     Args:
@@ -624,6 +709,9 @@ def generate(runner, prompts: str | Sequence[str], *, steps: int | None = None, 
         truncate: cut prompts longer than the text encoder's tokens (default: ConfigError naming the limit).
         on_frames: ``on_frames(i, frames)`` with each group of prompt ``i``'s uint8 frames as it is
             decoded (see :meth:`Generator.run`).
+        out: also write each clip: one path per prompt (a single path for one prompt), the format by its
+            suffix; an MP4 is encoded while its clip decodes (:func:`run_to_files`). ``scale``:
+            pixel-repeat upscaling of the written files.
 
     Returns:
         one :class:`Clip` per prompt, in order (uint8 frames ``[F, H, W, 3]`` + metadata).
@@ -631,8 +719,11 @@ def generate(runner, prompts: str | Sequence[str], *, steps: int | None = None, 
     reqs = clip_requests(prompts, seed=seed, negative_prompt=negative_prompt, steps=steps, guidance=guidance,
                          shift=shift, num_frames=num_frames, height=height, width=width, image=image,
                          truncate=truncate)
-    return generator_for(runner, text_encoder=text_encoder).run(reqs, cfg=cfg, max_batch=max_batch, hook=hook,
-                                                                on_frames=on_frames)
+    gen = generator_for(runner, text_encoder=text_encoder)
+    if out is None:
+        return gen.run(reqs, cfg=cfg, max_batch=max_batch, hook=hook, on_frames=on_frames)
+    paths = [out] if isinstance(out, (str, os.PathLike)) else list(out)
+    return run_to_files(gen, reqs, paths, scale=scale, cfg=cfg, max_batch=max_batch, hook=hook, on_frames=on_frames)
 
 
 def clip_requests(prompts: str | Sequence[str], *, seed: int | Sequence[int] = 0, image: Any = None,
