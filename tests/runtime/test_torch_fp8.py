@@ -229,6 +229,26 @@ def test_gpu_backend_matches_fake_quant_and_graphs_replay_exactly(base_run, fast
         assert eager.report()["gemm_fast_accum"] is fast_accum
 
 
+@pytest.mark.gpu
+def test_gpu_report_counts_the_graph_that_replayed(base_run):
+    """check's level order captures the qdq level's graph (8-bit attention off) after the loop's (on), then
+    replays the loop's: the report must count the replayed graph, not the last one captured."""
+    import dataclasses
+
+    r = _runner(base_run, device="cuda")
+    feeds, on = _feeds(seed=2), r.attention
+    off = dataclasses.replace(on, enabled=False)
+    seen = []
+    for policy in (on, off, on, off):  # two captures, then two replays
+        r.attention = policy
+        r.infer(feeds)
+        rep = r.report()
+        seen.append((rep["fp8_attention_layers"], rep["bf16_attention_layers"]))
+    n = len(r.blocks)
+    assert r.report()["cuda_graphs"] == 2 and n > 0
+    assert seen == [(n, 0), (0, n), (n, 0), (0, n)]
+
+
 def test_runtime_refuses_torch_fp8_without_its_own_parity_report(checked_run):
     import trt_sora.runtime as rt
     from trt_sora.errors import ArtifactError

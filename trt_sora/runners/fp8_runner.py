@@ -282,17 +282,18 @@ class TorchFp8Runner(Runner):
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):
                 out = self._fwd(*static)
-            entry = self.graphs[key] = (graph, static, out)
+            entry = self.graphs[key] = (graph, static, out, dict(self.last_counts))
             log.info("%s: captured a CUDA graph for %s", self.name, key[0])
-        graph, static, out = entry
+        graph, static, out, counts = entry
         for s, x in zip(static, inputs):
             s.copy_(x)
         graph.replay()
+        self.last_counts = counts  # what this replay ran (a capture's counts, not the last capture's)
         return out.clone()
 
     # -- what ran -------------------------------------------------------------------------------------------
     def report(self) -> dict[str, Any]:
-        """What the last eager call (or capture) executed, and the policy it ran under."""
+        """What the last call executed (eager, or the capture of the graph it replayed), and its policy."""
         import torch
 
         dev = str(self.device)
