@@ -535,6 +535,7 @@ def model_part(name: str, size: str, batch: int, iters: int, rungs: list[str], s
     from trt_sora.runners.fp8_runner import AttentionPolicy, TorchFp8Runner
 
     adapter = bench_adapter(name)
+    model.to(device)  # an earlier point of the same model left it on the host (below)
     point, inputs = call_inputs(adapter, size, batch, frames, all_keys, device)
     context = sum(x.shape[1] for n, x in zip(adapter.input_names, inputs)
                   if n.startswith(("encoder_hidden_states", "image_embeds")))
@@ -589,10 +590,16 @@ def model_part(name: str, size: str, batch: int, iters: int, rungs: list[str], s
 
     shipped_ws = triton_ops.ATTN_WS
     plans = {rung: None for rung in ladder if rung in rungs} | dict(sparse or {})
+    if plans and str(device).startswith("cuda"):
+        # each rung rewrites its own copy of the model: the bf16 reference waits on the host, so a 14B rung
+        # at 720p never holds two bf16 copies beside the FP8 one on an 80 GB card
+        model.to("cpu")
+        _release_gpu()
     y_dense = None
     for rung, sparse_plan in plans.items():
         kw = ladder["fp8_fused_attn8_graph"] if sparse_plan is not None else ladder[rung]
         triton_ops.ATTN_WS = shipped_ws != rung.endswith("_otherkernel")
+        held = _gpu_gib()
         r = TorchFp8Runner(adapter, None, plan=plan, device=device, model=copy.deepcopy(model), sparse=sparse_plan,
                            **kw).activate()
         feeds_r = {n: x for n, x in zip(adapter.input_names, inputs)}
@@ -608,14 +615,14 @@ def model_part(name: str, size: str, batch: int, iters: int, rungs: list[str], s
             print(rung, "failed:", res["rungs"][rung], flush=True)
             r.deactivate()
             del r
-            torch.cuda.empty_cache()
+            _release_gpu()
             save(res)
             continue
         rep = r.report()
         if profile and rung in ("fp8_fused", "fp8_fused_attn8", "fp8_fused_attn8_cudnn"):
             rep["split_ms"] = profile_split(call)
         rep.update({"s": t, "all_s": ts, "cosine_vs_eager_bf16": cos(y, y_ref),
-                    "expected_fp8_gemms": r.expected_gemms()})
+                    "expected_fp8_gemms": r.expected_gemms(), "gpu_gib_held_before_rung": held})
         if rung == "fp8_fused_attn8_graph":
             y_dense = y
         if sparse_plan is not None:
@@ -627,8 +634,8 @@ def model_part(name: str, size: str, batch: int, iters: int, rungs: list[str], s
         res["rungs"][rung] = rep
         triton_ops.ATTN_WS = shipped_ws
         r.deactivate()
-        del r
-        torch.cuda.empty_cache()
+        del r, call
+        _release_gpu()
         save(res)
     del fwd
     torch.cuda.empty_cache()
@@ -648,6 +655,20 @@ def model_part(name: str, size: str, batch: int, iters: int, rungs: list[str], s
                 "gemm": fl["gemm"] / (sp["gemm"] * 1e-3) / 1e12 if sp["gemm"] else None,
                 "attention": fl["attention"] / (sp["attention"] * 1e-3) / 1e12 if sp["attention"] else None}
     return res
+
+
+def _release_gpu() -> None:
+    """Free what the last rung left: reference cycles first (a runner's CUDA graphs), then the cache."""
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _gpu_gib() -> float | None:
+    """GiB the caching allocator holds in tensors now (None without a GPU): a rung should start near 0."""
+    return torch.cuda.memory_allocated() / 2**30 if torch.cuda.is_available() else None
 
 
 def sparse_record(plan, grid, y, y_dense, s: float, dense_s: float | None) -> dict:

@@ -23,6 +23,9 @@
 # needs the serve extra's wheels: fastapi, uvicorn, prometheus-client, imageio-ffmpeg),
 # m13 / m14 (one transformer call, 480p x 81, batch 1: eager, compile, the torch-fp8 ladder),
 # calib13 / calib14 (calibration observer overhead; CALIB_VARIANTS picks calib13's observer paths),
+# famcheck (issue 32: `trt-sora check --backend torch-fp8 --device cuda` on each family's tiny run folder,
+# build/fam/<model>/rtx4090-fp8 from `trt-sora engine --recipe rtx4090-fp8 --model M --out build/fam --stages
+# export,calibrate,quantize` on the CPU, carried; FAMCHECK_MODELS picks them; reports under $OUT/famcheck/),
 # hist (one batch's |x| histogram several ways; HIST_ARGS=--only-cuda: the torch path and the NVRTC kernel),
 # m14b2 (14B batch 2), m14_720 (14B 720p batch 1), m14sparse (issue 32: the 14B 720p call, the full torch-fp8 rung
 # dense and with block-sparse attention per window of SPARSE_WINDOWS (4-2-2,2-2-2), iters 5, one eager call), m14x (14B 480p batch 2, 720p batch 1 and 2: eager vs full torch-fp8,
@@ -153,6 +156,10 @@ for p in "$@"; do
     fam) part fam ${FAM_LIMIT:-300} python3 benchmarks/fp8_bench.py --parts models \
            --models "${FAM_MODELS:-hunyuanvideo-1.5-480p-t2v,wan2.2-ti2v-5b}" --points 480p:1 --iters 5 --no-profile \
            --rungs "${FAM_RUNGS:-compile_bf16,fp8_fused_attn8_graph}" --out "$OUT/fam.json" ;;
+    famcheck) part famcheck ${FAMCHECK_LIMIT:-300} bash -c "for m in ${FAMCHECK_MODELS:-wan-tiny wan-i2v-tiny wan-ti2v-tiny wan-a14b-tiny hunyuan-tiny}; do \
+                r=build/fam/\$m/rtx4090-fp8; python3 -m trt_sora check --run \$r --backend torch-fp8 --device cuda \
+                > $OUT/famcheck_\$m.log 2>&1; echo \"\$m check rc=\$?\"; mkdir -p $OUT/famcheck/\$m; \
+                cp \$r/parity/report.json \$r/parity/report.md $OUT/famcheck/\$m/ 2>/dev/null; done" ;;
     sparse) part sparse ${SPARSE_LIMIT:-150} python3 benchmarks/sparse_attention.py --out "$OUT/sparse.json" ;;
     onnxrepro) part onnxrepro 240 bash -c "set -e; X=/tmp/onnxrepro; rm -rf \$X; \
                  python3 -m trt_sora export --model wan-tiny --recipe rtx4090-fp8 --out \$X/export; \
