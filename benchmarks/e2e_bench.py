@@ -84,6 +84,20 @@ def vae_for(model_name: str, dev: str, dtype):
     return vae.to(dev, dtype).eval().requires_grad_(False)
 
 
+def frame_decoder(adapter, vae, dev: str, dtype):
+    """The family's ``decode_groups`` (``adapter.frame_decoder``: un-normalise, one latent frame at a time,
+    as ``runtime.generate`` decodes) over ``vae``, this bench's full-size VAE, in place of the small random
+    one a named config without weights would decode with: ``vae`` is placed where ``adapter.vae_on`` keeps
+    its copy for ``(dev, dtype)``; the decoder's description proves it was used."""
+    desc = f"{type(vae).__name__} (the bench's, {sum(p.numel() for p in vae.parameters())} parameters)"
+    adapter.__dict__[f"_vae_{dev}_{dtype}"] = (vae, desc)
+    decode_groups, used = adapter.frame_decoder(dev, dtype)
+    if used != desc:
+        raise RuntimeError(f"{adapter.name}'s frame decoder did not take the bench's VAE ({used}); "
+                           "update frame_decoder here to how adapter.vae_on keeps its copies")
+    return decode_groups
+
+
 def export_call(adapter, mdl):
     """``(call, f)``: the sampler's ``call(inputs)`` over ``mdl`` (the adapter's export signature ``f``), no
     autograd."""
