@@ -18,7 +18,9 @@ that the step cache saved on the checked model (the cache's own bookkeeping is n
 composition is stated in the JSON; nothing is extrapolated that was not measured per unit.
 
 ``--measure clips`` composes nothing: it runs whole ``--clip-steps`` clips of ours end to end (text encode, every
-step of the sampler, VAE decode bf16, MP4), the cached clip first, its step schedule from ``--cache-schedule`` (a
+step of the sampler, then the runtime's tail: the family's frame decoder in bf16, each group of frames streamed into
+the MP4 writer as it is decoded, as ``trt-sora generate -o clip.mp4`` does; the JSON's ``tail`` says so), the cached
+clip first, its step schedule from ``--cache-schedule`` (a
 run folder or a JSON with a check's caching record, or a ``CacheSchedule`` JSON) or ``--cache-reuse`` (steps),
 replayed through the sampler's ``cache=`` as ``runtime.generate`` replays a checked one.
 
@@ -265,6 +267,17 @@ def measure(args) -> dict:
     return res
 
 
+#: What ``--measure clips`` runs after the sampler (the JSON's ``tail``), and what older results' stages meant.
+TAIL = {"ran": "the runtime's tail: the family's frame_decoder (bf16, one latent frame a group; Wan: 1 then 4 "
+               "frames), each group to uint8 on the device and into runtime.video.Mp4Writer as it is decoded "
+               "(ffmpeg libx264 crf 18, preset medium, encoding while the GPU decodes the next group)",
+        "stages": "decode_and_encode_s: from the sampler's end to the last group handed to the writer (the decode, "
+                  "with the encode beside it); encode_finish_s: the wait for ffmpeg after it",
+        "before": "results up to 2026-12-06's h100_e2eclip_cache56 ran the tail serially: vae_decode_s (diffusers' "
+                  "vae.decode of the whole clip, bf16) then mp4_s (frames to uint8 on the device, to the host, "
+                  "runtime.video.write_clip)"}
+
+
 def cache_schedule(source: str | None, reuse: str | None, order: int, steps: int):
     """``(CacheSchedule, record)``: the step schedule a cached clip replays, and what the JSON says of it.
 
@@ -310,12 +323,13 @@ def measure_clips(args) -> dict:
     """Whole clips, every stage and every step measured (nothing composed): per clip, the text encode (prompt
     + negative), ``args.clip_steps`` steps of the sampler with our torch-fp8 runner (batched CFG, CUDA graph)
     and, for the cached clip, the step schedule replayed through the sampler's ``cache=`` (as
-    ``runtime.generate`` serves a checked one), the VAE decode (bf16) and the MP4 encode. One warm-up first
+    ``runtime.generate`` serves a checked one), then the runtime's tail (:data:`TAIL`). One warm-up first
     (a 2-step trajectory: graph capture, autotuning; an encode; a decode), timed apart. The JSON is written
     after each clip."""
     from trt_sora.caching import CacheSchedule
     from trt_sora.models import get_adapter
-    from trt_sora.runtime.video import write_clip
+    from trt_sora.runtime.generate import to_uint8
+    from trt_sora.runtime.video import Mp4Writer
     from trt_sora.sampling import SamplingSettings, gaussian_noise, runner_call, sample
 
     dev, cuda = args.device, args.device.startswith("cuda")
@@ -330,7 +344,7 @@ def measure_clips(args) -> dict:
                  "size": args.size, "frames": frames, "height": height, "width": width, "latent": lat,
                  "text_len": text_len, "sampling": settings.to_dict(), "cfg": "batched", "backend": "torch-fp8",
                  "device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
-                 "weights": "random (timing only)", "schedule": source, "setup": {}, "clips": {}}
+                 "weights": "random (timing only)", "schedule": source, "tail": TAIL, "setup": {}, "clips": {}}
     if source is not None:
         source["branch_calls"], source["branch_calls_uncached"] = schedule.calls([("cond", "uncond")] * args.clip_steps)
         source["note"] = ("the step schedule is replayed by step index through trt_sora.caching.CacheSchedule (the "
@@ -344,13 +358,12 @@ def measure_clips(args) -> dict:
     t0 = time.perf_counter()
     enc, vocab = text_encoder(args.model, adapter.text_dim, dev)
     vae = vae_for(args.model, dev, torch.bfloat16)
+    decode_groups = frame_decoder(adapter, vae, dev, torch.bfloat16)
     model = adapter.load("bf16", dev)
     setup["build_s"] = time.perf_counter() - t0  # text encoder, VAE, transformer (random weights)
     ids = torch.randint(0, vocab, (2, text_len), device=dev, generator=torch.Generator(dev).manual_seed(0))
     noise = gaussian_noise((1, adapter.latent_channels, lat["latent_frames"], lat["latent_height"],
                             lat["latent_width"]), 0).to(dev)
-    mean = torch.tensor(vae.config.latents_mean, device=dev).view(1, -1, 1, 1, 1)
-    std = torch.tensor(vae.config.latents_std, device=dev).view(1, -1, 1, 1, 1)
     with torch.inference_mode():
         emb = enc(input_ids=ids).last_hidden_state.float()
     t0 = time.perf_counter()
@@ -372,20 +385,20 @@ def measure_clips(args) -> dict:
                          hook=lambda info: calls.append(info.branches))
             sync(dev)
             marks.append(time.perf_counter())
-            x = vae.decode((out.latents * std + mean).bfloat16(), return_dict=False)[0]
-            sync(dev)
+        path = Path(args.tmp) / f"e2e_{name}.mp4"
+        with Mp4Writer(path, 16.0, height=height, width=width) as mp4:  # the runtime's tail (run_to_files)
+            for x in decode_groups(out.latents):
+                mp4.write(to_uint8(x[0]))
             marks.append(time.perf_counter())
-            pixels = ((x[0].float().clamp(-1, 1) + 1) * 127.5).round().byte().permute(1, 2, 3, 0).cpu().numpy()
-        path = write_clip(pixels, Path(args.tmp) / f"e2e_{name}.mp4", 16.0)
         marks.append(time.perf_counter())
-        stages = dict(zip(("text_encode_s", "denoise_s", "vae_decode_s", "mp4_s"),
+        stages = dict(zip(("text_encode_s", "denoise_s", "decode_and_encode_s", "encode_finish_s"),
                           (b - a for a, b in zip(marks, marks[1:]))))
         branch_calls = sum(len(c) for c in calls)
         return {**stages, "clip_s": marks[-1] - marks[0], "steps": steps.num_steps,
                 "s_per_step": stages["denoise_s"] / steps.num_steps, "transformer_calls": len(calls),
                 "branch_calls": branch_calls, "branch_calls_uncached": 2 * steps.num_steps,
                 "reused": {b: [r.step for r in out.steps if b in r.reused] for b in ("cond", "uncond")},
-                "frames": int(pixels.shape[0]), "mp4_bytes": path.stat().st_size}
+                "frames": mp4.frames, "mp4_bytes": path.stat().st_size}
 
     t0 = time.perf_counter()
     clip("warmup", settings.override(num_steps=2), None)

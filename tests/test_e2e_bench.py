@@ -47,8 +47,9 @@ def test_cached_clip_calls_the_transformer_as_its_schedule_says(tmp_path, monkey
     assert (uncached["transformer_calls"], uncached["branch_calls"]) == (4, 8)
     assert cached["reused"] == {"cond": [2], "uncond": [2]} and uncached["reused"] == {"cond": [], "uncond": []}
     assert res["schedule"]["checked"] is None and "explicit" in res["schedule"]["source"]
+    assert "frame_decoder" in res["tail"]["ran"] and "serially" in res["tail"]["before"]  # what the stages mean
     for c in (cached, uncached):
-        stages = c["text_encode_s"] + c["denoise_s"] + c["vae_decode_s"] + c["mp4_s"]
+        stages = c["text_encode_s"] + c["denoise_s"] + c["decode_and_encode_s"] + c["encode_finish_s"]
         assert 0 < stages <= c["clip_s"] and c["frames"] == 9 and c["mp4_bytes"] > 0
     assert res["setup"]["ours_report"]["fp8_gemms_per_call"] > 0
     assert res["cached_speedup"] == pytest.approx(uncached["clip_s"] / cached["clip_s"], rel=1e-12)
