@@ -270,7 +270,7 @@ def measure(args) -> dict:
 #: What ``--measure clips`` runs after the sampler (the JSON's ``tail``), and what older results' stages meant.
 TAIL = {"ran": "the runtime's tail: the family's frame_decoder (bf16, one latent frame a group; Wan: 1 then 4 "
                "frames), each group to uint8 on the device and into runtime.video.Mp4Writer as it is decoded "
-               "(ffmpeg libx264 crf 18, preset medium, encoding while the GPU decodes the next group)",
+               "(ffmpeg libx264 crf 18 at the preset named here, encoding while the GPU decodes the next group)",
         "stages": "decode_and_encode_s: from the sampler's end to the last group handed to the writer (the decode, "
                   "with the encode beside it); encode_finish_s: the wait for ffmpeg after it",
         "before": "results up to 2026-12-06's h100_e2eclip_cache56 ran the tail serially: vae_decode_s (diffusers' "
@@ -329,7 +329,7 @@ def measure_clips(args) -> dict:
     from trt_sora.caching import CacheSchedule
     from trt_sora.models import get_adapter
     from trt_sora.runtime.generate import to_uint8
-    from trt_sora.runtime.video import Mp4Writer
+    from trt_sora.runtime.video import DEFAULT_PRESET, Mp4Writer
     from trt_sora.sampling import SamplingSettings, gaussian_noise, runner_call, sample
 
     dev, cuda = args.device, args.device.startswith("cuda")
@@ -344,7 +344,8 @@ def measure_clips(args) -> dict:
                  "size": args.size, "frames": frames, "height": height, "width": width, "latent": lat,
                  "text_len": text_len, "sampling": settings.to_dict(), "cfg": "batched", "backend": "torch-fp8",
                  "device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
-                 "weights": "random (timing only)", "schedule": source, "tail": TAIL, "setup": {}, "clips": {}}
+                 "weights": "random (timing only)", "schedule": source,
+                 "tail": {**TAIL, "preset": DEFAULT_PRESET}, "setup": {}, "clips": {}}
     if source is not None:
         source["branch_calls"], source["branch_calls_uncached"] = schedule.calls([("cond", "uncond")] * args.clip_steps)
         source["note"] = ("the step schedule is replayed by step index through trt_sora.caching.CacheSchedule (the "

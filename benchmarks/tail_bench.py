@@ -11,8 +11,9 @@ only), bf16 on the GPU, one latent ``1 x 16 x 21 x 60 x 104`` (480p x 81). Each 
   alone (groups, no MP4) is timed too;
 * ``streamed_cudnn_benchmark``: the same with ``torch.backends.cudnn.benchmark = True``;
 * ``presets``: libx264 at crf 18 with each ``--presets`` preset on the decoded uint8 frames: seconds, MP4
-  bytes and the PSNR of the decoded MP4 against those frames (a random-weight VAE's frames are not a real
-  clip's: the CPU section of benchmarks/README.md measures the presets on structured content too).
+  bytes and the PSNR of the decoded MP4 against those frames, and against them after the yuv420p
+  conversion alone (the encoder's own loss; a random-weight VAE's frames are not a real clip's: the CPU
+  section of benchmarks/README.md measures the presets on structured content too).
 
 ``--presets-only`` measures just the presets, on ``--content`` frames ffmpeg makes (lavfi sources), at the
 clip's size: the CPU measurement.
@@ -48,7 +49,7 @@ FPS = 16.0
 #: lavfi sources for --presets-only: fine detail in motion, a test card, a smooth gradient with grain.
 CONTENT = {"mandelbrot": "mandelbrot=size={w}x{h}:rate=16",
            "testsrc2": "testsrc2=size={w}x{h}:rate=16",
-           "gradient_grain": "gradients=size={w}x{h}:rate=16:speed=0.05,noise=alls=12:allf=t"}
+           "gradient_grain": "gradients=size={w}x{h}:rate=16:speed=0.05:seed=1,format=yuv444p,noise=c0s=8:c0f=t"}
 
 
 def psnr(a: np.ndarray, b: np.ndarray) -> float:
@@ -57,15 +58,22 @@ def psnr(a: np.ndarray, b: np.ndarray) -> float:
     return float("inf") if mse == 0 else 10 * np.log10(255.0 ** 2 / mse)
 
 
-def encode(frames: np.ndarray, preset: str, tmp: Path) -> dict:
-    """libx264 crf 18 at ``preset`` on uint8 ``frames``: seconds, bytes, PSNR of the decoded MP4 vs ``frames``."""
+def yuv420(frames: np.ndarray, tmp: Path) -> np.ndarray:
+    """``frames`` after the MP4's colour conversion alone (RGB -> yuv420p -> RGB, lossless x264: crf 0)."""
+    write_mp4(frames, tmp / "tail_lossless.mp4", FPS, crf=0, preset="ultrafast")
+    return read_video(tmp / "tail_lossless.mp4")[:, :frames.shape[1], :frames.shape[2]]
+
+
+def encode(frames: np.ndarray, preset: str, tmp: Path, ref420: np.ndarray) -> dict:
+    """libx264 crf 18 at ``preset`` on uint8 ``frames``: seconds, bytes, PSNR of the decoded MP4 vs ``frames``
+    (``psnr_db``, the colour conversion's loss included) and vs ``ref420`` (the encoder's loss alone)."""
     path = tmp / f"tail_{preset}.mp4"
     t0 = time.perf_counter()
     write_mp4(frames, path, FPS, preset=preset)
     seconds = time.perf_counter() - t0
     back = read_video(path)[:, :frames.shape[1], :frames.shape[2]]
     return {"encode_s": seconds, "mp4_bytes": path.stat().st_size, "psnr_db": psnr(back, frames),
-            "fps": frames.shape[0] / seconds}
+            "psnr_vs_yuv420_db": psnr(back, ref420), "fps": frames.shape[0] / seconds}
 
 
 def lavfi_frames(source: str, frames: int, height: int, width: int) -> np.ndarray:
@@ -174,7 +182,8 @@ def measure_gpu(args, tmp: Path) -> dict:
         save()
     res["streamed_mp4_equals_serial_mp4"] = bool(np.array_equal(read_video(tmp / "tail_serial.mp4"),
                                                                  read_video(tmp / "tail_streamed.mp4")))
-    res["presets"] = {p: encode(frames, p, tmp) for p in args.presets}
+    ref420 = yuv420(frames, tmp)
+    res["presets"] = {p: encode(frames, p, tmp, ref420) for p in args.presets}
     res["peak_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else None
     return res
 
@@ -185,9 +194,10 @@ def measure_presets(args, tmp: Path) -> dict:
                  "reps": args.reps, "content": {}}
     for source in args.content:
         frames = lavfi_frames(source, f, h, w)
+        ref420 = yuv420(frames, tmp)
         rows = {}
         for p in args.presets:
-            runs = [encode(frames, p, tmp) for _ in range(args.reps)]
+            runs = [encode(frames, p, tmp, ref420) for _ in range(args.reps)]
             rows[p] = {**runs[-1], "encode_s": min(r["encode_s"] for r in runs), "encode_s_runs":
                        [r["encode_s"] for r in runs]}
         base = rows.get("medium")
@@ -195,6 +205,7 @@ def measure_presets(args, tmp: Path) -> dict:
             if base:
                 r["speedup_vs_medium"] = base["encode_s"] / r["encode_s"]
                 r["psnr_vs_medium_db"] = r["psnr_db"] - base["psnr_db"]
+                r["psnr_vs_yuv420_vs_medium_db"] = r["psnr_vs_yuv420_db"] - base["psnr_vs_yuv420_db"]
                 r["bytes_vs_medium"] = r["mp4_bytes"] / base["mp4_bytes"]
         res["content"][source] = rows
         Path(args.out).write_text(json.dumps(res, indent=2) + "\n")

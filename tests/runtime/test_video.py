@@ -21,7 +21,7 @@ def clip(frames: int = 17, height: int = 30, width: int = 45) -> np.ndarray:
     return np.clip(x + np.random.default_rng(0).normal(0, 2, x.shape), 0, 255).astype(np.uint8)
 
 
-def whole_clip_mp4(x: np.ndarray, path, fps: float, *, threads: int, preset: str = "medium") -> None:
+def whole_clip_mp4(x: np.ndarray, path, fps: float, *, threads: int, preset: str = video.DEFAULT_PRESET) -> None:
     """The reference: one ffmpeg run given every frame at once (the writer's H.264 settings)."""
     _, h, w, _ = x.shape
     cmd = [video.ffmpeg_exe(), "-hide_banner", "-loglevel", "error", "-y", "-f", "rawvideo", "-pix_fmt", "rgb24",

@@ -37,8 +37,8 @@ def add_parser(sub) -> None:
                         "optional): one for every caption, or repeat it once per caption; resized to the clip's size")
     add_sampling_args(p)
     p.add_argument("--scale", type=int, default=1, help="pixel-repeat upscaling of the written file (e.g. 4 for 32x32)")
-    p.add_argument("--preset", default="medium", choices=video_presets(), help="x264 preset of an MP4 (crf 18; "
-                   "faster presets make larger files: benchmarks/README.md, \"The clip's tail\")")
+    p.add_argument("--preset", default=None, choices=video_presets(), help="x264 preset of an MP4 at crf 18 "
+                   "(default: fast; benchmarks/README.md, \"The clip's tail\", compares them)")
     p.add_argument("--sheet", default=None, help="also write a PNG contact sheet of all clips (one row each)")
     p.add_argument("--probe", action="store_true", help="read each clip back against its caption with the model's "
                    "own checker (wan-shapes) and print the verdict")

@@ -595,16 +595,17 @@ class _Mp4Streams:
 
 
 def run_to_files(gen: Generator, requests: Sequence[ClipRequest], paths: Sequence, *, scale: int = 1,
-                 preset: str = "medium", **run) -> list[Clip]:
+                 preset: str | None = None, **run) -> list[Clip]:
     """:meth:`Generator.run` (``run``: its keyword arguments) writing clip ``i`` to ``paths[i]``, in the
     format its suffix names (:data:`trt_sora.runtime.video.FORMATS`). An MP4 is written while the clip
     decodes: each group of frames goes to ffmpeg as it is made (:class:`~trt_sora.runtime.video.Mp4Writer`,
-    x264 ``preset``), so the encode overlaps the decode; its metadata's ``seconds`` then say
-    ``decode_and_encode`` (the decode with the encode beside it, and the wait for ffmpeg to finish,
+    x264 ``preset``, default ``video.DEFAULT_PRESET``), so the encode overlaps the decode; its metadata's
+    ``seconds`` then say ``decode_and_encode`` (the decode with the encode beside it, and the wait for ffmpeg to finish,
     ``encode_finish``) instead of ``decode``, and ``tail`` says so. Other formats are written after
     the clip (``seconds.write``). On an error no MP4 is left half-written."""
-    from trt_sora.runtime.video import write_clip
+    from trt_sora.runtime.video import DEFAULT_PRESET, write_clip
 
+    preset = preset or DEFAULT_PRESET
     if len(paths) != len(requests):
         raise ConfigError(f"{len(requests)} requests but {len(paths)} output paths; give one path per request")
     paths = [Path(p) for p in paths]

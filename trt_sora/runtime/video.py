@@ -22,17 +22,19 @@ import numpy as np
 
 from trt_sora.errors import ConfigError, TrtSoraError, require
 
-__all__ = ["FORMATS", "PRESETS", "Mp4Writer", "VideoError", "check_frames", "check_image_path", "contact_sheet",
-           "ffmpeg_exe", "has_ffmpeg_filter", "read_image", "read_video", "upscale_frames", "write_clip", "write_gif",
-           "write_mp4", "write_png_sheet"]
+__all__ = ["DEFAULT_PRESET", "FORMATS", "PRESETS", "Mp4Writer", "VideoError", "check_frames", "check_image_path",
+           "contact_sheet", "ffmpeg_exe", "has_ffmpeg_filter", "read_image", "read_video", "upscale_frames",
+           "write_clip", "write_gif", "write_mp4", "write_png_sheet"]
 
 #: File suffix -> what is written.
 FORMATS = {".mp4": "H.264 MP4 (yuv420p)", ".gif": "animated GIF", ".png": "PNG contact sheet of the frames",
            ".npy": "raw uint8 frames [F, H, W, 3]"}
 PIP = "pip install 'trt_sora[serve]'  (or: pip install imageio-ffmpeg)"
-#: libx264 presets a clip may be encoded with (``medium`` is x264's default); benchmarks/README.md's
-#: "The clip's tail" section measures size and quality per preset at crf 18.
+#: libx264 presets a clip may be encoded with (``medium`` is x264's own default).
 PRESETS = ("ultrafast", "superfast", "veryfast", "faster", "fast", "medium", "slow")
+#: The preset every MP4 is encoded with unless asked otherwise: at crf 18 ``fast`` kept ``medium``'s PSNR
+#: (within 0.03 dB) in less time; faster presets lost more (benchmarks/README.md, "The clip's tail").
+DEFAULT_PRESET = "fast"
 
 
 class VideoError(TrtSoraError):
@@ -112,7 +114,7 @@ class Mp4Writer:
     """
 
     def __init__(self, path, fps: float, *, height: int, width: int, scale: int = 1, crf: int = 18,
-                 preset: str = "medium", threads: int = 0):
+                 preset: str = DEFAULT_PRESET, threads: int = 0):
         if preset not in PRESETS:
             raise ConfigError(f"preset={preset!r} is not an x264 preset; use one of {', '.join(PRESETS)}")
         if scale < 1:
@@ -206,7 +208,7 @@ class Mp4Writer:
             self.abort()
 
 
-def write_mp4(frames, path, fps: float, *, scale: int = 1, crf: int = 18, preset: str = "medium") -> Path:
+def write_mp4(frames, path, fps: float, *, scale: int = 1, crf: int = 18, preset: str = DEFAULT_PRESET) -> Path:
     """H.264 MP4 (yuv420p, odd sizes padded to even, ``+faststart``) of ``frames`` (uint8 ``[F, H, W, 3]``)
     through one :class:`Mp4Writer`; ``scale`` upsamples by pixel repetition first (a 32x32 clip is hard
     to see). Returns ``path``."""
