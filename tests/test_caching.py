@@ -125,6 +125,18 @@ def test_extrapolate_arithmetic():
     assert extrapolate([(800.0, y1)], 650.0, 1) is y1
 
 
+def test_extrapolate_order2_is_the_parabola():
+    """Order 2 continues the parabola through the newest three: exact on y = t^2 - 1000 t (order 1 is not);
+    with two outputs it is the line."""
+    ts = (900.0, 850.0, 700.0)
+    hist = [(t, torch.tensor([t * t - 1000.0 * t], dtype=torch.float64)) for t in ts]
+    # at 600: 360000 - 600000 = -240000; the line through (850, -127500), (700, -210000):
+    # -210000 + (-82500 / -150) * (600 - 700) = -265000
+    assert extrapolate(hist, 600.0, 2).item() == pytest.approx(-240000.0, rel=1e-12)
+    assert extrapolate(hist, 600.0, 1).item() == pytest.approx(-265000.0, rel=1e-12)
+    torch.testing.assert_close(extrapolate(hist[1:], 600.0, 2), extrapolate(hist[1:], 600.0, 1))
+
+
 # -- the sampler -------------------------------------------------------------------------------------
 @pytest.mark.parametrize("cfg", ["split", "batched"])
 def test_sampler_reuses_exactly_the_scheduled_outputs(cfg):

@@ -319,12 +319,20 @@ def plan_schedule(ratios: Mapping[str, Sequence[float]], experts: Sequence[str |
 def extrapolate(history: Sequence[tuple[float, Any]], timestep: float, order: int):
     """A skipped step's output estimated from a branch's computed ``history`` (``[(timestep, output)]``,
     oldest first): ``order`` 0 reuses the newest output; 1 continues the line through the newest two in
-    the timestep, ``y1 + (y1 - y0) (t - t1) / (t1 - t0)`` (the newest alone while only one exists)."""
-    t1, y1 = history[-1]
+    the timestep, ``y2 + (y2 - y1) (t - t2) / (t2 - t1)``; 2 adds the parabola's term through the newest
+    three, ``(d21 - d10) (t - t2) (t - t1) / (t2 - t0)`` with ``dab = (ya - yb) / (ta - tb)`` (Newton's form);
+    an order falls to what the history holds (the newest alone while only one exists). Schedules use
+    orders 0 and 1; order 2 is ``benchmarks/caching_orders.py``'s comparison."""
+    t2, y2 = history[-1]
     if order == 0 or len(history) < 2:
-        return y1
-    t0, y0 = history[-2]
-    return y1 + (y1 - y0) * ((timestep - t1) / (t1 - t0))
+        return y2
+    t1, y1 = history[-2]
+    line = y2 + (y2 - y1) * ((timestep - t2) / (t2 - t1))
+    if order == 1 or len(history) < 3:
+        return line
+    t0, y0 = history[-3]
+    curvature = (y2 - y1) * (1.0 / (t2 - t1)) - (y1 - y0) * (1.0 / (t1 - t0))
+    return line + curvature * ((timestep - t2) * (timestep - t1) / (t2 - t0))
 
 
 def plan_extrapolated(errors: Mapping[str, np.ndarray], experts: Sequence[str | None], config: CachingConfig,
