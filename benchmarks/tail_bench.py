@@ -6,10 +6,11 @@ only), bf16 on the GPU, one latent ``1 x 16 x 21 x 60 x 104`` (480p x 81). Each 
 
 * ``serial``: today's tail before issue 30's change: diffusers' ``vae.decode`` of the whole clip, frames to
   uint8 on the GPU (``runtime.generate.to_uint8``), to the host, then ``runtime.video.write_mp4``;
-* ``streamed``: the runtime's tail: the family's ``frame_decoder`` groups (a latent frame at a time), each
-  to uint8 and into an ``Mp4Writer`` as it is made, so libx264 encodes while the GPU decodes; its decode
-  alone (groups, no MP4) is timed too;
+* ``streamed``: the runtime's tail: the family's ``frame_decoder`` groups (a latent frame at a time), each to
+  uint8 and into an ``Mp4Writer`` (x264 at ``runtime.video.DEFAULT_PRESET``) as it is made, so libx264
+  encodes while the GPU decodes; its decode alone (groups, no MP4) is timed too;
 * ``streamed_cudnn_benchmark``: the same with ``torch.backends.cudnn.benchmark = True``;
+* ``streamed_<preset>``: the streamed way once more at each ``--presets`` preset (cudnn.benchmark off);
 * ``presets``: libx264 at crf 18 with each ``--presets`` preset on the decoded uint8 frames: seconds, MP4
   bytes and the PSNR of the decoded MP4 against those frames, and against them after the yuv420p
   conversion alone (the encoder's own loss; a random-weight VAE's frames are not a real clip's: the CPU
@@ -40,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from e2e_bench import frame_decoder, sync, vae_for  # noqa: E402
 
 from trt_sora.runtime.generate import to_uint8  # noqa: E402
-from trt_sora.runtime.video import Mp4Writer, ffmpeg_exe, read_video, write_mp4  # noqa: E402
+from trt_sora.runtime.video import DEFAULT_PRESET, Mp4Writer, ffmpeg_exe, read_video, write_mp4  # noqa: E402
 
 MODEL = "wan2.1-t2v-14b"
 LATENT = (1, 16, 21, 60, 104)  # 480p x 81
@@ -100,11 +101,13 @@ def serial(vae, z: torch.Tensor, tmp: Path, dev: str) -> tuple[dict, np.ndarray]
     return {**stages, "tail_s": marks[-1] - marks[0]}, frames
 
 
-def streamed(decode_groups, z: torch.Tensor, tmp: Path, dev: str, *, write: bool = True) -> dict:
-    """The family's decoder groups, each to uint8 and (``write``) into a streaming MP4 as it is made."""
+def streamed(decode_groups, z: torch.Tensor, tmp: Path, dev: str, *, write: bool = True,
+             preset: str = DEFAULT_PRESET) -> dict:
+    """The family's decoder groups, each to uint8 and (``write``) into a streaming MP4 at x264 ``preset`` as it
+    is made."""
     t0 = time.perf_counter()
     h, w = z.shape[-2] * 8, z.shape[-1] * 8
-    mp4 = Mp4Writer(tmp / "tail_streamed.mp4", FPS, height=h, width=w) if write else None
+    mp4 = Mp4Writer(tmp / "tail_streamed.mp4", FPS, height=h, width=w, preset=preset) if write else None
     groups = 0
     try:
         for x in decode_groups(z):
@@ -142,7 +145,8 @@ def measure_gpu(args, tmp: Path) -> dict:
     cuda = dev.startswith("cuda")
     dtype = torch.bfloat16 if cuda else torch.float32
     shape = SMALL if args.small else LATENT
-    res: dict = {"model": MODEL, "latent": list(shape), "dtype": str(dtype).removeprefix("torch."),
+    res: dict = {"model": MODEL, "latent": list(shape), "default_preset": DEFAULT_PRESET,
+                 "dtype": str(dtype).removeprefix("torch."),
                  "device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
                  "cpu_count": os.cpu_count(), "weights": "random (timing only)", "reps": args.reps, "ways": {}}
 
@@ -184,6 +188,10 @@ def measure_gpu(args, tmp: Path) -> dict:
                                                                  read_video(tmp / "tail_streamed.mp4")))
     ref420 = yuv420(frames, tmp)
     res["presets"] = {p: encode(frames, p, tmp, ref420) for p in args.presets}
+    for p in args.presets:  # the streamed tail at each preset: how much of the encode the decode hides
+        ways[f"streamed_{p}"] = {"runs": [streamed(decode_groups, z, tmp, dev, preset=p)]}
+        ways[f"streamed_{p}"]["tail_s_mean"] = ways[f"streamed_{p}"]["runs"][0]["tail_s"]
+        save()
     res["peak_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else None
     return res
 

@@ -27,4 +27,5 @@ def test_tail_bench_ways_agree_on_a_small_vae(tmp_path, monkeypatch):
     (serial,) = res["ways"]["serial"]["runs"]
     assert serial["vae_decode_s"] + serial["to_uint8_host_s"] + serial["mp4_s"] <= serial["tail_s"]
     assert set(res["presets"]) == {"medium", "veryfast"}
+    assert {"streamed_medium", "streamed_veryfast"} <= set(res["ways"])
     assert all(20 < p["psnr_db"] < 99 and p["mp4_bytes"] > 0 for p in res["presets"].values())
