@@ -71,8 +71,11 @@ def calibrated_ratios(adapter, model, preset, keep: str | None, steps: int | Non
 
 
 def psnr(ref: torch.Tensor, got: torch.Tensor, peak: float) -> float:
-    mse = float((ref.double() - got.double()).square().mean())
-    return float("inf") if mse == 0 else 10.0 * torch.log10(torch.tensor(peak ** 2 / mse)).item()
+    """PSNR in dB of ``got`` vs ``ref``: the MSE in fp64, the log by :func:`trt_sora.metrics.psnr_from_mse`
+    (a float32 ``torch.log10`` here once put 1e-6 dB of CPU-dependent rounding into every row)."""
+    from trt_sora.metrics import psnr_from_mse
+
+    return psnr_from_mse(float((ref.double() - got.double()).square().mean()), peak)
 
 
 def parse_args(argv):
