@@ -43,10 +43,11 @@ def encode(out: str, n: int) -> None:
 
 def clip_metrics(a: torch.Tensor, b: torch.Tensor) -> list[dict]:
     """Per-clip PSNR (peak 2.0) and cosine of frames [N, 3, F, H, W] in [-1, 1]."""
+    from trt_sora.metrics import psnr_from_mse
+
     out = []
     for x, y in zip(a.double(), b.double()):
-        mse = float((x - y).square().mean())
-        out.append({"psnr_db": 10 * torch.log10(torch.tensor(4.0 / max(mse, 1e-20))).item(),
+        out.append({"psnr_db": psnr_from_mse(float((x - y).square().mean()), 2.0),
                     "cosine": float(torch.nn.functional.cosine_similarity(x.flatten(), y.flatten(), dim=0))})
     return out
 
