@@ -51,7 +51,8 @@ FPS = 16.0
 #: lavfi sources for --presets-only: fine detail in motion, a test card, a smooth gradient with grain.
 CONTENT = {"mandelbrot": "mandelbrot=size={w}x{h}:rate=16",
            "testsrc2": "testsrc2=size={w}x{h}:rate=16",
-           "gradient_grain": "gradients=size={w}x{h}:rate=16:speed=0.05:seed=1,format=yuv444p,noise=c0s=8:c0f=t:c0_seed=1"}
+           "gradient_grain": "gradients=size={w}x{h}:rate=16:speed=0.05:seed=1,format=yuv444p,"
+                             "noise=c0s=8:c0f=t:c0_seed=1"}
 
 
 def psnr(a: np.ndarray, b: np.ndarray) -> float:
