@@ -257,13 +257,14 @@ def measure(args) -> dict:
         if dev.startswith("cuda"):
             torch.cuda.empty_cache()
     if "mp4" in args.paths:  # MP4 encode (CPU: ffmpeg) of the decoded frames (noise frames without a decode)
-        from trt_sora.runtime.video import write_clip
+        from trt_sora.runtime.video import DEFAULT_PRESET, write_clip
 
         pixels = ((x[0].float().clamp(-1, 1) + 1) * 127.5).round().byte().permute(1, 2, 3, 0).cpu().numpy() \
             if "vae" in args.paths else torch.randint(0, 256, (frames, height, width, 3), dtype=torch.uint8).numpy()
         out = Path(args.tmp) / "e2e_clip.mp4"
         _, m["mp4_encode_s"] = timed(lambda: write_clip(pixels, out, 16.0), "cpu")
         m["mp4_bytes"] = out.stat().st_size
+        m["mp4_preset"] = DEFAULT_PRESET  # medium in results before 2026-12-06's tail change
     return res
 
 
@@ -275,7 +276,7 @@ TAIL = {"ran": "the runtime's tail: the family's frame_decoder (bf16, one latent
                   "with the encode beside it); encode_finish_s: the wait for ffmpeg after it",
         "before": "results up to 2026-12-06's h100_e2eclip_cache56 ran the tail serially: vae_decode_s (diffusers' "
                   "vae.decode of the whole clip, bf16) then mp4_s (frames to uint8 on the device, to the host, "
-                  "runtime.video.write_clip)"}
+                  "runtime.video.write_clip at x264's preset medium)"}
 
 
 def cache_schedule(source: str | None, reuse: str | None, order: int, steps: int):
