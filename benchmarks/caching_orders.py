@@ -288,6 +288,8 @@ def main(argv=None) -> None:
     ap.add_argument("--sample", default="", help="sample the scored captions with each --settings schedule at "
                     "these estimates (order1, calibrated; comma-separated) and compare with the uncached clips")
     ap.add_argument("--gate-db", type=float, default=30.0, help="--sample's gate: clip PSNR on every caption")
+    ap.add_argument("--text-embeddings", default=None, help="the captions' embeddings (caching_bench.py's), for a "
+                    "machine without the text encoder")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=1_000_000_000)
@@ -298,7 +300,8 @@ def main(argv=None) -> None:
         raise SystemExit(f"--alphas {a.alphas}: each alpha lies in [0, 1] (0: plain reuse, 1: the line)")
     torch.set_num_threads(a.threads)
     b = Bench(argparse.Namespace(model=a.model, steps=a.steps, captions=a.captions + a.fit_captions, device=a.device,
-                                 calib_prompts=None, text_embeddings=None, seed=a.seed, gate_db=a.gate_db))
+                                 calib_prompts=None, text_embeddings=a.text_embeddings, seed=a.seed,
+                                 gate_db=a.gate_db))
     schedules = curve_schedules(a.curve, a.settings) if a.curve else {}
     clips, n = trajectories(b, a.trajectories), b.settings.num_steps
     folds = fit_folds(a.captions, a.fit_captions, a.cross_fit)

@@ -46,6 +46,10 @@
 # (after checkcache: benchmarks/serve_bench.py serving that run folder with $EMB's captions at CC_STEPS, batched and
 # unbatched, CSERVE_REQUESTS (16) requests by 4 clients: clips/s, p50/p95, the caching served; needs the serve
 # extra's wheels: fastapi, uvicorn, prometheus-client).
+# damp50 (benchmarks/caching_orders.py: wan-shapes fp32, 16 held-out captions at 50 steps, cross-fitted halves: the
+# errors of the line, the parabola and the damped line (fixed and calibrated alpha), then the global plan's 56 / 58 /
+# 60% schedules sampled with the calibrated alpha and with the line vs the uncached clips; DAMP_ARGS: more arguments,
+# the last wins).
 # CACHE_METHOD (extrapolate, magcache; +cfg: CFG-branch reuse on top, the grids CACHE50_CFG_GRID / CACHE20_CFG_GRID
 # of threshold:max_skips:warmup:cfg_reuse:cfg_order) picks the method of cacheN, ccalib and checkcache.
 # CACHE_PLAN (runs; global: caching.plan global, the threshold is the clip's error budget, the grids
@@ -192,6 +196,11 @@ print(ort.__version__)' \$X/quant/model.qdq.onnx" ;;
                        --plan $CACHE_PLAN \
                        --captions 16 --threads 8 --text-embeddings "$EMB" ${R:+--ratios $R} --configs "$([ $p = cache20 ] \
                        && echo "$CACHE20_GRID" || echo "$CACHE50_GRID")" --out "$OUT/$p.json" ;;
+    damp50) TAIL=20 part damp50 ${DAMP_LIMIT:-300} python3 benchmarks/caching_orders.py --device $CC_DEVICE --steps 50 \
+              --captions 16 --cross-fit --alphas 0.5,0.7,0.85 --threads 8 --text-embeddings "$EMB" \
+              --curve benchmarks/results/h100_caching_wan-shapes_50steps_global_2026-12-06.json \
+              --settings 0.8:3:10,0.9:3:10,1.1:3:10 --sample calibrated,order1 --trajectories /tmp/damp50.pt \
+              ${DAMP_ARGS:-} --out "$OUT/damp50.json" ;;
     checkcache) TAIL=40 part checkcache $CC_LIMIT bash -c "set -e; python3 benchmarks/cache_check.py prepare --run '$RUN' \
                   --work $CCW --steps $CC_STEPS --method $CACHE_METHOD --plan $CACHE_PLAN --curve $OUT/cache$CC_STEPS.json
                 trap 'cp $CCW/recipe.yaml $CCW/run/parity/report.json $CCW/run/parity/report.md $OUT/ 2>/dev/null' EXIT
