@@ -133,7 +133,8 @@ def test_recipes_and_records_without_plan_are_unchanged():
     from trt_sora.runtime.served_caching import caching_mismatch
 
     runs = CachingConfig(method="extrapolate", threshold=0.05)
-    assert runs.setting() == {k: v for k, v in to_dict(runs).items() if k not in ("cfg_reuse", "cfg_order", "plan")}
+    assert runs.setting() == {k: v for k, v in to_dict(runs).items() if k not in ("cfg_reuse", "cfg_order", "plan",
+                                                                                          "damping")}
     on = dataclasses.replace(runs, plan="global")
     assert on.setting()["plan"] == "global" and math.isclose(on.setting()["threshold"], 0.05)
     r = dataclasses.replace(load_recipe("rtx4090-fp8"), caching=on)

@@ -125,6 +125,16 @@ def test_extrapolate_arithmetic():
     assert extrapolate([(800.0, y1)], 650.0, 1) is y1
 
 
+def test_damped_line_arithmetic():
+    """``damping`` takes that share of the line's step from the newest output; 1 is the line, bit for bit."""
+    y0, y1 = torch.tensor([1.0, -2.0]), torch.tensor([2.0, 0.0])
+    hist = [(900.0, y0), (800.0, y1)]
+    # y1 + 0.5 * 1.5 (y1 - y0) = [2 + 0.75, 0 + 1.5]
+    torch.testing.assert_close(extrapolate(hist, 650.0, 1, 0.5), torch.tensor([2.75, 1.5]))
+    assert torch.equal(extrapolate(hist, 650.0, 1, 1.0), extrapolate(hist, 650.0, 1))
+    assert extrapolate(hist, 650.0, 0, 0.5) is y1
+
+
 def test_extrapolate_order2_is_the_parabola():
     """Order 2 continues the parabola through the newest three: exact on y = t^2 - 1000 t (order 1 is not);
     with two outputs it is the line."""
@@ -167,15 +177,18 @@ def test_sampler_reuses_exactly_the_scheduled_outputs(cfg):
     torch.testing.assert_close(res.latents.double(), x, rtol=1e-5, atol=1e-6)
 
 
-def test_sampler_extrapolates_reused_outputs():
+@pytest.mark.parametrize("damping", [1.0, 0.5])
+def test_sampler_extrapolates_reused_outputs(damping):
     """order 1: a skipped branch continues the line through its last two computed outputs in the
-    timestep (against the loop written out); step 1 after one computed step reuses it."""
+    timestep, shrunk by ``damping`` toward the newest (against the loop written out); step 1 after one
+    computed step reuses it."""
     noise = gaussian_noise((2, 3, 2, 4, 4), seed=6)
     e_c, e_u = torch.randn(2, 5, 8), torch.randn(2, 5, 8)
     settings = SamplingSettings(num_steps=8, guidance_scale=4.0, shift=3.0)
-    schedule = CacheSchedule(8, {"cond": (1, 3, 4, 6), "uncond": (1, 3, 4, 6)}, order=1)
+    schedule = CacheSchedule(8, {"cond": (1, 3, 4, 6), "uncond": (1, 3, 4, 6)}, order=1, damping=damping)
     res = sample(_toy, noise, e_c, e_u, scheduler=_scheduler(), settings=settings, cfg="batched", cache=schedule)
     assert CacheSchedule.from_dict(schedule.to_dict()) == schedule
+    assert ("damping" in schedule.to_dict()) is (damping != 1.0)  # records of undamped schedules unchanged
     s = _scheduler()
     s.set_timesteps(8)
     x, done = noise.double(), {"cond": [], "uncond": []}
@@ -184,7 +197,7 @@ def test_sampler_extrapolates_reused_outputs():
         for b, e in (("cond", e_c), ("uncond", e_u)):
             if i in schedule.reused[b]:
                 (t0, y0), (t1, y1) = done[b][-2:] if len(done[b]) > 1 else done[b] * 2
-                v[b] = y1 if t0 == t1 else y1 + (y1 - y0) * (float(t) - t1) / (t1 - t0)
+                v[b] = y1 if t0 == t1 else y1 + damping * (y1 - y0) * (float(t) - t1) / (t1 - t0)
             else:
                 v[b] = _toy({"hidden_states": x, "timestep": ts, "encoder_hidden_states": e.double()})
                 done[b].append((float(t), v[b]))
@@ -203,6 +216,8 @@ def test_a_schedule_reusing_before_any_compute_is_refused():
         CacheSchedule.from_dict({"num_steps": 4, "reused": {"cond": [0]}})
     with pytest.raises(ArtifactError, match="order 2"):
         CacheSchedule.from_dict({"num_steps": 4, "reused": {"cond": [1]}, "order": 2})
+    with pytest.raises(ArtifactError, match="damps its line by 0.0"):
+        CacheSchedule.from_dict({"num_steps": 4, "reused": {"cond": [1]}, "order": 1, "damping": 0.0})
 
 
 def test_pair_switch_computes_the_low_expert_first_step():
@@ -249,7 +264,9 @@ def test_extrapolated_pair_schedule_from_calibrated_errors():
     errors = {b: np.full((2, 6, HORIZONS), 0.01) for b in ("cond", "uncond")}
     ratios = StepRatios(tuple(range(6)), ts, {b: np.ones((2, 6)) for b in errors}, errors)
     schedule = schedule_for(cfg, ratios, pair, sched.timesteps)
-    assert schedule.order == 1
+    assert schedule.order == 1 and schedule.damping == 1.0
+    damped = schedule_for(dataclasses.replace(cfg, damping=0.5), ratios, pair, sched.timesteps)
+    assert damped == dataclasses.replace(schedule, damping=0.5)
     assert schedule.reused == {b: tuple(i for i in range(1, 6) if i != boundary) for b in ("cond", "uncond")}
     seen = []
     sample({"high": _toy, "low": lambda inp: -_toy(inp)}, gaussian_noise((1, 2, 2, 2, 2), seed=0), torch.ones(1, 3, 4),
@@ -353,12 +370,21 @@ def test_caching_is_off_by_default_in_every_recipe():
     ({"branches": ["cnd"]}, "did you mean 'cond'"),
     ({"branches": ["cond", "cond"]}, "once"),
     ({"sweep": [0.1, -1]}, "caching.sweep"),
+    ({"method": "extrapolate", "damping": 1.5}, r"caching.damping=1.5 is outside \(0, 1\]"),
+    ({"method": "magcache", "damping": 0.5}, "damping shrinks the line of method: extrapolate"),
 ])
 def test_bad_caching_section_is_a_typed_error(section, match):
     raw = recipe_to_dict(load_recipe("rtx4090-fp8"))
     raw["caching"] = {**raw["caching"], **section}
     with pytest.raises(ConfigError, match=match):
         recipe_from_dict(raw)
+
+
+def test_caching_setting_names_damping_only_when_it_damps():
+    """A recipe without the key keeps its setting (records, fingerprints) as before the key existed."""
+    plain = CachingConfig(method="extrapolate", threshold=0.8, max_skips=3, warmup_steps=10, plan="global")
+    assert "damping" not in plain.setting()
+    assert dataclasses.replace(plain, damping=0.5).setting() == {**plain.setting(), "damping": 0.5}
 
 
 def test_caching_section_round_trips():

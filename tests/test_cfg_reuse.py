@@ -312,9 +312,11 @@ def test_recipes_and_records_without_cfg_reuse_are_unchanged():
     from trt_sora.runtime.served_caching import caching_mismatch
 
     off = CachingConfig(method="extrapolate", threshold=0.05)
-    assert off.setting() == {k: v for k, v in to_dict(off).items() if k not in ("cfg_reuse", "cfg_order", "plan")}
+    assert off.setting() == {k: v for k, v in to_dict(off).items()
+                             if k not in ("cfg_reuse", "cfg_order", "plan", "damping")}
     on = dataclasses.replace(off, cfg_reuse=0.3, cfg_order=1)
-    assert on.setting() == {k: v for k, v in to_dict(on).items() if k != "plan"} and on.setting()["cfg_reuse"] == 0.3
+    assert on.setting() == {k: v for k, v in to_dict(on).items() if k not in ("plan", "damping")}
+    assert on.setting()["cfg_reuse"] == 0.3
     r = dataclasses.replace(load_recipe(RECIPE), caching=on)
     assert recipe_from_dict(recipe_to_dict(r)).caching == on
     rep = {"caching": {"setting": off.setting(), "passed": True}, "candidate": {"backend": "ort"}}

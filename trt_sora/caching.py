@@ -316,17 +316,20 @@ def plan_schedule(ratios: Mapping[str, Sequence[float]], experts: Sequence[str |
     return out
 
 
-def extrapolate(history: Sequence[tuple[float, Any]], timestep: float, order: int):
+def extrapolate(history: Sequence[tuple[float, Any]], timestep: float, order: int, damping: float = 1.0):
     """A skipped step's output estimated from a branch's computed ``history`` (``[(timestep, output)]``,
     oldest first): ``order`` 0 reuses the newest output; 1 continues the line through the newest two in
     the timestep, ``y2 + (y2 - y1) (t - t2) / (t2 - t1)``; 2 adds the parabola's term through the newest
     three, ``(d21 - d10) (t - t2) (t - t1) / (t2 - t0)`` with ``dab = (ya - yb) / (ta - tb)`` (Newton's form);
     an order falls to what the history holds (the newest alone while only one exists). Schedules use
-    orders 0 and 1; order 2 is ``benchmarks/caching_orders.py``'s comparison."""
+    orders 0 and 1; order 2 is ``benchmarks/caching_orders.py``'s comparison. ``damping`` (order 1) shrinks
+    the line toward plain reuse, ``y2 + damping (line - y2)`` (``caching.damping``; 1: the line itself)."""
     t2, y2 = history[-1]
     if order == 0 or len(history) < 2:
         return y2
     t1, y1 = history[-2]
+    if order == 1 and damping != 1.0:
+        return y2 + (y2 - y1) * (damping * (timestep - t2) / (t2 - t1))
     line = y2 + (y2 - y1) * ((timestep - t2) / (t2 - t1))
     if order == 1 or len(history) < 3:
         return line
@@ -478,13 +481,15 @@ class CacheSchedule:
     branch's call and take :func:`extrapolate` of its computed outputs at ``order`` (0: plain reuse),
     except the steps of ``cfg_delta`` (all in ``reused["uncond"]``): there uncond is this step's cond
     (computed, or estimated as above) plus :func:`extrapolate` (``cfg_order``) of the branch difference
-    at the expert's last steps computing both. It holds only for ``num_steps``-step trajectories."""
+    at the expert's last steps computing both. ``damping`` shrinks the order-1 line of the branch outputs
+    toward plain reuse (:func:`extrapolate`). It holds only for ``num_steps``-step trajectories."""
 
     num_steps: int
     reused: Mapping[str, tuple[int, ...]]
     order: int = 0
     cfg_delta: tuple[int, ...] = ()
     cfg_order: int = 0
+    damping: float = 1.0
 
     def reuse(self, step: int, branch: str) -> bool:
         return step in self.reused.get(branch, ())
@@ -494,12 +499,13 @@ class CacheSchedule:
         """``branch``'s output at ``step`` from ``history`` (per branch and :data:`~trt_sora.sampling.CFG_DELTA`:
         the last two computed ``(timestep, output)``, oldest first) and this step's ``computed`` outputs."""
         if branch != "uncond" or step not in self.cfg_delta:
-            return extrapolate(history[branch], timestep, self.order)
+            return extrapolate(history[branch], timestep, self.order, self.damping)
         if CFG_DELTA not in history or not ("cond" in computed or "cond" in history):
             raise ConfigError(f"the step cache estimates uncond at step {step} from cond and the branch difference, "
                               "but no earlier step of this expert computed both branches; re-plan the schedule "
                               "with `trt-sora check`")
-        cond = computed["cond"] if "cond" in computed else extrapolate(history["cond"], timestep, self.order)
+        cond = computed["cond"] if "cond" in computed else extrapolate(history["cond"], timestep, self.order,
+                                                                      self.damping)
         return cond + extrapolate(history[CFG_DELTA], timestep, self.cfg_order)
 
     def observe(self, step: int, branch: str, output, timestep: float | None = None) -> None:
@@ -512,8 +518,9 @@ class CacheSchedule:
 
     def to_dict(self) -> dict[str, Any]:
         cfg = {"cfg_delta": list(self.cfg_delta), "cfg_order": self.cfg_order} if self.cfg_delta else {}
+        damped = {"damping": self.damping} if self.damping != 1.0 else {}  # left out at 1: old records unchanged
         return {"num_steps": self.num_steps, "reused": {b: list(s) for b, s in self.reused.items()},
-                "order": self.order, **cfg}
+                "order": self.order, **cfg, **damped}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], *, where: str = "caching schedule") -> CacheSchedule:
@@ -521,8 +528,12 @@ class CacheSchedule:
             reused = {str(b): tuple(int(s) for s in steps) for b, steps in d["reused"].items()}
             num_steps, order = int(d["num_steps"]), int(d.get("order", 0))
             cfg_delta, cfg_order = tuple(int(s) for s in d.get("cfg_delta", ())), int(d.get("cfg_order", 0))
+            damping = float(d.get("damping", 1.0))
         except (KeyError, TypeError, ValueError, AttributeError):
             raise ArtifactError(f"{where} is not a step schedule of this trt_sora; re-run `trt-sora check`") from None
+        if not 0.0 < damping <= 1.0:
+            raise ArtifactError(f"{where} damps its line by {damping} (this trt_sora takes 0 < damping <= 1); "
+                                "re-run `trt-sora check`")
         if order not in (0, 1) or cfg_order not in CFG_ORDERS:
             raise ArtifactError(f"{where} extrapolates at order {order} / cfg_order {cfg_order} (this trt_sora knows "
                                 "0 and 1); re-run `trt-sora check`")
@@ -532,7 +543,7 @@ class CacheSchedule:
         if not set(cfg_delta) <= set(reused.get("uncond", ())):
             raise ArtifactError(f"{where} estimates uncond from cond at steps {list(cfg_delta)} that do not reuse "
                                 "uncond; re-run `trt-sora check`")
-        return cls(num_steps, reused, order, cfg_delta, cfg_order)
+        return cls(num_steps, reused, order, cfg_delta, cfg_order, damping)
 
 
 def step_experts(settings, timesteps: Sequence[float]) -> list[str | None]:
@@ -558,8 +569,8 @@ def schedule_for(config: CachingConfig, ratios: StepRatios, settings, timesteps:
                                 "records; this calibration predates them: re-run `trt-sora calibrate`")
         errors = {b: ratios.mean_errors(b) for b in ratios.errors}
         plan = plan_global if config.plan is CachePlan.GLOBAL else plan_extrapolated
-        return _with_cfg_reuse(CacheSchedule(n, plan(errors, experts, config, threshold), order=1),
-                               config, ratios, experts)
+        return _with_cfg_reuse(CacheSchedule(n, plan(errors, experts, config, threshold), order=1,
+                                             damping=config.damping), config, ratios, experts)
     means = {b: list(ratios.mean(b)) for b in ratios.ratios}
     return _with_cfg_reuse(CacheSchedule(n, plan_schedule(means, experts, config, threshold)), config, ratios, experts)
 

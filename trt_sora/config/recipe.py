@@ -294,6 +294,11 @@ class CachingConfig:
     steps, as above; ``global`` makes ``threshold`` the whole trajectory's budget: the schedule reuses the
     most steps whose least summed errors (each reused step's, the worse branch's, at its place in its run)
     stay within it, so the calls saved never fall as the budget grows.
+
+    ``damping`` (``method: extrapolate`` only; 1, the default: the line): a reused step takes ``newest +
+    damping (line - newest)``, the line shrunk toward plain reuse. The planner still budgets the line's
+    calibrated errors (the damped estimate's are smaller on wan-shapes at 37-39 of 39 reused steps), and
+    ``check`` gates the damped clip like any other setting.
     """
 
     method: CacheMethod = CacheMethod.NONE
@@ -306,6 +311,7 @@ class CachingConfig:
     cfg_reuse: float = 0.0
     cfg_order: int = 0
     plan: CachePlan = CachePlan.RUNS
+    damping: float = 1.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "method", enum_member(CacheMethod, self.method, "caching.method"))
@@ -328,6 +334,11 @@ class CachingConfig:
             raise ConfigError(f"caching.branches={list(self.branches)}{hint}: list each CFG branch that may reuse "
                               f"once, from {list(CACHE_BRANCHES)}")
         self._check_cfg_reuse()
+        _in_range("caching.damping", self.damping, 0.0, 1.0, lo_open=True,
+                  meaning=" (the share of the line's step a reused output takes; 1: the line)")
+        if self.damping != 1.0 and self.method is not CacheMethod.EXTRAPOLATE:
+            raise ConfigError(f"caching.damping shrinks the line of method: extrapolate, not method: "
+                              f"{self.method.value}; set caching.method: extrapolate or damping: 1")
         if self.plan is CachePlan.GLOBAL and self.method is not CacheMethod.EXTRAPOLATE:
             raise ConfigError(f"caching.plan=global budgets the extrapolation errors of method: extrapolate, not "
                               f"method: {self.method.value}; set caching.method: extrapolate or plan: runs")
@@ -347,12 +358,14 @@ class CachingConfig:
                               f"{list(self.branches)} keeps it computing; add uncond or set cfg_reuse: 0")
 
     def setting(self) -> dict:
-        """The setting as a plain dict, the CFG-reuse keys only when it is on and ``plan`` only when it is
-        not ``runs`` (so a record or fingerprint of a recipe without them stays what it was before the keys
-        existed)."""
+        """The setting as a plain dict, the CFG-reuse keys only when it is on, ``plan`` only when it is
+        not ``runs`` and ``damping`` only when it is not 1 (so a record or fingerprint of a recipe without
+        them stays what it was before the keys existed)."""
         d = to_dict(self)
         if self.plan is CachePlan.RUNS:
             del d["plan"]
+        if self.damping == 1.0:
+            del d["damping"]
         return d if self.cfg_reuse else {k: v for k, v in d.items() if k not in ("cfg_reuse", "cfg_order")}
 
     @property
