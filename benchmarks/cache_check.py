@@ -36,13 +36,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 SETTING = ("threshold", "max_skips", "warmup_steps", "cfg_reuse", "cfg_order")
 
 
-def choose(curve: dict | None, steps: int, model: str, fallback: dict, method: str, plan: str = "runs"):
-    """``(setting, final, sweep, source)`` from ``curve`` (a caching_bench JSON): ``setting`` holds
+def choose(curve: dict | None, steps: int, model: str, fallback: dict, method: str, plan: str = "runs",
+           damping: float = 1.0):
+    """``(setting, final, sweep, source)`` from ``curve`` (a caching_bench JSON of the same model, steps,
+    method, plan and damping): ``setting`` holds
     CachingConfig's :data:`SETTING` keywords of the best passing row, ``sweep`` the curve's other thresholds
     at that row's other keys; ``fallback`` (the same keys) when no row of this model and step count passed."""
     rows = []
     if curve and curve["model"] == model and curve["sampling"]["num_steps"] == steps \
-            and curve["caching"]["method"] == method and curve["caching"].get("plan", "runs") == plan:
+            and curve["caching"]["method"] == method and curve["caching"].get("plan", "runs") == plan \
+            and curve["caching"].get("damping", 1.0) == damping:
         rows = [r for r in curve["curve"] if r["gate_passed"] and r["calls"] < r["calls_uncached"]]
     if not rows:
         return dict(fallback), 1, (), "--setting (no curve row of this model and step count passed)"
@@ -62,11 +65,12 @@ def prepare(a) -> None:
     curve = json.loads(Path(a.curve).read_text()) if a.curve and Path(a.curve).is_file() else None
     fallback = {k: t(x) for (k, t), x in zip(zip(SETTING, (float, int, int, float, int)),
                                              [*a.setting.split(":"), "0", "0"][:5])}
-    setting, final, sweep, source = choose(curve, a.steps, a.model, fallback, a.method, a.plan)
+    setting, final, sweep, source = choose(curve, a.steps, a.model, fallback, a.method, a.plan, a.damping)
     base = load_recipe(a.base)
     recipe = dataclasses.replace(
         base, name=f"{base.name}-cache{a.steps}",
-        caching=CachingConfig(method=a.method, final_steps=final, sweep=sweep, plan=a.plan, **setting),
+        caching=CachingConfig(method=a.method, final_steps=final, sweep=sweep, plan=a.plan, damping=a.damping,
+                              **setting),
         calibration=dataclasses.replace(base.calibration, num_steps=a.steps),
         parity=dataclasses.replace(base.parity, loop_steps=a.steps))
     work = Path(a.work)
@@ -104,6 +108,7 @@ def main(argv=None) -> None:
     p.add_argument("--base", default="rtx4090-fp8", help="the recipe the caching one starts from")
     p.add_argument("--method", default="extrapolate", choices=("magcache", "extrapolate"))
     p.add_argument("--plan", default="runs", choices=("runs", "global"), help="caching.plan of extrapolate")
+    p.add_argument("--damping", type=float, default=1.0, help="caching.damping of extrapolate (1: the line)")
     p.add_argument("--curve", default=None, help="a caching_bench.py JSON (missing file: --setting)")
     p.add_argument("--setting", default="0.1:2:2",
                    help="threshold:max_skips:warmup_steps[:cfg_reuse[:cfg_order]] without a passing row")

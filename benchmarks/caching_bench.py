@@ -96,6 +96,8 @@ def parse_args(argv):
     ap.add_argument("--plan", default="runs", choices=("runs", "global"),
                     help="caching.plan of method extrapolate: the threshold per run of reused steps, or the "
                     "whole trajectory's budget")
+    ap.add_argument("--damping", type=float, default=1.0,
+                    help="caching.damping of method extrapolate for every row (1: the line)")
     ap.add_argument("--ratios", default=None, help="a step-statistics file to reuse (written when missing)")
     ap.add_argument("--reference", default=None, help="a torch.save file of the uncached clips to reuse, e.g. "
                     "ref.pt (written when missing)")
@@ -215,13 +217,14 @@ def main(argv=None) -> None:
                            "seconds": calib_s and round(calib_s, 1), "reused_file": calib_s is None and a.ratios,
                            "ratios": ratios.summary()},
            "caching": {"method": a.method, "final_steps": a.final,
-                       **({"plan": a.plan} if a.plan != "runs" else {})},
+                       **({"plan": a.plan} if a.plan != "runs" else {}),
+                       **({"damping": a.damping} if a.damping != 1.0 else {})},
            "gate": {"min_clip_psnr_db_every_caption": a.gate_db, "probe_verdicts": "all unchanged"},
            "uncached_sample_seconds": round(ref_s, 3), "psnr_peak": "latents: uncached max - min; clip: 2.0",
            "curve": [], "torch": torch.__version__, "threads": torch.get_num_threads()}
     for spec in a.configs.split(","):
         setting = parse_setting(spec)
-        cfg = CachingConfig(method=a.method, final_steps=a.final, plan=a.plan, **setting)
+        cfg = CachingConfig(method=a.method, final_steps=a.final, plan=a.plan, damping=a.damping, **setting)
         schedule = schedule_for(cfg, ratios, b.settings, b.timesteps())
         same = next((i for i, r in enumerate(out["curve"]) if r["schedule"] == schedule.to_dict()), None)
         if same is None:

@@ -57,6 +57,8 @@
 #   bash benchmarks/h200.sh ccalib cache50 checkcache gen cserve cache20
 #   CACHE_METHOD=extrapolate+cfg bash benchmarks/h200.sh ccalib cache50 checkcache gen cserve cache20
 #   CACHE_PLAN=global bash benchmarks/h200.sh ccalib cache50 checkcache gen
+# CACHE_DAMPING (1: the line; e.g. 0.5) sets caching.damping of cacheN's rows and checkcache's recipe:
+#   CACHE_PLAN=global CACHE_DAMPING=0.5 CACHE50_GLOBAL_GRID=0.8:3:10,0.9:3:10,1.1:3:10 bash benchmarks/h200.sh ccalib cache50 checkcache
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -83,6 +85,7 @@ CACHE20_CFG_GRID=${CACHE20_CFG_GRID:-0.05:1:2:0.032:0,0.05:1:2:0.046:1,0.05:1:2:
 if [ "${CACHE_METHOD%+cfg}" != "$CACHE_METHOD" ]; then CACHE50_GRID=$CACHE50_CFG_GRID; CACHE20_GRID=$CACHE20_CFG_GRID; fi
 CACHE_METHOD=${CACHE_METHOD%+cfg}
 CACHE_PLAN=${CACHE_PLAN:-runs}
+CACHE_DAMPING=${CACHE_DAMPING:-1}  # caching.damping of cacheN and checkcache (extrapolate: 1 is the line)
 # budgets of plan global, from the 50-step errors of h100_caching_wan-shapes_50steps_grid2: 0.5:2:2 reuses 24
 # of 50 steps (the runs plan's passing 48%), 0.8-0.97 29 (58%), 1:3:2 32 (64%); warm-ups 10-14 keep steps
 # 2-8 computing (the 50-step rows that reused 4-8 without 2 lost one caption)
@@ -193,7 +196,7 @@ print(ort.__version__)' \$X/quant/model.qdq.onnx" ;;
               --out $CCW/run/quant" ;;
     cache[0-9]*) R=$CCW/run/calib/step_ratios.safetensors; [ "${p#cache}" = "$CC_STEPS" ] && [ -f $R ] || R=
                      part $p $CC_LIMIT python3 benchmarks/caching_bench.py --device $CC_DEVICE --steps ${p#cache} --method $CACHE_METHOD \
-                       --plan $CACHE_PLAN \
+                       --plan $CACHE_PLAN --damping $CACHE_DAMPING \
                        --captions 16 --threads 8 --text-embeddings "$EMB" ${R:+--ratios $R} --configs "$([ $p = cache20 ] \
                        && echo "$CACHE20_GRID" || echo "$CACHE50_GRID")" --out "$OUT/$p.json" ;;
     damp50) TAIL=20 part damp50 ${DAMP_LIMIT:-300} python3 benchmarks/caching_orders.py --device $CC_DEVICE --steps 50 \
@@ -202,7 +205,7 @@ print(ort.__version__)' \$X/quant/model.qdq.onnx" ;;
               --settings 0.8:3:10,0.9:3:10,1.1:3:10 --sample calibrated,order1 --trajectories /tmp/damp50.pt \
               ${DAMP_ARGS:-} --out "$OUT/damp50.json" ;;
     checkcache) TAIL=40 part checkcache $CC_LIMIT bash -c "set -e; python3 benchmarks/cache_check.py prepare --run '$RUN' \
-                  --work $CCW --steps $CC_STEPS --method $CACHE_METHOD --plan $CACHE_PLAN --curve $OUT/cache$CC_STEPS.json
+                  --work $CCW --steps $CC_STEPS --method $CACHE_METHOD --plan $CACHE_PLAN --damping $CACHE_DAMPING --curve $OUT/cache$CC_STEPS.json
                 trap 'cp $CCW/recipe.yaml $CCW/run/parity/report.json $CCW/run/parity/report.md $OUT/ 2>/dev/null' EXIT
                 python3 -m trt_sora check --run $CCW/run --recipe $CCW/recipe.yaml --backend $CC_BACKEND --device $CC_DEVICE \
                   --text-embeddings '$EMB'" ;;

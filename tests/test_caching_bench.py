@@ -108,6 +108,19 @@ def test_cuda_uncached_clips_match_the_cpu_ones(curve, tmp_path):
     assert json.loads((tmp_path / "g.json").read_text())["backend"] != "torch fp32, CPU"
 
 
+def test_damped_rows_replay_their_damping(curve, tmp_path):
+    """--damping reaches every row's schedule and the JSON; the same plan damped gives another clip."""
+    tmp, _ = curve
+    runs = {}
+    for d in ("1", "0.5"):  # warm-up 2: step 2 is reused with two computed outputs behind it, a line to damp
+        _bench().main(_args(tmp, "--configs", "1:1:2", "--damping", d, "--out", str(tmp_path / f"{d}.json")))
+        runs[d] = json.loads((tmp_path / f"{d}.json").read_text())
+    (line,), (damped,) = runs["1"]["curve"], runs["0.5"]["curve"]
+    assert runs["0.5"]["caching"]["damping"] == 0.5 and "damping" not in runs["1"]["caching"]
+    assert 2 in line["reused"]["cond"] and damped["schedule"] == {**line["schedule"], "damping": 0.5}
+    assert damped["latents_psnr_db"]["worst"] != line["latents_psnr_db"]["worst"]
+
+
 def test_check_setting_is_the_curves_best_passing_row():
     cc = load_script("benchmarks/cache_check.py")
 
@@ -126,6 +139,11 @@ def test_check_setting_is_the_curves_best_passing_row():
         (setting(0.2, 2, 2), 1, (0.01, 0.1, 0.5))
     for other in ((20, "wan-shapes", "extrapolate"), (50, "wan-tiny", "extrapolate"), (50, "wan-shapes", "magcache")):
         assert cc.choose(curve, *other[:2], setting(0.7, 1, 3), other[2])[:3] == (setting(0.7, 1, 3), 1, ())
+    # a damped curve's rows are chosen only for the same damping (a row passed with its own estimate)
+    damped = {**curve, "caching": {**curve["caching"], "damping": 0.5}}
+    assert cc.choose(damped, 50, "wan-shapes", setting(0.7, 1, 3), "extrapolate")[:3] == (setting(0.7, 1, 3), 1, ())
+    assert cc.choose(damped, 50, "wan-shapes", setting(0.7, 1, 3), "extrapolate", "runs", 0.5)[0] == \
+        setting(0.2, 2, 2)
     nothing_saved = {**curve, "curve": [row(0.01, 2, 100, math.inf, True), row(0.5, 2, 40, 25.0, False)]}
     assert cc.choose(nothing_saved, 50, "wan-shapes", setting(0.7, 1, 3), "extrapolate")[0] == setting(0.7, 1, 3)
     # CFG reuse: the best row's cfg_reuse / cfg_order go with it; the sweep keeps its cfg setting's rows
