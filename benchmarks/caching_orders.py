@@ -46,8 +46,8 @@ from trt_sora.caching import CacheSchedule, extrapolate  # noqa: E402
 
 @dataclasses.dataclass(frozen=True)
 class Estimate:
-    """``newest + alpha (extrapolate(order) - newest)`` from the newest ``order + 1`` computed outputs;
-    ``alpha`` None: the calibrated alpha of the step and horizon."""
+    """``extrapolate(order, damping=alpha)`` from the newest ``order + 1`` computed outputs (order 1 with
+    ``alpha``: ``newest + alpha (line - newest)``); ``alpha`` None: the calibrated alpha of the step and horizon."""
 
     name: str
     order: int = 1
@@ -66,12 +66,7 @@ def estimates(alphas: Sequence[float], calibrated: bool) -> tuple[Estimate, ...]
 def estimate(e: Estimate, history: Sequence[tuple[float, torch.Tensor]], t: float, alpha: float | None = None):
     """``e``'s estimate at timestep ``t`` from ``history`` (``[(timestep, output)]``, oldest first);
     ``alpha``: the calibrated one of this step and horizon, for ``e.alpha`` None."""
-    full = extrapolate(history, t, e.order)
-    a = alpha if e.alpha is None else e.alpha
-    if a == 1.0:
-        return full
-    newest = history[-1][1]
-    return newest + a * (full - newest)
+    return extrapolate(history, t, e.order, alpha if e.alpha is None else e.alpha)
 
 
 class Keeper:

@@ -322,15 +322,13 @@ def extrapolate(history: Sequence[tuple[float, Any]], timestep: float, order: in
     the timestep, ``y2 + (y2 - y1) (t - t2) / (t2 - t1)``; 2 adds the parabola's term through the newest
     three, ``(d21 - d10) (t - t2) (t - t1) / (t2 - t0)`` with ``dab = (ya - yb) / (ta - tb)`` (Newton's form);
     an order falls to what the history holds (the newest alone while only one exists). Schedules use
-    orders 0 and 1; order 2 is ``benchmarks/caching_orders.py``'s comparison. ``damping`` (order 1) shrinks
-    the line toward plain reuse, ``y2 + damping (line - y2)`` (``caching.damping``; 1: the line itself)."""
+    orders 0 and 1; order 2 is ``benchmarks/caching_orders.py``'s comparison. ``damping`` shrinks the line
+    toward plain reuse, ``y2 + damping (line - y2)`` (``caching.damping``; 1: the line itself, bit for bit)."""
     t2, y2 = history[-1]
     if order == 0 or len(history) < 2:
         return y2
     t1, y1 = history[-2]
-    if order == 1 and damping != 1.0:
-        return y2 + (y2 - y1) * (damping * (timestep - t2) / (t2 - t1))
-    line = y2 + (y2 - y1) * ((timestep - t2) / (t2 - t1))
+    line = y2 + (y2 - y1) * (damping * ((timestep - t2) / (t2 - t1)))
     if order == 1 or len(history) < 3:
         return line
     t0, y0 = history[-3]
