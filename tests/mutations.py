@@ -301,7 +301,7 @@ MUTATIONS = (
              "        starts.append(at)\n", "        starts.append(at + 4)\n",
              ("tests/serve/test_grpc.py::test_pieces_cut_large_boxes_at_nal_units",), fast=True),
     Mutation("fmp4-encoder-settings", "the gRPC stream's H.264 is the file path's", "serve/fmp4.py",
-             '"-crf", str(int(crf)),', '"-crf", str(int(crf) + 1),',
+             "*x264_args(w, h, fps, crf, DEFAULT_PRESET)", "*x264_args(w, h, fps, int(crf) + 1, DEFAULT_PRESET)",
              ("tests/serve/test_grpc.py::test_stream_is_progress_then_a_fragmented_mp4_equal_to_the_file_path",)),
     Mutation("streamed-decoder", "a family's one-shot decode is all its frame groups", "models/base.py",
              "torch.cat(list(groups(z)), dim=2)", "torch.cat(list(groups(z))[:1], dim=2)",

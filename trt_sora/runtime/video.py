@@ -24,7 +24,7 @@ from trt_sora.errors import ConfigError, TrtSoraError, require
 
 __all__ = ["DEFAULT_PRESET", "FORMATS", "PRESETS", "Mp4Writer", "VideoError", "check_frames", "check_image_path",
            "contact_sheet", "ffmpeg_exe", "has_ffmpeg_filter", "read_image", "read_video", "upscale_frames",
-           "write_clip", "write_gif", "write_mp4", "write_png_sheet"]
+           "write_clip", "write_gif", "write_mp4", "write_png_sheet", "x264_args"]
 
 #: File suffix -> what is written.
 FORMATS = {".mp4": "H.264 MP4 (yuv420p)", ".gif": "animated GIF", ".png": "PNG contact sheet of the frames",
@@ -89,6 +89,15 @@ def _atomic(path: Path) -> Iterator[Path]:
         tmp.unlink(missing_ok=True)
 
 
+def x264_args(width: int, height: int, fps: float, crf: int, preset: str) -> list[str]:
+    """ffmpeg's arguments from raw RGB frames on stdin to libx264 (yuv420p, odd sizes padded to even,
+    ``crf``, ``preset``): the one encode of every MP4 here, a file (:class:`Mp4Writer`) or a stream
+    (``trt_sora.serve.fmp4``), so both decode to the same frames."""
+    return ["-f", "rawvideo", "-pix_fmt", "rgb24", "-s", f"{width}x{height}", "-r", f"{fps:g}", "-i", "-",
+            "-vf", "pad=ceil(iw/2)*2:ceil(ih/2)*2", "-c:v", "libx264", "-preset", preset, "-pix_fmt", "yuv420p",
+            "-crf", str(int(crf))]
+
+
 class Mp4Writer:
     """An H.264 MP4 written as its frames come: ffmpeg starts at once, :meth:`write` hands each group
     of frames to a writer thread that feeds ffmpeg's stdin, so libx264 encodes one group while the
@@ -123,9 +132,7 @@ class Mp4Writer:
         self.shape = (int(height), int(width), 3)
         self._tmp = _tmp_path(self.path)
         h, w = self.shape[0] * scale, self.shape[1] * scale
-        cmd = [ffmpeg_exe(), "-hide_banner", "-loglevel", "error", "-y", "-f", "rawvideo", "-pix_fmt", "rgb24",
-               "-s", f"{w}x{h}", "-r", f"{fps:g}", "-i", "-", "-vf", "pad=ceil(iw/2)*2:ceil(ih/2)*2",
-               "-c:v", "libx264", "-preset", preset, "-pix_fmt", "yuv420p", "-crf", str(int(crf)),
+        cmd = [ffmpeg_exe(), "-hide_banner", "-loglevel", "error", "-y", *x264_args(w, h, fps, crf, preset),
                "-threads", str(int(threads)), "-movflags", "+faststart", str(self._tmp)]
         self._stderr = tempfile.TemporaryFile()  # a file, not a pipe: ffmpeg never blocks on its log
         self._proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=self._stderr)

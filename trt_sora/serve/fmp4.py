@@ -27,7 +27,7 @@ from collections.abc import Iterable, Iterator
 import numpy as np
 
 from trt_sora.errors import ConfigError
-from trt_sora.runtime.video import DEFAULT_PRESET, VideoError, check_frames, ffmpeg_exe, upscale_frames
+from trt_sora.runtime.video import DEFAULT_PRESET, VideoError, check_frames, ffmpeg_exe, upscale_frames, x264_args
 
 __all__ = ["BOX", "BYTES", "MAX_PIECE_BYTES", "NAL", "Piece", "fragmented_mp4", "pieces", "top_level_boxes"]
 
@@ -63,9 +63,7 @@ def fragmented_mp4(frames, fps: float, *, scale: int = 1, crf: int = 18,
         raise ConfigError("no frames to stream: give uint8 [num_frames, height, width, 3] frames")
     x = upscale_frames(check_frames(first), scale)
     _, h, w, _ = x.shape
-    cmd = [ffmpeg_exe(), "-hide_banner", "-loglevel", "error", "-f", "rawvideo", "-pix_fmt", "rgb24",
-           "-s", f"{w}x{h}", "-r", f"{fps:g}", "-i", "-", "-vf", "pad=ceil(iw/2)*2:ceil(ih/2)*2",
-           "-c:v", "libx264", "-preset", DEFAULT_PRESET, "-pix_fmt", "yuv420p", "-crf", str(int(crf)),
+    cmd = [ffmpeg_exe(), "-hide_banner", "-loglevel", "error", *x264_args(w, h, fps, crf, DEFAULT_PRESET),
            "-movflags", "frag_keyframe+empty_moov+default_base_moof", "-frag_size", str(max_piece - FRAGMENT_MARGIN),
            "-flush_packets", "1", "-f", "mp4", "pipe:1"]
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
