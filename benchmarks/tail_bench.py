@@ -57,8 +57,9 @@ CONTENT = {"mandelbrot": "mandelbrot=size={w}x{h}:rate=16",
 
 def psnr(a: np.ndarray, b: np.ndarray) -> float:
     """PSNR in dB of uint8 clips ``a`` and ``b`` over every value (one MSE for the clip)."""
-    mse = float(np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2))
-    return float("inf") if mse == 0 else 10 * np.log10(255.0 ** 2 / mse)
+    from trt_sora.metrics import psnr_from_mse
+
+    return psnr_from_mse(float(np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2)), 255.0)
 
 
 def yuv420(frames: np.ndarray, tmp: Path) -> np.ndarray:
