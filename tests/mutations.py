@@ -444,7 +444,9 @@ MUTATIONS = (
              ("tests/test_cfg_reuse.py::test_estimate_is_cond_plus_the_continued_difference",
               "tests/test_cfg_reuse.py::test_sampler_calls_cond_alone_and_matches_the_loop_written_out"), fast=True),
     Mutation("cfg-whole-skip-cond", "a step skipped whole takes uncond from its cond estimate", "caching.py",
-             'else extrapolate(history["cond"], timestep, self.order)', 'else history["cond"][-1][1]',
+             'else extrapolate(history["cond"], timestep, self.order,\n'
+             '                                                                      self.damping)',
+             'else history["cond"][-1][1]',
              ("tests/test_cfg_reuse.py::test_sampler_calls_cond_alone_and_matches_the_loop_written_out",), fast=True),
     Mutation("cfg-recorded-error", "the recorded error compares the estimate with this step's difference",
              "caching.py", "diff = (extrapolate(history, t, o) - delta)",
