@@ -9,7 +9,7 @@
 # tail (issue 30: the clip's tail alone, Wan 2.1's VAE at its real size on a 480p x 81 latent: serial decode + MP4
 # vs the runtime's streamed groups, cudnn.benchmark, x264 presets; benchmarks/tail_bench.py, needs the
 # imageio-ffmpeg wheel in .whl), e2eclip (two whole 50-step 14B clips of ours measured end to end, the cached one first with the schedule check
-# accepted on wan-shapes at 50 steps - plan global, 56% of calls saved - or E2ECLIP_SCHEDULE; the JSON after each clip), ws (the warp-specialized Gluon attention kernel vs the Triton one: bits, speed;
+# accepted on wan-shapes at 50 steps - plan global, damped, 59% of branch calls saved (session 18) - or E2ECLIP_SCHEDULE; the JSON after each clip), ws (the warp-specialized Gluon attention kernel vs the Triton one: bits, speed;
 # WS_CONFIGS picks its configs; WS_VARIANTS=name=path,... other builds of the Gluon module), wsn (the Triton attention
 # kernel's 256-key tiles vs its default 128: benchmarks/attention_tiles.py), gemm (block GEMMs,
 # exact vs fast FP8 accumulation), attention (kernel vs
@@ -111,7 +111,7 @@ for p in "$@"; do
     e2e) part e2e ${E2E_LIMIT:-540} python3 benchmarks/e2e_bench.py ${E2E_ARGS:-} --out "$OUT/e2e.json" ;;
     tail) part tail ${TAILB_LIMIT:-240} python3 benchmarks/tail_bench.py ${TAILB_ARGS:-} --out "$OUT/tail.json" ;;
     e2eclip) part e2eclip ${E2ECLIP_LIMIT:-560} python3 benchmarks/e2e_bench.py --measure clips ${E2ECLIP_ARGS:-} \
-              --cache-schedule "${E2ECLIP_SCHEDULE:-benchmarks/results/h100_check_generate_caching_global_wan-shapes_2026-12-06.json}" \
+              --cache-schedule "${E2ECLIP_SCHEDULE:-benchmarks/results/h100_check_generate_caching_cfg_damped_wan-shapes_2026-12-06.json}" \
               --out "$OUT/e2eclip.json" ;;
     tests) part tests ${TESTS_LIMIT:-360} python3 -m pytest -q -m gpu -p no:cacheprovider ${TESTS:-tests} ;;
     calib13) part calib13 300 bash -c "python3 benchmarks/calib_overhead.py --model wan2.1-t2v-1.3b --cfg split --variants ${CALIB_VARIANTS:-r2,shipped} --out $OUT/calib13_split.json && python3 benchmarks/calib_overhead.py --model wan2.1-t2v-1.3b --cfg batched --variants ${CALIB_VARIANTS:-r2,shipped} --out $OUT/calib13_batched.json" ;;
