@@ -89,14 +89,14 @@ def vae_for(model_name: str, dev: str, dtype):
 def frame_decoder(adapter, vae, dev: str, dtype):
     """The family's ``decode_groups`` (``adapter.frame_decoder``: un-normalise, one latent frame at a time,
     as ``runtime.generate`` decodes) over ``vae``, this bench's full-size VAE, in place of the small random
-    one a named config without weights would decode with: ``vae`` is placed where ``adapter.vae_on`` keeps
-    its copy for ``(dev, dtype)``; the decoder's description proves it was used."""
+    one a named config without weights would decode with (``adapter.use_vae``); the decoder's description
+    proves it was used."""
     desc = f"{type(vae).__name__} (the bench's, {sum(p.numel() for p in vae.parameters())} parameters)"
-    adapter.__dict__[f"_vae_{dev}_{dtype}"] = (vae, desc)
+    adapter.use_vae(vae, dev, dtype, desc)
     decode_groups, used = adapter.frame_decoder(dev, dtype)
     if used != desc:
         raise RuntimeError(f"{adapter.name}'s frame decoder did not take the bench's VAE ({used}); "
-                           "update frame_decoder here to how adapter.vae_on keeps its copies")
+                           "make its frame_decoder decode with adapter.vae_on(device, dtype)")
     return decode_groups
 
 

@@ -98,3 +98,17 @@ def test_unknown_or_repeated_clips_refused_before_anything_loads(tmp_path, clips
     with pytest.raises(SystemExit):
         _bench().main(["--measure", "clips", "--clips", clips, "--out", str(tmp_path / "x.json")])
     assert "each once" in capsys.readouterr().err and not (tmp_path / "x.json").exists()
+
+
+def test_the_tail_decodes_with_the_benchs_vae_or_fails_loudly(monkeypatch):
+    """The family's frame decoder takes the bench's VAE (its description names it); a decoder that ignores
+    it stops the bench instead of timing the small random one."""
+    from trt_sora.models import get_adapter
+
+    bench, adapter = _bench(), get_adapter("wan-tiny")
+    vae = bench.vae_for("wan-tiny", "cpu", torch.float32)
+    bench.frame_decoder(adapter, vae, "cpu", torch.float32)
+    assert adapter.vae_on("cpu", torch.float32)[0] is vae
+    monkeypatch.setattr(type(adapter), "vae_on", lambda self, device=None, dtype=None: self.vae())
+    with pytest.raises(RuntimeError, match="did not take the bench's VAE"):
+        bench.frame_decoder(get_adapter("wan-tiny"), vae, "cpu", torch.float32)

@@ -464,16 +464,39 @@ class ModelAdapter(Conditioner, abc.ABC):
         return (lambda z: iter([decode(z)])), desc
 
     def vae_on(self, device=None, dtype=None) -> tuple[Any, str]:
-        """``(vae, description)`` of :meth:`vae` on ``device`` in ``dtype`` (a copy made once per
-        place; None and None: the fp32 CPU one every stage shares)."""
+        """``(vae, description)`` of :meth:`vae` on ``device`` in ``dtype``: the one :meth:`use_vae`
+        installed there, else a copy made once per place; None and None: the fp32 CPU one every stage
+        shares."""
+        if device is None and dtype is None:
+            return self.vae()
+        return self._once(self._vae_key(device, dtype), lambda: self._vae_copy(device, dtype))
+
+    def use_vae(self, vae, device, dtype, description: str) -> None:
+        """Decode on ``device`` in ``dtype`` with ``vae`` (already there, in that dtype) from now on:
+        :meth:`vae_on` returns ``(vae, description)`` for that place, so the family's decoders use it
+        and report ``description`` (e.g. a benchmark's full-size VAE in place of the small random one
+        of a named config without weights). ConfigError for no place: the fp32 CPU VAE of None and
+        None is the model's own, which every stage shares."""
+        from trt_sora.errors import ConfigError
+
+        if device is None and dtype is None:
+            raise ConfigError(f"use_vae on {self.name} needs a device or a dtype (e.g. 'cpu', torch.float32): "
+                              "None and None name the model's own VAE, shared by every stage")
+        self.__dict__[self._vae_key(device, dtype)] = (vae, description)
+
+    @staticmethod
+    def _vae_key(device, dtype) -> str:
+        return f"_vae_{device}_{dtype}"
+
+    def _vae_copy(self, device, dtype) -> tuple[Any, str]:
+        """A copy of :meth:`vae` on ``device`` in ``dtype``, described so (None for pixel-space models)."""
         import copy
 
         vae, desc = self.vae()
-        if vae is None or (device is None and dtype is None):
+        if vae is None:
             return vae, desc
-        key = f"_vae_{device}_{dtype}"
-        return self._once(key, lambda: (copy.deepcopy(vae).to(device=device, dtype=dtype),
-                                        f"{desc}, {str(dtype).removeprefix('torch.')} on {device}"))
+        return (copy.deepcopy(vae).to(device=device, dtype=dtype),
+                f"{desc}, {str(dtype).removeprefix('torch.')} on {device}")
 
     def _once(self, key: str, load: Callable[[], Any]) -> Any:
         """``load()``, run once per adapter (a family's heavy components - its VAE, its image encoder -
