@@ -277,6 +277,24 @@ def test_an_mp4_is_encoded_while_its_clip_decodes(runner, tmp_path, monkeypatch)
     assert sb["decode"] > 0 and sb["write"] > 0 and sb["total"] > sb["decode"] + sb["write"]
 
 
+def test_each_request_is_resolved_once_when_written_to_files(runner, tmp_path, monkeypatch):
+    """``out=``: an MP4's frame count comes from the resolution the run makes (prompts tokenised once a
+    clip), for streamed and written-after clips alike."""
+    import collections
+
+    import trt_sora.runtime as rt
+    from trt_sora.runtime.generate import Generator
+
+    calls = collections.Counter()
+    resolve = Generator.resolve
+    monkeypatch.setattr(Generator, "resolve", lambda self, req: (calls.update([req.prompt]), resolve(self, req))[1])
+    clips = rt.generate(runner, ["a cat walks", "a dog runs"], seed=[5, 6], guidance=1.0,
+                        out=[tmp_path / "a.mp4", tmp_path / "b.gif"])
+    assert calls == {"a cat walks": 1, "a dog runs": 1}
+    assert clips[0].frames.shape[0] == 9 and "decode_and_encode" in clips[0].metadata["seconds"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.mp4", "b.gif"]
+
+
 def test_a_decode_that_fails_leaves_no_mp4(runner, tmp_path):
     import trt_sora.runtime as rt
 

@@ -395,9 +395,19 @@ class Generator:
         Raises ShapeError (size outside every bucket), ConfigError (bad setting), and what the
         backend raises.
         """
+        return self.run_resolved(self._resolve_all(requests), cfg=cfg, max_batch=max_batch, hook=hook,
+                                 on_frames=on_frames, wanted=wanted)
+
+    def _resolve_all(self, requests: Sequence[ClipRequest]) -> list[_Resolved]:
         if isinstance(requests, (str, ClipRequest)):
             raise ConfigError("pass a list of requests")
-        resolved = [self.resolve(r) for r in requests]
+        return [self.resolve(r) for r in requests]
+
+    def run_resolved(self, resolved: Sequence[_Resolved], *, cfg: str = "auto", max_batch: int | None = None,
+                     hook: Callable | None = None, on_frames: Callable | None = None,
+                     wanted: Callable | None = None) -> list[Clip]:
+        """:meth:`run` of requests already :meth:`resolve`-d (for a caller that reads their sizes first, as
+        :func:`run_to_files` does: each request is resolved, its prompts tokenised, once)."""
         out: list[Clip | None] = [None] * len(resolved)
         groups: dict[tuple, list[int]] = {}
         for i, r in enumerate(resolved):
@@ -609,8 +619,9 @@ def run_to_files(gen: Generator, requests: Sequence[ClipRequest], paths: Sequenc
     if len(paths) != len(requests):
         raise ConfigError(f"{len(requests)} requests but {len(paths)} output paths; give one path per request")
     paths = [Path(p) for p in paths]
+    resolved = gen._resolve_all(requests)
     streamed = {i: p for i, p in enumerate(paths) if p.suffix.lower() == ".mp4"}
-    counts = {i: gen.resolve(requests[i]).size[0] for i in streamed}
+    counts = {i: resolved[i].size[0] for i in streamed}
     sink = _Mp4Streams(streamed, counts, float(gen.adapter.fps), scale, preset)
     given = run.pop("on_frames", None)
 
@@ -620,7 +631,7 @@ def run_to_files(gen: Generator, requests: Sequence[ClipRequest], paths: Sequenc
             given(i, frames)
 
     try:
-        clips = gen.run(requests, on_frames=on_frames, **run)
+        clips = gen.run_resolved(resolved, on_frames=on_frames, **run)
     except BaseException:
         sink.abort()
         raise
