@@ -6,6 +6,7 @@ tests/conftest.py, for every test folder:
   TensorRT-RTX FP8 build included) on the tiny Wan 2.2 A14B pair, Wan 2.1 I2V, Wan 2.2 TI2V and
   HunyuanVideo 1.5 configs with :func:`ci_recipe`, as ``(EnginePipeline, outcomes)``. Tests read them;
   a test that damages one works on a copy;
+* :func:`quantized_run`: a family's export -> calibrate -> quantize, from its engine run where there is one;
 * :func:`write_preset`: a small calibration preset for the tests that calibrate."""
 from __future__ import annotations
 
@@ -38,33 +39,66 @@ def ci_recipe(points=WAN_POINTS, **calibration):
     return dataclasses.replace(r, export=dataclasses.replace(r.export, verify_points=points), calibration=calib)
 
 
-def _engine(tmp_path_factory, model: str, recipe):
+def _recipe(model: str):
+    """The CI recipe of each tiny family's run folder (HunyuanVideo: its own points, one evaluation prompt)."""
+    return ci_recipe(HUNYUAN_POINTS, eval_prompts=1) if model == "hunyuan-tiny" else ci_recipe()
+
+
+def _engine(tmp_path_factory, model: str):
     pytest.importorskip("tensorrt_rtx")
     from trt_sora.pipeline import EnginePipeline
 
-    pipe = EnginePipeline(recipe, model, tmp_path_factory.mktemp(model))
+    pipe = EnginePipeline(_recipe(model), model, tmp_path_factory.mktemp(model))
     return pipe, pipe.run()
 
 
 @pytest.fixture(scope="session")
 def pair_run(tmp_path_factory):
     """wan-a14b-tiny: two experts, two engines, one parity report."""
-    return _engine(tmp_path_factory, "wan-a14b-tiny", ci_recipe())
+    return _engine(tmp_path_factory, "wan-a14b-tiny")
 
 
 @pytest.fixture(scope="session")
 def i2v_run(tmp_path_factory):
-    return _engine(tmp_path_factory, "wan-i2v-tiny", ci_recipe())
+    return _engine(tmp_path_factory, "wan-i2v-tiny")
 
 
 @pytest.fixture(scope="session")
 def ti2v_run(tmp_path_factory):
-    return _engine(tmp_path_factory, "wan-ti2v-tiny", ci_recipe())
+    return _engine(tmp_path_factory, "wan-ti2v-tiny")
 
 
 @pytest.fixture(scope="session")
 def hunyuan_run(tmp_path_factory):
-    return _engine(tmp_path_factory, "hunyuan-tiny", ci_recipe(HUNYUAN_POINTS, eval_prompts=1))
+    return _engine(tmp_path_factory, "hunyuan-tiny")
+
+
+#: The session fixture of each tiny family's ``make engine`` run.
+ENGINE_RUNS = {"wan-a14b-tiny": "pair_run", "wan-i2v-tiny": "i2v_run", "wan-ti2v-tiny": "ti2v_run",
+               "hunyuan-tiny": "hunyuan_run"}
+_QUANTIZED: dict = {}
+
+
+def quantized_run(request, model: str):
+    """``EnginePipeline`` of ``model`` (a key of ENGINE_RUNS) whose export, calibrate and quantize stages
+    ran with its engine fixture's recipe, for tests that read calib/ and quant/ (a test that writes works
+    on a copy). On a CPU machine with TensorRT-RTX (CI) this is the session's engine run (the same three
+    stages, then build and check): one export per family per session instead of two. Elsewhere the three
+    stages alone, once per session: on a GPU machine (``pytest -m gpu``) no test needs the engine runs,
+    and their check would run an SM 8.9 engine on that GPU."""
+    import importlib.util
+
+    import torch
+
+    if importlib.util.find_spec("tensorrt_rtx") is not None and not torch.cuda.is_available():
+        return request.getfixturevalue(ENGINE_RUNS[model])[0]
+    if model not in _QUANTIZED:
+        from trt_sora.pipeline import EnginePipeline
+
+        pipe = EnginePipeline(_recipe(model), model, request.getfixturevalue("tmp_path_factory").mktemp(model))
+        assert [o.status for o in pipe.run(("export", "calibrate", "quantize"))] == ["ran"] * 3
+        _QUANTIZED[model] = pipe
+    return _QUANTIZED[model]
 
 
 def write_preset(path: Path, *shapes: dict, prompt_set: str = "video_prompts_v1", num_prompts: int = 2,

@@ -15,7 +15,7 @@ import shutil
 
 import numpy as np
 import pytest
-from run_folders import HUNYUAN_POINTS, RECIPE, ci_recipe
+from run_folders import RECIPE, quantized_run
 
 torch = pytest.importorskip("torch")
 
@@ -24,15 +24,11 @@ POINT = {"batch": 2, "latent_frames": 3, "latent_height": 4, "latent_width": 6, 
 QK_NORMS = ("norm_q", "norm_k", "norm_added_q", "norm_added_k")
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    """export -> calibrate -> quantize of hunyuan-tiny (no engine: the GPU tests run where TensorRT-RTX
-    cannot build, SM 9.0)."""
-    from trt_sora.pipeline import EnginePipeline
-
-    pipe = EnginePipeline(ci_recipe(HUNYUAN_POINTS, eval_prompts=1), MODEL, tmp_path_factory.mktemp("hunyuan_fp8"))
-    pipe.run(("export", "calibrate", "quantize"))
-    return pipe.run_dir
+@pytest.fixture
+def run(request):
+    """export -> calibrate -> quantize of hunyuan-tiny (tests/run_folders.py's quantized_run: the session's
+    run folder; the GPU tests read only calib/ and quant/, which need no TensorRT-RTX, SM 9.0)."""
+    return quantized_run(request, MODEL).run_dir
 
 
 def _model(dtype="fp32"):

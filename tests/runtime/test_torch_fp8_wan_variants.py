@@ -35,24 +35,13 @@ POINT = {"batch": 2, "latent_frames": 3, "latent_height": 4, "latent_width": 6, 
 MIN_COS = {False: 0.999, True: 0.995}
 
 
-@pytest.fixture(scope="module")
-def quant_run(tmp_path_factory):
-    """``quant_run(model key) -> EnginePipeline`` whose export, calibrate and quantize stages ran (each
-    model built once per module, on first use)."""
-    from run_folders import ci_recipe
+@pytest.fixture
+def quant_run(request):
+    """``quant_run(model key) -> EnginePipeline`` whose export, calibrate and quantize stages ran
+    (tests/run_folders.py's quantized_run: the session's run folder of that family)."""
+    from run_folders import quantized_run
 
-    from trt_sora.pipeline import EnginePipeline
-
-    built = {}
-
-    def get(key):
-        if key not in built:
-            pipe = EnginePipeline(ci_recipe(), MODELS[key], tmp_path_factory.mktemp(key))
-            assert [o.status for o in pipe.run(("export", "calibrate", "quantize"))] == ["ran"] * 3
-            built[key] = pipe
-        return built[key]
-
-    return get
+    return lambda key: quantized_run(request, MODELS[key])
 
 
 def _side(quant_run, case):
