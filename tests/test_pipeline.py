@@ -152,10 +152,14 @@ def test_two_calibration_shards_give_the_same_quantized_graph(first_run, tmp_pat
     """`trt-sora engine --calib-shards 2`: two shards merged exactly -> the same stats, so the same Q/DQ
     graph, byte for byte, as the one-pass run."""
     pipe, _ = first_run
+    run_dir = tmp_path / "wan-tiny" / pipe.recipe.name  # the first run's export, reused: the claim is calibrate's
+    run_dir.mkdir(parents=True)
+    shutil.copytree(pipe.folder("export"), run_dir / pipe.folder("export").name)
+    shutil.copy(pipe.run_dir / "pipeline.json", run_dir / "pipeline.json")
     seen = []
     two = EnginePipeline(pipe.recipe, "wan-tiny", tmp_path, progress=seen.append, calib_shards=2)
     two.run(("export", "calibrate", "quantize"))
-    assert "2 shards merged" in seen[1].detail
+    assert [o.status for o in seen] == ["reused", "ran", "ran"] and "2 shards merged" in seen[1].detail
     for name in ("model.qdq.onnx", "model.qdq.onnx.data"):
         a, b = pipe.folder("quantize") / name, two.folder("quantize") / name
         assert a.exists() == b.exists()
