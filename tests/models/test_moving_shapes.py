@@ -160,7 +160,9 @@ def test_direction_word_decides_the_prediction_at_high_noise():
     if not text.is_available():
         pytest.skip(f"text encoder package missing: {text.PIP}")
     model = sample.load_transformer()
-    specs = data.all_caption_specs("train")[::45][:16]
+    # 8 captions, every motion word among them (the first 16 measure +21 %, these 8 +19 %)
+    specs = data.all_caption_specs("train")[::45][:8]
+    assert {s.motion for s in specs} == set(FLIP)
     x0 = data.render_batch([data.sample_clip_spec(s, 1000 + i) for i, s in enumerate(specs)])
     right = text.encode([s.caption() for s in specs], text.TEXT_LEN)
     wrong = text.encode([dataclasses.replace(s, motion=FLIP[s.motion]).caption() for s in specs], text.TEXT_LEN)
