@@ -79,6 +79,18 @@ def tiny_export(tmp_path_factory, tiny_adapter, tiny_model):
 
 
 @pytest.fixture(scope="session")
+def tiny_bf16_export(tmp_path_factory, tiny_adapter):
+    """``ExportResult`` of wan-tiny in bf16 with external data, unverified (bf16 refuses verification)."""
+    from trt_sora.config import ExportConfig, ExternalData
+    from trt_sora.config.recipe import DType
+    from trt_sora.export import export_onnx
+
+    out = tmp_path_factory.mktemp("tiny_bf16_export") / "export"
+    return export_onnx(tiny_adapter, ExportConfig(dtype=DType.BF16, external_data=ExternalData.ALWAYS, verify=False),
+                       out)
+
+
+@pytest.fixture(scope="session")
 def engine_run(tmp_path_factory):
     """``trt-sora engine --model wan-tiny --recipe rtx4090-fp8`` once per session (every stage, a real
     TensorRT-RTX build): ``(pipeline, outcomes, pristine)``. ``pristine`` is a copy of the out root

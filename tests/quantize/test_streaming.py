@@ -76,17 +76,16 @@ def _weight_of(export, site):
                 and module_path(scopes.get(n.name, [])) == site)
 
 
-def test_bf16_export_quantizes_in_its_own_dtype(tmp_path, tiny_adapter, tiny_stats_path):
-    """A model too big for an fp32 file (Wan 14B: 57 GB) is exported in bf16; the quantize stage then keeps
-    the graph in bf16 (the FP8 weights come from the bf16 ones) and refuses another graph dtype."""
-    from trt_sora.config import ExportConfig, ExternalData
+def test_bf16_export_quantizes_in_its_own_dtype(tmp_path, tiny_bf16_export, tiny_stats_path):
+    """A model too big for an fp32 file (Wan 14B: 57 GB) is exported in bf16 (the session's bf16 export,
+    tests/conftest.py); the quantize stage then keeps the graph in bf16 (the FP8 weights come from the bf16
+    ones) and refuses another graph dtype."""
+    from trt_sora.config import ExternalData
     from trt_sora.config.recipe import DType, QuantConfig, QuantFormat
     from trt_sora.errors import QuantizeError
-    from trt_sora.export import export_onnx
     from trt_sora.quantize import quantize_onnx
 
-    exp = export_onnx(tiny_adapter, ExportConfig(dtype=DType.BF16, external_data=ExternalData.ALWAYS, verify=False),
-                      tmp_path / "export")
+    exp = tiny_bf16_export
     cfg = QuantConfig(format=QuantFormat.FP8_E4M3, graph_dtype=DType.BF16, external_data=ExternalData.ALWAYS)
     res = quantize_onnx(exp.onnx_path, tiny_stats_path, cfg, tmp_path / "quant")
     assert res.counts["quantized_linears"] == 14 and res.counts["casts"] == 0
