@@ -10,3 +10,16 @@ def tiny_runner(checked_run):
     import trt_sora.runtime as rt
 
     return rt.load(checked_run, backend="ort")
+
+
+@pytest.fixture
+def resolves(monkeypatch):
+    """A Counter of ``Generator.resolve`` calls by prompt, from now on (every Generator of the process)."""
+    import collections
+
+    from trt_sora.runtime.generate import Generator
+
+    calls = collections.Counter()
+    resolve = Generator.resolve
+    monkeypatch.setattr(Generator, "resolve", lambda self, req: (calls.update([req.prompt]), resolve(self, req))[1])
+    return calls

@@ -90,6 +90,55 @@ def test_transient_errors_are_retried_then_recorded(tiny_runner, tmp_path):
     assert is_transient(TimeoutError()) and not is_transient(ConfigError("bad"))
 
 
+def test_each_job_is_resolved_once(tiny_runner, tmp_path, resolves):
+    """The driver resolves a job once (its fingerprint, its group, its typed error) and the generator,
+    the gate's reference and every retry run that resolution; a resumed run resolves each job once
+    again (a finished one for its fingerprint only)."""
+    import trt_sora.runtime as rt
+    from trt_sora.serve.batch import BatchConfig, GateConfig, run_batch
+
+    jobs = _write_jobs(tmp_path / "jobs.jsonl", [{"id": f"c{i}", "prompt": f"clip {i}", "seed": i, "guidance": 1.0}
+                                                 for i in range(2)] + [{"id": "size", "prompt": "x", "num_frames": 10}])
+    out, cfg = tmp_path / "out", BatchConfig(formats=("npy",), retries=1, gate=GateConfig())
+    s = run_batch(_Flaky(tiny_runner, 1), jobs, out, cfg, reference_runner=tiny_runner, sleep=lambda _: None)
+    assert (s.data["retries"], s.data["generated"], s.data["failed"]) == (2, 2, 1)
+    assert resolves == {"clip 0": 1, "clip 1": 1, "x": 1}
+    assert "num_frames 10" in s.data["failures"][0]["error"]
+    recs = [json.loads((out / "clips" / f"c{i}.json").read_text()) for i in range(2)]
+    got = [(r["attempts"], r["metadata"]["batch"]["clips"], r["gate"]["identical"]) for r in recs]
+    assert got == [(2, 1, True)] * 2  # out of memory: the pair split, each retried; the gate ran
+    resolves.clear()
+    _npy(out, "c0").unlink()
+    s = run_batch(tiny_runner, jobs, out, cfg, reference_runner=tiny_runner)
+    assert (s.data["skipped"], s.data["generated"]) == (1, 1) and resolves == {"clip 0": 1, "clip 1": 1, "x": 1}
+    want = rt.generate(tiny_runner, ["clip 0"], seed=0, guidance=1.0)[0].frames
+    np.testing.assert_array_equal(np.load(_npy(out, "c0")), want)
+
+
+def test_a_ray_worker_runs_the_drivers_resolution(checked_run, tiny_runner, resolves):
+    """``trt-sora batch --ray`` without Ray: the driver's generator (run info only) resolves the jobs,
+    the resolutions cross to the worker as Ray sends them (pickled), and the worker (and its gate
+    reference) run them without resolving again: the clips are generate()'s."""
+    import pickle
+
+    import trt_sora.runtime as rt
+    from trt_sora.runtime import ClipRequest
+    from trt_sora.runtime.generate import Generator
+    from trt_sora.serve.ray_fleet import _RunInfo, _Worker
+
+    worker = _Worker(str(checked_run), "ort", False, "ort", "auto", None, 1)
+    driver = Generator(_RunInfo(checked_run, "ort"))
+    resolved = [driver.resolve(ClipRequest(p, seed=s, guidance=1.0)) for p, s in (("a cat walks", 5),
+                                                                                  ("a dog runs", 6))]
+    clips, ref = worker.run(pickle.loads(pickle.dumps(resolved)))
+    assert resolves == {"a cat walks": 1, "a dog runs": 1}
+    want = rt.generate(tiny_runner, ["a cat walks", "a dog runs"], seed=[5, 6], guidance=1.0)
+    for got, r, w in zip(clips, ref, want):
+        assert got.metadata["worker"] == worker.name and got.metadata["batch"]["clips"] == 2
+        np.testing.assert_array_equal(got.frames, w.frames)
+        np.testing.assert_array_equal(r.frames, w.frames)
+
+
 def _npy(out: Path, jid: str) -> Path:
     return out / "clips" / f"{jid}.npy"
 

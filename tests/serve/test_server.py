@@ -375,6 +375,34 @@ def test_dynamic_batching_waits_for_compatible_jobs(tiny_runner):
         engine.close()
 
 
+def test_each_job_is_resolved_once(tiny_runner, resolves):
+    """The warm-up resolves one request (its batch of clips runs that resolution); a submitted job is
+    resolved when it is taken (its size, key, batch cap) and its batch runs that resolution: the
+    batch of two equals generate()'s clips of the same two requests, and the metrics count it."""
+    import trt_sora.runtime as rt
+    from trt_sora.runtime import ClipRequest
+    from trt_sora.serve.metrics import ServerMetrics
+    from trt_sora.serve.scheduler import Engine, ServeConfig
+
+    metrics = ServerMetrics()
+    engine = Engine(tiny_runner, ServeConfig(max_wait_s=HANG, max_batch=2), metrics=metrics)
+    engine.start(block=True)
+    try:  # the warm-up's request, and the probe that sets the batch-cap gauge
+        assert resolves == {engine.generator.warmup_prompt: 1, "probe": 1}
+        resolves.clear()
+        jobs = [engine.submit(ClipRequest(p, seed=s, guidance=1.0)) for p, s in (("a cat walks", 5), ("a dog runs", 6))]
+        done = [engine.wait(j.id, HANG) for j in jobs]
+        assert resolves == {"a cat walks": 1, "a dog runs": 1}
+        assert [j.metadata["batch"]["clips"] for j in done] == [2, 2]
+        assert 'trt_sora_batches_total{clips="2"} 1.0' in metrics.exposition()[0].decode()
+        want = rt.generate(tiny_runner, ["a cat walks", "a dog runs"], seed=[5, 6], guidance=1.0)
+        for job, clip in zip(done, want):
+            np.testing.assert_array_equal(np.load(job.result_path), clip.frames)
+    finally:
+        engine.drain(HANG)
+        engine.close()
+
+
 def test_memory_cap_from_the_warm_up_peaks():
     from trt_sora.serve.scheduler import memory_cap
 

@@ -57,7 +57,7 @@ import socket
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -276,10 +276,20 @@ def is_oom(exc: BaseException) -> bool:
 
 
 # -- executors -------------------------------------------------------------------------------------
+class _Pending(NamedTuple):
+    """A job to make: the driver resolved its request once (``Generator.resolve``, for its fingerprint
+    and group); every executor runs that resolution (``Generator.run_resolved``), gate reference too."""
+
+    job: Job
+    resolved: Any  # _Resolved
+    fingerprint: str
+
+
 class LocalExecutor:
     """Runs clip groups in this process with a :class:`~trt_sora.runtime.Generator` (and the
-    reference generator when a gate is on). ``run(groups)`` yields ``(group, result)`` where result
-    is ``(clips, reference_clips | None)`` or the exception the group raised."""
+    reference generator when a gate is on). ``run(groups)`` (lists of :class:`_Pending`) yields
+    ``(group, result)`` where result is ``(clips, reference_clips | None)`` or the exception the
+    group raised."""
 
     def __init__(self, generator, reference=None, *, cfg: str = "auto"):
         self.generator = generator
@@ -292,10 +302,10 @@ class LocalExecutor:
 
     def run(self, groups: Sequence[list]) -> Iterator[tuple[list, Any]]:
         for group in groups:
-            reqs = [j.request for j in group]
+            rs = [p.resolved for p in group]
             try:
-                clips = self.generator.run(reqs, cfg=self.cfg, max_batch=len(reqs))
-                ref = self.reference.run(reqs, cfg=self.cfg, max_batch=len(reqs)) if self.reference else None
+                clips = self.generator.run_resolved(rs, cfg=self.cfg, max_batch=len(rs))
+                ref = self.reference.run_resolved(rs, cfg=self.cfg, max_batch=len(rs)) if self.reference else None
                 yield group, (clips, ref)
             except Exception as exc:  # recorded per job by the driver (transient ones retried)
                 yield group, exc
@@ -517,47 +527,23 @@ def _drive(gen, executor, jobs, jobs_path, out: _Out, config, progress, sleep, t
     batches: dict[int, int] = {}
     latencies: list[float] = []
     records: dict[str, dict] = {}
-    pending: list[tuple[Job, Any, str]] = []
     gate_bar = _gate_bar(gen.run_dir, config.gate) if config.gate else None
-    for job in jobs:
-        resolved, err = None, job.error
-        if job.request is not None:
-            try:
-                resolved = gen.resolve(job.request)
-            except TrtSoraError as exc:
-                err = str(exc)
-        fp = _fingerprint(job, resolved, config, artifact)
-        rec = out.finished(job.id, fp)
-        if rec is not None:
-            records[job.id] = rec
-            state["skipped"] += 1
-            state["gate_failed"] += rec["status"] == GATE_FAILED
-            continue
-        cleared = out.clear(job.id)
-        if cleared:
-            log.info("batch: %s: removed %s of an unfinished or changed earlier attempt", job.id, ", ".join(cleared))
-        if err is not None:
-            records[job.id] = _failure(out, job, fp, err, transient=False, attempts=0)
-            state["failed"] += 1
-            continue
-        pending.append((job, resolved, fp))
+    pending = [p for p in (_pending(gen, job, out, config, artifact, records, state) for job in jobs) if p is not None]
     state["done"] = state["skipped"]
     _report(progress, state)
-    by_id = {p[0].id: p for p in pending}
     groups = _groups(gen, pending, config, executor)
     attempts: dict[str, int] = {}
     wait = config.retry_wait
     while groups:
         retry: list[list] = []
-        for group, result in executor.run([[g[0] for g in grp] for grp in groups]):
-            grp = [by_id[j.id] for j in group]
-            for j in group:
-                attempts[j.id] = attempts.get(j.id, 0) + 1
+        for grp, result in executor.run(groups):
+            for p in grp:
+                attempts[p.job.id] = attempts.get(p.job.id, 0) + 1
             if isinstance(result, BaseException):
                 retry += _on_error(out, grp, result, attempts, config, records, state)
                 continue
             clips, ref_clips = result
-            batches[len(group)] = batches.get(len(group), 0) + 1
+            batches[len(grp)] = batches.get(len(grp), 0) + 1
             for k, ((job, _resolved, fp), clip) in enumerate(zip(grp, clips)):
                 rec = _commit(out, job, fp, clip, ref_clips[k] if ref_clips else None, config, gate_bar,
                               attempts[job.id])
@@ -578,6 +564,32 @@ def _drive(gen, executor, jobs, jobs_path, out: _Out, config, progress, sleep, t
             wait *= 2
     _write_manifest(out, gen, jobs, jobs_path, records, config, artifact)
     return _summarize(out, gen, jobs, records, state, batches, latencies, config, time.perf_counter() - t_start)
+
+
+def _pending(gen, job: Job, out: _Out, config, artifact, records, state) -> _Pending | None:
+    """``job`` resolved (once: its fingerprint, its group and its run all use this resolution), or
+    None when it is finished already (its record kept) or cannot be made (a failure recorded)."""
+    resolved, err = None, job.error
+    if job.request is not None:
+        try:
+            resolved = gen.resolve(job.request)
+        except TrtSoraError as exc:
+            err = str(exc)
+    fp = _fingerprint(job, resolved, config, artifact)
+    rec = out.finished(job.id, fp)
+    if rec is not None:
+        records[job.id] = rec
+        state["skipped"] += 1
+        state["gate_failed"] += rec["status"] == GATE_FAILED
+        return None
+    cleared = out.clear(job.id)
+    if cleared:
+        log.info("batch: %s: removed %s of an unfinished or changed earlier attempt", job.id, ", ".join(cleared))
+    if err is not None:
+        records[job.id] = _failure(out, job, fp, err, transient=False, attempts=0)
+        state["failed"] += 1
+        return None
+    return _Pending(job, resolved, fp)
 
 
 def _report(progress, state) -> None:

@@ -3,9 +3,10 @@ the same runtime (``pip install 'trt_sora[ray]'``).
 
 Batch: :class:`RayExecutor` starts one actor per worker (each loads the run folder with
 ``trt_sora.runtime.load`` on its own GPU, or CPU) and hands them clip groups; the driver keeps
-doing everything else - resolving jobs, writing files and records, retries, the summary - so resume
-works exactly as on one machine (the output folder only needs to be on the driver). A worker that
-dies (``RayActorError``) is replaced and its group retried as a transient error.
+doing everything else - resolving jobs (once: a worker runs the driver's resolution), writing files
+and records, retries, the summary - so resume works exactly as on one machine (the output folder
+only needs to be on the driver). A worker that dies (``RayActorError``) is replaced and its group
+retried as a transient error.
 
 Serve: :func:`deployment` is a Ray Serve application whose replicas each run the FastAPI app of
 :mod:`trt_sora.serve.server` over their own :class:`~trt_sora.serve.scheduler.Engine` (dynamic
@@ -63,9 +64,11 @@ class _Worker:
         self.cfg = cfg
         self.name = f"{socket.gethostname()}:{os.getpid()}"
 
-    def run(self, requests: list):
-        clips = self.generator.run(requests, cfg=self.cfg, max_batch=len(requests))
-        ref = self.reference.run(requests, cfg=self.cfg, max_batch=len(requests)) if self.reference else None
+    def run(self, resolved: list):
+        """Clips (and the reference's) of requests the driver resolved (``Generator.run_resolved``: a
+        worker tokenises no prompt again)."""
+        clips = self.generator.run_resolved(resolved, cfg=self.cfg, max_batch=len(resolved))
+        ref = self.reference.run_resolved(resolved, cfg=self.cfg, max_batch=len(resolved)) if self.reference else None
         for c in clips:
             c.metadata["worker"] = self.name
         return clips, ref
@@ -129,7 +132,7 @@ class RayExecutor:
         while todo or flying:
             while todo and free:
                 actor, group = free.pop(), todo.pop(0)
-                flying[actor.run.remote([j.request for j in group])] = (actor, group)
+                flying[actor.run.remote([p.resolved for p in group])] = (actor, group)
             ready, _ = ray.wait(list(flying), num_returns=1)
             actor, group = flying.pop(ready[0])
             try:

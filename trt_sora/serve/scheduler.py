@@ -340,11 +340,12 @@ class Engine:
         gpu = _on_gpu(gen.runner)
         peaks = {}
         for n in sorted({1, bucket_cap}):
-            reqs = [ClipRequest(prompt, seed=i, steps=self.config.warmup_steps, image=image) for i in range(n)]
-            gen.run(reqs, cfg=self.config.cfg, max_batch=n)  # first call: allocations, kernels, caches
+            # n clips of r's resolution (a seed changes none of it): the warm-up resolves one request
+            rs = [dataclasses.replace(r, request=dataclasses.replace(r.request, seed=i)) for i in range(n)]
+            gen.run_resolved(rs, cfg=self.config.cfg, max_batch=n)  # first call: allocations, kernels, caches
             t1 = time.perf_counter()
             with _PeakSampler(gpu) as s:
-                gen.run(reqs, cfg=self.config.cfg, max_batch=n)
+                gen.run_resolved(rs, cfg=self.config.cfg, max_batch=n)
             peaks[n] = s.peak
             if n == 1:  # a warm clip's seconds per step: Retry-After before any job has finished
                 self._warm_clip_s = (time.perf_counter() - t1) / self.config.warmup_steps
@@ -379,7 +380,7 @@ class Engine:
             cap = min(cap, self.config.max_batch)
         m = self.memory
         if m:
-            warm = self.generator.resolve(_probe_request(self.generator)).point
+            warm = self.generator.adapter.latent_size(*m["at_size"])  # the warm-up clip's latent point
             ratio = np.prod([resolved.point[k] for k in ("latent_frames", "latent_height", "latent_width")]) / \
                 np.prod([warm[k] for k in ("latent_frames", "latent_height", "latent_width")])
             budget = m["available_bytes"] * (1 - m["headroom"]) - m["base_bytes"]
@@ -685,9 +686,9 @@ class Engine:
                       _step_calls(batch) if any(j.on_step is not None for j in batch) else None)
         began = time.time_ns()
         try:
-            clips = self.generator.run([j.request for j in batch], cfg=self.config.cfg, max_batch=len(batch),
-                                       hook=hook, on_frames=_frame_calls(batch),
-                                       wanted=lambda i: not batch[i].cancel_event.is_set())
+            clips = self.generator.run_resolved([j.resolved for j in batch], cfg=self.config.cfg,
+                                                max_batch=len(batch), hook=hook, on_frames=_frame_calls(batch),
+                                                wanted=lambda i: not batch[i].cancel_event.is_set())
             ended = time.time_ns()
         except _Cancelled:
             self._finish(batch, cancelled=True)
