@@ -403,6 +403,29 @@ def test_each_job_is_resolved_once(tiny_runner, resolves):
         engine.close()
 
 
+def test_batch_cap_scales_the_per_clip_bytes_by_latent_volume(tiny_runner):
+    """cap_for scales the warm-up's measured bytes per clip by the clip's latent volume over the warm-up
+    clip's: at its size the budget holds 2 clips, at twice its latent height 1."""
+    from trt_sora.runtime import ClipRequest
+    from trt_sora.serve.scheduler import Engine, ServeConfig
+
+    engine = Engine(tiny_runner, ServeConfig(max_wait_s=HANG))
+    engine.start(block=True)
+    try:
+        gen = engine.generator
+        warm = gen.resolve(ClipRequest("x", guidance=1.0))
+        f, h, w = warm.size
+        tall = gen.resolve(ClipRequest("x", guidance=1.0, num_frames=f, height=2 * h, width=w))
+        assert tall.point["latent_height"] == 2 * warm.point["latent_height"]
+        engine.memory = {**engine.memory, "available_bytes": 2000, "headroom": 0.0, "base_bytes": 0,
+                         "per_clip_bytes": 1000}
+        assert gen.max_clips(warm) == gen.max_clips(tall) == 2  # the buckets take 2 of each
+        assert (engine.cap_for(warm), engine.cap_for(tall)) == (2, 1)
+    finally:
+        engine.drain(HANG)
+        engine.close()
+
+
 def test_memory_cap_from_the_warm_up_peaks():
     from trt_sora.serve.scheduler import memory_cap
 

@@ -265,6 +265,7 @@ class Engine:
         self._tmp = None
         self._finishes: collections.deque[float] = collections.deque(maxlen=32)  # finish times: the drain rate
         self._warm_clip_s: float | None = None
+        self._warm_volume = 1  # the warm-up clip's latent frames x height x width (cap_for's memory scale)
         self._resumed: list[JobState] = []
         self.store = None
         self.remote = None  # S3Results: where finished clips go (config.results_dir an s3:// URL)
@@ -368,6 +369,7 @@ class Engine:
                        "peak_bytes": {str(k): v for k, v in peaks.items()}, "base_bytes": base, "per_clip_bytes": per,
                        "headroom": self.config.memory_headroom, "memory_cap": cap, "bucket_cap": bucket_cap,
                        "at_size": list(r.size), "cap": min(cap, bucket_cap, self.config.max_batch or bucket_cap)}
+        self._warm_volume = _latent_volume(r)
         if self.metrics and gpu:
             self.metrics.gpu_memory.labels(kind="per_clip").set(per)
         self.warmup_seconds = time.perf_counter() - t0
@@ -380,9 +382,7 @@ class Engine:
             cap = min(cap, self.config.max_batch)
         m = self.memory
         if m:
-            warm = self.generator.adapter.latent_size(*m["at_size"])  # the warm-up clip's latent point
-            ratio = np.prod([resolved.point[k] for k in ("latent_frames", "latent_height", "latent_width")]) / \
-                np.prod([warm[k] for k in ("latent_frames", "latent_height", "latent_width")])
+            ratio = _latent_volume(resolved) / self._warm_volume
             budget = m["available_bytes"] * (1 - m["headroom"]) - m["base_bytes"]
             per = max(1.0, m["per_clip_bytes"] * ratio)
             cap = min(cap, max(1, int(budget // per)))
@@ -901,6 +901,11 @@ def _stored_request(request) -> dict:
         raise ConfigError("a server with a job store takes the image as a data URL or a path string, not a "
                           f"{type(d['image']).__name__}")
     return d
+
+
+def _latent_volume(resolved) -> int:
+    """Latent frames x height x width of a resolved request (what a clip's activations scale with)."""
+    return int(np.prod([resolved.point[k] for k in ("latent_frames", "latent_height", "latent_width")]))
 
 
 def _probe_request(generator):
