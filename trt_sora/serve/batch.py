@@ -285,6 +285,13 @@ class _Pending(NamedTuple):
     fingerprint: str
 
 
+def run_group(generator, reference, resolved: Sequence, cfg: str) -> tuple[list, list | None]:
+    """``(clips, reference_clips | None)`` of one group of resolved requests: the candidate and, when a
+    gate is on, the reference run the same resolutions as one call group (every executor's step)."""
+    clips = generator.run_resolved(resolved, cfg=cfg, max_batch=len(resolved))
+    return clips, reference.run_resolved(resolved, cfg=cfg, max_batch=len(resolved)) if reference else None
+
+
 class LocalExecutor:
     """Runs clip groups in this process with a :class:`~trt_sora.runtime.Generator` (and the
     reference generator when a gate is on). ``run(groups)`` (lists of :class:`_Pending`) yields
@@ -302,11 +309,8 @@ class LocalExecutor:
 
     def run(self, groups: Sequence[list]) -> Iterator[tuple[list, Any]]:
         for group in groups:
-            rs = [p.resolved for p in group]
             try:
-                clips = self.generator.run_resolved(rs, cfg=self.cfg, max_batch=len(rs))
-                ref = self.reference.run_resolved(rs, cfg=self.cfg, max_batch=len(rs)) if self.reference else None
-                yield group, (clips, ref)
+                yield group, run_group(self.generator, self.reference, [p.resolved for p in group], self.cfg)
             except Exception as exc:  # recorded per job by the driver (transient ones retried)
                 yield group, exc
 

@@ -67,8 +67,9 @@ class _Worker:
     def run(self, resolved: list):
         """Clips (and the reference's) of requests the driver resolved (``Generator.run_resolved``: a
         worker tokenises no prompt again)."""
-        clips = self.generator.run_resolved(resolved, cfg=self.cfg, max_batch=len(resolved))
-        ref = self.reference.run_resolved(resolved, cfg=self.cfg, max_batch=len(resolved)) if self.reference else None
+        from trt_sora.serve.batch import run_group
+
+        clips, ref = run_group(self.generator, self.reference, resolved, self.cfg)
         for c in clips:
             c.metadata["worker"] = self.name
         return clips, ref
