@@ -11,6 +11,9 @@ Parts (``--parts``):
 * ``cudnn_attention``: our 8-bit Triton kernel vs cuDNN's fused FP8 SDPA (per-tensor FP8 Q, K, V; needs
   ``nvidia-cudnn-frontend``) alone at the same size: each kernel's TFLOP/s with bf16 and FP8 output, each
   path from the fused QKV, cosine vs fp32, and cuDNN against its emulation (``reference.sdpa_fp8``).
+* ``fa4_attention``: FlashAttention-4's CuTe DSL forward (``flash-attn-4``; on SM 9.0 its BF16 FA3-schedule
+  kernel, FP8 being SM 10.x only there) as a peer at the same size, beside our 8-bit kernel and cuDNN BF16 SDPA:
+  TFLOP/s, cosine vs fp32, its JIT compile time. ``--fa4-site DIR``: its wheels installed with pip ``--target``.
 * ``gemm``: the FP8 GEMMs of one Wan 14B / 1.3B block at 480p x 81 (32,760 tokens): ``_scaled_mm``
   with row-wise weight scales, exact (fp32 promotion) vs fast accumulation: time, TFLOP/s, and the
   relative error of each against the fp32 product of the same FP8 operands, beside the error FP8
@@ -220,6 +223,75 @@ def cudnn_attention_part(s=32760, h=40, d=128) -> dict:
         out["cudnn_traceback"] = traceback.format_exc()[-3000:]
         print("cudnn_fp8 failed:", out["cudnn_error"], out["cudnn"], flush=True)
     return out
+
+
+def fa4_attention_part(s=32760, h=40, d=128, site: str | None = None) -> dict:
+    """FlashAttention-4's CuTe DSL forward (``flash-attn-4``) as a measured peer on one Wan 14B layer: on SM 9.0
+    it runs its FA3-schedule BF16 kernel (FP8 is SM 10.x only in FA4), beside our 8-bit Triton kernel and cuDNN's
+    BF16 SDPA in the same process: time, TFLOP/s, cosine vs fp32 on 4 heads, the GPU's clock after each. ``site``:
+    a folder of pip ``--target`` installs (``.pth`` files processed). An import or compile failure is recorded;
+    the other rows still come back."""
+    import site as _site
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from trt_sora.kernels import reference as ref
+    from trt_sora.kernels import triton_ops as t
+
+    if site:
+        _site.addsitedir(site)
+    qkv, wq, wk, cs, sn = attention_inputs(1, s, h, d)
+    q, k, v = t.qkv_rmsnorm_rope(qkv, wq, wk, cs, sn, h, fp8=False)  # [1, H, S, D] bf16
+    ops8 = t.qkv_rmsnorm_rope(qkv, wq, wk, cs, sn, h, fp8=True)
+    flops = 4.0 * s * s * d * h
+    heads = list(range(0, h, max(1, h // 4)))[:4]
+    want = ref.attention(q[:, heads], k[:, heads], v[:, heads]).transpose(1, 2)  # [1, S, 4, D] fp32
+    out = {"tokens": s, "heads": h, "head_dim": d, "flops": flops, "cosine_heads": heads,
+           "device": torch.cuda.get_device_name()}
+
+    def row(name, fn, as_bshd):
+        ms = bench_ms(fn)
+        o = as_bshd(fn()).float()
+        out[name] = {"ms": ms, "tflops": flops / (ms * 1e-3) / 1e12, "cosine_vs_fp32": cos(o[:, :, heads], want),
+                     "sm_clock_mhz": _sm_clock()}
+        print(name, json.dumps(out[name]), flush=True)
+
+    row("ours_triton_int8_fp8", lambda: t.attention_fp8(*ops8), lambda o: o.view(1, s, h, d))
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+        row("cudnn_bf16", lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v),
+            lambda o: o.transpose(1, 2))
+    qb, kb, vb = (x.transpose(1, 2).contiguous() for x in (q, k, v))  # FA4 takes [B, S, H, D]
+    try:
+        import flash_attn.cute as fa4
+        from flash_attn.cute import flash_attn_func
+
+        out["fa4_version"] = getattr(fa4, "__version__", None)
+        t0 = time.perf_counter()
+        first = flash_attn_func(qb, kb, vb)
+        torch.cuda.synchronize()
+        out["fa4_first_call_s"] = time.perf_counter() - t0  # the CuTe DSL JIT compile
+        out["fa4_returns"] = type(first).__name__
+
+        def one():  # flash_attn_func returns (out, lse) or out
+            r = flash_attn_func(qb, kb, vb)
+            return r[0] if isinstance(r, (tuple, list)) else r
+
+        row("fa4_cute_sm90_bf16", one, lambda o: o)
+    except Exception as exc:  # noqa: BLE001 - a peer that does not run here is a result, not a crash
+        import traceback
+
+        out["fa4_error"] = f"{type(exc).__name__}: {exc}"[:2000]
+        out["fa4_traceback"] = traceback.format_exc()[-4000:]
+        print("fa4 failed:", out["fa4_error"], flush=True)
+    return out
+
+
+def _sm_clock() -> int | None:
+    """The SM clock now (MHz), from NVML through torch; None where it cannot say."""
+    try:
+        return int(torch.cuda.clock_rate())
+    except Exception:  # noqa: BLE001 - no NVML
+        return None
 
 
 GEMM_MODELS = {"14b": "wan2.1-t2v-14b", "1.3b": "wan2.1-t2v-1.3b"}
@@ -702,6 +774,8 @@ def main(argv=None) -> None:
     ap.add_argument("--sparse-tile", default="1-8-16", help="the sparse rung's tile (tokens: frames-rows-cols)")
     ap.add_argument("--sparse-global-frames", type=int, default=1, help="latent frames every query attends")
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of the models part on the reference kernels")
+    ap.add_argument("--fa4-site", default=None,
+                    help="fa4_attention: a folder of pip --target installs of flash-attn-4 and its CuTe DSL wheels")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     if a.out:
@@ -724,6 +798,8 @@ def main(argv=None) -> None:
         print(json.dumps(out["attention"]), flush=True)
     if "cudnn_attention" in parts:
         out["cudnn_attention"] = cudnn_attention_part()
+    if "fa4_attention" in parts:
+        out["fa4_attention"] = fa4_attention_part(site=a.fa4_site)
         if a.out:
             Path(a.out).write_text(json.dumps(out, indent=1))
     if "models" in parts:

@@ -28,6 +28,12 @@
 # famcheck (issue 32: `trt-sora check --backend torch-fp8 --device cuda` on each family's tiny run folder,
 # build/fam/<model>/rtx4090-fp8 from `trt-sora engine --recipe rtx4090-fp8 --model M --out build/fam --stages
 # export,calibrate,quantize` on the CPU, carried; FAMCHECK_MODELS picks them; reports under $OUT/famcheck/),
+# fa4 (issue 32: flash-attn-4's CuTe DSL forward as a peer, SM 9.0 BF16, beside our 8-bit kernel and cuDNN: its
+# wheels installed with `pip install --target /tmp/fa4site --python-version 3.12 --platform manylinux_2_28_x86_64
+# --only-binary=:all:` on the CPU (flash-attn-4, nvidia-cutlass-dsl and its libs-base/-core/-cu13, cuda-bindings,
+# cuda-pathfinder, apache-tvm-ffi, torch-c-dlpack-ext, quack-kernels, einops), `tar -c fa4site | xz -9e`, split
+# in 32 MB pieces over build/cute/a, build/cute/b, carried one folder per chained call: ignored build outputs stay
+# on a warm machine between calls, and the 64 MiB carry holds the tracked tree too),
 # hist (one batch's |x| histogram several ways; HIST_ARGS=--only-cuda: the torch path and the NVRTC kernel),
 # m14b2 (14B batch 2), m14_720 (14B 720p batch 1), m14sparse (issue 32: the 14B 720p call, the full torch-fp8 rung
 # dense and with block-sparse attention per window of SPARSE_WINDOWS (4-2-2,2-2-2), iters 5, one eager call), m14x (14B 480p batch 2, 720p batch 1 and 2: eager vs full torch-fp8,
@@ -170,6 +176,9 @@ for p in "$@"; do
                 r=build/fam/\$m/rtx4090-fp8; python3 -m trt_sora check --run \$r --backend torch-fp8 --device cuda \
                 > $OUT/famcheck_\$m.log 2>&1; echo \"\$m check rc=\$?\"; mkdir -p $OUT/famcheck/\$m; \
                 cp \$r/parity/report.json \$r/parity/report.md $OUT/famcheck/\$m/ 2>/dev/null; done" ;;
+    fa4) part fa4 ${FA4_LIMIT:-420} bash -c "set -e; F=/tmp/fa4site
+           [ -d \$F/flash_attn ] || cat build/cute/*/fa4site.part-* | xz -d | tar -xf - -C /tmp
+           python3 benchmarks/fp8_bench.py --parts fa4_attention --fa4-site \$F --out $OUT/fa4.json" ;;
     sparse) part sparse ${SPARSE_LIMIT:-150} python3 benchmarks/sparse_attention.py --out "$OUT/sparse.json" ;;
     onnxrepro) part onnxrepro 240 bash -c "set -e; X=/tmp/onnxrepro; rm -rf \$X; \
                  python3 -m trt_sora export --model wan-tiny --recipe rtx4090-fp8 --out \$X/export; \
