@@ -225,12 +225,12 @@ def cudnn_attention_part(s=32760, h=40, d=128) -> dict:
     return out
 
 
-def fa4_attention_part(s=32760, h=40, d=128, site: str | None = None) -> dict:
+def fa4_attention_part(s=32760, h=40, d=128, site: str | None = None, variants: bool = True) -> dict:
     """FlashAttention-4's CuTe DSL forward (``flash-attn-4``) as a measured peer on one Wan 14B layer: on SM 9.0
     it runs its FA3-schedule BF16 kernel (FP8 is SM 10.x only in FA4), beside our 8-bit Triton kernel and cuDNN's
     BF16 SDPA in the same process: time, TFLOP/s, cosine vs fp32 on 4 heads, the GPU's clock after each. ``site``:
     a folder of pip ``--target`` installs (``.pth`` files processed). An import or compile failure is recorded;
-    the other rows still come back."""
+    the other rows still come back. ``variants``: also FA4's knobs (:data:`FA4_VARIANTS`)."""
     import site as _site
 
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -283,7 +283,23 @@ def fa4_attention_part(s=32760, h=40, d=128, site: str | None = None) -> dict:
         out["fa4_error"] = f"{type(exc).__name__}: {exc}"[:2000]
         out["fa4_traceback"] = traceback.format_exc()[-4000:]
         print("fa4 failed:", out["fa4_error"], flush=True)
+        return out
+    for name, kw in FA4_VARIANTS.items() if variants else ():  # which of FA3's features the speed comes from
+        try:
+            from flash_attn.cute.interface import _flash_attn_fwd
+
+            row(f"fa4_{name}", lambda: _flash_attn_fwd(qb, kb, vb, **kw)[0], lambda o: o)
+        except Exception as exc:  # noqa: BLE001 - a knob this build refuses is recorded, the others still run
+            out[f"fa4_{name}"] = {"error": f"{type(exc).__name__}: {exc}"[:1000]}
+            print(f"fa4_{name} failed:", out[f"fa4_{name}"]["error"], flush=True)
     return out
+
+
+#: FA4's SM 9.0 knobs (its private ``_flash_attn_fwd``; None: its heuristic): the softmax of one tile overlapped
+#: with the next tile's Q K^T inside a warpgroup, P V from registers (RS) or shared memory, the tile shape.
+FA4_VARIANTS = {"no_intra_wg_overlap": {"intra_wg_overlap": False}, "pv_from_smem": {"mma_pv_is_rs": False},
+                "tile_128x128": {"tile_mn": (128, 128)}, "tile_128x176": {"tile_mn": (128, 176)},
+                "tile_192x128": {"tile_mn": (192, 128)}}
 
 
 def _sm_clock() -> int | None:
@@ -774,6 +790,8 @@ def main(argv=None) -> None:
     ap.add_argument("--sparse-tile", default="1-8-16", help="the sparse rung's tile (tokens: frames-rows-cols)")
     ap.add_argument("--sparse-global-frames", type=int, default=1, help="latent frames every query attends")
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of the models part on the reference kernels")
+    ap.add_argument("--fa4-tokens", default="32760", help="fa4_attention: sequence lengths (480p x 81: 32760, "
+                    "720p x 81: 75600)")
     ap.add_argument("--fa4-site", default=None,
                     help="fa4_attention: a folder of pip --target installs of flash-attn-4 and its CuTe DSL wheels")
     ap.add_argument("--out", default=None)
@@ -798,8 +816,9 @@ def main(argv=None) -> None:
         print(json.dumps(out["attention"]), flush=True)
     if "cudnn_attention" in parts:
         out["cudnn_attention"] = cudnn_attention_part()
-    if "fa4_attention" in parts:
-        out["fa4_attention"] = fa4_attention_part(site=a.fa4_site)
+    if "fa4_attention" in parts:  # the knobs at the first length only
+        out["fa4_attention"] = {n: fa4_attention_part(n, site=a.fa4_site, variants=i == 0)
+                                for i, n in enumerate(int(x) for x in a.fa4_tokens.split(","))}
         if a.out:
             Path(a.out).write_text(json.dumps(out, indent=1))
     if "models" in parts:

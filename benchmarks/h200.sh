@@ -178,7 +178,7 @@ for p in "$@"; do
                 cp \$r/parity/report.json \$r/parity/report.md $OUT/famcheck/\$m/ 2>/dev/null; done" ;;
     fa4) part fa4 ${FA4_LIMIT:-420} bash -c "set -e; F=/tmp/fa4site
            [ -d \$F/flash_attn ] || cat build/cute/*/fa4site.part-* | xz -d | tar -xf - -C /tmp
-           python3 benchmarks/fp8_bench.py --parts fa4_attention --fa4-site \$F --out $OUT/fa4.json" ;;
+           python3 benchmarks/fp8_bench.py --parts fa4_attention --fa4-site \$F --fa4-tokens ${FA4_TOKENS:-32760} --out $OUT/fa4.json" ;;
     sparse) part sparse ${SPARSE_LIMIT:-150} python3 benchmarks/sparse_attention.py --out "$OUT/sparse.json" ;;
     onnxrepro) part onnxrepro 240 bash -c "set -e; X=/tmp/onnxrepro; rm -rf \$X; \
                  python3 -m trt_sora export --model wan-tiny --recipe rtx4090-fp8 --out \$X/export; \
