@@ -12,6 +12,9 @@ EXTRAS  ?= export,ort,tensorrt-rtx,serve,dev
 # CI's exact versions (pyproject.toml keeps ranges); `make install CONSTRAINTS=` resolves freely.
 CONSTRAINTS ?= .ci/constraints.txt
 PIN      = $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
+# pytest-xdist: one worker per logical CPU, each test file whole on one worker (its module fixtures built
+# once, its tests in order); PYTEST_JOBS= runs the suite in one process.
+PYTEST_JOBS ?= -n logical --dist loadfile
 
 .PHONY: install test test-fast engine export proto clean distclean help
 
@@ -37,11 +40,11 @@ $(BIN)/.installed: pyproject.toml $(CONSTRAINTS)
 # tests/mutations.py --fast must fail the tests that guard it): any failure fails `make test` and CI.
 test: install
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q $(PYTEST_JOBS)
 	$(BIN)/python tests/mutations.py --fast
 
 test-fast: install
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_JOBS)
 
 # export -> calibrate -> quantize -> build -> check under $(OUT)/<model>/$(RECIPE)/
 # SHARDS=n: calibrate as n shards and merge them (the same stats as one pass)

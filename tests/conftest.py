@@ -23,11 +23,15 @@ TINY_POINTS = (
 
 
 def pytest_configure(config):
-    """sha256 cache of this session in a temp folder (subprocesses inherit it), not in ~/.cache."""
+    """sha256 cache of this session in a temp folder (subprocesses inherit it), not in ~/.cache. On an xdist
+    worker of several, one torch thread (and one for the processes tests start): two processes with two threads
+    each on two cores stall on the suite's small tensors."""
     import os
     import tempfile
 
     os.environ.setdefault("TRT_SORA_CACHE_DIR", tempfile.mkdtemp(prefix="trt_sora-hash-cache-"))
+    if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,8 +1,9 @@
 """Mutation smoke check: make one small deliberate bug at a time in a copy of ``trt_sora/`` and run
 the tests that claim to guard that behaviour; each bug must make them fail.
 
-    python tests/mutations.py             # every mutation (about 15 minutes on 2 cores)
-    python tests/mutations.py --fast      # the ones whose tests need no run folder (CI: about a minute)
+    python tests/mutations.py             # every mutation, one pytest per CPU at a time
+    python tests/mutations.py --fast      # the ones whose tests need no run folder (what `make test` runs)
+    python tests/mutations.py --jobs 1    # one at a time
     python tests/mutations.py --only gate-max-abs --only manifest-sha256
     python tests/mutations.py --list
 
@@ -10,18 +11,22 @@ A mutation is a literal ``old -> new`` replacement that must match exactly once 
 refactor moves the code, the mutation reports ``stale`` (and fails the run) instead of passing
 silently. The copy is put first on ``PYTHONPATH``, so the tests import it, not the checkout (each run
 checks that). Tests that start ``python -m trt_sora`` themselves point it at the checkout, so the
-guarding tests listed here run in-process. Exit status: 0 when every mutation is caught.
+guarding tests listed here run in-process. With ``--jobs N`` (default: the CPU count) N mutations run at once,
+each in its own copy of the package. Exit status: 0 when every mutation is caught.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import os
+import queue
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -572,6 +577,13 @@ def _copy_package(dest: Path) -> Path:
     return dest
 
 
+def _xdist(jobs: int) -> tuple[str, ...]:
+    """pytest's options for ``jobs`` workers (each test file whole on one), none without xdist."""
+    if jobs < 2 or importlib.util.find_spec("xdist") is None:
+        return ()
+    return "-n", str(jobs), "--dist", "loadfile"
+
+
 def _env(src: Path) -> dict:
     path = os.pathsep.join(p for p in (str(src), os.environ.get("PYTHONPATH", "")) if p)
     return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
@@ -596,10 +608,10 @@ def _pytest(tests, src: Path, *extra: str) -> subprocess.CompletedProcess:
                           env=_env(src), cwd=CWD, capture_output=True, text=True, timeout=1800)
 
 
-def _baseline(chosen, src: Path) -> None:
+def _baseline(chosen, src: Path, jobs: int = 1) -> None:
     """Every guarding test passes on the unmutated copy (else a failure would prove nothing)."""
     tests = sorted({t for m in chosen for t in m.tests})
-    res = _pytest(tests, src)
+    res = _pytest(tests, src, *_xdist(jobs))
     if res.returncode != 0:
         sys.exit(f"mutations: the guarding tests fail without any mutation:\n{res.stdout[-3000:]}")
     print(f"baseline: {(res.stdout.strip().splitlines() or [''])[-1]}", flush=True)
@@ -638,6 +650,8 @@ def main(argv=None) -> int:
     p.add_argument("--fast", action="store_true", help="only the mutations whose tests need no run folder")
     p.add_argument("--only", action="append", default=[], help="run this mutation (repeatable)")
     p.add_argument("--list", action="store_true", help="list the mutations and exit")
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
+                   help="mutations run at once, each in its own package copy (default: the CPU count)")
     args = p.parse_args(argv)
     names = {m.name for m in MUTATIONS}
     unknown = [n for n in args.only if n not in names]
@@ -648,15 +662,26 @@ def main(argv=None) -> int:
         for m in chosen:
             print(f"{m.name:26s} {'fast' if m.fast else 'slow'}  {m.guards}")
         return 0
+    jobs = max(1, min(args.jobs, len(chosen)))
     with tempfile.TemporaryDirectory(prefix="trt_sora_mutations_") as tmp:
-        src = _copy_package(Path(tmp))
-        _check_import_path(src)
-        _baseline(chosen, src)
-        outcomes = []
-        for m in chosen:
-            o = run_one(m, src)
+        copies = queue.SimpleQueue()  # one package copy per job: a job mutates only its own
+        for i in range(jobs):
+            src = _copy_package(Path(tmp) / f"job{i}")
+            _check_import_path(src)
+            copies.put(src)
+        _baseline(chosen, src, jobs)
+
+        def run(m: Mutation) -> Outcome:
+            src = copies.get()
+            try:
+                o = run_one(m, src)
+            finally:
+                copies.put(src)
             print(f"{o.verdict:8s} {m.name} ({o.seconds:.0f} s) {o.detail}", flush=True)
-            outcomes.append(o)
+            return o
+
+        with ThreadPoolExecutor(jobs) as pool:
+            outcomes = list(pool.map(run, chosen))  # the table in the list's order
     print()
     print(_table(outcomes))
     bad = [o for o in outcomes if o.verdict != "caught"]

@@ -27,6 +27,8 @@ NOT_INSTALLED_HERE = {"tensorrt": {"tensorrt", "tensorrt_bindings"}, "tensorrt-c
                       "onnxruntime-gpu": {"onnxruntime"}, "triton": {"triton"}, "nvidia-cudnn-frontend": {"cudnn"}}
 #: Distributions declared for the command they install, not for a module: `make test` runs each.
 COMMANDS = {"ruff"}
+#: Distributions declared as pytest plugins: used through an option of the Makefile's test target, not an import.
+PLUGINS = {"pytest-xdist": "PYTEST_JOBS ?= -n "}
 
 
 def _norm(name: str) -> str:
@@ -124,7 +126,8 @@ def test_every_declared_distribution_is_used():
     from trt_sora.build.backend import MODULES
 
     used |= {n for names in MODULES.values() for n in names}
-    unused = {d: where for d, where in declared().items() if not provides(d) & used and d not in COMMANDS}
+    unused = {d: where for d, where in declared().items()
+              if not provides(d) & used and d not in COMMANDS and d not in PLUGINS}
     assert not unused, f"declared in pyproject.toml but never imported: {unused}"
 
 
@@ -134,6 +137,17 @@ def test_declared_commands_are_run():
     for d in COMMANDS:
         assert d in declared(), f"{d} is listed in COMMANDS but not declared in pyproject.toml"
         assert f"$(BIN)/{d} " in test_target, f"{d} is declared for its command, but `make test` does not run it"
+
+
+def test_declared_plugins_are_used():
+    """A distribution declared as a pytest plugin is switched on by the Makefile, whose test target runs pytest
+    with it."""
+    make = (ROOT / "Makefile").read_text()
+    test_target = re.search(r"^test:.*?(?=^\S)", make, re.M | re.S).group(0)
+    assert "$(PYTEST_JOBS)" in test_target, "`make test` does not pass PYTEST_JOBS to pytest"
+    for d, option in PLUGINS.items():
+        assert d in declared(), f"{d} is listed in PLUGINS but not declared in pyproject.toml"
+        assert option in make, f"{d} is declared as a pytest plugin, but the Makefile never sets {option!r}"
 
 
 def test_the_scan_sees_lazy_imports():
