@@ -22,7 +22,9 @@ step of the sampler, then the runtime's tail: the family's frame decoder in bf16
 the MP4 writer as it is decoded, as ``trt-sora generate -o clip.mp4`` does; the JSON's ``tail`` says so), the cached
 clip first, its step schedule from ``--cache-schedule`` (a
 run folder or a JSON with a check's caching record, or a ``CacheSchedule`` JSON) or ``--cache-reuse`` (steps),
-replayed through the sampler's ``cache=`` as ``runtime.generate`` replays a checked one.
+replayed through the sampler's ``cache=`` as ``runtime.generate`` replays a checked one. ``--clips eager,...``
+also runs the baseline whole, first (before our runner rewrites the model): WanPipeline's eager BF16 steps with
+split CFG, the fp32 VAE decoding the whole clip, then the MP4; the JSON's ``speedup_vs_eager`` divides by it.
 
     python benchmarks/e2e_bench.py --out benchmarks/results/h200_e2e_2026-12-05.json        # GPU
     python benchmarks/e2e_bench.py --model wan-tiny --size tiny --steps 2 --out /tmp/e2e.json  # CPU smoke
@@ -368,6 +370,9 @@ def measure_clips(args) -> dict:
                             lat["latent_width"]), 0).to(dev)
     with torch.inference_mode():
         emb = enc(input_ids=ids).last_hidden_state.float()
+    save()
+    if "eager" in args.clips:  # before the runner: it rewrites the model's blocks
+        eager_clips(args, res, adapter, model, enc, ids, noise, settings, save)
     t0 = time.perf_counter()
     runner = fp8_runner(adapter, model, export_call(adapter, model)[1], noise, emb[:1], dev)
     call = runner_call(runner)
@@ -410,7 +415,7 @@ def measure_clips(args) -> dict:
     setup["warmup_s"] = time.perf_counter() - t0
     setup["ours_report"] = {k: v for k, v in runner.report().items() if isinstance(v, (int, float, str, bool))}
     save()
-    for name in args.clips:
+    for name in (c for c in args.clips if c != "eager"):
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         res["clips"][name] = clip(name, settings, schedule if name == "cached" else None)
@@ -420,7 +425,64 @@ def measure_clips(args) -> dict:
     runner.deactivate()
     if {"cached", "uncached"} <= set(res["clips"]):
         res["cached_speedup"] = res["clips"]["uncached"]["clip_s"] / res["clips"]["cached"]["clip_s"]
+    if "eager" in res["clips"]:
+        res["speedup_vs_eager"] = {n: res["clips"]["eager"]["clip_s"] / c["clip_s"]
+                                   for n, c in res["clips"].items() if n != "eager"}
     return res
+
+
+def eager_clips(args, res: dict, adapter, model, enc, ids, noise, settings, save) -> None:
+    """The issue's baseline clip measured whole, as diffusers' ``WanPipeline`` runs it in BF16 eager: the
+    text encode, ``settings.num_steps`` steps with split CFG (two transformer calls a step) through the same
+    sampler, the fp32 VAE decoding the whole clip at once, then the MP4 (``runtime.video.write_clip`` of the
+    frames brought to the host). A 2-step clip first (cuDNN / allocator warm-up), timed apart."""
+    from trt_sora.runtime.video import write_clip
+    from trt_sora.sampling import sample
+
+    dev = args.device
+    eager = export_call(adapter, model)[0]
+    t0 = time.perf_counter()
+    vae = vae_for(args.model, dev, torch.float32)
+    res["setup"]["eager_vae_fp32_s"] = time.perf_counter() - t0
+
+    def clip(name: str, steps) -> dict:
+        calls: list[tuple[str, ...]] = []
+        marks = [time.perf_counter()]
+        with torch.inference_mode():
+            text = enc(input_ids=ids).last_hidden_state
+            sync(dev)
+            marks.append(time.perf_counter())
+            out = sample(eager, noise, text[:1], text[1:], scheduler=adapter.scheduler(steps.shift), settings=steps,
+                         cfg="split", dtype=torch.bfloat16, hook=lambda info: calls.append(info.branches))
+            sync(dev)
+            marks.append(time.perf_counter())
+            x = vae.decode(out.latents.float(), return_dict=False)[0]
+            sync(dev)
+            marks.append(time.perf_counter())
+        pixels = ((x[0].float().clamp(-1, 1) + 1) * 127.5).round().byte().permute(1, 2, 3, 0).cpu().numpy()
+        path = Path(args.tmp) / f"e2e_{name}.mp4"
+        write_clip(pixels, path, 16.0)
+        marks.append(time.perf_counter())
+        stages = dict(zip(("text_encode_s", "denoise_s", "vae_decode_fp32_s", "mp4_s"),
+                          (b - a for a, b in zip(marks, marks[1:]))))
+        return {**stages, "clip_s": marks[-1] - marks[0], "steps": steps.num_steps, "cfg": "split",
+                "s_per_step": stages["denoise_s"] / steps.num_steps, "transformer_calls": len(calls),
+                "branch_calls": sum(len(c) for c in calls), "frames": int(pixels.shape[0]),
+                "mp4_bytes": path.stat().st_size}
+
+    t0 = time.perf_counter()
+    clip("eager_warmup", settings.override(num_steps=2))
+    res["setup"]["eager_warmup_s"] = time.perf_counter() - t0
+    if args.device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+    res["clips"]["eager"] = {"path": "eager BF16 (diffusers' transformer, split CFG, fp32 VAE, serial MP4)",
+                             **clip("eager", settings)}
+    if args.device.startswith("cuda"):
+        res["clips"]["eager"]["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    del vae
+    if args.device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    save()
 
 
 def compose(res: dict, clip_steps: int, cache_saved: float | None) -> dict:
@@ -471,8 +533,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--measure", default="units", choices=("units", "clips"), help="units: time each stage and a "
                     "few steps per path, compose a clip; clips: run whole --clip-steps clips of ours end to end")
-    ap.add_argument("--clips", default="cached,uncached", help="--measure clips: which clips, in order (comma list "
-                    "of cached, uncached)")
+    ap.add_argument("--clips", default="cached,uncached", help="--measure clips: which clips (comma list of eager, "
+                    "cached, uncached; eager runs first, before the runner rewrites the model)")
     ap.add_argument("--cache-schedule", default=None, help="the cached clip's schedule: a run folder (its checked "
                     "parity report), a check report / results JSON with its caching record, or a CacheSchedule JSON")
     ap.add_argument("--cache-reuse", default=None, help="instead: the steps both CFG branches reuse (comma list)")
@@ -482,8 +544,8 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     args.paths = set(args.paths.split(","))
     args.clips = [c for c in args.clips.split(",") if c]
-    if not args.clips or set(args.clips) - {"cached", "uncached"} or len(set(args.clips)) < len(args.clips):
-        ap.error(f"--clips {','.join(args.clips)}: name cached and/or uncached, each once")
+    if not args.clips or set(args.clips) - {"eager", "cached", "uncached"} or len(set(args.clips)) < len(args.clips):
+        ap.error(f"--clips {','.join(args.clips)}: name eager, cached and/or uncached, each once")
     if args.measure == "clips":
         res = measure_clips(args)
     else:

@@ -55,6 +55,19 @@ def test_cached_clip_calls_the_transformer_as_its_schedule_says(tmp_path, monkey
     assert res["cached_speedup"] == pytest.approx(uncached["clip_s"] / cached["clip_s"], rel=1e-12)
 
 
+def test_eager_clip_runs_whole_with_split_cfg_before_the_runner(tmp_path, monkeypatch):
+    """The baseline clip measured whole: two calls a step on the model itself (the runner serves none of them),
+    the fp32 VAE and the MP4 timed as stages, and each of our clips' speed-up against it."""
+    res, rows = _run(tmp_path, monkeypatch, "--clips", "eager,uncached")
+    assert rows == WARMUP + [2] * 4  # the runner's warm-up and the uncached clip only
+    eager = res["clips"]["eager"]
+    assert (eager["transformer_calls"], eager["branch_calls"], eager["cfg"]) == (8, 8, "split")
+    stages = eager["text_encode_s"] + eager["denoise_s"] + eager["vae_decode_fp32_s"] + eager["mp4_s"]
+    assert 0 < stages <= eager["clip_s"] and eager["frames"] == 9 and eager["mp4_bytes"] > 0
+    assert res["speedup_vs_eager"] == {"uncached": pytest.approx(eager["clip_s"] / res["clips"]["uncached"]["clip_s"],
+                                                                 rel=1e-12)}
+
+
 def test_a_lone_branch_is_called_at_batch_one_after_its_own_warm_up(tmp_path, monkeypatch):
     sched = tmp_path / "schedule.json"
     sched.write_text(json.dumps({"num_steps": 4, "reused": {"uncond": [2]}, "order": 0}))
@@ -93,7 +106,7 @@ def test_schedule_refused(tmp_path, caching, steps, why):
         _bench().cache_schedule(_report(tmp_path, **caching), None, 1, steps)
 
 
-@pytest.mark.parametrize("clips", ["cache", "cached,cached", ""])
+@pytest.mark.parametrize("clips", ["cache", "cached,cached", "", "eager,eager"])
 def test_unknown_or_repeated_clips_refused_before_anything_loads(tmp_path, clips, capsys):
     with pytest.raises(SystemExit):
         _bench().main(["--measure", "clips", "--clips", clips, "--out", str(tmp_path / "x.json")])
