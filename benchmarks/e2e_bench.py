@@ -373,6 +373,8 @@ def measure_clips(args) -> dict:
     save()
     if "eager" in args.clips:  # before the runner: it rewrites the model's blocks
         eager_clips(args, res, adapter, model, enc, ids, noise, settings, save)
+        if args.clips == ["eager"]:
+            return res
     t0 = time.perf_counter()
     runner = fp8_runner(adapter, model, export_call(adapter, model)[1], noise, emb[:1], dev)
     call = runner_call(runner)

@@ -68,6 +68,12 @@ def test_eager_clip_runs_whole_with_split_cfg_before_the_runner(tmp_path, monkey
                                                                  rel=1e-12)}
 
 
+def test_eager_clip_alone_builds_no_runner(tmp_path, monkeypatch):
+    res, rows = _run(tmp_path, monkeypatch, "--clips", "eager")
+    assert rows == [] and list(res["clips"]) == ["eager"] and "ours_report" not in res["setup"]
+    assert res["clips"]["eager"]["transformer_calls"] == 8
+
+
 def test_a_lone_branch_is_called_at_batch_one_after_its_own_warm_up(tmp_path, monkeypatch):
     sched = tmp_path / "schedule.json"
     sched.write_text(json.dumps({"num_steps": 4, "reused": {"uncond": [2]}, "order": 0}))
