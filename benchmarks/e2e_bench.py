@@ -259,10 +259,11 @@ def measure(args) -> dict:
         if dev.startswith("cuda"):
             torch.cuda.empty_cache()
     if "mp4" in args.paths:  # MP4 encode (CPU: ffmpeg) of the decoded frames (noise frames without a decode)
+        from trt_sora.runtime.generate import to_uint8
         from trt_sora.runtime.video import DEFAULT_PRESET, write_clip
 
-        pixels = ((x[0].float().clamp(-1, 1) + 1) * 127.5).round().byte().permute(1, 2, 3, 0).cpu().numpy() \
-            if "vae" in args.paths else torch.randint(0, 256, (frames, height, width, 3), dtype=torch.uint8).numpy()
+        pixels = to_uint8(x[0]) if "vae" in args.paths else \
+            torch.randint(0, 256, (frames, height, width, 3), dtype=torch.uint8).numpy()
         out = Path(args.tmp) / "e2e_clip.mp4"
         _, m["mp4_encode_s"] = timed(lambda: write_clip(pixels, out, 16.0), "cpu")
         m["mp4_bytes"] = out.stat().st_size
@@ -333,7 +334,7 @@ def measure_clips(args) -> dict:
     from trt_sora.models import get_adapter
     from trt_sora.runtime.generate import to_uint8
     from trt_sora.runtime.video import DEFAULT_PRESET, Mp4Writer
-    from trt_sora.sampling import SamplingSettings, gaussian_noise, runner_call, sample
+    from trt_sora.sampling import SamplingSettings, gaussian_noise, runner_call
 
     dev, cuda = args.device, args.device.startswith("cuda")
     adapter = get_adapter(args.model)
@@ -383,17 +384,9 @@ def measure_clips(args) -> dict:
 
     def clip(name: str, steps: SamplingSettings, cache) -> dict:
         """One clip's stages, each timed after a device sync; ``calls``: the sampler's transformer calls."""
-        calls: list[tuple[str, ...]] = []
         marks = [time.perf_counter()]
-        with torch.inference_mode():
-            text = enc(input_ids=ids).last_hidden_state
-            sync(dev)
-            marks.append(time.perf_counter())
-            out = sample(call, noise, text[:1], text[1:], scheduler=adapter.scheduler(steps.shift), settings=steps,
-                         cfg="batched", dtype=torch.bfloat16, cache=cache,
-                         hook=lambda info: calls.append(info.branches))
-            sync(dev)
-            marks.append(time.perf_counter())
+        out, calls = encode_and_sample(call, "batched", steps, adapter=adapter, enc=enc, ids=ids, noise=noise,
+                                       dev=dev, marks=marks, cache=cache)
         path = Path(args.tmp) / f"e2e_{name}.mp4"
         with Mp4Writer(path, 16.0, height=height, width=width) as mp4:  # the runtime's tail (run_to_files)
             for x in decode_groups(out.latents):
@@ -433,13 +426,31 @@ def measure_clips(args) -> dict:
     return res
 
 
+def encode_and_sample(call, cfg: str, steps, *, adapter, enc, ids, noise, dev: str, marks: list, cache=None):
+    """The head every measured clip shares: the text encode (prompt and negative) and ``steps`` of the sampler
+    over ``call`` with ``cfg``, each stage's end appended to ``marks`` after a device sync. Returns the sampler's
+    output and its transformer calls (the branches of each)."""
+    from trt_sora.sampling import sample
+
+    calls: list[tuple[str, ...]] = []
+    with torch.inference_mode():
+        text = enc(input_ids=ids).last_hidden_state
+        sync(dev)
+        marks.append(time.perf_counter())
+        out = sample(call, noise, text[:1], text[1:], scheduler=adapter.scheduler(steps.shift), settings=steps,
+                     cfg=cfg, dtype=torch.bfloat16, cache=cache, hook=lambda info: calls.append(info.branches))
+        sync(dev)
+        marks.append(time.perf_counter())
+    return out, calls
+
+
 def eager_clips(args, res: dict, adapter, model, enc, ids, noise, settings, save) -> None:
     """The issue's baseline clip measured whole, as diffusers' ``WanPipeline`` runs it in BF16 eager: the
     text encode, ``settings.num_steps`` steps with split CFG (two transformer calls a step) through the same
     sampler, the fp32 VAE decoding the whole clip at once, then the MP4 (``runtime.video.write_clip`` of the
     frames brought to the host). A 2-step clip first (cuDNN / allocator warm-up), timed apart."""
+    from trt_sora.runtime.generate import to_uint8
     from trt_sora.runtime.video import write_clip
-    from trt_sora.sampling import sample
 
     dev = args.device
     eager = export_call(adapter, model)[0]
@@ -448,20 +459,14 @@ def eager_clips(args, res: dict, adapter, model, enc, ids, noise, settings, save
     res["setup"]["eager_vae_fp32_s"] = time.perf_counter() - t0
 
     def clip(name: str, steps) -> dict:
-        calls: list[tuple[str, ...]] = []
         marks = [time.perf_counter()]
+        out, calls = encode_and_sample(eager, "split", steps, adapter=adapter, enc=enc, ids=ids, noise=noise,
+                                       dev=dev, marks=marks)
         with torch.inference_mode():
-            text = enc(input_ids=ids).last_hidden_state
-            sync(dev)
-            marks.append(time.perf_counter())
-            out = sample(eager, noise, text[:1], text[1:], scheduler=adapter.scheduler(steps.shift), settings=steps,
-                         cfg="split", dtype=torch.bfloat16, hook=lambda info: calls.append(info.branches))
-            sync(dev)
-            marks.append(time.perf_counter())
             x = vae.decode(out.latents.float(), return_dict=False)[0]
             sync(dev)
             marks.append(time.perf_counter())
-        pixels = ((x[0].float().clamp(-1, 1) + 1) * 127.5).round().byte().permute(1, 2, 3, 0).cpu().numpy()
+        pixels = to_uint8(x[0])
         path = Path(args.tmp) / f"e2e_{name}.mp4"
         write_clip(pixels, path, 16.0)
         marks.append(time.perf_counter())
