@@ -228,7 +228,8 @@ def cudnn_attention_part(s=32760, h=40, d=128) -> dict:
 def fa4_attention_part(s=32760, h=40, d=128, site: str | None = None, variants: bool = True) -> dict:
     """FlashAttention-4's CuTe DSL forward (``flash-attn-4``) as a measured peer on one Wan 14B layer: on SM 9.0
     it runs its FA3-schedule BF16 kernel (FP8 is SM 10.x only in FA4), beside our 8-bit Triton kernel and cuDNN's
-    BF16 SDPA in the same process: time, TFLOP/s, cosine vs fp32 on 4 heads, the GPU's clock after each. ``site``:
+    BF16 SDPA in the same process: time, TFLOP/s, cosine vs fp32 on 4 heads, the GPU's clock and power while each
+    is timed (:class:`GpuSampler`). ``site``:
     a folder of pip ``--target`` installs (``.pth`` files processed). An import or compile failure is recorded;
     the other rows still come back. ``variants``: also FA4's knobs (:data:`FA4_VARIANTS`)."""
     import site as _site
@@ -250,10 +251,11 @@ def fa4_attention_part(s=32760, h=40, d=128, site: str | None = None, variants: 
            "device": torch.cuda.get_device_name()}
 
     def row(name, fn, as_bshd):
-        ms = bench_ms(fn)
+        with GpuSampler() as gpu:
+            ms = bench_ms(fn)
         o = as_bshd(fn()).float()
         out[name] = {"ms": ms, "tflops": flops / (ms * 1e-3) / 1e12, "cosine_vs_fp32": cos(o[:, :, heads], want),
-                     "sm_clock_mhz": _sm_clock()}
+                     "gpu": gpu.summary()}
         print(name, json.dumps(out[name]), flush=True)
 
     row("ours_triton_int8_fp8", lambda: t.attention_fp8(*ops8), lambda o: o.view(1, s, h, d))
@@ -300,14 +302,6 @@ def fa4_attention_part(s=32760, h=40, d=128, site: str | None = None, variants: 
 FA4_VARIANTS = {"no_intra_wg_overlap": {"intra_wg_overlap": False}, "pv_from_smem": {"mma_pv_is_rs": False},
                 "tile_128x128": {"tile_mn": (128, 128)}, "tile_128x176": {"tile_mn": (128, 176)},
                 "tile_192x128": {"tile_mn": (192, 128)}}
-
-
-def _sm_clock() -> int | None:
-    """The SM clock now (MHz), from NVML through torch; None where it cannot say."""
-    try:
-        return int(torch.cuda.clock_rate())
-    except Exception:  # noqa: BLE001 - no NVML
-        return None
 
 
 GEMM_MODELS = {"14b": "wan2.1-t2v-14b", "1.3b": "wan2.1-t2v-1.3b"}
