@@ -23,15 +23,27 @@ TINY_POINTS = (
 
 
 def pytest_configure(config):
-    """sha256 cache of this session in a temp folder (subprocesses inherit it), not in ~/.cache. On an xdist
-    worker of several, one torch thread (and one for the processes tests start): two processes with two threads
-    each on two cores stall on the suite's small tensors."""
+    """sha256 cache of this session in a temp folder (subprocesses and xdist workers inherit it; the process that
+    made it removes it at the end), not in ~/.cache. On an xdist worker of several, one torch thread (and one for
+    the processes tests start): two processes with two threads each on two cores stall on the suite's small
+    tensors."""
     import os
     import tempfile
 
-    os.environ.setdefault("TRT_SORA_CACHE_DIR", tempfile.mkdtemp(prefix="trt_sora-hash-cache-"))
+    if "TRT_SORA_CACHE_DIR" not in os.environ:
+        made = tempfile.mkdtemp(prefix="trt_sora-hash-cache-")
+        os.environ["TRT_SORA_CACHE_DIR"] = config._trt_sora_cache_dir = made
     if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def pytest_unconfigure(config):
+    """Remove the hash cache this process made (xdist workers inherit the controller's and leave it)."""
+    import shutil
+
+    made = getattr(config, "_trt_sora_cache_dir", None)
+    if made:
+        shutil.rmtree(made, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):
