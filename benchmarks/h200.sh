@@ -34,6 +34,8 @@
 # cuda-pathfinder, apache-tvm-ffi, torch-c-dlpack-ext, quack-kernels, einops), `tar -c fa4site | xz -9e`, split
 # in 32 MB pieces over build/cute/a, build/cute/b, carried one folder per chained call: ignored build outputs stay
 # on a warm machine between calls, and the 64 MiB carry holds the tracked tree too),
+# cute (issue 32: our CuTe DSL 8-bit attention kernel vs the Triton one: agreement on six shapes, speed at 32,760
+# tokens, benchmarks/cute_attention.py; the DSL from the fa4 part's carried pieces; CUTE_VARIANTS picks schedules),
 # hist (one batch's |x| histogram several ways; HIST_ARGS=--only-cuda: the torch path and the NVRTC kernel),
 # m14b2 (14B batch 2), m14_720 (14B 720p batch 1), m14sparse (issue 32: the 14B 720p call, the full torch-fp8 rung
 # dense and with block-sparse attention per window of SPARSE_WINDOWS (4-2-2,2-2-2), iters 5, one eager call), m14x (14B 480p batch 2, 720p batch 1 and 2: eager vs full torch-fp8,
@@ -179,6 +181,9 @@ for p in "$@"; do
     fa4) part fa4 ${FA4_LIMIT:-420} bash -c "set -e; F=/tmp/fa4site
            [ -d \$F/flash_attn ] || cat build/cute/*/fa4site.part-* | xz -d | tar -xf - -C /tmp
            python3 benchmarks/fp8_bench.py --parts fa4_attention --fa4-site \$F --fa4-tokens ${FA4_TOKENS:-32760} --out $OUT/fa4.json" ;;
+    cute) part cute ${CUTE_LIMIT:-400} bash -c "set -e; F=/tmp/fa4site
+           [ -d \$F/cutlass ] || [ -d \$F/nvidia_cutlass_dsl ] || cat build/cute/*/fa4site.part-* | xz -d | tar -xf - -C /tmp
+           python3 benchmarks/cute_attention.py --site \$F ${CUTE_VARIANTS:+--variants $CUTE_VARIANTS} --watchdog $(( ${CUTE_LIMIT:-400} - 45 )) --out $OUT/cute.json" ;;
     sparse) part sparse ${SPARSE_LIMIT:-150} python3 benchmarks/sparse_attention.py --out "$OUT/sparse.json" ;;
     onnxrepro) part onnxrepro 240 bash -c "set -e; X=/tmp/onnxrepro; rm -rf \$X; \
                  python3 -m trt_sora export --model wan-tiny --recipe rtx4090-fp8 --out \$X/export; \

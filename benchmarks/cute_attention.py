@@ -1,0 +1,192 @@
+"""The CuTe DSL 8-bit attention kernel (:mod:`trt_sora.kernels.cute_attention`) against the Triton kernel
+(:func:`trt_sora.kernels.triton_ops.attention_fp8`) in one process on one GPU: agreement on ragged, one-tile,
+batch-2 and many-tile shapes (bf16 output: bits equal, max |diff|, and both against
+:func:`trt_sora.kernels.reference.attention_fp8`), then speed at Wan 14B's 1 x 40 heads x 32,760 x 128 for each
+``--variants`` entry, GPU clock and power sampled during each timing, and the cosine against fp32 attention.
+
+    python benchmarks/cute_attention.py --site /tmp/fa4site --out results.json      # H100/H200
+"""
+import argparse
+import json
+import os
+import site
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+#: name -> Attention8 options (stages, overlap, pingpong)
+VARIANTS = {
+    "plain": {"stages": 2},
+    "overlap": {"stages": 2, "overlap": True},
+    "overlap_s3": {"stages": 3, "overlap": True},
+    "overlap_s4": {"stages": 4, "overlap": True},
+    "pingpong": {"stages": 2, "pingpong": True},
+    "overlap_pingpong": {"stages": 2, "overlap": True, "pingpong": True},
+    "overlap_pingpong_s3": {"stages": 3, "overlap": True, "pingpong": True},
+}
+SHAPES = ((1, 100, 2), (1, 128, 2), (1, 129, 2), (2, 1000, 2), (1, 4133, 2), (1, 32760, 3))
+
+
+def agreement(got, want, ref32):
+    g, w = got.float(), want.float()
+    return {"bf16_equal": bool(torch.equal(got, want)), "frac_equal": float((g == w).float().mean()),
+            "max_abs_vs_triton": float((g - w).abs().max()), "max_abs_vs_ref": float((g - ref32).abs().max()),
+            "triton_max_abs_vs_ref": float((w - ref32).abs().max()), "finite": bool(torch.isfinite(g).all())}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--site", default=None, help="a pip --target folder holding nvidia-cutlass-dsl (py3.12)")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated names of VARIANTS")
+    ap.add_argument("--reps", type=int, default=3, help="timing rounds (each kernel once per round)")
+    ap.add_argument("--tokens", type=int, default=32760)
+    ap.add_argument("--tokens-720p", type=int, default=75600, help="one more timing round at this length (0: none)")
+    ap.add_argument("--probe", default=None, help="(internal) run variant NAME once on two small shapes, exit 0 if "
+                    "it finishes: each variant is probed in a child process first, so a kernel that hangs costs its "
+                    "probe's timeout, not the run")
+    ap.add_argument("--probe-timeout", type=float, default=120.0)
+    ap.add_argument("--watchdog", type=float, default=0.0, help="seconds after which the partial JSON is written and "
+                    "the process exits (0: none)")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    if a.site:
+        site.addsitedir(a.site)
+    if a.probe:
+        return probe(a.probe)
+    import triton
+
+    from benchmarks.fp8_bench import GpuSampler
+    from trt_sora.kernels import cute_attention as ca
+    from trt_sora.kernels import reference as ref
+    from trt_sora.kernels import triton_ops as t
+
+    names = [n for n in a.variants.split(",") if n]
+    res = {"device": torch.cuda.get_device_name(0), "triton": triton.__version__, "variants":
+           {n: VARIANTS[n] for n in names}, "bits": [], "errors": {}, "ms": {}, "probes": {}}
+
+    def dump():
+        if a.out:
+            Path(a.out).write_text(json.dumps(res, indent=1) + "\n")
+
+    if a.watchdog:
+        def give_up():
+            res["watchdog"] = f"gave up after {a.watchdog} s"
+            dump()
+            os._exit(3)
+        threading.Timer(a.watchdog, give_up).start()
+    probed = []
+    for n in names:
+        cmd = [sys.executable, __file__, "--probe", n] + (["--site", a.site] if a.site else [])
+        t0 = time.time()
+        try:
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=a.probe_timeout)
+            res["probes"][n] = {"rc": p.returncode, "s": round(time.time() - t0, 1), "tail": p.stdout[-600:] +
+                                p.stderr[-1500:]}
+            if p.returncode == 0:
+                probed.append(n)
+        except subprocess.TimeoutExpired:
+            res["probes"][n] = {"rc": "timeout", "s": round(time.time() - t0, 1)}
+        print(n, "probe", res["probes"][n]["rc"], flush=True)
+    dump()
+    ok = []
+    for n in probed:  # compile (and catch what fails) before anything is timed
+        t0 = time.time()
+        try:
+            ops = t.qkv_rmsnorm_rope(*ref.example_qkv(1, 256, 2, seed=1), 2, fp8=True)
+            ca.attention_fp8(*ops, **VARIANTS[n])
+            torch.cuda.synchronize()
+            ok.append(n)
+            res.setdefault("compile_s", {})[n] = round(time.time() - t0, 2)
+        except Exception as e:  # noqa: BLE001  (a variant that fails is reported, the others still run)
+            res["errors"][n] = f"{type(e).__name__}: {str(e)[:1500]}"
+        print(n, res["errors"].get(n, "ok"), flush=True)
+    for b, s, h in SHAPES:
+        ops = t.qkv_rmsnorm_rope(*ref.example_qkv(b, s, h, seed=1), h, fp8=True)
+        want = t.attention_fp8(*ops, ws=False)
+        sc = torch.tensor(float(want.float().abs().max()) / 448, device="cuda")
+        want8 = t.attention_fp8(*ops, out_scale=sc, ws=False).view(torch.uint8)
+        row = {"b": b, "s": s, "h": h}
+        if s <= 4133:
+            q8, qs, k8, ks, vt8, vs = ops
+            ref32 = ref.attention_fp8(q8, qs, k8, ks, ref.vt_natural(vt8, s), vs).transpose(1, 2).reshape(b, s, -1)
+        else:
+            ref32 = want.float()
+        for n in ok:
+            try:
+                row[n] = agreement(ca.attention_fp8(*ops, **VARIANTS[n]), want, ref32)
+                got8 = ca.attention_fp8(*ops, out_scale=sc, **VARIANTS[n]).view(torch.uint8)
+                row[n]["fp8_equal"] = bool(torch.equal(got8, want8))
+                row[n]["fp8_frac_equal"] = float((got8 == want8).float().mean())
+            except Exception as e:  # noqa: BLE001
+                row[n] = {"error": f"{type(e).__name__}: {str(e)[:500]}"}
+        res["bits"].append(row)
+        print(json.dumps(row), flush=True)
+        dump()
+    s, h, d = a.tokens, 40, 128
+    qkv, wq, wk, cs, sn = ref.example_qkv(1, s, h, d)
+    ops = t.qkv_rmsnorm_rope(qkv, wq, wk, cs, sn, h, fp8=True)
+    osc = torch.tensor(0.01, device="cuda")
+    res["clocks"] = {}
+
+    def bench(name, fn):
+        with GpuSampler() as smp:
+            ms = triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+        res["ms"].setdefault(name, []).append(ms)
+        res["clocks"].setdefault(name, []).append(smp.summary())
+
+    for _ in range(a.reps):
+        bench("triton", lambda: t.attention_fp8(*ops, ws=False))
+        bench("triton_fp8_out", lambda: t.attention_fp8(*ops, out_scale=osc, ws=False))
+        for n in ok:
+            bench(n, lambda n=n: ca.attention_fp8(*ops, **VARIANTS[n]))
+            bench(f"{n}_fp8_out", lambda n=n: ca.attention_fp8(*ops, out_scale=osc, **VARIANTS[n]))
+        print(json.dumps(res["ms"]), flush=True)
+        dump()
+    res["tflops"] = {k: [round(4.0 * s * s * d * h / (m * 1e-3) / 1e12, 1) for m in v] for k, v in res["ms"].items()}
+    if a.tokens_720p:  # one round at 720p x 81's length, the operands freed after
+        s2 = a.tokens_720p
+        ops2 = t.qkv_rmsnorm_rope(*ref.example_qkv(1, s2, h, d), h, fp8=True)
+        ms2 = {"triton_fp8_out": triton.testing.do_bench(lambda: t.attention_fp8(*ops2, out_scale=osc, ws=False),
+                                                         warmup=25, rep=200, return_mode="median")}
+        for n in ok:
+            ms2[n + "_fp8_out"] = triton.testing.do_bench(
+                lambda n=n: ca.attention_fp8(*ops2, out_scale=osc, **VARIANTS[n]), warmup=25, rep=200,
+                return_mode="median")
+        res["tokens_720p"] = {"s": s2, "ms": ms2, "tflops": {k: round(4.0 * s2 * s2 * d * h / (m * 1e-3) / 1e12, 1)
+                                                             for k, m in ms2.items()}}
+        del ops2
+        dump()
+    q, k, v = t.qkv_rmsnorm_rope(qkv, wq, wk, cs, sn, h, fp8=False)
+    heads = [0, 10, 20, 30]
+    want = ref.attention(q[:, heads], k[:, heads], v[:, heads]).transpose(1, 2).float().flatten()
+    cos = lambda o: torch.nn.functional.cosine_similarity(  # noqa: E731
+        o.float().view(1, s, h, d)[:, :, heads].flatten(), want, dim=0).item()
+    res["cosine_vs_fp32"] = {"triton": cos(t.attention_fp8(*ops, ws=False)),
+                             **{n: cos(ca.attention_fp8(*ops, **VARIANTS[n])) for n in ok}}
+    print(json.dumps({k: res[k] for k in ("tflops", "cosine_vs_fp32")}, indent=1))
+    dump()
+    os._exit(0)  # the watchdog timer thread must not hold the process
+
+
+def probe(name: str) -> None:
+    from trt_sora.kernels import cute_attention as ca
+    from trt_sora.kernels import reference as ref
+    from trt_sora.kernels import triton_ops as t
+
+    for b, s, h in ((1, 129, 2), (2, 1000, 2)):
+        ops = t.qkv_rmsnorm_rope(*ref.example_qkv(b, s, h, seed=1), h, fp8=True)
+        o = ca.attention_fp8(*ops, **VARIANTS[name])
+        torch.cuda.synchronize()
+        want = t.attention_fp8(*ops, ws=False)
+        print(name, b, s, h, "finite", bool(torch.isfinite(o.float()).all()), "max_abs",
+              float((o.float() - want.float()).abs().max()), flush=True)
+
+
+if __name__ == "__main__":
+    main()

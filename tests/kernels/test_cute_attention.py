@@ -1,0 +1,56 @@
+"""The CuTe DSL attention kernel's register plan (:func:`trt_sora.kernels.cute_attention.p_operand_source`)
+against V^T's key order (:func:`trt_sora.kernels.reference.vt_key_order`) and, where the DSL is installed, against
+the DSL's own WGMMA layouts; the kernel's GPU agreement with the Triton kernel is
+benchmarks/cute_attention.py's (it runs where the DSL and an SM 9.0 GPU are)."""
+import pytest
+
+from trt_sora.kernels import cute_attention as ca
+from trt_sora.kernels import reference as ref
+
+
+def a_operand_position(q: int, c: int, h: int, k: int) -> int:
+    """Key position (along K) of register (k, ., h) of chunk c in lane q of the 8-bit m64k32 A fragment:
+    the PTX ISA's layout, lane q of each quad holding 4q..4q+3 and 16+4q..19+4q of every 32."""
+    return 32 * c + 16 * h + 4 * q + k
+
+
+def accumulator_key(q: int, e: int, n: int) -> int:
+    """Key (column) of value (e, ., n) in lane q of the m64nN accumulator: 8n + 2q + e."""
+    return 8 * n + 2 * q + e
+
+
+def test_every_p_register_holds_the_key_that_vt_holds_at_its_position():
+    order = ref.vt_key_order(128).tolist()
+    seen = set()
+    for q in range(4):
+        for c in range(4):
+            for h in range(2):
+                for k in range(4):
+                    e, n = ca.p_operand_source(c, h, k)
+                    key = accumulator_key(q, e, n)
+                    assert order[a_operand_position(q, c, h, k)] == key, (q, c, h, k)
+                    seen.add(key)
+    assert seen == set(range(128))  # each key of the tile once
+
+
+def test_the_dsl_layouts_are_the_ones_the_plan_assumes():
+    cutlass = pytest.importorskip("cutlass")
+    import cutlass.cute as cute
+    import cutlass.utils.hopper_helpers as sm90
+    from cutlass.cute.nvgpu import warpgroup
+
+    k_major = cute.nvgpu.OperandMajorMode.K
+    got = {}
+
+    @cute.jit
+    def layouts():
+        qk = sm90.make_trivial_tiled_mma(cutlass.Int8, cutlass.Int8, k_major, k_major, cutlass.Int32, (1, 1, 1),
+                                         (64, 128))
+        pv = sm90.make_trivial_tiled_mma(cutlass.Float8E4M3FN, cutlass.Float8E4M3FN, k_major, k_major,
+                                         cutlass.Float32, (1, 1, 1), (64, 128), a_source=warpgroup.OperandSource.RMEM)
+        got["c"], got["a"] = str(qk.tv_layout_C), str(pv.tv_layout_A)
+
+    cute.compile(layouts)
+    # (thread, value) -> m + 64 * column: quad lane q at column 2q (C) / 4q (A), value strides as the plan reads them
+    assert got["c"] == "((4,8,4),(2,2,16)):((128,1,16),(64,8,512))"
+    assert got["a"] == "((4,8,4),(4,2,2)):((256,1,16),(64,8,1024))"

@@ -1,0 +1,416 @@
+"""The 8-bit attention kernel in CuTe DSL (``nvidia-cutlass-dsl``), SM 9.0a: the schedule FlashAttention-3
+runs, on the operands of :func:`trt_sora.kernels.triton_ops.attention_fp8` (INT8 Q K^T per 128-token block,
+FP8 P V, V^T in the P V operand's key order).
+
+One CTA holds 128 query rows (one Q scale block) and three warpgroups:
+
+- warp 0 of the first loads Q once, then K and V^T tiles of 128 keys (one K scale block each) into a ring of
+  ``stages`` buffers through TMA, each tile on its own mbarrier pipeline (K first: the next Q K^T can start
+  before its V lands);
+- the other two each own 64 rows: Q K^T on the INT8 tensor cores (int32), the online softmax in fp32 (the
+  magic-number int32 -> fp32, the scales folded into one FMA, EX2), P packed to FP8 in registers (the A
+  operand of the register-sourced FP8 WGMMA, no shared-memory round trip: V^T's key order puts every value
+  in the lane that owns it), then O += P V^T.
+
+Two options of :class:`Attention8` change the schedule, not the math:
+
+- ``overlap`` (intra-warpgroup): tile j's Q K^T and tile j-1's P V are issued together; the softmax of j
+  runs while P V of j-1 is on the tensor cores;
+- ``pingpong`` (inter-warpgroup): two named barriers take turns, so one warpgroup's GEMMs run while the
+  other's softmax does.
+
+The kernel compiles for ``sm_90a`` without a GPU (``CUTE_DSL_ARCH=sm_90a``): nothing here imports the DSL
+until a kernel is built (:func:`available`, :func:`attention_fp8`).
+"""
+import importlib.util
+import math
+from functools import cache
+
+#: Keys per tile and query rows per CTA: the INT8 operands' scale block.
+TILE = 128
+LOG2_448 = 8.807354922057604
+#: The magic number that turns an int32 (|x| < 2**22) into fp32 by one add and a bit cast.
+MAGIC_I = 0x4B400000
+MAGIC_F = 12582912.0
+
+
+def p_operand_source(c: int, h: int, k: int) -> tuple[int, int]:
+    """Where P V's FP8 A operand finds its value: register (k, r, h) of K chunk ``c`` (k < 4, h < 2; lane q holds
+    the keys at positions 32c + 16h + 4q + k of V^T) comes from the Q K^T accumulator's value (e, r, n) of the
+    same lane (key 8n + 2q + e), returned as ``(e, n)``. With V^T in :func:`reference.vt_key_order` both name
+    the same key, so P needs no shuffle between lanes."""
+    return k % 2, 4 * c + 2 * h + k // 2
+
+
+def available(device=None) -> bool:
+    """True where the DSL is installed and ``device`` (default: the current CUDA device) is SM 9.0."""
+    if importlib.util.find_spec("cutlass") is None:
+        return False
+    import torch
+
+    if not torch.cuda.is_available():
+        return False
+    return torch.cuda.get_device_capability(device) == (9, 0)
+
+
+def _kernel_class():
+    """The kernel class, defined on first use (it needs the DSL)."""
+    import cuda.bindings.driver as cuda  # noqa: F401  (the stream type of the launch)
+    import cutlass
+    import cutlass.cute as cute
+    import cutlass.utils.hopper_helpers as sm90
+    from cutlass import Float32, Int32, const_expr, pipeline
+    from cutlass.cute.nvgpu import cpasync, warpgroup
+
+    K_MAJOR = cute.nvgpu.OperandMajorMode.K
+
+    def smem_layout(dtype, stages):
+        atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, dtype)
+        shape = (TILE, TILE) if stages is None else (TILE, TILE, stages)
+        return cute.tile_to_shape(atom, shape, order=(0, 1) if stages is None else (0, 1, 2))
+
+    def gemm(tiled_mma, acc, a, b, zero_init):
+        """acc (+)= a b over the K modes of the fragments, issued as one WGMMA group (not waited)."""
+        warpgroup.fence()
+        atom = cute.make_mma_atom(tiled_mma.op)
+        atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
+        for k in range(cute.size(a.shape[2])):  # a plain helper (not jit): Python unrolls it
+            cute.gemm(atom, acc, a[None, None, k], b[None, None, k], acc)
+            atom.set(warpgroup.Field.ACCUMULATE, True)
+        warpgroup.commit_group()
+
+    def quad_reduce(x, op):
+        """``op`` over the four lanes of a quad (they share a row of the accumulator)."""
+        x = op(x, cute.arch.shuffle_sync_bfly(x, offset=1))
+        return op(x, cute.arch.shuffle_sync_bfly(x, offset=2))
+
+    class Attention8:
+        def __init__(self, stages: int = 2, overlap: bool = False, pingpong: bool = False,
+                     out_fp8: bool = False, mma_regs: int = 240, load_regs: int = 24):
+            self.stages, self.overlap, self.pingpong, self.out_fp8 = stages, overlap, pingpong, out_fp8
+            self.mma_regs, self.load_regs = mma_regs, load_regs
+
+        @cute.jit
+        def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mVt: cute.Tensor, mQS: cute.Tensor,
+                     mKS: cute.Tensor, mVS: cute.Tensor, mO: cute.Tensor, qk_scale: Float32, mOSC: cute.Tensor,
+                     stream: cuda.CUstream):
+            """mQ, mK [BH, S, D] int8; mVt [BH, D, S_pad] fp8; mQS, mKS [BH, nblk] fp32 (one per 128 tokens);
+            mVS [BH, D]; mO [B, S, H, D/2] int32 (bf16 pairs) or int16 (``out_fp8``: E4M3 pairs); qk_scale:
+            D**-0.5 * log2(e); mOSC [1]: the FP8 output's scale (unread for bf16)."""
+            # (rows, D, BH) views: TMA tiles of (128, 128) at (block, 0, bh)
+            q3 = cute.make_tensor(mQ.iterator, cute.select(mQ.layout, mode=[1, 2, 0]))
+            k3 = cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=[1, 2, 0]))
+            v3 = cute.make_tensor(mVt.iterator, cute.select(mVt.layout, mode=[1, 2, 0]))
+            sQ_layout = smem_layout(cutlass.Int8, None)
+            sK_layout = smem_layout(cutlass.Int8, self.stages)
+            sV_layout = smem_layout(cutlass.Float8E4M3FN, self.stages)
+            tma_q, tq = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), q3, sQ_layout,
+                                                   (TILE, TILE))
+            tma_k, tk = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), k3,
+                                                   cute.select(sK_layout, mode=[0, 1]), (TILE, TILE))
+            tma_v, tv = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), v3,
+                                                   cute.select(sV_layout, mode=[0, 1]), (TILE, TILE))
+            mma_qk = sm90.make_trivial_tiled_mma(cutlass.Int8, cutlass.Int8, K_MAJOR, K_MAJOR, Int32,
+                                                 (2, 1, 1), (64, TILE))
+            mma_pv = sm90.make_trivial_tiled_mma(cutlass.Float8E4M3FN, cutlass.Float8E4M3FN, K_MAJOR, K_MAJOR,
+                                                 Float32, (2, 1, 1), (64, TILE),
+                                                 a_source=warpgroup.OperandSource.RMEM)
+            stages = self.stages
+
+            @cute.struct
+            class Storage:
+                bar_q: cute.struct.MemRange[cutlass.Int64, 2]
+                bar_k: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+                bar_v: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+                sQ: cute.struct.Align[cute.struct.MemRange[cutlass.Int8, cute.cosize(sQ_layout)], 1024]
+                sK: cute.struct.Align[cute.struct.MemRange[cutlass.Int8, cute.cosize(sK_layout)], 1024]
+                sV: cute.struct.Align[cute.struct.MemRange[cutlass.Float8E4M3FN, cute.cosize(sV_layout)], 1024]
+
+            seqlen = mQ.shape[1]
+            grid = (cute.ceil_div(seqlen, TILE), mQ.shape[0], 1)
+            self.kernel(tq, tk, tv, tma_q, tma_k, tma_v, mQS, mKS, mVS, mO, qk_scale, mOSC, sQ_layout, sK_layout,
+                        sV_layout, mma_qk, mma_pv, Storage).launch(grid=grid, block=[384, 1, 1], stream=stream,
+                                                                   min_blocks_per_mp=1)
+
+        @cute.kernel
+        def kernel(self, tq: cute.Tensor, tk: cute.Tensor, tv: cute.Tensor, tma_q: cute.CopyAtom,
+                   tma_k: cute.CopyAtom, tma_v: cute.CopyAtom, mQS: cute.Tensor, mKS: cute.Tensor,
+                   mVS: cute.Tensor, mO: cute.Tensor, qk_scale: Float32, mOSC: cute.Tensor,
+                   sQ_layout: cute.ComposedLayout,
+                   sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout, mma_qk: cute.TiledMma,
+                   mma_pv: cute.TiledMma, Storage: cutlass.Constexpr):
+            warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+            m_block, bh, _ = cute.arch.block_idx()
+            if warp == 0:
+                for atom in (tma_q, tma_k, tma_v):
+                    cpasync.prefetch_descriptor(atom)
+            storage = cutlass.utils.SmemAllocator().allocate(Storage)
+            group = lambda n: pipeline.CooperativeGroup(pipeline.Agent.Thread, n)  # noqa: E731
+            q_bytes = TILE * TILE
+            pipe_q = pipeline.PipelineTmaAsync.create(barrier_storage=storage.bar_q.data_ptr(), num_stages=1,
+                                                      producer_group=group(1), consumer_group=group(8),
+                                                      tx_count=q_bytes, defer_sync=True)
+            pipe_k = pipeline.PipelineTmaAsync.create(barrier_storage=storage.bar_k.data_ptr(),
+                                                      num_stages=self.stages, producer_group=group(1),
+                                                      consumer_group=group(8), tx_count=q_bytes, defer_sync=True)
+            pipe_v = pipeline.PipelineTmaAsync.create(barrier_storage=storage.bar_v.data_ptr(),
+                                                      num_stages=self.stages, producer_group=group(1),
+                                                      consumer_group=group(8), tx_count=q_bytes, defer_sync=True)
+            pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
+            sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+            sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+            sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+            seqlen = tq.shape[0]
+            n_tiles = cute.ceil_div(seqlen, TILE)
+            pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
+            if warp < 4:
+                cute.arch.setmaxregister_decrease(self.load_regs)
+                if warp == 0:
+                    self.load(tq, tk, tv, tma_q, tma_k, tma_v, sQ, sK, sV, pipe_q, pipe_k, pipe_v, m_block, bh,
+                              n_tiles)
+            else:
+                cute.arch.setmaxregister_increase(self.mma_regs)
+                tidx, _, _ = cute.arch.thread_idx()
+                self.mma(tidx - 128, sQ, sK, sV, pipe_q, pipe_k, pipe_v, mQS, mKS, mVS, mO, qk_scale, mOSC,
+                         mma_qk, mma_pv, m_block, bh, seqlen, n_tiles)
+
+        @cute.jit
+        def load(self, tq, tk, tv, tma_q, tma_k, tma_v, sQ, sK, sV, pipe_q, pipe_k, pipe_v, m_block, bh,
+                 n_tiles):
+            gQ = cute.local_tile(tq[None, None, bh], (TILE, TILE), (m_block, 0))
+            gK = cute.local_tile(tk[None, None, bh], (TILE, TILE), (None, 0))
+            gV = cute.local_tile(tv[None, None, bh], (TILE, TILE), (0, None))
+            sq, gq = cpasync.tma_partition(tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2),
+                                           cute.group_modes(gQ, 0, 2))
+            sk, gk = cpasync.tma_partition(tma_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2),
+                                           cute.group_modes(gK, 0, 2))
+            sv, gv = cpasync.tma_partition(tma_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2),
+                                           cute.group_modes(gV, 0, 2))
+            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+            pipe_k.producer_acquire(state)
+            cute.copy(tma_k, gk[None, 0], sk[None, state.index], tma_bar_ptr=pipe_k.producer_get_barrier(state))
+            pipe_q.producer_acquire(q_state)
+            cute.copy(tma_q, gq, sq, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+            pipe_v.producer_acquire(state)
+            cute.copy(tma_v, gv[None, 0], sv[None, state.index], tma_bar_ptr=pipe_v.producer_get_barrier(state))
+            state.advance()
+            for j in cutlass.range(1, n_tiles, unroll=1):
+                pipe_k.producer_acquire(state)
+                cute.copy(tma_k, gk[None, j], sk[None, state.index],
+                          tma_bar_ptr=pipe_k.producer_get_barrier(state))
+                pipe_v.producer_acquire(state)
+                cute.copy(tma_v, gv[None, j], sv[None, state.index],
+                          tma_bar_ptr=pipe_v.producer_get_barrier(state))
+                state.advance()
+            pipe_v.producer_tail(state)
+
+        @cute.jit
+        def mma(self, tidx, sQ, sK, sV, pipe_q, pipe_k, pipe_v, mQS, mKS, mVS, mO, qk_scale, mOSC, mma_qk,
+                mma_pv, m_block, bh, seqlen, n_tiles):
+            wg = cute.arch.make_warp_uniform(tidx // 128)
+            wg_layout = cute.make_layout(2, stride=128)
+            wg_qk = mma_qk.get_slice(wg_layout(wg))
+            wg_pv = mma_pv.get_slice(wg_layout(wg))
+            thr_qk = mma_qk.get_slice(tidx)
+            thr_pv = mma_pv.get_slice(tidx)
+            tSrQ = wg_qk.make_fragment_A(wg_qk.partition_A(sQ))
+            tSrK = wg_qk.make_fragment_B(wg_qk.partition_B(sK))
+            # V^T [D, keys] is the B operand (N = D, K = keys), K-major
+            tOrV = wg_pv.make_fragment_B(wg_pv.partition_B(sV))
+            tOrP = wg_pv.make_fragment_A(wg_pv.partition_shape_A((TILE, TILE)))
+            acc_o = cute.make_rmem_tensor(thr_pv.partition_shape_C((TILE, TILE)), Float32)
+            acc_s = cute.make_rmem_tensor(thr_qk.partition_shape_C((TILE, TILE)), Int32)
+            s_f = cute.make_rmem_tensor(thr_qk.partition_shape_C((TILE, TILE)), Float32)
+            p_f = cute.make_rmem_tensor_like(tOrP, Float32)
+            cS = thr_qk.partition_C(cute.make_identity_tensor((TILE, TILE)))
+            row_max = cute.make_rmem_tensor((2,), Float32)
+            row_sum = cute.make_rmem_tensor((2,), Float32)
+            row_max.fill(-1.0e30)
+            row_sum.fill(0.0)
+            acc_o.fill(0.0)
+            qsc = mQS[bh, m_block] * qk_scale
+            if const_expr(self.pingpong):
+                if wg == 0:
+                    cute.arch.barrier_arrive(barrier_id=1, number_of_threads=256)
+            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+            alpha = cute.make_rmem_tensor((2,), Float32)
+            pipe_q.consumer_wait(q_state)
+            if const_expr(not self.overlap):
+                self.turn_wait(wg)
+                for j in cutlass.range(n_tiles, unroll=1):
+                    pipe_k.consumer_wait(state)
+                    gemm(mma_qk, acc_s, tSrQ, tSrK[None, None, None, state.index], True)
+                    self.turn_pass(wg)
+                    warpgroup.wait_group(0)
+                    pipe_k.consumer_release(state)
+                    self.softmax(acc_s, s_f, cS, row_max, row_sum, alpha, qsc * mKS[bh, j], j * TILE, seqlen)
+                    self.rescale(acc_o, alpha)
+                    self.pack_p(s_f, p_f, tOrP)
+                    pipe_v.consumer_wait(state)
+                    self.turn_wait(wg)
+                    gemm(mma_pv, acc_o, tOrP, tOrV[None, None, None, state.index], False)
+                    warpgroup.wait_group(0)
+                    pipe_v.consumer_release(state)
+                    state.advance()
+                self.turn_pass(wg)
+            else:  # tile j's Q K^T beside tile j-1's P V; the softmax of j while P V of j-1 runs
+                pipe_k.consumer_wait(state)
+                gemm(mma_qk, acc_s, tSrQ, tSrK[None, None, None, state.index], True)
+                warpgroup.wait_group(0)
+                pipe_k.consumer_release(state)
+                self.softmax(acc_s, s_f, cS, row_max, row_sum, alpha, qsc * mKS[bh, 0], 0, seqlen)
+                self.pack_p(s_f, p_f, tOrP)
+                v_state = state.clone()
+                for j in cutlass.range(1, n_tiles, unroll=1):
+                    state.advance()
+                    pipe_k.consumer_wait(state)
+                    self.turn_wait(wg)
+                    gemm(mma_qk, acc_s, tSrQ, tSrK[None, None, None, state.index], True)
+                    pipe_v.consumer_wait(v_state)
+                    gemm(mma_pv, acc_o, tOrP, tOrV[None, None, None, v_state.index], False)
+                    self.turn_pass(wg)
+                    warpgroup.wait_group(1)
+                    pipe_k.consumer_release(state)
+                    self.softmax(acc_s, s_f, cS, row_max, row_sum, alpha, qsc * mKS[bh, j], j * TILE, seqlen)
+                    warpgroup.wait_group(0)
+                    pipe_v.consumer_release(v_state)
+                    self.rescale(acc_o, alpha)
+                    self.pack_p(s_f, p_f, tOrP)
+                    v_state.advance()
+                pipe_v.consumer_wait(v_state)
+                gemm(mma_pv, acc_o, tOrP, tOrV[None, None, None, v_state.index], False)
+                warpgroup.wait_group(0)
+                pipe_v.consumer_release(v_state)
+            self.epilogue(acc_o, row_sum, thr_pv, mVS, mO, mOSC, m_block, bh, seqlen)
+
+        @cute.jit
+        def softmax(self, acc_s, s_f, cS, row_max, row_sum, alpha, c, key0, seqlen):
+            """acc_s (int32 Q K^T) -> s_f = 448 * exp2(c * s - m_new) per row; m and l updated, ``alpha`` the
+            factor on O of each of the thread's two rows.
+            Keys at or past ``seqlen`` (the ragged last tile) get -1e30 before the max."""
+            s_f.store((acc_s.load() + MAGIC_I).bitcast(Float32).reshape(s_f.shape))
+            if key0 + TILE > seqlen:
+                for i in cutlass.range_constexpr(cute.size(s_f)):
+                    if key0 + cS[i][1] >= seqlen:
+                        s_f[i] = Float32(-1.0e30)
+            for r in cutlass.range_constexpr(2):
+                mx = Float32(-1.0e30)
+                for n in cutlass.range_constexpr(cute.size(s_f.shape[0][2])):
+                    for e in cutlass.range_constexpr(2):
+                        mx = cute.arch.fmax(mx, s_f[(e, r, n), 0, 0])
+                mx = quad_reduce(mx, cute.arch.fmax)
+                m_new = cute.arch.fmax(row_max[r], (mx - MAGIC_F) * c)
+                neg = MAGIC_F * c + m_new - LOG2_448
+                total = Float32(0.0)
+                for n in cutlass.range_constexpr(cute.size(s_f.shape[0][2])):
+                    for e in cutlass.range_constexpr(2):
+                        p = cute.math.exp2(s_f[(e, r, n), 0, 0] * c - neg, fastmath=True)
+                        s_f[(e, r, n), 0, 0] = p
+                        total += p
+                alpha[r] = cute.math.exp2(row_max[r] - m_new, fastmath=True)
+                row_sum[r] = row_sum[r] * alpha[r] + total
+                row_max[r] = m_new
+
+        @cute.jit
+        def rescale(self, acc_o, alpha):
+            for r in cutlass.range_constexpr(2):
+                for n in cutlass.range_constexpr(cute.size(acc_o.shape[0][2])):
+                    for e in cutlass.range_constexpr(2):
+                        acc_o[(e, r, n), 0, 0] = acc_o[(e, r, n), 0, 0] * alpha[r]
+
+        @cute.jit
+        def turn_wait(self, wg):
+            """pingpong: wait for this warpgroup's turn on the tensor cores (named barrier 1 + wg)."""
+            if const_expr(self.pingpong):
+                cute.arch.barrier(barrier_id=1 + wg, number_of_threads=256)
+
+        @cute.jit
+        def turn_pass(self, wg):
+            """pingpong: hand the tensor cores to the other warpgroup."""
+            if const_expr(self.pingpong):
+                cute.arch.barrier_arrive(barrier_id=2 - wg, number_of_threads=256)
+
+        @cute.jit
+        def pack_p(self, s_f, p_f, tOrP):
+            """P (the Q K^T accumulator's layout) -> the FP8 A operand of P V (:func:`p_operand_source`)."""
+            for c in cutlass.range_constexpr(TILE // 32):
+                for h in cutlass.range_constexpr(2):
+                    for r in cutlass.range_constexpr(2):
+                        for k in cutlass.range_constexpr(4):
+                            e, n = p_operand_source(c, h, k)
+                            p_f[(k, r, h), 0, c] = s_f[(e, r, n), 0, 0]
+            tOrP.store(p_f.load().to(cutlass.Float8E4M3FN))
+
+        @cute.jit
+        def epilogue(self, acc_o, row_sum, thr_pv, mVS, mO, mOSC, m_block, bh, seqlen):
+            """o = acc / l * v_scale[d] -> ``mO`` [B, S, H, D/2] of packed pairs (d, d+1): bf16x2 as int32, or
+            with ``out_fp8`` E4M3 of bf16(o) / osc (saturated) as int16; rows past ``seqlen`` not stored."""
+            heads = mO.shape[2]
+            b = bh // heads
+            h = bh - b * heads
+            cO = thr_pv.partition_C(cute.make_identity_tensor((TILE, TILE)))
+            pair = cute.make_rmem_tensor((2,), Float32)
+            inv = cute.make_rmem_tensor((2,), Float32)
+            for r in cutlass.range_constexpr(2):
+                inv[r] = 1.0 / quad_reduce(row_sum[r], lambda x, y: x + y)
+            for r in cutlass.range_constexpr(2):
+                row = m_block * TILE + cO[(0, r, 0), 0, 0][0]
+                if row < seqlen:
+                    for n in cutlass.range_constexpr(cute.size(acc_o.shape[0][2])):
+                        d = cO[(0, r, n), 0, 0][1]
+                        for e in cutlass.range_constexpr(2):
+                            pair[e] = acc_o[(e, r, n), 0, 0] * inv[r] * mVS[bh, d + e]
+                        bf = pair.load().to(cutlass.BFloat16)
+                        if const_expr(self.out_fp8):
+                            q = bf.to(Float32) / mOSC[0]  # as the Triton kernel: a division, not a reciprocal
+                            pair.store(q)
+                            for e in cutlass.range_constexpr(2):
+                                pair[e] = cute.arch.fmax(cute.arch.fmin(pair[e], Float32(448.0)), Float32(-448.0))
+                            mO[b, row, h, d // 2] = pair.load().to(cutlass.Float8E4M3FN).bitcast(cutlass.Int16)[0]
+                        else:
+                            mO[b, row, h, d // 2] = bf.bitcast(Int32)[0]
+
+    return Attention8
+
+
+@cache
+def _kernel_type():
+    return _kernel_class()
+
+
+_COMPILED: dict = {}
+
+
+def _dl(t, dynamic_dim: int):
+    from cutlass.cute.runtime import from_dlpack
+
+    return from_dlpack(t, assumed_align=16).mark_layout_dynamic(leading_dim=dynamic_dim)
+
+
+def attention_fp8(q8, q_scale, k8, k_scale, vt8, v_scale, *, out_scale=None, stages: int = 2,
+                  overlap: bool = False, pingpong: bool = False, head_dim: int | None = None):
+    """:func:`trt_sora.kernels.triton_ops.attention_fp8` (dense, head dim 128) on this kernel: the same
+    operands -> [B, S, H*D] bf16, or FP8 at ``out_scale`` (a one-element fp32 tensor on the device)."""
+    import cuda.bindings.driver as cuda
+    import cutlass.cute as cute
+    import torch
+
+    b, h, s, d = q8.shape
+    if d != TILE:
+        raise ValueError(f"the CuTe attention kernel takes head dim {TILE}, got {d}")
+    fp8 = out_scale is not None
+    o = torch.empty((b, s, h, d), device=q8.device, dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16)
+    qk_scale = 1.0 / math.sqrt(head_dim or d) * 1.4426950408889634
+    args = (_dl(q8.view(b * h, s, d), 2), _dl(k8.view(b * h, s, d), 2), _dl(vt8.view(b * h, d, -1), 2),
+            _dl(q_scale.reshape(b * h, -1), 1), _dl(k_scale.reshape(b * h, -1), 1), _dl(v_scale.reshape(b * h, d), 1),
+            _dl(o.view(torch.int16 if fp8 else torch.int32), 3),
+            _dl((out_scale if fp8 else v_scale).reshape(-1)[:1], 0))
+    key = (stages, overlap, pingpong, fp8)
+    stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
+    if key not in _COMPILED:
+        kern = _kernel_type()(stages=stages, overlap=overlap, pingpong=pingpong, out_fp8=fp8)
+        _COMPILED[key] = cute.compile(kern, *args[:-1], qk_scale, args[-1], stream)
+    _COMPILED[key](*args[:-1], qk_scale, args[-1], stream)
+    return o.view(b, s, h * d)
