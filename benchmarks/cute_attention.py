@@ -22,11 +22,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 #: name -> Attention8 options (stages, overlap, pingpong)
 VARIANTS = {
-    "plain": {"stages": 2},
+    "plain": {"stages": 2, "overlap": False},
     "overlap": {"stages": 2, "overlap": True},
     "overlap_s3": {"stages": 3, "overlap": True},
     "overlap_s4": {"stages": 4, "overlap": True},
-    "pingpong": {"stages": 2, "pingpong": True},
+    "pingpong": {"stages": 2, "overlap": False, "pingpong": True},
     "overlap_pingpong": {"stages": 2, "overlap": True, "pingpong": True},
     "overlap_pingpong_s3": {"stages": 3, "overlap": True, "pingpong": True},
 }

@@ -34,6 +34,7 @@ Parts (``--parts``):
   ``fp8_fused_attn8_graph_otherkernel``: with the 8-bit attention kernel that is not the default, the
   warp-specialized Gluon one on SM 9.x; ``fp8_fused_attn8_cudnn`` / ``fp8_fused_attn8_graph_cudnn``: with
   cuDNN's FP8 SDPA, eager with its profiler split, and graphed; a failure there is recorded, not fatal;
+  ``fp8_fused_attn8_cute`` / ``fp8_fused_attn8_graph_cute``: the same with our CuTe DSL kernel (SM 9.0);
   ``fp8_fused_attn8_graph_sparse``: the full rung with block-sparse self-attention, once per window of
   ``--sparse-windows`` (rung ``fp8_fused_attn8_graph_sparse_F-H-W``; every layer and step, the first
   ``--sparse-global-frames`` latent frames global), with its block density and its speed-up and cosine
@@ -667,7 +668,12 @@ def model_part(name: str, size: str, batch: int, iters: int, rungs: list[str], s
               "fp8_fused_attn8_cudnn": dict(mode="fused", attention=AttentionPolicy(kernel="cudnn-fp8"),
                                             cuda_graphs=False),
               "fp8_fused_attn8_graph_cudnn": dict(mode="fused", attention=AttentionPolicy(kernel="cudnn-fp8"),
-                                                  cuda_graphs=True)}
+                                                  cuda_graphs=True),
+              # our CuTe DSL 8-bit kernel (the int8 operands; SM 9.0, nvidia-cutlass-dsl): eager, then graphed
+              "fp8_fused_attn8_cute": dict(mode="fused", attention=AttentionPolicy(kernel="int8-cute"),
+                                           cuda_graphs=False),
+              "fp8_fused_attn8_graph_cute": dict(mode="fused", attention=AttentionPolicy(kernel="int8-cute"),
+                                                 cuda_graphs=True)}
     from trt_sora.kernels import triton_ops
 
     shipped_ws = triton_ops.ATTN_WS
@@ -682,26 +688,29 @@ def model_part(name: str, size: str, batch: int, iters: int, rungs: list[str], s
         kw = ladder["fp8_fused_attn8_graph"] if sparse_plan is not None else ladder[rung]
         triton_ops.ATTN_WS = shipped_ws != rung.endswith("_otherkernel")
         held = _gpu_gib()
-        r = TorchFp8Runner(adapter, None, plan=plan, device=device, model=copy.deepcopy(model), sparse=sparse_plan,
-                           **kw).activate()
-        feeds_r = {n: x for n, x in zip(adapter.input_names, inputs)}
-        call = lambda: r.infer(feeds_r)["sample"]  # noqa: E731
+        r = None
         try:
+            r = TorchFp8Runner(adapter, None, plan=plan, device=device, model=copy.deepcopy(model),
+                               sparse=sparse_plan, **kw).activate()
+            feeds_r = {n: x for n, x in zip(adapter.input_names, inputs)}
+            call = lambda: r.infer(feeds_r)["sample"]  # noqa: E731
             y, t, ts = timed_calls(call, iters)
-        except Exception as exc:  # noqa: BLE001 - an optional kernel (cuDNN FP8) must not end the other rungs
-            if not rung.endswith("_cudnn"):
+        except Exception as exc:  # noqa: BLE001 - an optional kernel (cuDNN FP8, CuTe) must not end the other rungs
+            if not rung.endswith(("_cudnn", "_cute")):
                 raise
-            from trt_sora.kernels import cudnn_attention
+            from trt_sora.kernels import cudnn_attention, cute_attention
 
-            res["rungs"][rung] = {"error": f"{type(exc).__name__}: {exc}", "cudnn": cudnn_attention.versions()}
+            res["rungs"][rung] = {"error": f"{type(exc).__name__}: {exc}", "cudnn": cudnn_attention.versions(),
+                                  "cutlass_dsl": cute_attention.version()}
             print(rung, "failed:", res["rungs"][rung], flush=True)
-            r.deactivate()
+            if r is not None:
+                r.deactivate()
             del r
             _release_gpu()
             save(res)
             continue
         rep = r.report()
-        if profile and rung in ("fp8_fused", "fp8_fused_attn8", "fp8_fused_attn8_cudnn"):
+        if profile and rung in ("fp8_fused", "fp8_fused_attn8", "fp8_fused_attn8_cudnn", "fp8_fused_attn8_cute"):
             rep["split_ms"] = profile_split(call)
         rep.update({"s": t, "all_s": ts, "cosine_vs_eager_bf16": cos(y, y_ref),
                     "expected_fp8_gemms": r.expected_gemms(), "gpu_gib_held_before_rung": held})

@@ -24,7 +24,8 @@ ROOT = Path(__file__).resolve().parents[1]
 #: Modules of declared distributions that are not installed on this machine (GPU-only or alternatives):
 #: the only facts this test takes on trust. Installed ones are read from their metadata.
 NOT_INSTALLED_HERE = {"tensorrt": {"tensorrt", "tensorrt_bindings"}, "tensorrt-cu12": {"tensorrt", "tensorrt_bindings"},
-                      "onnxruntime-gpu": {"onnxruntime"}, "triton": {"triton"}, "nvidia-cudnn-frontend": {"cudnn"}}
+                      "onnxruntime-gpu": {"onnxruntime"}, "triton": {"triton"}, "nvidia-cudnn-frontend": {"cudnn"},
+                      "nvidia-cutlass-dsl": {"cutlass", "cuda"}}
 #: Distributions declared for the command they install, not for a module: `make test` runs each.
 COMMANDS = {"ruff"}
 #: Distributions declared as pytest plugins: used through an option of the Makefile's test target, not an import.

@@ -70,6 +70,8 @@ def test_bucket_typo_and_bad_enum():
         recipe_from_dict(raw)
     raw["torch_fp8"]["attention_kernel"] = "cudnn-fp8"
     assert recipe_from_dict(raw).torch_fp8.attention_policy()["kernel"] == "cudnn-fp8"
+    raw["torch_fp8"]["attention_kernel"] = "int8-cute"
+    assert recipe_from_dict(raw).torch_fp8.attention_policy()["kernel"] == "int8-cute"
 
 
 def test_min_greater_than_max_and_odd_height():

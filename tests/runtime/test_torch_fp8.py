@@ -193,6 +193,22 @@ def test_attention_kernel_is_chosen_by_the_policy_and_reported(base_run):
         AttentionPolicy(kernel="cudnn")
 
 
+def test_int8_cute_kernel_is_the_int8_math_and_recorded(base_run):
+    """``kernel="int8-cute"`` (the CuTe DSL kernel on SM 9.0) computes what ``int8`` does: on the CPU both run
+    the same reference, equal to the bit; the blocks and the report's policy carry the choice (the check's
+    settings are the ones the runtime loads), and an artifact's policy reads back to it."""
+    from trt_sora.runners.fp8_runner import AttentionPolicy
+
+    feeds = _feeds(seed=7)
+    int8 = _runner(base_run)
+    cute = _runner(base_run, attention=AttentionPolicy(kernel="int8-cute"))
+    assert (int8.infer(feeds)["sample"] == cute.infer(feeds)["sample"]).all()
+    assert {blk.attention_kernel for blk in cute.blocks} == {"int8-cute"}
+    rep = cute.report()
+    assert rep["attention_policy"]["kernel"] == "int8-cute" and rep["fp8_attention_layers"] == len(cute.blocks)
+    assert AttentionPolicy.from_dict(rep["attention_policy"]) == AttentionPolicy(kernel="int8-cute")
+
+
 def test_int8_artifacts_are_refused_with_the_fix(base_run, tmp_path):
     from trt_sora.errors import ArtifactError
     from trt_sora.runners.fp8_runner import fp8_plan

@@ -73,6 +73,7 @@ class AttentionKernel(str, enum.Enum):
 
     INT8 = "int8"  # INT8 Q K^T per 128-token block, FP8 P V (Triton)
     CUDNN_FP8 = "cudnn-fp8"  # per-tensor FP8 Q, K, V: cuDNN's fused FP8 SDPA (the cudnn-fp8 extra)
+    INT8_CUTE = "int8-cute"  # the int8 recipe on the CuTe DSL kernel (SM 9.0, dense, head dim 128; the cute extra)
 
 
 class ExternalData(str, enum.Enum):
@@ -235,7 +236,8 @@ class TorchFp8Config:
     holds what only that backend has: the 8-bit self-attention (INT8 QK^T, FP8 PV, per-block
     scales, K smoothing), switched off per block (``attention_exclude``, fnmatch over ``blocks.N``)
     or outside a timestep range (``attention_timesteps: [lo, hi]`` in 0..1000), its kernel
-    (``attention_kernel``: ``int8``, or ``cudnn-fp8``, cuDNN's FP8 SDPA), CUDA graphs, and
+    (``attention_kernel``: ``int8``; ``int8-cute``, the same operands on the CuTe DSL kernel, SM 9.0; or
+    ``cudnn-fp8``, cuDNN's FP8 SDPA), CUDA graphs, and
     ``gemm_fast_accum``: the FP8 GEMMs accumulate in the tensor cores' own accumulator (cuBLASLt fast
     accumulation, no periodic promotion to fp32). ``check`` runs the candidate with these settings
     and the runtime loads it with the settings the check ran.

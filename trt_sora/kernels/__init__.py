@@ -28,6 +28,10 @@
   ping-pong turns, FlashAttention-3's schedule); ``attention_fp8(..., ws=True)`` or ``triton_ops.ATTN_WS``
   picks it, ``triton_ops.attention_kernel`` says which one runs (the Triton kernel by default: faster
   since V^T is stored in the operand's key order).
+* :mod:`trt_sora.kernels.cute_attention` - ``attention_fp8``'s operands on SM 9.0a in NVIDIA's CuTe DSL (the
+  ``cute`` extra): TMA producer warp, two consumer warpgroups, the softmax of one key tile beside the products
+  of the next and the previous, P packed to FP8 in registers; the ``int8-cute`` attention kernel of a recipe
+  (dense heads of 128; the rest on the Triton kernel).
 * :mod:`trt_sora.kernels.cuda_hist` - calibration's ``|x|`` histogram as one CUDA kernel compiled by
   NVRTC at run time (shared-memory atomics, which Triton lacks); the same bins as ``torch.histc``.
 

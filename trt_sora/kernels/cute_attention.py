@@ -26,6 +26,8 @@ import importlib.util
 import math
 from functools import cache
 
+from trt_sora.errors import BackendMissingError, ConfigError
+
 #: Keys per tile and query rows per CTA: the INT8 operands' scale block.
 TILE = 128
 LOG2_448 = 8.807354922057604
@@ -42,15 +44,48 @@ def p_operand_source(c: int, h: int, k: int) -> tuple[int, int]:
     return k % 2, 4 * c + 2 * h + k // 2
 
 
+#: The DSL this kernel was written and measured with.
+PIP = "pip install nvidia-cutlass-dsl==4.8.1"
+
+
 def available(device=None) -> bool:
     """True where the DSL is installed and ``device`` (default: the current CUDA device) is SM 9.0."""
-    if importlib.util.find_spec("cutlass") is None:
+    try:
+        require(device)
+    except (BackendMissingError, ConfigError):
         return False
+    return True
+
+
+def require(device=None) -> None:
+    """Typed errors where this kernel cannot run: :class:`BackendMissingError` naming the install command when
+    the DSL is missing; :class:`ConfigError` on a GPU that is not SM 9.0 (its code is ``sm_90a``)."""
     import torch
 
-    if not torch.cuda.is_available():
-        return False
-    return torch.cuda.get_device_capability(device) == (9, 0)
+    if importlib.util.find_spec("cutlass") is None:
+        raise BackendMissingError(f"attention kernel 'int8-cute' needs NVIDIA's CuTe DSL; install it with: {PIP} "
+                                  "(or the cute extra), or use the default kernel 'int8'")
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability(device) != (9, 0):
+        name = torch.cuda.get_device_name(device) if torch.cuda.is_available() else "no GPU"
+        raise ConfigError(f"attention kernel 'int8-cute' runs on SM 9.0 (H100 / H200) only, not on {name}; "
+                          "use torch_fp8.attention_kernel: int8")
+
+
+def takes(q8) -> bool:
+    """Whether this kernel runs attention on ``q8`` [B, H, S, D] (head dim 128, on a CUDA device); the
+    ``int8`` kernel runs the rest (narrow heads of tiny models, key lengths, sparse tiles)."""
+    return q8.is_cuda and q8.shape[-1] == TILE
+
+
+def version() -> str | None:
+    """The installed DSL's version (None without it)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("nvidia-cutlass-dsl")
+    except PackageNotFoundError:
+        return None
 
 
 def _kernel_class():
@@ -390,9 +425,11 @@ def _dl(t, dynamic_dim: int):
 
 
 def attention_fp8(q8, q_scale, k8, k_scale, vt8, v_scale, *, out_scale=None, stages: int = 2,
-                  overlap: bool = False, pingpong: bool = False, head_dim: int | None = None):
+                  overlap: bool = True, pingpong: bool = False, head_dim: int | None = None):
     """:func:`trt_sora.kernels.triton_ops.attention_fp8` (dense, head dim 128) on this kernel: the same
-    operands -> [B, S, H*D] bf16, or FP8 at ``out_scale`` (a one-element fp32 tensor on the device)."""
+    operands -> [B, S, H*D] bf16, or FP8 at ``out_scale`` (a one-element fp32 tensor on the device). The
+    default schedule is the fastest measured on an H100 (2 stages, the intra-warpgroup overlap, no ping-pong:
+    benchmarks/README.md). The first call of each schedule and output type compiles it (about 2 s)."""
     import cuda.bindings.driver as cuda
     import cutlass.cute as cute
     import torch

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from trt_sora.config.recipe import AttentionKernel
 from trt_sora.errors import ConfigError
+from trt_sora.kernels import cute_attention
 from trt_sora.kernels import reference as ref
 
 __all__ = ["ATTENTION_KERNELS", "gated_add", "gelu_quant", "linear_fp8", "quantize", "residual_norm_quant",
@@ -17,7 +18,8 @@ __all__ = ["ATTENTION_KERNELS", "gated_add", "gelu_quant", "linear_fp8", "quanti
 
 
 #: The 8-bit self-attention kernels (:class:`~trt_sora.config.recipe.AttentionKernel`): ``int8`` (Triton,
-#: the default) and ``cudnn-fp8`` (cuDNN's fused FP8 SDPA, :mod:`.cudnn_attention`).
+#: the default), ``int8-cute`` (its operands on the CuTe DSL kernel, :mod:`.cute_attention`) and ``cudnn-fp8``
+#: (cuDNN's fused FP8 SDPA, :mod:`.cudnn_attention`).
 ATTENTION_KERNELS = tuple(k.value for k in AttentionKernel)
 
 
@@ -105,7 +107,8 @@ def self_attention(qkv, wq, wk, cos, sin, heads: int, eps: float, *, fp8: bool, 
     ``rstd`` [B*S, 2] fp32: the per-token RMS statistics to use instead of taking them (ones, with
     ``wq``/``wk`` ones and no RoPE: Q and K arrive normalized, a family whose norm is per head).
 
-    ``kernel``: the 8-bit kernel when ``fp8`` (:data:`ATTENTION_KERNELS`; ``cudnn-fp8`` is dense only).
+    ``kernel``: the 8-bit kernel when ``fp8`` (:data:`ATTENTION_KERNELS`; ``cudnn-fp8`` is dense only;
+    ``int8-cute`` runs dense heads of 128 on the CuTe DSL kernel, anything else on the ``int8`` one).
 
     ``key_len`` [B] int32 on ``qkv``'s device (the ``int8`` kernel, dense, no Ulysses): the tokens from it
     on are padding, never attended as keys and in none of the 8-bit scales (their own output rows are not
@@ -114,7 +117,7 @@ def self_attention(qkv, wq, wk, cos, sin, heads: int, eps: float, *, fp8: bool, 
         raise ValueError(f"attention kernel {kernel!r}: use one of {ATTENTION_KERNELS}")
     t = _tri(qkv)
     k_ = t or ref
-    if key_len is not None and not (fp8 and kernel == "int8" and sparse is None and seq is None):
+    if key_len is not None and not (fp8 and kernel in ("int8", "int8-cute") and sparse is None and seq is None):
         raise ConfigError("key lengths run on the dense 'int8' attention kernel only: fp8=True without "
                           "sparse attention or Ulysses; run BF16 attention with a key mask otherwise")
     if sparse is not None:
@@ -138,10 +141,12 @@ def self_attention(qkv, wq, wk, cos, sin, heads: int, eps: float, *, fp8: bool, 
         else:
             out = heads_to_tokens(sdpa_bf16(q, k, v) if sparse is None else sparse.attend_tile(q, k, v), out_scale)
     elif t:
-        out = t.attention_fp8(*t.qkv_rmsnorm_rope(qkv, wq, wk, cos, sin, heads, eps, fp8=True, rstd=rstd,
-                                                  key_len=key_len),
-                              out_scale=out_scale, blocks=None if sparse is None else sparse.kernel_blocks,
-                              key_len=key_len)
+        ops8 = t.qkv_rmsnorm_rope(qkv, wq, wk, cos, sin, heads, eps, fp8=True, rstd=rstd, key_len=key_len)
+        if kernel == "int8-cute" and sparse is None and key_len is None and cute_attention.takes(ops8[0]):
+            out = cute_attention.attention_fp8(*ops8, out_scale=out_scale)
+        else:
+            out = t.attention_fp8(*ops8, out_scale=out_scale, blocks=None if sparse is None else sparse.kernel_blocks,
+                                  key_len=key_len)
     else:
         q8, qs, k8, ks, v8, vs, _ = ref.qkv_rmsnorm_rope(qkv, wq, wk, cos, sin, heads, eps, fp8=True, rstd=rstd,
                                                          key_len=key_len)

@@ -66,7 +66,9 @@ class AttentionPolicy:
             e.g. ``(200, 1000)`` keeps the low-noise end of the trajectory in BF16). A call with a
             timestep per frame (Wan 2.2 TI2V) is at its largest one, the step's.
         kernel: the 8-bit kernel (:class:`~trt_sora.config.recipe.AttentionKernel`): ``int8`` (the
-            default) or ``cudnn-fp8`` (cuDNN's FP8 SDPA: needs the cuDNN frontend, dense only).
+            default), ``int8-cute`` (the same operands on the CuTe DSL kernel: SM 9.0 and
+            nvidia-cutlass-dsl; dense attention of head dim 128, other calls on the ``int8`` kernel) or
+            ``cudnn-fp8`` (cuDNN's FP8 SDPA: needs the cuDNN frontend, dense only).
     """
 
     enabled: bool = True
@@ -196,6 +198,10 @@ class TorchFp8Runner(Runner):
                               fast_accum=self.fast_accum)
         if self.sparse is not None and self.attention.kernel != "int8":
             raise ConfigError(f"sparse attention runs on the 'int8' attention kernel, not {self.attention.kernel!r}")
+        if self.attention.kernel == "int8-cute" and str(self.device).startswith("cuda"):
+            from trt_sora.kernels import cute_attention
+
+            cute_attention.require(self.device)
         for b in self.blocks:
             b.attention_kernel = self.attention.kernel
         self.model = model
@@ -233,10 +239,10 @@ class TorchFp8Runner(Runner):
 
     def _set_attention(self, timestep: float, inputs: list) -> tuple:
         """Each block's attention for one call: FP8 or BF16 by the policy, and its sparse seam; the graph
-        key part. Where the family masks keys the ``int8`` kernel takes key lengths; another 8-bit kernel
-        has no mask, so such a call runs BF16 attention."""
+        key part. Where the family masks keys the ``int8`` kernel takes key lengths (``int8-cute`` runs such
+        calls on it); cuDNN's kernel has no mask, so such a call runs BF16 attention."""
         self.keys_padded = not self.adapter.attention_keys_all_valid(dict(zip(self.input_names, inputs)))
-        masks_ok = not self.keys_padded or self.attention.kernel == "int8"
+        masks_ok = not self.keys_padded or self.attention.kernel in ("int8", "int8-cute")
         flags = tuple(self.mode == "fused" and masks_ok and self.attention.on(b.name, timestep) for b in self.blocks)
         for b, f in zip(self.blocks, flags):
             b.fp8_attention = f
@@ -316,7 +322,12 @@ class TorchFp8Runner(Runner):
         return info
 
     def _attention_kernel_report(self, device) -> dict[str, Any]:
-        """Which 8-bit attention kernel ran: ``cudnn-fp8`` (with the cuDNN versions), ``triton`` or ``gluon-ws``."""
+        """Which 8-bit attention kernel ran: ``cudnn-fp8`` (with the cuDNN versions), ``cute`` (with the DSL's
+        version), ``triton`` or ``gluon-ws``."""
+        if self.attention.kernel == "int8-cute":
+            from trt_sora.kernels import cute_attention
+
+            return {"attention_kernel": "cute", "cutlass_dsl": cute_attention.version()}
         if self.attention.kernel == "cudnn-fp8":
             from trt_sora.kernels import cudnn_attention
 
