@@ -29,6 +29,8 @@ VARIANTS = {
     "pingpong": {"stages": 2, "overlap": False, "pingpong": True},
     "overlap_pingpong": {"stages": 2, "overlap": True, "pingpong": True},
     "overlap_pingpong_s3": {"stages": 3, "overlap": True, "pingpong": True},
+    "lookahead": {"stages": 2, "overlap": False, "lookahead": True},
+    "lookahead_s3": {"stages": 3, "overlap": False, "lookahead": True},
 }
 SHAPES = ((1, 100, 2), (1, 128, 2), (1, 129, 2), (2, 1000, 2), (1, 4133, 2), (1, 32760, 3))
 

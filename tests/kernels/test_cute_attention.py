@@ -91,18 +91,22 @@ def _gpu_ops(b, s, h):
 
 
 @pytest.mark.gpu
-def test_gpu_kernel_agrees_with_the_triton_kernel():
-    """Ragged, batch 2: the same operands on both kernels, bf16 and FP8 output (their sums differ in order, and
-    the ragged tile keeps the one FMA here: a few bf16 ulps, benchmarks/README.md)."""
+@pytest.mark.parametrize("schedule", [{}, {"overlap": False}, {"overlap": False, "lookahead": True}],
+                         ids=["overlap", "in-order", "lookahead"])
+@pytest.mark.parametrize("s", [1000, 640])  # 8 key tiles (an even count) and 5 (odd: the lookahead's tails)
+def test_gpu_kernel_agrees_with_the_triton_kernel(schedule, s):
+    """Batch 2, ragged (1000) and whole tiles (640): the same operands on both kernels, bf16 and FP8 output
+    (their sums differ in order, and the ragged tile keeps the one FMA here: a few bf16 ulps,
+    benchmarks/README.md)."""
     import torch
 
-    t, ops = _gpu_ops(2, 1000, 2)
-    want, got = t.attention_fp8(*ops, ws=False).float(), ca.attention_fp8(*ops).float()
+    t, ops = _gpu_ops(2, s, 2)
+    want, got = t.attention_fp8(*ops, ws=False).float(), ca.attention_fp8(*ops, **schedule).float()
     assert torch.isfinite(got).all() and (got - want).abs().max() <= 0.004
     assert (got == want).float().mean() >= 0.98
     sc = torch.tensor(float(want.abs().max()) / 448, device="cuda")
     w8 = t.attention_fp8(*ops, out_scale=sc, ws=False).view(torch.uint8)
-    g8 = ca.attention_fp8(*ops, out_scale=sc).view(torch.uint8)
+    g8 = ca.attention_fp8(*ops, out_scale=sc, **schedule).view(torch.uint8)
     assert (g8 == w8).float().mean() >= 0.99
 
 

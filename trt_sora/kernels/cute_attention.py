@@ -12,10 +12,13 @@ One CTA holds 128 query rows (one Q scale block) and three warpgroups:
   operand of the register-sourced FP8 WGMMA, no shared-memory round trip: V^T's key order puts every value
   in the lane that owns it), then O += P V^T.
 
-Two options of :class:`Attention8` change the schedule, not the math:
+Options of :class:`Attention8` change the schedule, not the math:
 
 - ``overlap`` (intra-warpgroup): tile j's Q K^T and tile j-1's P V are issued together; the softmax of j
   runs while P V of j-1 is on the tensor cores;
+- ``lookahead``: Q K^T runs one tile ahead into a second accumulator, so the softmax of j runs while Q K^T
+  of j+1 is on the tensor cores and P V of j follows at once (the softmax works in place: fp32 in the int32
+  registers);
 - ``pingpong`` (inter-warpgroup): two named barriers take turns, so one warpgroup's GEMMs run while the
   other's softmax does.
 
@@ -121,8 +124,9 @@ def _kernel_class():
 
     class Attention8:
         def __init__(self, stages: int = 2, overlap: bool = False, pingpong: bool = False,
-                     out_fp8: bool = False, mma_regs: int = 240, load_regs: int = 24):
+                     out_fp8: bool = False, lookahead: bool = False, mma_regs: int = 240, load_regs: int = 24):
             self.stages, self.overlap, self.pingpong, self.out_fp8 = stages, overlap, pingpong, out_fp8
+            self.lookahead = lookahead
             self.mma_regs, self.load_regs = mma_regs, load_regs
 
         @cute.jit
@@ -272,7 +276,30 @@ def _kernel_class():
             q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
             alpha = cute.make_rmem_tensor((2,), Float32)
             pipe_q.consumer_wait(q_state)
-            if const_expr(not self.overlap):
+            if const_expr(self.lookahead):  # Q K^T one tile ahead into a second accumulator
+                acc_b = cute.make_rmem_tensor(thr_qk.partition_shape_C((TILE, TILE)), Int32)
+                v_state = state.clone()
+                pipe_k.consumer_wait(state)
+                gemm(mma_qk, acc_s, tSrQ, tSrK[None, None, None, state.index], True)
+                warpgroup.wait_group(0)
+                pipe_k.consumer_release(state)
+                args = (pipe_k, pipe_v, mma_qk, mma_pv, tSrQ, tSrK, tOrV, tOrP, p_f, acc_o, cS, row_max, row_sum,
+                        alpha, qsc, mKS, bh, seqlen)
+                step = self.lookahead_step
+                # every step but the last issues the next Q K^T: the WGMMA groups outstanding at each wait are
+                # the same on every path (ptxas serializes the products where it cannot tell)
+                pairs = (n_tiles - 1) // 2
+                for jj in cutlass.range(pairs, unroll=1):
+                    state, v_state = step(acc_s, acc_b, 2 * jj, state, v_state, *args, True)
+                    state, v_state = step(acc_b, acc_s, 2 * jj + 1, state, v_state, *args, True)
+                if n_tiles - 2 * pairs == 2:
+                    state, v_state = step(acc_s, acc_b, n_tiles - 2, state, v_state, *args, True)
+                    state, v_state = step(acc_b, acc_s, n_tiles - 1, state, v_state, *args, False)
+                else:
+                    state, v_state = step(acc_s, acc_b, n_tiles - 1, state, v_state, *args, False)
+                warpgroup.wait_group(0)
+                pipe_v.consumer_release(v_state)
+            elif const_expr(not self.overlap):
                 self.turn_wait(wg)
                 for j in cutlass.range(n_tiles, unroll=1):
                     pipe_k.consumer_wait(state)
@@ -319,6 +346,34 @@ def _kernel_class():
                 warpgroup.wait_group(0)
                 pipe_v.consumer_release(v_state)
             self.epilogue(acc_o, row_sum, thr_pv, mVS, mO, mOSC, m_block, bh, seqlen)
+
+        @cute.jit
+        def lookahead_step(self, s_cur, s_next, j, k_state, v_state, pipe_k, pipe_v, mma_qk, mma_pv, tSrQ, tSrK,
+                           tOrV, tOrP, p_f, acc_o, cS, row_max, row_sum, alpha, qsc, mKS, bh, seqlen,
+                           has_next: cutlass.Constexpr):
+            """Tile j, its Q K^T in ``s_cur`` (done): Q K^T of j+1 into ``s_next`` first (``has_next``), then the
+            softmax of j (in place: the fp32 values in the int32 registers) while it runs, then P V of j.
+            Returns the K and V pipeline states."""
+            if const_expr(has_next):
+                k_state.advance()
+                pipe_k.consumer_wait(k_state)
+                gemm(mma_qk, s_next, tSrQ, tSrK[None, None, None, k_state.index], True)
+                warpgroup.wait_group(1)  # P V of j-1 done: O and the P registers are free
+            else:
+                warpgroup.wait_group(0)
+            if j > 0:
+                pipe_v.consumer_release(v_state)
+                v_state.advance()
+            s_f = cute.recast_tensor(s_cur, Float32)
+            self.softmax(s_cur, s_f, cS, row_max, row_sum, alpha, qsc * mKS[bh, j], j * TILE, seqlen)
+            self.rescale(acc_o, alpha)
+            self.pack_p(s_f, p_f, tOrP)
+            pipe_v.consumer_wait(v_state)
+            gemm(mma_pv, acc_o, tOrP, tOrV[None, None, None, v_state.index], False)
+            if const_expr(has_next):
+                warpgroup.wait_group(1)  # Q K^T of j+1 done
+                pipe_k.consumer_release(k_state)
+            return k_state, v_state
 
         @cute.jit
         def softmax(self, acc_s, s_f, cS, row_max, row_sum, alpha, c, key0, seqlen):
@@ -425,7 +480,7 @@ def _dl(t, dynamic_dim: int):
 
 
 def attention_fp8(q8, q_scale, k8, k_scale, vt8, v_scale, *, out_scale=None, stages: int = 2,
-                  overlap: bool = True, pingpong: bool = False, head_dim: int | None = None):
+                  overlap: bool = True, pingpong: bool = False, lookahead: bool = False, head_dim: int | None = None):
     """:func:`trt_sora.kernels.triton_ops.attention_fp8` (dense, head dim 128) on this kernel: the same
     operands -> [B, S, H*D] bf16, or FP8 at ``out_scale`` (a one-element fp32 tensor on the device). The
     default schedule is the fastest measured on an H100 (2 stages, the intra-warpgroup overlap, no ping-pong:
@@ -444,10 +499,10 @@ def attention_fp8(q8, q_scale, k8, k_scale, vt8, v_scale, *, out_scale=None, sta
             _dl(q_scale.reshape(b * h, -1), 1), _dl(k_scale.reshape(b * h, -1), 1), _dl(v_scale.reshape(b * h, d), 1),
             _dl(o.view(torch.int16 if fp8 else torch.int32), 3),
             _dl((out_scale if fp8 else v_scale).reshape(-1)[:1], 0))
-    key = (stages, overlap, pingpong, fp8)
+    key = (stages, overlap, pingpong, lookahead, fp8)
     stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
     if key not in _COMPILED:
-        kern = _kernel_type()(stages=stages, overlap=overlap, pingpong=pingpong, out_fp8=fp8)
+        kern = _kernel_type()(stages=stages, overlap=overlap, pingpong=pingpong, lookahead=lookahead, out_fp8=fp8)
         _COMPILED[key] = cute.compile(kern, *args[:-1], qk_scale, args[-1], stream)
     _COMPILED[key](*args[:-1], qk_scale, args[-1], stream)
     return o.view(b, s, h * d)
