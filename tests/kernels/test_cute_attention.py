@@ -111,6 +111,19 @@ def test_gpu_kernel_agrees_with_the_triton_kernel(schedule, s):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("schedule", [{}, {"overlap": False, "lookahead": True}], ids=["overlap", "lookahead"])
+def test_gpu_lazy_rescale_changes_no_bit(schedule):
+    """Skipping O's rescale where no row of a warp has a new max multiplies by exactly 1 less often: the same
+    bits, bf16 and FP8."""
+    import torch
+
+    _, ops = _gpu_ops(1, 4133, 2)
+    for out in ({}, {"out_scale": torch.tensor(0.001, device="cuda")}):
+        assert torch.equal(ca.attention_fp8(*ops, **schedule, **out).view(torch.uint8),
+                           ca.attention_fp8(*ops, **schedule, lazy_rescale=True, **out).view(torch.uint8))
+
+
+@pytest.mark.gpu
 def test_gpu_kernel_replays_in_a_cuda_graph():
     import torch
 

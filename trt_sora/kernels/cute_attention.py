@@ -124,9 +124,10 @@ def _kernel_class():
 
     class Attention8:
         def __init__(self, stages: int = 2, overlap: bool = False, pingpong: bool = False,
-                     out_fp8: bool = False, lookahead: bool = False, mma_regs: int = 240, load_regs: int = 24):
+                     out_fp8: bool = False, lookahead: bool = False, lazy_rescale: bool = False,
+                     mma_regs: int = 240, load_regs: int = 24):
             self.stages, self.overlap, self.pingpong, self.out_fp8 = stages, overlap, pingpong, out_fp8
-            self.lookahead = lookahead
+            self.lookahead, self.lazy_rescale = lookahead, lazy_rescale
             self.mma_regs, self.load_regs = mma_regs, load_regs
 
         @cute.jit
@@ -405,6 +406,17 @@ def _kernel_class():
 
         @cute.jit
         def rescale(self, acc_o, alpha):
+            """acc_o *= alpha per row; ``lazy_rescale``: skipped when no row of the warp has a new max (every
+            alpha exactly 1: the product would change nothing), a warp-uniform branch."""
+            if const_expr(self.lazy_rescale):
+                changed = (alpha[0] != Float32(1.0)) or (alpha[1] != Float32(1.0))
+                if cute.arch.vote_any_sync(changed):
+                    self.scale_rows(acc_o, alpha)
+            else:
+                self.scale_rows(acc_o, alpha)
+
+        @cute.jit
+        def scale_rows(self, acc_o, alpha):
             for r in cutlass.range_constexpr(2):
                 for n in cutlass.range_constexpr(cute.size(acc_o.shape[0][2])):
                     for e in cutlass.range_constexpr(2):
@@ -480,7 +492,8 @@ def _dl(t, dynamic_dim: int):
 
 
 def attention_fp8(q8, q_scale, k8, k_scale, vt8, v_scale, *, out_scale=None, stages: int = 2,
-                  overlap: bool = True, pingpong: bool = False, lookahead: bool = False, head_dim: int | None = None):
+                  overlap: bool = True, pingpong: bool = False, lookahead: bool = False, lazy_rescale: bool = False,
+                  head_dim: int | None = None):
     """:func:`trt_sora.kernels.triton_ops.attention_fp8` (dense, head dim 128) on this kernel: the same
     operands -> [B, S, H*D] bf16, or FP8 at ``out_scale`` (a one-element fp32 tensor on the device). The
     default schedule is the fastest measured on an H100 (2 stages, the intra-warpgroup overlap, no ping-pong:
@@ -499,10 +512,11 @@ def attention_fp8(q8, q_scale, k8, k_scale, vt8, v_scale, *, out_scale=None, sta
             _dl(q_scale.reshape(b * h, -1), 1), _dl(k_scale.reshape(b * h, -1), 1), _dl(v_scale.reshape(b * h, d), 1),
             _dl(o.view(torch.int16 if fp8 else torch.int32), 3),
             _dl((out_scale if fp8 else v_scale).reshape(-1)[:1], 0))
-    key = (stages, overlap, pingpong, lookahead, fp8)
+    key = (stages, overlap, pingpong, lookahead, lazy_rescale, fp8)
     stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
     if key not in _COMPILED:
-        kern = _kernel_type()(stages=stages, overlap=overlap, pingpong=pingpong, lookahead=lookahead, out_fp8=fp8)
+        kern = _kernel_type()(stages=stages, overlap=overlap, pingpong=pingpong, lookahead=lookahead,
+                              lazy_rescale=lazy_rescale, out_fp8=fp8)
         _COMPILED[key] = cute.compile(kern, *args[:-1], qk_scale, args[-1], stream)
     _COMPILED[key](*args[:-1], qk_scale, args[-1], stream)
     return o.view(b, s, h * d)
