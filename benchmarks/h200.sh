@@ -37,7 +37,8 @@
 # cute (issue 32: our CuTe DSL 8-bit attention kernel vs the Triton one: agreement on six shapes, speed at 32,760
 # tokens, benchmarks/cute_attention.py; the DSL from the fa4 part's carried pieces; CUTE_VARIANTS picks schedules),
 # m14cute (the 14B 480p call with torch_fp8.attention_kernel int8-cute beside the Triton kernel: eager with the
-# profiler split, and graphed; the DSL as for cute),
+# profiler split, and graphed; the DSL as for cute), cute_tests (the CuTe kernel's GPU tests, the DSL on the path;
+# pytest from the .whl carry or the device's own),
 # hist (one batch's |x| histogram several ways; HIST_ARGS=--only-cuda: the torch path and the NVRTC kernel),
 # m14b2 (14B batch 2), m14_720 (14B 720p batch 1), m14sparse (issue 32: the 14B 720p call, the full torch-fp8 rung
 # dense and with block-sparse attention per window of SPARSE_WINDOWS (4-2-2,2-2-2), iters 5, one eager call), m14x (14B 480p batch 2, 720p batch 1 and 2: eager vs full torch-fp8,
@@ -137,6 +138,10 @@ for p in "$@"; do
     m14cudnn) part m14cudnn 300 python3 benchmarks/fp8_bench.py --parts models --models wan2.1-t2v-14b --batches 1 \
                 --iters 5 --rungs fp8_fused_attn8_graph,fp8_fused_attn8_cudnn,fp8_fused_attn8_graph_cudnn \
                 --out "$OUT/m14cudnn.json" ;;
+    cute_tests) part cute_tests ${CUTE_TESTS_LIMIT:-240} bash -c "set -e; F=/tmp/fa4site
+               [ -d \$F/nvidia_cutlass_dsl ] || cat build/cute/*/fa4site.part-* | xz -d | tar -xf - -C /tmp
+               PYTHONPATH=\$PYTHONPATH:\$F:\$F/nvidia_cutlass_dsl/dsl_packages python3 -m pytest -q -m gpu \
+                 -p no:cacheprovider tests/kernels/test_cute_attention.py tests/runtime/test_torch_fp8.py -k cute" ;;
     m14cute) part m14cute ${M14CUTE_LIMIT:-360} bash -c "set -e; F=/tmp/fa4site
                [ -d \$F/nvidia_cutlass_dsl ] || cat build/cute/*/fa4site.part-* | xz -d | tar -xf - -C /tmp
                PYTHONPATH=\$PYTHONPATH:\$F:\$F/nvidia_cutlass_dsl/dsl_packages python3 benchmarks/fp8_bench.py --parts models \
