@@ -27,23 +27,18 @@ def pytest_configure(config):
     made it removes it at the end), not in ~/.cache. On an xdist worker of several, one torch thread (and one for
     the processes tests start): two processes with two threads each on two cores stall on the suite's small
     tensors."""
+    import atexit
     import os
+    import shutil
     import tempfile
 
     if "TRT_SORA_CACHE_DIR" not in os.environ:
         made = tempfile.mkdtemp(prefix="trt_sora-hash-cache-")
-        os.environ["TRT_SORA_CACHE_DIR"] = config._trt_sora_cache_dir = made
+        os.environ["TRT_SORA_CACHE_DIR"] = made
+        # at exit, after the cache's own save (an atexit hook registered later, so run earlier) rewrote it
+        atexit.register(shutil.rmtree, made, ignore_errors=True)
     if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
-
-
-def pytest_unconfigure(config):
-    """Remove the hash cache this process made (xdist workers inherit the controller's and leave it)."""
-    import shutil
-
-    made = getattr(config, "_trt_sora_cache_dir", None)
-    if made:
-        shutil.rmtree(made, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):
