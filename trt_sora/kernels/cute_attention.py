@@ -353,20 +353,22 @@ def _kernel_class():
                            tOrV, tOrP, p_f, acc_o, cS, row_max, row_sum, alpha, qsc, mKS, bh, seqlen,
                            has_next: cutlass.Constexpr):
             """Tile j, its Q K^T in ``s_cur`` (done): Q K^T of j+1 into ``s_next`` first (``has_next``), then the
-            softmax of j (in place: the fp32 values in the int32 registers) while it runs, then P V of j.
-            Returns the K and V pipeline states."""
+            softmax of j (in place: the fp32 values in the int32 registers) while it and P V of j-1 run, then
+            O's rescale and P's packing once P V of j-1 is done, then P V of j. Returns the K and V pipeline
+            states."""
             if const_expr(has_next):
                 k_state.advance()
                 pipe_k.consumer_wait(k_state)
                 gemm(mma_qk, s_next, tSrQ, tSrK[None, None, None, k_state.index], True)
+            s_f = cute.recast_tensor(s_cur, Float32)
+            self.softmax(s_cur, s_f, cS, row_max, row_sum, alpha, qsc * mKS[bh, j], j * TILE, seqlen)
+            if const_expr(has_next):
                 warpgroup.wait_group(1)  # P V of j-1 done: O and the P registers are free
             else:
                 warpgroup.wait_group(0)
             if j > 0:
                 pipe_v.consumer_release(v_state)
                 v_state.advance()
-            s_f = cute.recast_tensor(s_cur, Float32)
-            self.softmax(s_cur, s_f, cS, row_max, row_sum, alpha, qsc * mKS[bh, j], j * TILE, seqlen)
             self.rescale(acc_o, alpha)
             self.pack_p(s_f, p_f, tOrP)
             pipe_v.consumer_wait(v_state)
