@@ -76,6 +76,11 @@ class AttentionKernel(str, enum.Enum):
     INT8_CUTE = "int8-cute"  # the int8 recipe on the CuTe DSL kernel (SM 9.0, dense, head dim 128; the cute extra)
 
 
+#: The attention kernels that take a key length per sample (masked keys): ``int8``, and ``int8-cute`` by running
+#: such calls on the ``int8`` kernel. cuDNN's has no mask (such a call runs BF16 attention).
+KEY_LENGTH_KERNELS = (AttentionKernel.INT8.value, AttentionKernel.INT8_CUTE.value)
+
+
 class ExternalData(str, enum.Enum):
     AUTO = "auto"  # only when the model is over 2 GB (protobuf limit)
     ALWAYS = "always"

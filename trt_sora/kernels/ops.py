@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from trt_sora.config.recipe import AttentionKernel
+from trt_sora.config.recipe import KEY_LENGTH_KERNELS, AttentionKernel
 from trt_sora.errors import ConfigError
 from trt_sora.kernels import cute_attention
 from trt_sora.kernels import reference as ref
@@ -117,7 +117,7 @@ def self_attention(qkv, wq, wk, cos, sin, heads: int, eps: float, *, fp8: bool, 
         raise ValueError(f"attention kernel {kernel!r}: use one of {ATTENTION_KERNELS}")
     t = _tri(qkv)
     k_ = t or ref
-    if key_len is not None and not (fp8 and kernel in ("int8", "int8-cute") and sparse is None and seq is None):
+    if key_len is not None and not (fp8 and kernel in KEY_LENGTH_KERNELS and sparse is None and seq is None):
         raise ConfigError("key lengths run on the dense 'int8' attention kernel only: fp8=True without "
                           "sparse attention or Ulysses; run BF16 attention with a key mask otherwise")
     if sparse is not None:

@@ -21,7 +21,7 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-from trt_sora.config.recipe import AttentionKernel, TorchFp8Config
+from trt_sora.config.recipe import KEY_LENGTH_KERNELS, AttentionKernel, TorchFp8Config
 from trt_sora.errors import ArtifactError, BackendMissingError, ConfigError
 from trt_sora.runners.base import Runner, is_torch, to_numpy
 from trt_sora.sm import FP8_MIN_SM, device_sm, sm_dotted
@@ -179,6 +179,10 @@ class TorchFp8Runner(Runner):
 
         rewrite = self.adapter.torch_fp8_rewrite()  # before loading: a family without it fails at once
         check_device(self.device)
+        if self.attention.kernel == "int8-cute" and str(self.device).startswith("cuda"):
+            from trt_sora.kernels import cute_attention
+
+            cute_attention.require(self.device)  # before loading too: the DSL, an SM 9.0 GPU
         self.plan = dict(self._given_plan) if self._given_plan is not None else fp8_plan(self.qdq_map, self.stats)
         model = self._given_model
         if model is None:
@@ -198,10 +202,6 @@ class TorchFp8Runner(Runner):
                               fast_accum=self.fast_accum)
         if self.sparse is not None and self.attention.kernel != "int8":
             raise ConfigError(f"sparse attention runs on the 'int8' attention kernel, not {self.attention.kernel!r}")
-        if self.attention.kernel == "int8-cute" and str(self.device).startswith("cuda"):
-            from trt_sora.kernels import cute_attention
-
-            cute_attention.require(self.device)
         for b in self.blocks:
             b.attention_kernel = self.attention.kernel
         self.model = model
@@ -242,7 +242,7 @@ class TorchFp8Runner(Runner):
         key part. Where the family masks keys the ``int8`` kernel takes key lengths (``int8-cute`` runs such
         calls on it); cuDNN's kernel has no mask, so such a call runs BF16 attention."""
         self.keys_padded = not self.adapter.attention_keys_all_valid(dict(zip(self.input_names, inputs)))
-        masks_ok = not self.keys_padded or self.attention.kernel in ("int8", "int8-cute")
+        masks_ok = not self.keys_padded or self.attention.kernel in KEY_LENGTH_KERNELS
         flags = tuple(self.mode == "fused" and masks_ok and self.attention.on(b.name, timestep) for b in self.blocks)
         for b, f in zip(self.blocks, flags):
             b.fp8_attention = f
