@@ -28,6 +28,7 @@ until a kernel is built (:func:`available`, :func:`attention_fp8`).
 import importlib.util
 import math
 from functools import cache
+from types import SimpleNamespace
 
 from trt_sora.errors import BackendMissingError, ConfigError
 
@@ -248,105 +249,130 @@ def _kernel_class():
         @cute.jit
         def mma(self, tidx, sQ, sK, sV, pipe_q, pipe_k, pipe_v, mQS, mKS, mVS, mO, qk_scale, mOSC, mma_qk,
                 mma_pv, m_block, bh, seqlen, n_tiles):
+            """A consumer warpgroup's 64 rows: its fragments, then the key tiles in the schedule's order, then
+            the epilogue."""
             wg = cute.arch.make_warp_uniform(tidx // 128)
             wg_layout = cute.make_layout(2, stride=128)
             wg_qk = mma_qk.get_slice(wg_layout(wg))
             wg_pv = mma_pv.get_slice(wg_layout(wg))
             thr_qk = mma_qk.get_slice(tidx)
             thr_pv = mma_pv.get_slice(tidx)
-            tSrQ = wg_qk.make_fragment_A(wg_qk.partition_A(sQ))
-            tSrK = wg_qk.make_fragment_B(wg_qk.partition_B(sK))
-            # V^T [D, keys] is the B operand (N = D, K = keys), K-major
-            tOrV = wg_pv.make_fragment_B(wg_pv.partition_B(sV))
             tOrP = wg_pv.make_fragment_A(wg_pv.partition_shape_A((TILE, TILE)))
-            acc_o = cute.make_rmem_tensor(thr_pv.partition_shape_C((TILE, TILE)), Float32)
-            acc_s = cute.make_rmem_tensor(thr_qk.partition_shape_C((TILE, TILE)), Int32)
-            s_f = cute.make_rmem_tensor(thr_qk.partition_shape_C((TILE, TILE)), Float32)
-            p_f = cute.make_rmem_tensor_like(tOrP, Float32)
-            cS = thr_qk.partition_C(cute.make_identity_tensor((TILE, TILE)))
-            row_max = cute.make_rmem_tensor((2,), Float32)
-            row_sum = cute.make_rmem_tensor((2,), Float32)
-            row_max.fill(-1.0e30)
-            row_sum.fill(0.0)
-            acc_o.fill(0.0)
-            qsc = mQS[bh, m_block] * qk_scale
+            # V^T [D, keys] is P V's B operand (N = D, K = keys), K-major
+            f = SimpleNamespace(
+                wg=wg, pipe_k=pipe_k, pipe_v=pipe_v, mma_qk=mma_qk, mma_pv=mma_pv,
+                tSrQ=wg_qk.make_fragment_A(wg_qk.partition_A(sQ)), tSrK=wg_qk.make_fragment_B(wg_qk.partition_B(sK)),
+                tOrV=wg_pv.make_fragment_B(wg_pv.partition_B(sV)), tOrP=tOrP,
+                acc_o=cute.make_rmem_tensor(thr_pv.partition_shape_C((TILE, TILE)), Float32),
+                acc_s=cute.make_rmem_tensor(thr_qk.partition_shape_C((TILE, TILE)), Int32),
+                s_f=cute.make_rmem_tensor(thr_qk.partition_shape_C((TILE, TILE)), Float32),
+                p_f=cute.make_rmem_tensor_like(tOrP, Float32),
+                cS=thr_qk.partition_C(cute.make_identity_tensor((TILE, TILE))),
+                row_max=cute.make_rmem_tensor((2,), Float32), row_sum=cute.make_rmem_tensor((2,), Float32),
+                alpha=cute.make_rmem_tensor((2,), Float32), qsc=mQS[bh, m_block] * qk_scale, mKS=mKS, bh=bh,
+                seqlen=seqlen, n_tiles=n_tiles)
+            f.row_max.fill(-1.0e30)
+            f.row_sum.fill(0.0)
+            f.acc_o.fill(0.0)
             if const_expr(self.pingpong):
                 if wg == 0:
                     cute.arch.barrier_arrive(barrier_id=1, number_of_threads=256)
-            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
             q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-            alpha = cute.make_rmem_tensor((2,), Float32)
             pipe_q.consumer_wait(q_state)
-            if const_expr(self.lookahead):  # Q K^T one tile ahead into a second accumulator
-                acc_b = cute.make_rmem_tensor(thr_qk.partition_shape_C((TILE, TILE)), Int32)
-                v_state = state.clone()
-                pipe_k.consumer_wait(state)
-                gemm(mma_qk, acc_s, tSrQ, tSrK[None, None, None, state.index], True)
+            if const_expr(self.lookahead):
+                self.tiles_lookahead(f, thr_qk)
+            elif const_expr(self.overlap):
+                self.tiles_overlap(f)
+            else:
+                self.tiles_in_order(f)
+            self.epilogue(f.acc_o, f.row_sum, thr_pv, mVS, mO, mOSC, m_block, bh, seqlen)
+
+        @cute.jit
+        def tile_softmax(self, f, acc, s_f, j):
+            """The softmax of key tile j (:meth:`softmax`) with this CTA's scales."""
+            self.softmax(acc, s_f, f.cS, f.row_max, f.row_sum, f.alpha, f.qsc * f.mKS[f.bh, j], j * TILE, f.seqlen)
+
+        @cute.jit
+        def tiles_in_order(self, f):
+            """Each tile's Q K^T, softmax and P V in turn (``pingpong``: the GEMMs in the warpgroups' turns)."""
+            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+            self.turn_wait(f.wg)
+            for j in cutlass.range(f.n_tiles, unroll=1):
+                f.pipe_k.consumer_wait(state)
+                gemm(f.mma_qk, f.acc_s, f.tSrQ, f.tSrK[None, None, None, state.index], True)
+                self.turn_pass(f.wg)
                 warpgroup.wait_group(0)
-                pipe_k.consumer_release(state)
-                args = (pipe_k, pipe_v, mma_qk, mma_pv, tSrQ, tSrK, tOrV, tOrP, p_f, acc_o, cS, row_max, row_sum,
-                        alpha, qsc, mKS, bh, seqlen)
-                step = self.lookahead_step
-                # every step but the last issues the next Q K^T: the WGMMA groups outstanding at each wait are
-                # the same on every path (ptxas serializes the products where it cannot tell)
-                pairs = (n_tiles - 1) // 2
-                for jj in cutlass.range(pairs, unroll=1):
-                    state, v_state = step(acc_s, acc_b, 2 * jj, state, v_state, *args, True)
-                    state, v_state = step(acc_b, acc_s, 2 * jj + 1, state, v_state, *args, True)
-                if n_tiles - 2 * pairs == 2:
-                    state, v_state = step(acc_s, acc_b, n_tiles - 2, state, v_state, *args, True)
-                    state, v_state = step(acc_b, acc_s, n_tiles - 1, state, v_state, *args, False)
-                else:
-                    state, v_state = step(acc_s, acc_b, n_tiles - 1, state, v_state, *args, False)
+                f.pipe_k.consumer_release(state)
+                self.tile_softmax(f, f.acc_s, f.s_f, j)
+                self.rescale(f.acc_o, f.alpha)
+                self.pack_p(f.s_f, f.p_f, f.tOrP)
+                f.pipe_v.consumer_wait(state)
+                self.turn_wait(f.wg)
+                gemm(f.mma_pv, f.acc_o, f.tOrP, f.tOrV[None, None, None, state.index], False)
                 warpgroup.wait_group(0)
-                pipe_v.consumer_release(v_state)
-            elif const_expr(not self.overlap):
-                self.turn_wait(wg)
-                for j in cutlass.range(n_tiles, unroll=1):
-                    pipe_k.consumer_wait(state)
-                    gemm(mma_qk, acc_s, tSrQ, tSrK[None, None, None, state.index], True)
-                    self.turn_pass(wg)
-                    warpgroup.wait_group(0)
-                    pipe_k.consumer_release(state)
-                    self.softmax(acc_s, s_f, cS, row_max, row_sum, alpha, qsc * mKS[bh, j], j * TILE, seqlen)
-                    self.rescale(acc_o, alpha)
-                    self.pack_p(s_f, p_f, tOrP)
-                    pipe_v.consumer_wait(state)
-                    self.turn_wait(wg)
-                    gemm(mma_pv, acc_o, tOrP, tOrV[None, None, None, state.index], False)
-                    warpgroup.wait_group(0)
-                    pipe_v.consumer_release(state)
-                    state.advance()
-                self.turn_pass(wg)
-            else:  # tile j's Q K^T beside tile j-1's P V; the softmax of j while P V of j-1 runs
-                pipe_k.consumer_wait(state)
-                gemm(mma_qk, acc_s, tSrQ, tSrK[None, None, None, state.index], True)
+                f.pipe_v.consumer_release(state)
+                state.advance()
+            self.turn_pass(f.wg)
+
+        @cute.jit
+        def tiles_overlap(self, f):
+            """Tile j's Q K^T beside tile j-1's P V; the softmax of j while P V of j-1 runs."""
+            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+            f.pipe_k.consumer_wait(state)
+            gemm(f.mma_qk, f.acc_s, f.tSrQ, f.tSrK[None, None, None, state.index], True)
+            warpgroup.wait_group(0)
+            f.pipe_k.consumer_release(state)
+            self.tile_softmax(f, f.acc_s, f.s_f, 0)
+            self.pack_p(f.s_f, f.p_f, f.tOrP)
+            v_state = state.clone()
+            for j in cutlass.range(1, f.n_tiles, unroll=1):
+                state.advance()
+                f.pipe_k.consumer_wait(state)
+                self.turn_wait(f.wg)
+                gemm(f.mma_qk, f.acc_s, f.tSrQ, f.tSrK[None, None, None, state.index], True)
+                f.pipe_v.consumer_wait(v_state)
+                gemm(f.mma_pv, f.acc_o, f.tOrP, f.tOrV[None, None, None, v_state.index], False)
+                self.turn_pass(f.wg)
+                warpgroup.wait_group(1)
+                f.pipe_k.consumer_release(state)
+                self.tile_softmax(f, f.acc_s, f.s_f, j)
                 warpgroup.wait_group(0)
-                pipe_k.consumer_release(state)
-                self.softmax(acc_s, s_f, cS, row_max, row_sum, alpha, qsc * mKS[bh, 0], 0, seqlen)
-                self.pack_p(s_f, p_f, tOrP)
-                v_state = state.clone()
-                for j in cutlass.range(1, n_tiles, unroll=1):
-                    state.advance()
-                    pipe_k.consumer_wait(state)
-                    self.turn_wait(wg)
-                    gemm(mma_qk, acc_s, tSrQ, tSrK[None, None, None, state.index], True)
-                    pipe_v.consumer_wait(v_state)
-                    gemm(mma_pv, acc_o, tOrP, tOrV[None, None, None, v_state.index], False)
-                    self.turn_pass(wg)
-                    warpgroup.wait_group(1)
-                    pipe_k.consumer_release(state)
-                    self.softmax(acc_s, s_f, cS, row_max, row_sum, alpha, qsc * mKS[bh, j], j * TILE, seqlen)
-                    warpgroup.wait_group(0)
-                    pipe_v.consumer_release(v_state)
-                    self.rescale(acc_o, alpha)
-                    self.pack_p(s_f, p_f, tOrP)
-                    v_state.advance()
-                pipe_v.consumer_wait(v_state)
-                gemm(mma_pv, acc_o, tOrP, tOrV[None, None, None, v_state.index], False)
-                warpgroup.wait_group(0)
-                pipe_v.consumer_release(v_state)
-            self.epilogue(acc_o, row_sum, thr_pv, mVS, mO, mOSC, m_block, bh, seqlen)
+                f.pipe_v.consumer_release(v_state)
+                self.rescale(f.acc_o, f.alpha)
+                self.pack_p(f.s_f, f.p_f, f.tOrP)
+                v_state.advance()
+            f.pipe_v.consumer_wait(v_state)
+            gemm(f.mma_pv, f.acc_o, f.tOrP, f.tOrV[None, None, None, v_state.index], False)
+            warpgroup.wait_group(0)
+            f.pipe_v.consumer_release(v_state)
+
+        @cute.jit
+        def tiles_lookahead(self, f, thr_qk):
+            """Q K^T one tile ahead into a second accumulator (:meth:`lookahead_step`). Every step but the last
+            issues the next Q K^T, so the WGMMA groups outstanding at each wait are the same on every path
+            (ptxas serializes the products where it cannot tell)."""
+            acc_b = cute.make_rmem_tensor(thr_qk.partition_shape_C((TILE, TILE)), Int32)
+            acc_a, n_tiles = f.acc_s, f.n_tiles
+            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+            v_state = state.clone()
+            f.pipe_k.consumer_wait(state)
+            gemm(f.mma_qk, acc_a, f.tSrQ, f.tSrK[None, None, None, state.index], True)
+            warpgroup.wait_group(0)
+            f.pipe_k.consumer_release(state)
+            step = self.lookahead_step
+            args = (f.pipe_k, f.pipe_v, f.mma_qk, f.mma_pv, f.tSrQ, f.tSrK, f.tOrV, f.tOrP, f.p_f, f.acc_o, f.cS,
+                    f.row_max, f.row_sum, f.alpha, f.qsc, f.mKS, f.bh, f.seqlen)
+            pairs = (n_tiles - 1) // 2
+            for jj in cutlass.range(pairs, unroll=1):
+                state, v_state = step(acc_a, acc_b, 2 * jj, state, v_state, *args, True)
+                state, v_state = step(acc_b, acc_a, 2 * jj + 1, state, v_state, *args, True)
+            if n_tiles - 2 * pairs == 2:
+                state, v_state = step(acc_a, acc_b, n_tiles - 2, state, v_state, *args, True)
+                state, v_state = step(acc_b, acc_a, n_tiles - 1, state, v_state, *args, False)
+            else:
+                state, v_state = step(acc_a, acc_b, n_tiles - 1, state, v_state, *args, False)
+            warpgroup.wait_group(0)
+            f.pipe_v.consumer_release(v_state)
 
         @cute.jit
         def lookahead_step(self, s_cur, s_next, j, k_state, v_state, pipe_k, pipe_v, mma_qk, mma_pv, tSrQ, tSrK,
@@ -355,7 +381,8 @@ def _kernel_class():
             """Tile j, its Q K^T in ``s_cur`` (done): Q K^T of j+1 into ``s_next`` first (``has_next``), then the
             softmax of j (in place: the fp32 values in the int32 registers) while it and P V of j-1 run, then
             O's rescale and P's packing once P V of j-1 is done, then P V of j. Returns the K and V pipeline
-            states."""
+            states. Its values come as arguments, not in the fragments' namespace: the tracer loses a
+            namespace's values across the staged branches around the steps."""
             if const_expr(has_next):
                 k_state.advance()
                 pipe_k.consumer_wait(k_state)
