@@ -51,6 +51,7 @@ def kernels(t) -> dict:
 def main() -> None:
     import triton
 
+    from benchmarks.fp8_bench import attention_tflops, fp32_heads
     from trt_sora.kernels import reference as ref
     from trt_sora.kernels import triton_ops as t
 
@@ -77,10 +78,9 @@ def main() -> None:
             res["ms"].setdefault(name, []).append(bench(lambda: fn(*ops)))
             res["ms"].setdefault(f"{name}_fp8_out", []).append(bench(lambda: fn(*ops, out_scale=osc)))
         print(json.dumps(res["ms"]), flush=True)
-    res["tflops"] = {k: [round(4.0 * s * s * d * h / (m * 1e-3) / 1e12, 1) for m in v] for k, v in res["ms"].items()}
+    res["tflops"] = attention_tflops(res["ms"], s, h, d)
     q, k, v = t.qkv_rmsnorm_rope(qkv, wq, wk, cs, sn, h, fp8=False)
-    heads = [0, 10, 20, 30]
-    want = ref.attention(q[:, heads], k[:, heads], v[:, heads]).transpose(1, 2).float().flatten()
+    heads, want = fp32_heads(q, k, v)
     default = ks["default"](*ops).float()
     res["cosine_vs_fp32"], res["max_abs_vs_default"] = {}, {}
     for name, fn in ks.items():

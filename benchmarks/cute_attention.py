@@ -65,7 +65,7 @@ def main() -> None:
         return probe(a.probe)
     import triton
 
-    from benchmarks.fp8_bench import GpuSampler
+    from benchmarks.fp8_bench import GpuSampler, attention_tflops, cos, fp32_heads
     from trt_sora.kernels import cute_attention as ca
     from trt_sora.kernels import reference as ref
     from trt_sora.kernels import triton_ops as t
@@ -152,7 +152,7 @@ def main() -> None:
             bench(f"{n}_fp8_out", lambda n=n: ca.attention_fp8(*ops, out_scale=osc, **VARIANTS[n]))
         print(json.dumps(res["ms"]), flush=True)
         dump()
-    res["tflops"] = {k: [round(4.0 * s * s * d * h / (m * 1e-3) / 1e12, 1) for m in v] for k, v in res["ms"].items()}
+    res["tflops"] = attention_tflops(res["ms"], s, h, d)
     if a.tokens_720p:  # one round at 720p x 81's length, the operands freed after
         s2 = a.tokens_720p
         ops2 = t.qkv_rmsnorm_rope(*ref.example_qkv(1, s2, h, d), h, fp8=True)
@@ -162,17 +162,15 @@ def main() -> None:
             ms2[n + "_fp8_out"] = triton.testing.do_bench(
                 lambda n=n: ca.attention_fp8(*ops2, out_scale=osc, **VARIANTS[n]), warmup=25, rep=200,
                 return_mode="median")
-        res["tokens_720p"] = {"s": s2, "ms": ms2, "tflops": {k: round(4.0 * s2 * s2 * d * h / (m * 1e-3) / 1e12, 1)
-                                                             for k, m in ms2.items()}}
+        res["tokens_720p"] = {"s": s2, "ms": ms2, "tflops": {k: v[0] for k, v in attention_tflops(
+            {k: [m] for k, m in ms2.items()}, s2, h, d).items()}}
         del ops2
         dump()
     q, k, v = t.qkv_rmsnorm_rope(qkv, wq, wk, cs, sn, h, fp8=False)
-    heads = [0, 10, 20, 30]
-    want = ref.attention(q[:, heads], k[:, heads], v[:, heads]).transpose(1, 2).float().flatten()
-    cos = lambda o: torch.nn.functional.cosine_similarity(  # noqa: E731
-        o.float().view(1, s, h, d)[:, :, heads].flatten(), want, dim=0).item()
-    res["cosine_vs_fp32"] = {"triton": cos(t.attention_fp8(*ops, ws=False)),
-                             **{n: cos(ca.attention_fp8(*ops, **VARIANTS[n])) for n in ok}}
+    heads, want = fp32_heads(q, k, v)
+    score = lambda o: cos(o.float().view(1, s, h, d)[:, :, heads], want)  # noqa: E731
+    res["cosine_vs_fp32"] = {"triton": score(t.attention_fp8(*ops, ws=False)),
+                             **{n: score(ca.attention_fp8(*ops, **VARIANTS[n])) for n in ok}}
     print(json.dumps({k: res[k] for k in ("tflops", "cosine_vs_fp32")}, indent=1))
     dump()
     os._exit(0)  # the watchdog timer thread must not hold the process

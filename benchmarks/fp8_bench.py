@@ -84,6 +84,21 @@ def cos(a, b) -> float:
     return torch.nn.functional.cosine_similarity(a.double().flatten(), b.double().flatten(), dim=0).item()
 
 
+def fp32_heads(q, k, v):
+    """Four heads spread over ``q`` [B, H, S, D] (0, 10, 20, 30 of 40) and fp32 attention on them [B, S, 4, D]:
+    what the attention benches score cosines against (all 40 heads at 32,760 tokens would take minutes)."""
+    from trt_sora.kernels import reference as ref
+
+    h = q.shape[1]
+    heads = list(range(0, h, max(1, h // 4)))[:4]
+    return heads, ref.attention(q[:, heads], k[:, heads], v[:, heads]).transpose(1, 2)
+
+
+def attention_tflops(ms: dict, s: int, h: int, d: int) -> dict:
+    """TFLOP/s (4 S^2 D H per attention) of each entry's list of times in ms, one decimal."""
+    return {k: [round(4.0 * s * s * d * h / (m * 1e-3) / 1e12, 1) for m in v] for k, v in ms.items()}
+
+
 def bench_ms(fn, iters=20) -> float:
     import triton
 
@@ -102,7 +117,6 @@ def attention_inputs(b: int, s: int, h: int, d: int = 128, seed: int = 0):
 def attention_part(s=32760, h=40, d=128) -> dict:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from trt_sora.kernels import reference as ref
     from trt_sora.kernels import triton_ops as t
 
     qkv, wq, wk, cs, sn = attention_inputs(1, s, h, d)
@@ -160,8 +174,7 @@ def attention_part(s=32760, h=40, d=128) -> dict:
     for key in [k for k in out if k.endswith("_ms") and "epilogue" not in k and out[k]]:
         out[key.replace("_ms", "_tflops")] = flops / (out[key] * 1e-3) / 1e12
     o8 = t.attention_fp8(*ops8).float().view(1, s, h, d)
-    heads = list(range(0, h, max(1, h // 4)))[:4]
-    want = ref.attention(q[:, heads], k[:, heads], v[:, heads]).transpose(1, 2)
+    heads, want = fp32_heads(q, k, v)
     out["cosine_vs_fp32"] = cos(o8[:, :, heads], want)
     if prev is not None:
         out["prev_cosine_vs_fp32"] = cos(prev.attention_fp8(*ops_prev).float().view(1, s, h, d)[:, :, heads], want)
@@ -183,8 +196,7 @@ def cudnn_attention_part(s=32760, h=40, d=128) -> dict:
     qkv, wq, wk, cs, sn = attention_inputs(1, s, h, d)
     q, k, v = t.qkv_rmsnorm_rope(qkv, wq, wk, cs, sn, h, fp8=False)
     flops = 4.0 * s * s * d * h
-    heads = list(range(0, h, max(1, h // 4)))[:4]
-    want = ref.attention(q[:, heads], k[:, heads], v[:, heads]).transpose(1, 2)  # [1, S, 4, D] fp32
+    heads, want = fp32_heads(q, k, v)  # [1, S, 4, D] fp32
     sc = torch.tensor(float(want.abs().max()) / 448, device="cuda")  # a to_out input scale
     out = {"tokens": s, "heads": h, "head_dim": d, "flops": flops, "cudnn": ca.versions(), "cosine_heads": heads}
 
@@ -237,7 +249,6 @@ def fa4_attention_part(s=32760, h=40, d=128, site: str | None = None, variants: 
 
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from trt_sora.kernels import reference as ref
     from trt_sora.kernels import triton_ops as t
 
     if site:
@@ -246,8 +257,7 @@ def fa4_attention_part(s=32760, h=40, d=128, site: str | None = None, variants: 
     q, k, v = t.qkv_rmsnorm_rope(qkv, wq, wk, cs, sn, h, fp8=False)  # [1, H, S, D] bf16
     ops8 = t.qkv_rmsnorm_rope(qkv, wq, wk, cs, sn, h, fp8=True)
     flops = 4.0 * s * s * d * h
-    heads = list(range(0, h, max(1, h // 4)))[:4]
-    want = ref.attention(q[:, heads], k[:, heads], v[:, heads]).transpose(1, 2)  # [1, S, 4, D] fp32
+    heads, want = fp32_heads(q, k, v)  # [1, S, 4, D] fp32
     out = {"tokens": s, "heads": h, "head_dim": d, "flops": flops, "cosine_heads": heads,
            "device": torch.cuda.get_device_name()}
 

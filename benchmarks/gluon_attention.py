@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def main() -> None:
     import triton
 
+    from benchmarks.fp8_bench import attention_tflops, cos, fp32_heads
     from trt_sora.kernels import gluon_attention as g
     from trt_sora.kernels import reference as ref
     from trt_sora.kernels import triton_ops as t
@@ -90,15 +91,13 @@ def main() -> None:
             res["ms"].setdefault(f"{c}_fp8_out", []).append(
                 bench(lambda: g.attention_fp8_ws(*ops, out_scale=osc, config=c)))
         print(json.dumps(res["ms"]), flush=True)
-    res["tflops"] = {k: [round(4.0 * s * s * d * h / (m * 1e-3) / 1e12, 1) for m in v] for k, v in res["ms"].items()}
+    res["tflops"] = attention_tflops(res["ms"], s, h, d)
     q, k, v = t.qkv_rmsnorm_rope(qkv, wq, wk, cs, sn, h, fp8=False)
-    heads = [0, 10, 20, 30]
-    want = ref.attention(q[:, heads], k[:, heads], v[:, heads]).transpose(1, 2).float().flatten()
-    cos = lambda o: torch.nn.functional.cosine_similarity(  # noqa: E731
-        o.float().view(1, s, h, d)[:, :, heads].flatten(), want, dim=0).item()
-    res["cosine_vs_fp32"] = {"triton": cos(t.attention_fp8(*ops, ws=False)),
-                             **{str(c): cos(g.attention_fp8_ws(*ops, config=c)) for c in cfgs},
-                             **{name: cos(mod.attention_fp8_ws(*ops)) for name, mod in variants.items()}}
+    heads, want = fp32_heads(q, k, v)
+    score = lambda o: cos(o.float().view(1, s, h, d)[:, :, heads], want)  # noqa: E731
+    res["cosine_vs_fp32"] = {"triton": score(t.attention_fp8(*ops, ws=False)),
+                             **{str(c): score(g.attention_fp8_ws(*ops, config=c)) for c in cfgs},
+                             **{name: score(mod.attention_fp8_ws(*ops)) for name, mod in variants.items()}}
     print(json.dumps(res, indent=1))
     if a.out:
         Path(a.out).write_text(json.dumps(res, indent=1) + "\n")
