@@ -293,6 +293,15 @@ def _kernel_class():
             self.softmax(acc, s_f, f.cS, f.row_max, f.row_sum, f.alpha, f.qsc * f.mKS[f.bh, j], j * TILE, f.seqlen)
 
         @cute.jit
+        def first_qk(self, f, acc, state):
+            """Q K^T of the first key tile into ``acc``, waited for, its K buffer released (``state`` not
+            advanced): the head of the overlapped schedules."""
+            f.pipe_k.consumer_wait(state)
+            gemm(f.mma_qk, acc, f.tSrQ, f.tSrK[None, None, None, state.index], True)
+            warpgroup.wait_group(0)
+            f.pipe_k.consumer_release(state)
+
+        @cute.jit
         def tiles_in_order(self, f):
             """Each tile's Q K^T, softmax and P V in turn (``pingpong``: the GEMMs in the warpgroups' turns)."""
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
@@ -318,10 +327,7 @@ def _kernel_class():
         def tiles_overlap(self, f):
             """Tile j's Q K^T beside tile j-1's P V; the softmax of j while P V of j-1 runs."""
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-            f.pipe_k.consumer_wait(state)
-            gemm(f.mma_qk, f.acc_s, f.tSrQ, f.tSrK[None, None, None, state.index], True)
-            warpgroup.wait_group(0)
-            f.pipe_k.consumer_release(state)
+            self.first_qk(f, f.acc_s, state)
             self.tile_softmax(f, f.acc_s, f.s_f, 0)
             self.pack_p(f.s_f, f.p_f, f.tOrP)
             v_state = state.clone()
@@ -355,10 +361,7 @@ def _kernel_class():
             acc_a, n_tiles = f.acc_s, f.n_tiles
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
             v_state = state.clone()
-            f.pipe_k.consumer_wait(state)
-            gemm(f.mma_qk, acc_a, f.tSrQ, f.tSrK[None, None, None, state.index], True)
-            warpgroup.wait_group(0)
-            f.pipe_k.consumer_release(state)
+            self.first_qk(f, acc_a, state)
             step = self.lookahead_step
             args = (f.pipe_k, f.pipe_v, f.mma_qk, f.mma_pv, f.tSrQ, f.tSrK, f.tOrV, f.tOrP, f.p_f, f.acc_o, f.cS,
                     f.row_max, f.row_sum, f.alpha, f.qsc, f.mKS, f.bh, f.seqlen)
