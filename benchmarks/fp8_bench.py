@@ -782,6 +782,17 @@ def sparse_record(plan, grid, y, y_dense, s: float, dense_s: float | None) -> di
     return rec
 
 
+def parse_schedule(text: str, known: dict) -> dict:
+    """``"overlap=0,lookahead=1"`` -> {"overlap": False, "lookahead": True} over ``known``'s keys and types."""
+    out = {}
+    for item in text.split(","):
+        k, _, v = item.partition("=")
+        if k not in known:
+            raise SystemExit(f"--cute-schedule: unknown key {k!r}; known: {sorted(known)}")
+        out[k] = type(known[k])(int(v))
+    return out
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--parts", default="attention,models")
@@ -807,8 +818,15 @@ def main(argv=None) -> None:
                     "720p x 81: 75600)")
     ap.add_argument("--fa4-site", default=None,
                     help="fa4_attention: a folder of pip --target installs of flash-attn-4 and its CuTe DSL wheels")
+    ap.add_argument("--cute-schedule", default=None,
+                    help="the _cute rungs' CuTe kernel schedule, e.g. overlap=0,lookahead=1,lazy_rescale=1 "
+                         "(trt_sora.kernels.cute_attention.SCHEDULE's keys; 0/1 or a stage count)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
+    if a.cute_schedule:
+        from trt_sora.kernels import cute_attention
+
+        cute_attention.SCHEDULE = cute_attention.SCHEDULE | parse_schedule(a.cute_schedule, cute_attention.SCHEDULE)
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     on_gpu = a.device.startswith("cuda")

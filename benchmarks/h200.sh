@@ -37,7 +37,7 @@
 # cute (issue 32: our CuTe DSL 8-bit attention kernel vs the Triton one: agreement on six shapes, speed at 32,760
 # tokens, benchmarks/cute_attention.py; the DSL from the fa4 part's carried pieces; CUTE_VARIANTS picks schedules),
 # m14cute (the 14B 480p call with torch_fp8.attention_kernel int8-cute beside the Triton kernel: eager with the
-# profiler split, and graphed; the DSL as for cute), cute_tests (the CuTe kernel's GPU tests, the DSL on the path;
+# profiler split, and graphed; the DSL as for cute; M14CUTE_SCHEDULE e.g. overlap=0,lookahead=1: the kernel's schedule), cute_tests (the CuTe kernel's GPU tests, the DSL on the path;
 # pytest from the .whl carry or the device's own),
 # hist (one batch's |x| histogram several ways; HIST_ARGS=--only-cuda: the torch path and the NVRTC kernel),
 # m14b2 (14B batch 2), m14_720 (14B 720p batch 1), m14sparse (issue 32: the 14B 720p call, the full torch-fp8 rung
@@ -146,7 +146,8 @@ for p in "$@"; do
                [ -d \$F/nvidia_cutlass_dsl ] || cat build/cute/*/fa4site.part-* | xz -d | tar -xf - -C /tmp
                PYTHONPATH=\$PYTHONPATH:\$F:\$F/nvidia_cutlass_dsl/dsl_packages python3 benchmarks/fp8_bench.py --parts models \
                  --models wan2.1-t2v-14b --batches 1 --iters 5 \
-                 --rungs fp8_fused_attn8_graph,fp8_fused_attn8_cute,fp8_fused_attn8_graph_cute --out $OUT/m14cute.json" ;;
+                 --rungs fp8_fused_attn8_graph,fp8_fused_attn8_cute,fp8_fused_attn8_graph_cute \
+                 ${M14CUTE_SCHEDULE:+--cute-schedule $M14CUTE_SCHEDULE} --out $OUT/m14cute.json" ;;
     gemm) part gemm 120 python3 benchmarks/fp8_bench.py --parts gemm --out "$OUT/gemm.json" ;;
     attention) part attention 240 python3 benchmarks/fp8_bench.py --parts attention --out "$OUT/attention.json" ;;
     quality) part quality 240 python3 benchmarks/fp8_quality.py --run "$RUN" \

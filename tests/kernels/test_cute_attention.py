@@ -3,6 +3,7 @@ against V^T's key order (:func:`trt_sora.kernels.reference.vt_key_order`) and, w
 the DSL's own WGMMA layouts; the kernel's GPU agreement with the Triton kernel is
 benchmarks/cute_attention.py's (it runs where the DSL and an SM 9.0 GPU are)."""
 import pytest
+from script_loader import load_script
 
 from trt_sora.kernels import cute_attention as ca
 from trt_sora.kernels import reference as ref
@@ -81,6 +82,19 @@ def test_require_refuses_a_gpu_that_is_not_sm90(monkeypatch):
     ca.require("cuda")  # an H100 / H200 with the DSL passes
 
 
+def test_an_unknown_schedule_option_is_named_before_any_launch():
+    with pytest.raises(TypeError, match=r"schedule options \['look_ahead'\]; known: .*'lookahead'"):
+        ca.attention_fp8(None, None, None, None, None, None, look_ahead=True)
+
+
+def test_the_bench_schedule_flag_keeps_each_options_type():
+    parse_schedule = load_script("benchmarks/fp8_bench.py").parse_schedule
+    assert parse_schedule("overlap=0,lookahead=1,stages=3", ca.SCHEDULE) == {
+        "overlap": False, "lookahead": True, "stages": 3}
+    with pytest.raises(SystemExit, match="unknown key 'look'"):
+        parse_schedule("look=1", ca.SCHEDULE)
+
+
 def _gpu_ops(b, s, h):
     pytest.importorskip("cutlass")
     from trt_sora.kernels import triton_ops as t
@@ -93,9 +107,10 @@ def _gpu_ops(b, s, h):
 @pytest.mark.gpu
 @pytest.mark.parametrize("schedule", [{}, {"overlap": False}, {"overlap": False, "lookahead": True}],
                          ids=["overlap", "in-order", "lookahead"])
-@pytest.mark.parametrize("s", [1000, 640])  # 8 key tiles (an even count) and 5 (odd: the lookahead's tails)
+@pytest.mark.parametrize("s", [1000, 640, 129, 100])  # 8 key tiles (even), 5 (odd: the lookahead's tails), 2, 1
 def test_gpu_kernel_agrees_with_the_triton_kernel(schedule, s):
-    """Batch 2, ragged (1000) and whole tiles (640): the same operands on both kernels, bf16 and FP8 output
+    """Batch 2, ragged (1000; 129: one key in the last tile; 100: the one tile) and whole tiles (640): only the
+    last tile is masked (a peeled step), in each schedule. The same operands on both kernels, bf16 and FP8 output
     (their sums differ in order, and the ragged tile keeps the one FMA here: a few bf16 ulps,
     benchmarks/README.md)."""
     import torch

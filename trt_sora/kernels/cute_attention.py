@@ -288,9 +288,10 @@ def _kernel_class():
             self.epilogue(f.acc_o, f.row_sum, thr_pv, mVS, mO, mOSC, m_block, bh, seqlen)
 
         @cute.jit
-        def tile_softmax(self, f, acc, s_f, j):
+        def tile_softmax(self, f, acc, s_f, j, masked: cutlass.Constexpr):
             """The softmax of key tile j (:meth:`softmax`) with this CTA's scales."""
-            self.softmax(acc, s_f, f.cS, f.row_max, f.row_sum, f.alpha, f.qsc * f.mKS[f.bh, j], j * TILE, f.seqlen)
+            self.softmax(acc, s_f, f.cS, f.row_max, f.row_sum, f.alpha, f.qsc * f.mKS[f.bh, j], j * TILE, f.seqlen,
+                         masked)
 
         @cute.jit
         def first_qk(self, f, acc, state):
@@ -303,54 +304,68 @@ def _kernel_class():
 
         @cute.jit
         def tiles_in_order(self, f):
-            """Each tile's Q K^T, softmax and P V in turn (``pingpong``: the GEMMs in the warpgroups' turns)."""
+            """Each tile's Q K^T, softmax and P V in turn (``pingpong``: the GEMMs in the warpgroups' turns); the
+            last tile, the only ragged one, peeled."""
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
             self.turn_wait(f.wg)
-            for j in cutlass.range(f.n_tiles, unroll=1):
-                f.pipe_k.consumer_wait(state)
-                gemm(f.mma_qk, f.acc_s, f.tSrQ, f.tSrK[None, None, None, state.index], True)
-                self.turn_pass(f.wg)
-                warpgroup.wait_group(0)
-                f.pipe_k.consumer_release(state)
-                self.tile_softmax(f, f.acc_s, f.s_f, j)
-                self.rescale(f.acc_o, f.alpha)
-                self.pack_p(f.s_f, f.p_f, f.tOrP)
-                f.pipe_v.consumer_wait(state)
-                self.turn_wait(f.wg)
-                gemm(f.mma_pv, f.acc_o, f.tOrP, f.tOrV[None, None, None, state.index], False)
-                warpgroup.wait_group(0)
-                f.pipe_v.consumer_release(state)
-                state.advance()
+            for j in cutlass.range(f.n_tiles - 1, unroll=1):
+                state = self.in_order_step(f, j, state, False)
+            state = self.in_order_step(f, f.n_tiles - 1, state, True)
             self.turn_pass(f.wg)
+
+        @cute.jit
+        def in_order_step(self, f, j, state, masked: cutlass.Constexpr):
+            f.pipe_k.consumer_wait(state)
+            gemm(f.mma_qk, f.acc_s, f.tSrQ, f.tSrK[None, None, None, state.index], True)
+            self.turn_pass(f.wg)
+            warpgroup.wait_group(0)
+            f.pipe_k.consumer_release(state)
+            self.tile_softmax(f, f.acc_s, f.s_f, j, masked)
+            self.rescale(f.acc_o, f.alpha)
+            self.pack_p(f.s_f, f.p_f, f.tOrP)
+            f.pipe_v.consumer_wait(state)
+            self.turn_wait(f.wg)
+            gemm(f.mma_pv, f.acc_o, f.tOrP, f.tOrV[None, None, None, state.index], False)
+            warpgroup.wait_group(0)
+            f.pipe_v.consumer_release(state)
+            state.advance()
+            return state
 
         @cute.jit
         def tiles_overlap(self, f):
             """Tile j's Q K^T beside tile j-1's P V; the softmax of j while P V of j-1 runs."""
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
             self.first_qk(f, f.acc_s, state)
-            self.tile_softmax(f, f.acc_s, f.s_f, 0)
+            self.tile_softmax(f, f.acc_s, f.s_f, 0, True)
             self.pack_p(f.s_f, f.p_f, f.tOrP)
             v_state = state.clone()
-            for j in cutlass.range(1, f.n_tiles, unroll=1):
-                state.advance()
-                f.pipe_k.consumer_wait(state)
-                self.turn_wait(f.wg)
-                gemm(f.mma_qk, f.acc_s, f.tSrQ, f.tSrK[None, None, None, state.index], True)
-                f.pipe_v.consumer_wait(v_state)
-                gemm(f.mma_pv, f.acc_o, f.tOrP, f.tOrV[None, None, None, v_state.index], False)
-                self.turn_pass(f.wg)
-                warpgroup.wait_group(1)
-                f.pipe_k.consumer_release(state)
-                self.tile_softmax(f, f.acc_s, f.s_f, j)
-                warpgroup.wait_group(0)
-                f.pipe_v.consumer_release(v_state)
-                self.rescale(f.acc_o, f.alpha)
-                self.pack_p(f.s_f, f.p_f, f.tOrP)
-                v_state.advance()
+            for j in cutlass.range(1, f.n_tiles - 1, unroll=1):
+                state, v_state = self.overlap_step(f, j, state, v_state, False)
+            if f.n_tiles > 1:
+                state, v_state = self.overlap_step(f, f.n_tiles - 1, state, v_state, True)
             f.pipe_v.consumer_wait(v_state)
             gemm(f.mma_pv, f.acc_o, f.tOrP, f.tOrV[None, None, None, v_state.index], False)
             warpgroup.wait_group(0)
             f.pipe_v.consumer_release(v_state)
+
+        @cute.jit
+        def overlap_step(self, f, j, state, v_state, masked: cutlass.Constexpr):
+            state.advance()
+            f.pipe_k.consumer_wait(state)
+            self.turn_wait(f.wg)
+            gemm(f.mma_qk, f.acc_s, f.tSrQ, f.tSrK[None, None, None, state.index], True)
+            f.pipe_v.consumer_wait(v_state)
+            gemm(f.mma_pv, f.acc_o, f.tOrP, f.tOrV[None, None, None, v_state.index], False)
+            self.turn_pass(f.wg)
+            warpgroup.wait_group(1)
+            f.pipe_k.consumer_release(state)
+            self.tile_softmax(f, f.acc_s, f.s_f, j, masked)
+            warpgroup.wait_group(0)
+            f.pipe_v.consumer_release(v_state)
+            self.rescale(f.acc_o, f.alpha)
+            self.pack_p(f.s_f, f.p_f, f.tOrP)
+            v_state.advance()
+            return state, v_state
 
         @cute.jit
         def tiles_lookahead(self, f, thr_qk):
@@ -391,7 +406,7 @@ def _kernel_class():
                 pipe_k.consumer_wait(k_state)
                 gemm(mma_qk, s_next, tSrQ, tSrK[None, None, None, k_state.index], True)
             s_f = cute.recast_tensor(s_cur, Float32)
-            self.softmax(s_cur, s_f, cS, row_max, row_sum, alpha, qsc * mKS[bh, j], j * TILE, seqlen)
+            self.softmax(s_cur, s_f, cS, row_max, row_sum, alpha, qsc * mKS[bh, j], j * TILE, seqlen, not has_next)
             if const_expr(has_next):
                 warpgroup.wait_group(1)  # P V of j-1 done: O and the P registers are free
             else:
@@ -409,15 +424,18 @@ def _kernel_class():
             return k_state, v_state
 
         @cute.jit
-        def softmax(self, acc_s, s_f, cS, row_max, row_sum, alpha, c, key0, seqlen):
+        def softmax(self, acc_s, s_f, cS, row_max, row_sum, alpha, c, key0, seqlen, masked: cutlass.Constexpr):
             """acc_s (int32 Q K^T) -> s_f = 448 * exp2(c * s - m_new) per row; m and l updated, ``alpha`` the
             factor on O of each of the thread's two rows.
-            Keys at or past ``seqlen`` (the ragged last tile) get -1e30 before the max."""
+            ``masked`` (the last tile, the only one that can be ragged): keys at or past ``seqlen`` get -1e30
+            before the max. The other tiles leave the test out (ptxas would predicate it into
+            every tile's softmax)."""
             s_f.store((acc_s.load() + MAGIC_I).bitcast(Float32).reshape(s_f.shape))
-            if key0 + TILE > seqlen:
-                for i in cutlass.range_constexpr(cute.size(s_f)):
-                    if key0 + cS[i][1] >= seqlen:
-                        s_f[i] = Float32(-1.0e30)
+            if const_expr(masked):
+                if key0 + TILE > seqlen:
+                    for i in cutlass.range_constexpr(cute.size(s_f)):
+                        if key0 + cS[i][1] >= seqlen:
+                            s_f[i] = Float32(-1.0e30)
             for r in cutlass.range_constexpr(2):
                 mx = Float32(-1.0e30)
                 for n in cutlass.range_constexpr(cute.size(s_f.shape[0][2])):
@@ -516,6 +534,10 @@ def _kernel_type():
 
 _COMPILED: dict = {}
 
+#: The schedule :func:`attention_fp8` runs where its caller names none (``int8-cute`` inside a model call):
+#: the fastest measured alone (benchmarks/README.md). A benchmark may set it to time another in a model.
+SCHEDULE = {"stages": 2, "overlap": True, "pingpong": False, "lookahead": False, "lazy_rescale": False}
+
 
 def _dl(t, dynamic_dim: int):
     from cutlass.cute.runtime import from_dlpack
@@ -523,17 +545,21 @@ def _dl(t, dynamic_dim: int):
     return from_dlpack(t, assumed_align=16).mark_layout_dynamic(leading_dim=dynamic_dim)
 
 
-def attention_fp8(q8, q_scale, k8, k_scale, vt8, v_scale, *, out_scale=None, stages: int = 2,
-                  overlap: bool = True, pingpong: bool = False, lookahead: bool = False, lazy_rescale: bool = False,
-                  head_dim: int | None = None):
+def attention_fp8(q8, q_scale, k8, k_scale, vt8, v_scale, *, out_scale=None, head_dim: int | None = None,
+                  **schedule):
     """:func:`trt_sora.kernels.triton_ops.attention_fp8` (dense, head dim 128) on this kernel: the same
-    operands -> [B, S, H*D] bf16, or FP8 at ``out_scale`` (a one-element fp32 tensor on the device). The
-    default schedule is the fastest measured on an H100 (2 stages, the intra-warpgroup overlap, no ping-pong:
-    benchmarks/README.md). The first call of each schedule and output type compiles it (about 2 s)."""
+    operands -> [B, S, H*D] bf16, or FP8 at ``out_scale`` (a one-element fp32 tensor on the device).
+    ``schedule``: Attention8's options (``stages``, ``overlap``, ``pingpong``, ``lookahead``,
+    ``lazy_rescale``), :data:`SCHEDULE`'s where not given. The first call of each schedule and output type
+    compiles it (about 2 s)."""
+    unknown = sorted(set(schedule) - set(SCHEDULE))
+    if unknown:
+        raise TypeError(f"unknown CuTe attention schedule options {unknown}; known: {sorted(SCHEDULE)}")
     import cuda.bindings.driver as cuda
     import cutlass.cute as cute
     import torch
 
+    opts = SCHEDULE | schedule
     b, h, s, d = q8.shape
     if d != TILE:
         raise ValueError(f"the CuTe attention kernel takes head dim {TILE}, got {d}")
@@ -544,11 +570,10 @@ def attention_fp8(q8, q_scale, k8, k_scale, vt8, v_scale, *, out_scale=None, sta
             _dl(q_scale.reshape(b * h, -1), 1), _dl(k_scale.reshape(b * h, -1), 1), _dl(v_scale.reshape(b * h, d), 1),
             _dl(o.view(torch.int16 if fp8 else torch.int32), 3),
             _dl((out_scale if fp8 else v_scale).reshape(-1)[:1], 0))
-    key = (stages, overlap, pingpong, lookahead, lazy_rescale, fp8)
+    key = (*sorted(opts.items()), fp8)
     stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
     if key not in _COMPILED:
-        kern = _kernel_type()(stages=stages, overlap=overlap, pingpong=pingpong, lookahead=lookahead,
-                              lazy_rescale=lazy_rescale, out_fp8=fp8)
+        kern = _kernel_type()(**opts, out_fp8=fp8)
         _COMPILED[key] = cute.compile(kern, *args[:-1], qk_scale, args[-1], stream)
     _COMPILED[key](*args[:-1], qk_scale, args[-1], stream)
     return o.view(b, s, h * d)

@@ -327,7 +327,8 @@ class TorchFp8Runner(Runner):
         if self.attention.kernel == "int8-cute":
             from trt_sora.kernels import cute_attention
 
-            return {"attention_kernel": "cute", "cutlass_dsl": cute_attention.version()}
+            return {"attention_kernel": "cute", "cutlass_dsl": cute_attention.version(),
+                    "cute_schedule": dict(cute_attention.SCHEDULE)}
         if self.attention.kernel == "cudnn-fp8":
             from trt_sora.kernels import cudnn_attention
 
