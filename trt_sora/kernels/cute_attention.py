@@ -288,10 +288,15 @@ def _kernel_class():
             self.epilogue(f.acc_o, f.row_sum, thr_pv, mVS, mO, mOSC, m_block, bh, seqlen)
 
         @cute.jit
-        def tile_softmax(self, f, acc, s_f, j, masked: cutlass.Constexpr):
-            """The softmax of key tile j (:meth:`softmax`) with this CTA's scales."""
-            self.softmax(acc, s_f, f.cS, f.row_max, f.row_sum, f.alpha, f.qsc * f.mKS[f.bh, j], j * TILE, f.seqlen,
-                         masked)
+        def tile_softmax(self, f, acc, s_f, j, c, masked: cutlass.Constexpr):
+            """The softmax of key tile j (:meth:`softmax`); ``c`` its logits' scale (:meth:`tile_scale`)."""
+            self.softmax(acc, s_f, f.cS, f.row_max, f.row_sum, f.alpha, c, j * TILE, f.seqlen, masked)
+
+        @cute.jit
+        def tile_scale(self, f, j):
+            """Q's and key tile j's scales times D**-0.5 log2(e). Each step reads it first, before its waits, so
+            the global load's latency hides behind the Q K^T instead of standing in front of the first EX2."""
+            return f.qsc * f.mKS[f.bh, j]
 
         @cute.jit
         def first_qk(self, f, acc, state):
@@ -315,12 +320,13 @@ def _kernel_class():
 
         @cute.jit
         def in_order_step(self, f, j, state, masked: cutlass.Constexpr):
+            c = self.tile_scale(f, j)
             f.pipe_k.consumer_wait(state)
             gemm(f.mma_qk, f.acc_s, f.tSrQ, f.tSrK[None, None, None, state.index], True)
             self.turn_pass(f.wg)
             warpgroup.wait_group(0)
             f.pipe_k.consumer_release(state)
-            self.tile_softmax(f, f.acc_s, f.s_f, j, masked)
+            self.tile_softmax(f, f.acc_s, f.s_f, j, c, masked)
             self.rescale(f.acc_o, f.alpha)
             self.pack_p(f.s_f, f.p_f, f.tOrP)
             f.pipe_v.consumer_wait(state)
@@ -335,8 +341,9 @@ def _kernel_class():
         def tiles_overlap(self, f):
             """Tile j's Q K^T beside tile j-1's P V; the softmax of j while P V of j-1 runs."""
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+            c = self.tile_scale(f, 0)
             self.first_qk(f, f.acc_s, state)
-            self.tile_softmax(f, f.acc_s, f.s_f, 0, True)
+            self.tile_softmax(f, f.acc_s, f.s_f, 0, c, True)
             self.pack_p(f.s_f, f.p_f, f.tOrP)
             v_state = state.clone()
             for j in cutlass.range(1, f.n_tiles - 1, unroll=1):
@@ -350,6 +357,7 @@ def _kernel_class():
 
         @cute.jit
         def overlap_step(self, f, j, state, v_state, masked: cutlass.Constexpr):
+            c = self.tile_scale(f, j)
             state.advance()
             f.pipe_k.consumer_wait(state)
             self.turn_wait(f.wg)
@@ -359,7 +367,7 @@ def _kernel_class():
             self.turn_pass(f.wg)
             warpgroup.wait_group(1)
             f.pipe_k.consumer_release(state)
-            self.tile_softmax(f, f.acc_s, f.s_f, j, masked)
+            self.tile_softmax(f, f.acc_s, f.s_f, j, c, masked)
             warpgroup.wait_group(0)
             f.pipe_v.consumer_release(v_state)
             self.rescale(f.acc_o, f.alpha)
@@ -401,12 +409,13 @@ def _kernel_class():
             O's rescale and P's packing once P V of j-1 is done, then P V of j. Returns the K and V pipeline
             states. Its values come as arguments, not in the fragments' namespace: the tracer loses a
             namespace's values across the staged branches around the steps."""
+            c = qsc * mKS[bh, j]  # first, as in tile_scale
             if const_expr(has_next):
                 k_state.advance()
                 pipe_k.consumer_wait(k_state)
                 gemm(mma_qk, s_next, tSrQ, tSrK[None, None, None, k_state.index], True)
             s_f = cute.recast_tensor(s_cur, Float32)
-            self.softmax(s_cur, s_f, cS, row_max, row_sum, alpha, qsc * mKS[bh, j], j * TILE, seqlen, not has_next)
+            self.softmax(s_cur, s_f, cS, row_max, row_sum, alpha, c, j * TILE, seqlen, not has_next)
             if const_expr(has_next):
                 warpgroup.wait_group(1)  # P V of j-1 done: O and the P registers are free
             else:
@@ -436,12 +445,17 @@ def _kernel_class():
                     for i in cutlass.range_constexpr(cute.size(s_f)):
                         if key0 + cS[i][1] >= seqlen:
                             s_f[i] = Float32(-1.0e30)
+            n_cols = cute.size(s_f.shape[0][2])
             for r in cutlass.range_constexpr(2):
-                mx = Float32(-1.0e30)
-                for n in cutlass.range_constexpr(cute.size(s_f.shape[0][2])):
+                # the row's max as four chains, then a tree: exact in any order, and a quarter of the latency
+                # the warp waits before its first EX2
+                part = [s_f[(e, r, n), 0, 0] for n in range(2) for e in range(2)]
+                for n in cutlass.range_constexpr(2, n_cols):
                     for e in cutlass.range_constexpr(2):
-                        mx = cute.arch.fmax(mx, s_f[(e, r, n), 0, 0])
-                mx = quad_reduce(mx, cute.arch.fmax)
+                        k = 2 * (n % 2) + e
+                        part[k] = cute.arch.fmax(part[k], s_f[(e, r, n), 0, 0])
+                mx = quad_reduce(cute.arch.fmax(cute.arch.fmax(part[0], part[1]), cute.arch.fmax(part[2], part[3])),
+                                 cute.arch.fmax)
                 m_new = cute.arch.fmax(row_max[r], (mx - MAGIC_F) * c)
                 neg = MAGIC_F * c + m_new - LOG2_448
                 total = Float32(0.0)
