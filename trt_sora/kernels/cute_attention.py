@@ -368,9 +368,8 @@ def _kernel_class():
             warpgroup.wait_group(1)
             f.pipe_k.consumer_release(state)
             self.tile_softmax(f, f.acc_s, f.s_f, j, c, masked)
-            warpgroup.wait_group(0)
+            self.rescale(f.acc_o, f.alpha, 0)  # once P V of j-1 is done
             f.pipe_v.consumer_release(v_state)
-            self.rescale(f.acc_o, f.alpha)
             self.pack_p(f.s_f, f.p_f, f.tOrP)
             v_state.advance()
             return state, v_state
@@ -416,14 +415,10 @@ def _kernel_class():
                 gemm(mma_qk, s_next, tSrQ, tSrK[None, None, None, k_state.index], True)
             s_f = cute.recast_tensor(s_cur, Float32)
             self.softmax(s_cur, s_f, cS, row_max, row_sum, alpha, c, j * TILE, seqlen, not has_next)
-            if const_expr(has_next):
-                warpgroup.wait_group(1)  # P V of j-1 done: O and the P registers are free
-            else:
-                warpgroup.wait_group(0)
+            self.rescale(acc_o, alpha, 1 if has_next else 0)  # once P V of j-1 is done: O and P are free
             if j > 0:
                 pipe_v.consumer_release(v_state)
                 v_state.advance()
-            self.rescale(acc_o, alpha)
             self.pack_p(s_f, p_f, tOrP)
             pipe_v.consumer_wait(v_state)
             gemm(mma_pv, acc_o, tOrP, tOrV[None, None, None, v_state.index], False)
@@ -469,15 +464,27 @@ def _kernel_class():
                 row_max[r] = m_new
 
         @cute.jit
-        def rescale(self, acc_o, alpha):
-            """acc_o *= alpha per row; ``lazy_rescale``: skipped when no row of the warp has a new max (every
-            alpha exactly 1: the product would change nothing), a warp-uniform branch."""
+        def rescale(self, acc_o, alpha, pending: cutlass.Constexpr = None):
+            """acc_o *= alpha per row, after ``warpgroup.wait_group(pending)`` where P V is in flight (``pending``
+            not None). ``lazy_rescale``: skipped when no row of the warp has a new max (every alpha exactly 1:
+            the product would change nothing), a warp-uniform branch with the wait in both arms. There ptxas
+            keeps the wait after the softmax's EX2s; a wait standing alone in the softmax's block it moves
+            above them, so the softmax no longer overlaps P V (the SASS of the overlap schedule)."""
             if const_expr(self.lazy_rescale):
                 changed = (alpha[0] != Float32(1.0)) or (alpha[1] != Float32(1.0))
                 if cute.arch.vote_any_sync(changed):
+                    self.wait(pending)
                     self.scale_rows(acc_o, alpha)
+                else:
+                    self.wait(pending)
             else:
+                self.wait(pending)
                 self.scale_rows(acc_o, alpha)
+
+        @cute.jit
+        def wait(self, pending: cutlass.Constexpr):
+            if const_expr(pending is not None):
+                warpgroup.wait_group(pending)
 
         @cute.jit
         def scale_rows(self, acc_o, alpha):
