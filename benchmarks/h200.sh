@@ -74,8 +74,10 @@ set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+# WHL: the carried wheels' folder (default .whl; e.g. build/pyt, pytest alone, beside the DSL's 40 MB piece)
+WHL=${WHL:-.whl}
+if [ -d "$WHL" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHL"/*.whl \
     && export PYTHONPATH=/tmp/site:$PWD || { echo "wheel install failed"; exit 1; }
 fi
 export PYTHONPATH=${PYTHONPATH:-$PWD}
