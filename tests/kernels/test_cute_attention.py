@@ -117,8 +117,13 @@ def test_gpu_kernel_agrees_with_the_triton_kernel(schedule, s):
 
     t, ops = _gpu_ops(2, s, 2)
     want, got = t.attention_fp8(*ops, ws=False).float(), ca.attention_fp8(*ops, **schedule).float()
-    assert torch.isfinite(got).all() and (got - want).abs().max() <= 0.004
-    assert (got == want).float().mean() >= 0.98
+    q8, qs, k8, ks, vt8, vs = ops
+    exact = ref.attention_fp8(q8, qs, k8, ks, ref.vt_natural(vt8, s), vs).transpose(1, 2).reshape(got.shape)
+    # no farther from the fp32 reference than the Triton kernel, give or take one bf16 step of the output
+    assert torch.isfinite(got).all()
+    assert (got - exact).abs().max() <= (want - exact).abs().max() + exact.abs().max() * 2**-8
+    # the ragged tile's logits take another (equally exact) formula in each kernel: on one tile, all of them
+    assert (got == want).float().mean() >= (0.97 if s < ca.TILE else 0.98)
     sc = torch.tensor(float(want.abs().max()) / 448, device="cuda")
     w8 = t.attention_fp8(*ops, out_scale=sc, ws=False).view(torch.uint8)
     g8 = ca.attention_fp8(*ops, out_scale=sc, **schedule).view(torch.uint8)

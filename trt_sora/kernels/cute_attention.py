@@ -20,7 +20,13 @@ Options of :class:`Attention8` change the schedule, not the math:
   of j+1 is on the tensor cores and P V of j follows at once (the softmax works in place: fp32 in the int32
   registers);
 - ``pingpong`` (inter-warpgroup): two named barriers take turns, so one warpgroup's GEMMs run while the
-  other's softmax does.
+  other's softmax does;
+- ``lazy_rescale``: O's rescale is skipped where no row of a warp has a new max (exact), and the wait for
+  P V sits in both arms of that branch. Without it ptxas moves the wait above the softmax's EX2s, so the
+  softmax does not overlap P V after all (``benchmarks/cute_sass.py`` shows where each wait lands).
+
+:data:`SCHEDULE` (overlap + lazy_rescale, 2 stages) is the fastest measured alone and inside a model call
+(benchmarks/README.md).
 
 The kernel compiles for ``sm_90a`` without a GPU (``CUTE_DSL_ARCH=sm_90a``): nothing here imports the DSL
 until a kernel is built (:func:`available`, :func:`attention_fp8`).
@@ -556,8 +562,8 @@ def _kernel_type():
 _COMPILED: dict = {}
 
 #: The schedule :func:`attention_fp8` runs where its caller names none (``int8-cute`` inside a model call):
-#: the fastest measured alone (benchmarks/README.md). A benchmark may set it to time another in a model.
-SCHEDULE = {"stages": 2, "overlap": True, "pingpong": False, "lookahead": False, "lazy_rescale": False}
+#: the fastest measured (benchmarks/README.md). A benchmark may set it to time another in a model.
+SCHEDULE = {"stages": 2, "overlap": True, "pingpong": False, "lookahead": False, "lazy_rescale": True}
 
 
 def _dl(t, dynamic_dim: int):
