@@ -113,10 +113,10 @@ def export_call(adapter, mdl):
     return call, f
 
 
-def fp8_runner(adapter, model, fwd, noise, text, dev: str):
-    """Our torch-fp8 runner (fused FP8 quantization, 8-bit attention, CUDA graphs on a GPU), activated; its
-    input amax calibrated on one call of ``fwd`` at timestep 700 with ``noise`` [1, C, F, H, W] and ``text``
-    [1, L, D]. ``model`` is rewritten in place (the runner's from then on)."""
+def fp8_runner(adapter, model, fwd, noise, text, dev: str, kernel: str = "int8"):
+    """Our torch-fp8 runner (fused FP8 quantization, 8-bit attention on ``kernel``, CUDA graphs on a GPU),
+    activated; its input amax calibrated on one call of ``fwd`` at timestep 700 with ``noise`` [1, C, F, H, W]
+    and ``text`` [1, L, D]. ``model`` is rewritten in place (the runner's from then on)."""
     import sys
 
     from trt_sora.runners.fp8_runner import AttentionPolicy, TorchFp8Runner
@@ -128,7 +128,7 @@ def fp8_runner(adapter, model, fwd, noise, text, dev: str):
              "encoder_hidden_states": text.bfloat16()}
     plan = calibrate_plan(model, lambda *a: fwd(*a), [feeds[n] for n in adapter.input_names], adapter.quant_excludes)
     return TorchFp8Runner(adapter, None, plan=plan, device=dev, model=model, mode="fused",
-                          attention=AttentionPolicy(enabled=True), cuda_graphs=True).activate()
+                          attention=AttentionPolicy(enabled=True, kernel=kernel), cuda_graphs=True).activate()
 
 
 def measure(args) -> dict:
@@ -200,7 +200,7 @@ def measure(args) -> dict:
         m["eager_bf16_split_step_s"] = loop(eager, "split")
 
     def run_ours() -> None:
-        runner = fp8_runner(adapter, model, fwd, noise, emb[:1], dev)
+        runner = fp8_runner(adapter, model, fwd, noise, emb[:1], dev, args.attention_kernel)
         try:
             m["ours_fp8_batched_graph_step_s"] = loop(runner_call(runner), "batched")
             m["ours_report"] = {k: v for k, v in runner.report().items() if isinstance(v, (int, float, str, bool))}
@@ -377,7 +377,7 @@ def measure_clips(args) -> dict:
         if args.clips == ["eager"]:
             return res
     t0 = time.perf_counter()
-    runner = fp8_runner(adapter, model, export_call(adapter, model)[1], noise, emb[:1], dev)
+    runner = fp8_runner(adapter, model, export_call(adapter, model)[1], noise, emb[:1], dev, args.attention_kernel)
     call = runner_call(runner)
     setup["runner_s"] = time.perf_counter() - t0  # FP8 plan calibration (one call) + block rewrite
     save()
@@ -536,6 +536,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--cache-saved", type=float, default=None, help="fraction of transformer calls the checked "
                     "step cache saved (a row of its own)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--attention-kernel", default="int8", help="our runner's 8-bit attention kernel (int8; "
+                    "int8-cute: the h100-fp8 / h200-fp8 recipes' kernel, needs nvidia-cutlass-dsl and SM 9.0)")
     ap.add_argument("--tmp", default="/tmp")
     ap.add_argument("--out", required=True)
     ap.add_argument("--measure", default="units", choices=("units", "clips"), help="units: time each stage and a "

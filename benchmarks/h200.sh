@@ -74,11 +74,18 @@ set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
+# CUTE=1: the CuTe DSL (build/cute/*'s pieces, unpacked once into /tmp/fa4site) on every part's path, for
+# runs of torch_fp8.attention_kernel int8-cute: e.g. CUTE=1 E2ECLIP_ARGS="--attention-kernel int8-cute"
 # WHL: the carried wheels' folder (default .whl; e.g. build/pyt, pytest alone, beside the DSL's 40 MB piece)
 WHL=${WHL:-.whl}
 if [ -d "$WHL" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHL"/*.whl \
     && export PYTHONPATH=/tmp/site:$PWD || { echo "wheel install failed"; exit 1; }
+fi
+if [ -n "${CUTE:-}" ]; then
+  [ -d /tmp/fa4site/nvidia_cutlass_dsl ] || cat build/cute/*/fa4site.part-* | xz -d | tar -xf - -C /tmp \
+    || { echo "the CuTe DSL pieces are missing: carry build/cute/a, then build/cute/b"; exit 1; }
+  export PYTHONPATH=${PYTHONPATH:-$PWD}:/tmp/fa4site:/tmp/fa4site/nvidia_cutlass_dsl/dsl_packages
 fi
 export PYTHONPATH=${PYTHONPATH:-$PWD}
 RUN=${RUN:-build/wan-shapes/rtx4090-fp8}
