@@ -20,17 +20,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-#: name -> Attention8 options (stages, overlap, pingpong)
+#: name -> Attention8 options, each one named in full (trt_sora.kernels.cute_attention.SCHEDULE fills the rest)
 VARIANTS = {
-    "plain": {"stages": 2, "overlap": False},
-    "overlap": {"stages": 2, "overlap": True},
-    "overlap_s3": {"stages": 3, "overlap": True},
-    "overlap_s4": {"stages": 4, "overlap": True},
-    "pingpong": {"stages": 2, "overlap": False, "pingpong": True},
-    "overlap_pingpong": {"stages": 2, "overlap": True, "pingpong": True},
-    "overlap_pingpong_s3": {"stages": 3, "overlap": True, "pingpong": True},
-    "lookahead": {"stages": 2, "overlap": False, "lookahead": True},
-    "lookahead_s3": {"stages": 3, "overlap": False, "lookahead": True},
+    "plain": {"stages": 2, "overlap": False, "lazy_rescale": False},
+    "overlap": {"stages": 2, "overlap": True, "lazy_rescale": False},
+    "overlap_s3": {"stages": 3, "overlap": True, "lazy_rescale": False},
+    "overlap_s4": {"stages": 4, "overlap": True, "lazy_rescale": False},
+    "pingpong": {"stages": 2, "overlap": False, "pingpong": True, "lazy_rescale": False},
+    "overlap_pingpong": {"stages": 2, "overlap": True, "pingpong": True, "lazy_rescale": False},
+    "overlap_pingpong_s3": {"stages": 3, "overlap": True, "pingpong": True, "lazy_rescale": False},
+    "lookahead": {"stages": 2, "overlap": False, "lookahead": True, "lazy_rescale": False},
+    "lookahead_s3": {"stages": 3, "overlap": False, "lookahead": True, "lazy_rescale": False},
     "overlap_lazy": {"stages": 2, "overlap": True, "lazy_rescale": True},
     "lookahead_lazy": {"stages": 2, "overlap": False, "lookahead": True, "lazy_rescale": True},
     "overlap_pingpong_lazy": {"stages": 2, "overlap": True, "pingpong": True, "lazy_rescale": True},

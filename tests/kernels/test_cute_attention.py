@@ -105,8 +105,9 @@ def _gpu_ops(b, s, h):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("schedule", [{}, {"overlap": False}, {"overlap": False, "lookahead": True}],
-                         ids=["overlap", "in-order", "lookahead"])
+@pytest.mark.parametrize("schedule", [{}, {"lazy_rescale": False}, {"overlap": False},
+                                      {"overlap": False, "lookahead": True}],
+                         ids=["overlap-lazy", "overlap", "in-order", "lookahead"])
 @pytest.mark.parametrize("s", [1000, 640, 129, 100])  # 8 key tiles (even), 5 (odd: the lookahead's tails), 2, 1
 def test_gpu_kernel_agrees_with_the_triton_kernel(schedule, s):
     """Batch 2, ragged (1000; 129: one key in the last tile; 100: the one tile) and whole tiles (640): only the
@@ -139,7 +140,7 @@ def test_gpu_lazy_rescale_changes_no_bit(schedule):
 
     _, ops = _gpu_ops(1, 4133, 2)
     for out in ({}, {"out_scale": torch.tensor(0.001, device="cuda")}):
-        assert torch.equal(ca.attention_fp8(*ops, **schedule, **out).view(torch.uint8),
+        assert torch.equal(ca.attention_fp8(*ops, **schedule, lazy_rescale=False, **out).view(torch.uint8),
                            ca.attention_fp8(*ops, **schedule, lazy_rescale=True, **out).view(torch.uint8))
 
 
