@@ -34,6 +34,7 @@ VARIANTS = {
     "overlap_lazy": {"stages": 2, "overlap": True, "lazy_rescale": True},
     "lookahead_lazy": {"stages": 2, "overlap": False, "lookahead": True, "lazy_rescale": True},
     "overlap_pingpong_lazy": {"stages": 2, "overlap": True, "pingpong": True, "lazy_rescale": True},
+    "overlap_lazy_qregs": {"stages": 2, "overlap": True, "lazy_rescale": True, "q_regs": True},
 }
 SHAPES = ((1, 100, 2), (1, 128, 2), (1, 129, 2), (2, 1000, 2), (1, 4133, 2), (1, 32760, 3))
 

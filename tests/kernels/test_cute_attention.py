@@ -105,9 +105,9 @@ def _gpu_ops(b, s, h):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("schedule", [{}, {"lazy_rescale": False}, {"overlap": False},
+@pytest.mark.parametrize("schedule", [{}, {"lazy_rescale": False}, {"q_regs": True}, {"overlap": False},
                                       {"overlap": False, "lookahead": True}],
-                         ids=["overlap-lazy", "overlap", "in-order", "lookahead"])
+                         ids=["overlap-lazy", "overlap", "q-in-registers", "in-order", "lookahead"])
 @pytest.mark.parametrize("s", [1000, 640, 129, 100])  # 8 key tiles (even), 5 (odd: the lookahead's tails), 2, 1
 def test_gpu_kernel_agrees_with_the_triton_kernel(schedule, s):
     """Batch 2, ragged (1000; 129: one key in the last tile; 100: the one tile) and whole tiles (640): only the

@@ -25,6 +25,9 @@ Options of :class:`Attention8` change the schedule, not the math:
   P V sits in both arms of that branch. Without it ptxas moves the wait above the softmax's EX2s, so the
   softmax does not overlap P V after all (``benchmarks/cute_sass.py`` shows where each wait lands).
 
+- ``q_regs``: Q K^T takes Q from registers (read from shared memory once per CTA), not from shared memory
+  on every tile: 16 KB less shared-memory traffic per 128 x 128 tile.
+
 :data:`SCHEDULE` (overlap + lazy_rescale, 2 stages) is the fastest measured alone and inside a model call
 (benchmarks/README.md).
 
@@ -132,9 +135,10 @@ def _kernel_class():
     class Attention8:
         def __init__(self, stages: int = 2, overlap: bool = False, pingpong: bool = False,
                      out_fp8: bool = False, lookahead: bool = False, lazy_rescale: bool = False,
+                     q_regs: bool = False,
                      mma_regs: int = 240, load_regs: int = 24):
             self.stages, self.overlap, self.pingpong, self.out_fp8 = stages, overlap, pingpong, out_fp8
-            self.lookahead, self.lazy_rescale = lookahead, lazy_rescale
+            self.lookahead, self.lazy_rescale, self.q_regs = lookahead, lazy_rescale, q_regs
             self.mma_regs, self.load_regs = mma_regs, load_regs
 
         @cute.jit
@@ -158,7 +162,9 @@ def _kernel_class():
             tma_v, tv = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), v3,
                                                    cute.select(sV_layout, mode=[0, 1]), (TILE, TILE))
             mma_qk = sm90.make_trivial_tiled_mma(cutlass.Int8, cutlass.Int8, K_MAJOR, K_MAJOR, Int32,
-                                                 (2, 1, 1), (64, TILE))
+                                                 (2, 1, 1), (64, TILE),
+                                                 a_source=warpgroup.OperandSource.RMEM if self.q_regs
+                                                 else warpgroup.OperandSource.SMEM)
             mma_pv = sm90.make_trivial_tiled_mma(cutlass.Float8E4M3FN, cutlass.Float8E4M3FN, K_MAJOR, K_MAJOR,
                                                  Float32, (2, 1, 1), (64, TILE),
                                                  a_source=warpgroup.OperandSource.RMEM)
@@ -285,6 +291,9 @@ def _kernel_class():
                     cute.arch.barrier_arrive(barrier_id=1, number_of_threads=256)
             q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
             pipe_q.consumer_wait(q_state)
+            if const_expr(self.q_regs):  # Q K^T's A operand from registers: Q read from shared memory once
+                f.tSrQ = wg_qk.make_fragment_A(wg_qk.partition_shape_A((TILE, TILE)))
+                cute.autovec_copy(thr_qk.partition_A(sQ), f.tSrQ)
             if const_expr(self.lookahead):
                 self.tiles_lookahead(f, thr_qk)
             elif const_expr(self.overlap):
@@ -563,7 +572,8 @@ _COMPILED: dict = {}
 
 #: The schedule :func:`attention_fp8` runs where its caller names none (``int8-cute`` inside a model call):
 #: the fastest measured (benchmarks/README.md). A benchmark may set it to time another in a model.
-SCHEDULE = {"stages": 2, "overlap": True, "pingpong": False, "lookahead": False, "lazy_rescale": True}
+SCHEDULE = {"stages": 2, "overlap": True, "pingpong": False, "lookahead": False, "lazy_rescale": True,
+            "q_regs": False}
 
 
 def _dl(t, dynamic_dim: int):
