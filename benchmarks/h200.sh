@@ -37,8 +37,9 @@
 # cute (issue 32: our CuTe DSL 8-bit attention kernel vs the Triton one: agreement on six shapes, speed at 32,760
 # tokens, benchmarks/cute_attention.py; the DSL from the fa4 part's carried pieces; CUTE_VARIANTS picks schedules),
 # m14cute (the 14B 480p call with torch_fp8.attention_kernel int8-cute beside the Triton kernel: eager with the
-# profiler split, and graphed; the DSL as for cute; M14CUTE_SCHEDULE e.g. overlap=0,lookahead=1: the kernel's schedule), cute_tests (the CuTe kernel's GPU tests, the DSL on the path;
-# pytest from the .whl carry or the device's own),
+# profiler split, and graphed; the DSL as for cute; M14CUTE_SCHEDULE, e.g. overlap=0,lookahead=1: the kernel's
+# schedule; needs diffusers' wheel), cute_tests (the CuTe kernel's GPU tests, the DSL on the path; pytest from the
+# WHL carry: build/pyt holds pytest, pluggy, iniconfig and diffusers, 6.5 MB beside the DSL's 40 MB piece),
 # hist (one batch's |x| histogram several ways; HIST_ARGS=--only-cuda: the torch path and the NVRTC kernel),
 # m14b2 (14B batch 2), m14_720 (14B 720p batch 1), m14sparse (issue 32: the 14B 720p call, the full torch-fp8 rung
 # dense and with block-sparse attention per window of SPARSE_WINDOWS (4-2-2,2-2-2), iters 5, one eager call), m14x (14B 480p batch 2, 720p batch 1 and 2: eager vs full torch-fp8,

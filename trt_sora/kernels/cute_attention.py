@@ -23,8 +23,7 @@ Options of :class:`Attention8` change the schedule, not the math:
   other's softmax does;
 - ``lazy_rescale``: O's rescale is skipped where no row of a warp has a new max (exact), and the wait for
   P V sits in both arms of that branch. Without it ptxas moves the wait above the softmax's EX2s, so the
-  softmax does not overlap P V after all (``benchmarks/cute_sass.py`` shows where each wait lands).
-
+  softmax does not overlap P V after all (``benchmarks/cute_sass.py`` shows where each wait lands);
 - ``q_regs``: Q K^T takes Q from registers (read from shared memory once per CTA), not from shared memory
   on every tile: 16 KB less shared-memory traffic per 128 x 128 tile.
 
