@@ -83,10 +83,12 @@ if [ -d "$WHL" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHL"/*.whl \
     && export PYTHONPATH=/tmp/site:$PWD || { echo "wheel install failed"; exit 1; }
 fi
+# the DSL's site (flash-attn-4 and its CuTe DSL wheels), unpacked once from the carried pieces, and its path
+DSL_UNPACK="[ -d /tmp/fa4site/nvidia_cutlass_dsl ] || cat build/cute/*/fa4site.part-* | xz -d | tar -xf - -C /tmp"
+DSL_PATH=/tmp/fa4site:/tmp/fa4site/nvidia_cutlass_dsl/dsl_packages
 if [ -n "${CUTE:-}" ]; then
-  [ -d /tmp/fa4site/nvidia_cutlass_dsl ] || cat build/cute/*/fa4site.part-* | xz -d | tar -xf - -C /tmp \
-    || { echo "the CuTe DSL pieces are missing: carry build/cute/a, then build/cute/b"; exit 1; }
-  export PYTHONPATH=${PYTHONPATH:-$PWD}:/tmp/fa4site:/tmp/fa4site/nvidia_cutlass_dsl/dsl_packages
+  eval "$DSL_UNPACK" || { echo "the CuTe DSL pieces are missing: carry build/cute/a, then build/cute/b"; exit 1; }
+  export PYTHONPATH=${PYTHONPATH:-$PWD}:$DSL_PATH
 fi
 export PYTHONPATH=${PYTHONPATH:-$PWD}
 RUN=${RUN:-build/wan-shapes/rtx4090-fp8}
@@ -148,13 +150,11 @@ for p in "$@"; do
     m14cudnn) part m14cudnn 300 python3 benchmarks/fp8_bench.py --parts models --models wan2.1-t2v-14b --batches 1 \
                 --iters 5 --rungs fp8_fused_attn8_graph,fp8_fused_attn8_cudnn,fp8_fused_attn8_graph_cudnn \
                 --out "$OUT/m14cudnn.json" ;;
-    cute_tests) part cute_tests ${CUTE_TESTS_LIMIT:-240} bash -c "set -e; F=/tmp/fa4site
-               [ -d \$F/nvidia_cutlass_dsl ] || cat build/cute/*/fa4site.part-* | xz -d | tar -xf - -C /tmp
-               PYTHONPATH=\$PYTHONPATH:\$F:\$F/nvidia_cutlass_dsl/dsl_packages python3 -m pytest -q -m gpu \
+    cute_tests) part cute_tests ${CUTE_TESTS_LIMIT:-240} bash -c "set -e; $DSL_UNPACK
+               PYTHONPATH=\$PYTHONPATH:$DSL_PATH python3 -m pytest -q -m gpu \
                  -p no:cacheprovider tests/kernels/test_cute_attention.py tests/runtime/test_torch_fp8.py -k cute" ;;
-    m14cute) part m14cute ${M14CUTE_LIMIT:-360} bash -c "set -e; F=/tmp/fa4site
-               [ -d \$F/nvidia_cutlass_dsl ] || cat build/cute/*/fa4site.part-* | xz -d | tar -xf - -C /tmp
-               PYTHONPATH=\$PYTHONPATH:\$F:\$F/nvidia_cutlass_dsl/dsl_packages python3 benchmarks/fp8_bench.py --parts models \
+    m14cute) part m14cute ${M14CUTE_LIMIT:-360} bash -c "set -e; $DSL_UNPACK
+               PYTHONPATH=\$PYTHONPATH:$DSL_PATH python3 benchmarks/fp8_bench.py --parts models \
                  --models wan2.1-t2v-14b --batches 1 --iters 5 \
                  --rungs fp8_fused_attn8_graph,fp8_fused_attn8_cute,fp8_fused_attn8_graph_cute \
                  ${M14CUTE_SCHEDULE:+--cute-schedule $M14CUTE_SCHEDULE} --out $OUT/m14cute.json" ;;
@@ -201,12 +201,10 @@ for p in "$@"; do
                 r=build/fam/\$m/rtx4090-fp8; python3 -m trt_sora check --run \$r --backend torch-fp8 --device cuda \
                 > $OUT/famcheck_\$m.log 2>&1; echo \"\$m check rc=\$?\"; mkdir -p $OUT/famcheck/\$m; \
                 cp \$r/parity/report.json \$r/parity/report.md $OUT/famcheck/\$m/ 2>/dev/null; done" ;;
-    fa4) part fa4 ${FA4_LIMIT:-420} bash -c "set -e; F=/tmp/fa4site
-           [ -d \$F/flash_attn ] || cat build/cute/*/fa4site.part-* | xz -d | tar -xf - -C /tmp
-           python3 benchmarks/fp8_bench.py --parts fa4_attention --fa4-site \$F --fa4-tokens ${FA4_TOKENS:-32760} --out $OUT/fa4.json" ;;
-    cute) part cute ${CUTE_LIMIT:-400} bash -c "set -e; F=/tmp/fa4site
-           [ -d \$F/cutlass ] || [ -d \$F/nvidia_cutlass_dsl ] || cat build/cute/*/fa4site.part-* | xz -d | tar -xf - -C /tmp
-           python3 benchmarks/cute_attention.py --site \$F ${CUTE_VARIANTS:+--variants $CUTE_VARIANTS} --watchdog $(( ${CUTE_LIMIT:-400} - 45 )) --out $OUT/cute.json" ;;
+    fa4) part fa4 ${FA4_LIMIT:-420} bash -c "set -e; $DSL_UNPACK
+           python3 benchmarks/fp8_bench.py --parts fa4_attention --fa4-site /tmp/fa4site --fa4-tokens ${FA4_TOKENS:-32760} --out $OUT/fa4.json" ;;
+    cute) part cute ${CUTE_LIMIT:-400} bash -c "set -e; $DSL_UNPACK
+           python3 benchmarks/cute_attention.py --site /tmp/fa4site ${CUTE_VARIANTS:+--variants $CUTE_VARIANTS} --watchdog $(( ${CUTE_LIMIT:-400} - 45 )) --out $OUT/cute.json" ;;
     sparse) part sparse ${SPARSE_LIMIT:-150} python3 benchmarks/sparse_attention.py --out "$OUT/sparse.json" ;;
     onnxrepro) part onnxrepro 240 bash -c "set -e; X=/tmp/onnxrepro; rm -rf \$X; \
                  python3 -m trt_sora export --model wan-tiny --recipe rtx4090-fp8 --out \$X/export; \
