@@ -5,6 +5,10 @@ batch-2 and many-tile shapes (bf16 output: bits equal, max |diff|, and both agai
 ``--variants`` entry, GPU clock and power sampled during each timing, and the cosine against fp32 attention.
 
     python benchmarks/cute_attention.py --site /tmp/fa4site --out results.json      # H100/H200
+
+``--trace NAMES``: those variants (overlap schedules) run once more with the kernel's ``trace`` buffer at the
+same length: SM clocks at each key tile's phases in lane 0 of each consumer warp of four CTAs, summarized by
+:func:`trace_phases` (cycles each phase takes, and how much the two warpgroups' softmaxes overlap).
 """
 import argparse
 import json
@@ -39,6 +43,38 @@ VARIANTS = {
 SHAPES = ((1, 100, 2), (1, 128, 2), (1, 129, 2), (2, 1000, 2), (1, 4133, 2), (1, 32760, 3))
 
 
+PHASES = (("k_wait", 0, 1), ("qk", 1, 2), ("softmax", 2, 3), ("pv_wait", 3, 4), ("pack", 4, 5))
+
+
+def trace_phases(tr, first: int = 8) -> dict:
+    """SM clocks [CTAs, 8 warps, tiles, 6 events] (``trace_events`` of the kernel; tiles never reached hold 0)
+    -> median cycles of each phase and of a whole step per warpgroup (warps 0-3, 4-7), over tiles ``first``..
+    (the pipeline filled), and ``softmax_overlap``: the share of warpgroup 0's softmax time during which the
+    warp of warpgroup 1 on the same SM sub-partition (warp w + 4) is in its softmax too (0: they take turns,
+    1: in lockstep)."""
+    tr = tr.to(torch.int64)
+    reached = (tr[:, :, first:] != 0).all(-1).all(1).all(0)  # tiles every traced warp finished
+    r = int(reached.long().cumprod(0).sum())
+    if r < 3:
+        raise ValueError(f"trace: fewer than 2 complete key tiles past tile {first}")
+    t = tr[:, :, first:first + r]
+    out = {"tiles": r - 1, "first": first}
+    for wg in (0, 1):
+        w = t[:, 4 * wg:4 * wg + 4]
+        row = {name: float((w[:, :, :-1, b] - w[:, :, :-1, a]).double().median()) for name, a, b in PHASES}
+        row["gap"] = float((w[:, :, 1:, 0] - w[:, :, :-1, 5]).double().median())
+        row["step"] = float((w[:, :, 1:, 0] - w[:, :, :-1, 0]).double().median())
+        out[f"wg{wg}"] = row
+    a0, a1 = t[:, :4, 1:-1, 2], t[:, :4, 1:-1, 3]  # inner tiles: warpgroup 1's neighbours of each are traced
+    b0, b1 = t[:, 4:, :, 2], t[:, 4:, :, 3]
+    both = torch.zeros_like(a0)
+    for k in range(b0.shape[2]):  # each of warpgroup 1's softmax intervals against all of warpgroup 0's
+        lo, hi = torch.maximum(a0, b0[:, :, k:k + 1]), torch.minimum(a1, b1[:, :, k:k + 1])
+        both += (hi - lo).clamp(min=0)
+    out["softmax_overlap"] = float(both.sum()) / max(float((a1 - a0).sum()), 1.0)
+    return out
+
+
 def agreement(got, want, ref32):
     g, w = got.float(), want.float()
     return {"bf16_equal": bool(torch.equal(got, want)), "frac_equal": float((g == w).float().mean()),
@@ -59,6 +95,8 @@ def main() -> None:
     ap.add_argument("--probe-timeout", type=float, default=120.0)
     ap.add_argument("--watchdog", type=float, default=0.0, help="seconds after which the partial JSON is written and "
                     "the process exits (0: none)")
+    ap.add_argument("--trace", default="", help="comma-separated VARIANTS (overlap schedules) to trace, first")
+    ap.add_argument("--trace-only", action="store_true", help="stop after the traces")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     if a.site:
@@ -86,6 +124,10 @@ def main() -> None:
             dump()
             os._exit(3)
         threading.Timer(a.watchdog, give_up).start()
+    if a.trace:
+        run_traces(a, res, dump)
+        if a.trace_only:
+            os._exit(0)
     probed = []
     for n in names:
         cmd = [sys.executable, __file__, "--probe", n] + (["--site", a.site] if a.site else [])
@@ -176,6 +218,32 @@ def main() -> None:
     print(json.dumps({k: res[k] for k in ("tflops", "cosine_vs_fp32")}, indent=1))
     dump()
     os._exit(0)  # the watchdog timer thread must not hold the process
+
+
+def run_traces(a, res, dump) -> None:
+    """Each ``--trace`` variant at ``--tokens``: 20 untraced launches to warm the clocks, then traced ones; the
+    last trace's phases (:func:`trace_phases`) into ``res["trace"]``."""
+    from trt_sora.kernels import cute_attention as ca
+    from trt_sora.kernels import reference as ref
+    from trt_sora.kernels import triton_ops as t
+
+    ops = t.qkv_rmsnorm_rope(*ref.example_qkv(1, a.tokens, 40, 128), 40, fp8=True)
+    res["trace"] = {}
+    for n in a.trace.split(","):
+        try:
+            buf = torch.zeros(ca.TRACE_CTAS, 8, ca.TRACE_TILES, len(ca.TRACE_EVENTS), dtype=torch.int64,
+                              device="cuda")
+            for _ in range(20):
+                ca.attention_fp8(*ops, **VARIANTS[n])
+            for _ in range(5):
+                ca.attention_fp8(*ops, trace=buf, **VARIANTS[n])
+            torch.cuda.synchronize()
+            res["trace"][n] = trace_phases(buf.cpu())
+        except Exception as e:  # noqa: BLE001  (a variant that fails is reported, the others still run)
+            res["trace"][n] = {"error": f"{type(e).__name__}: {str(e)[:1000]}"}
+        print(n, "trace", json.dumps(res["trace"][n]), flush=True)
+        dump()
+    del ops
 
 
 def probe(name: str) -> None:

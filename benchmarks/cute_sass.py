@@ -42,15 +42,17 @@ def compile_ptx(options: dict, dump: Path, name: str) -> Path:
 
     b, h, s, d = 1, 2, 1000, ca.TILE
     nb = -(-s // d)
-    opts = {k: v for k, v in options.items() if k != "out_fp8"}
-    fp8 = bool(options.get("out_fp8"))
+    opts = {k: v for k, v in options.items() if k not in ("out_fp8", "trace")}
+    fp8, trace = bool(options.get("out_fp8")), bool(options.get("trace"))
     q8 = torch.zeros(b * h, s, d, dtype=torch.int8)
     vt8 = torch.zeros(b * h, d, nb * d, dtype=torch.float8_e4m3fn)
     scales = torch.ones(b * h, nb), torch.ones(b * h, nb), torch.ones(b * h, d)
     o = torch.empty(b, s, h, d // 2, dtype=torch.int16 if fp8 else torch.int32)
     args = (ca._dl(q8, 2), ca._dl(q8, 2), ca._dl(vt8, 2), *(ca._dl(x, 1) for x in scales), ca._dl(o, 3))
-    kern = ca._kernel_type()(**(ca.SCHEDULE | opts), out_fp8=fp8)
-    cute.compile(kern, *args, 0.1, ca._dl(scales[2].reshape(-1)[:1], 0), cuda.CUstream(0))
+    tr = (ca._dl(torch.zeros(ca.TRACE_CTAS, 8, ca.TRACE_TILES, len(ca.TRACE_EVENTS), dtype=torch.int64), 3)
+          if trace else ca._dl(torch.zeros(1, dtype=torch.int32), 0))
+    kern = ca._kernel_type()(**(ca.SCHEDULE | opts), out_fp8=fp8, trace=trace)
+    cute.compile(kern, *args, 0.1, ca._dl(scales[2].reshape(-1)[:1], 0), tr, cuda.CUstream(0))
     (ptx,) = dump.rglob("*.ptx")
     return ptx.rename(dump.parent / f"{name}.ptx")
 

@@ -35,7 +35,8 @@
 # in 32 MB pieces over build/cute/a, build/cute/b, carried one folder per chained call: ignored build outputs stay
 # on a warm machine between calls, and the 64 MiB carry holds the tracked tree too),
 # cute (issue 32: our CuTe DSL 8-bit attention kernel vs the Triton one: agreement on six shapes, speed at 32,760
-# tokens, benchmarks/cute_attention.py; the DSL from the fa4 part's carried pieces; CUTE_VARIANTS picks schedules),
+# tokens, benchmarks/cute_attention.py; the DSL from the fa4 part's carried pieces; CUTE_VARIANTS picks schedules;
+# CUTE_TRACE=overlap_lazy,...: those first, traced: the cycles of each key tile's phases),
 # m14cute (the 14B 480p call with torch_fp8.attention_kernel int8-cute beside the Triton kernel: eager with the
 # profiler split, and graphed; the DSL as for cute; M14CUTE_SCHEDULE, e.g. overlap=0,lookahead=1: the kernel's
 # schedule; needs diffusers' wheel), cute_tests (the CuTe kernel's GPU tests, the DSL on the path; pytest from the
@@ -204,7 +205,7 @@ for p in "$@"; do
     fa4) part fa4 ${FA4_LIMIT:-420} bash -c "set -e; $DSL_UNPACK
            python3 benchmarks/fp8_bench.py --parts fa4_attention --fa4-site /tmp/fa4site --fa4-tokens ${FA4_TOKENS:-32760} --out $OUT/fa4.json" ;;
     cute) part cute ${CUTE_LIMIT:-400} bash -c "set -e; $DSL_UNPACK
-           python3 benchmarks/cute_attention.py --site /tmp/fa4site ${CUTE_VARIANTS:+--variants $CUTE_VARIANTS} --watchdog $(( ${CUTE_LIMIT:-400} - 45 )) --out $OUT/cute.json" ;;
+           python3 benchmarks/cute_attention.py --site /tmp/fa4site ${CUTE_VARIANTS:+--variants $CUTE_VARIANTS} ${CUTE_TRACE:+--trace $CUTE_TRACE} --watchdog $(( ${CUTE_LIMIT:-400} - 45 )) --out $OUT/cute.json" ;;
     sparse) part sparse ${SPARSE_LIMIT:-150} python3 benchmarks/sparse_attention.py --out "$OUT/sparse.json" ;;
     onnxrepro) part onnxrepro 240 bash -c "set -e; X=/tmp/onnxrepro; rm -rf \$X; \
                  python3 -m trt_sora export --model wan-tiny --recipe rtx4090-fp8 --out \$X/export; \

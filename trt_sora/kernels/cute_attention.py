@@ -43,6 +43,10 @@ from trt_sora.errors import BackendMissingError, ConfigError
 #: Keys per tile and query rows per CTA: the INT8 operands' scale block.
 TILE = 128
 LOG2_448 = 8.807354922057604
+#: ``trace``: the CTAs of head 0 with query blocks 0..TRACE_CTAS-1 record, in lane 0 of each consumer warp,
+#: the SM clock at TRACE_EVENTS points of each of their first TRACE_TILES key tiles (:func:`attention_fp8`).
+TRACE_CTAS, TRACE_TILES = 4, 64
+TRACE_EVENTS = ("start", "k_landed", "qk_done", "softmax_done", "pv_done", "end")
 #: The magic number that turns an int32 (|x| < 2**22) into fp32 by one add and a bit cast.
 MAGIC_I = 0x4B400000
 MAGIC_F = 12582912.0
@@ -134,19 +138,21 @@ def _kernel_class():
     class Attention8:
         def __init__(self, stages: int = 2, overlap: bool = False, pingpong: bool = False,
                      out_fp8: bool = False, lookahead: bool = False, lazy_rescale: bool = False,
-                     q_regs: bool = False,
+                     q_regs: bool = False, trace: bool = False,
                      mma_regs: int = 240, load_regs: int = 24):
             self.stages, self.overlap, self.pingpong, self.out_fp8 = stages, overlap, pingpong, out_fp8
             self.lookahead, self.lazy_rescale, self.q_regs = lookahead, lazy_rescale, q_regs
+            self.trace = trace
             self.mma_regs, self.load_regs = mma_regs, load_regs
 
         @cute.jit
         def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mVt: cute.Tensor, mQS: cute.Tensor,
                      mKS: cute.Tensor, mVS: cute.Tensor, mO: cute.Tensor, qk_scale: Float32, mOSC: cute.Tensor,
-                     stream: cuda.CUstream):
+                     mTrace: cute.Tensor, stream: cuda.CUstream):
             """mQ, mK [BH, S, D] int8; mVt [BH, D, S_pad] fp8; mQS, mKS [BH, nblk] fp32 (one per 128 tokens);
             mVS [BH, D]; mO [B, S, H, D/2] int32 (bf16 pairs) or int16 (``out_fp8``: E4M3 pairs); qk_scale:
-            D**-0.5 * log2(e); mOSC [1]: the FP8 output's scale (unread for bf16)."""
+            D**-0.5 * log2(e); mOSC [1]: the FP8 output's scale (unread for bf16); mTrace int64 [TRACE_CTAS, 8,
+            TRACE_TILES, len(TRACE_EVENTS)] (``trace``; else unread)."""
             # (rows, D, BH) views: TMA tiles of (128, 128) at (block, 0, bh)
             q3 = cute.make_tensor(mQ.iterator, cute.select(mQ.layout, mode=[1, 2, 0]))
             k3 = cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=[1, 2, 0]))
@@ -180,7 +186,8 @@ def _kernel_class():
 
             seqlen = mQ.shape[1]
             grid = (cute.ceil_div(seqlen, TILE), mQ.shape[0], 1)
-            self.kernel(tq, tk, tv, tma_q, tma_k, tma_v, mQS, mKS, mVS, mO, qk_scale, mOSC, sQ_layout, sK_layout,
+            self.kernel(tq, tk, tv, tma_q, tma_k, tma_v, mQS, mKS, mVS, mO, qk_scale, mOSC, mTrace, sQ_layout,
+                        sK_layout,
                         sV_layout, mma_qk, mma_pv, Storage).launch(grid=grid, block=[384, 1, 1], stream=stream,
                                                                    min_blocks_per_mp=1)
 
@@ -188,7 +195,7 @@ def _kernel_class():
         def kernel(self, tq: cute.Tensor, tk: cute.Tensor, tv: cute.Tensor, tma_q: cute.CopyAtom,
                    tma_k: cute.CopyAtom, tma_v: cute.CopyAtom, mQS: cute.Tensor, mKS: cute.Tensor,
                    mVS: cute.Tensor, mO: cute.Tensor, qk_scale: Float32, mOSC: cute.Tensor,
-                   sQ_layout: cute.ComposedLayout,
+                   mTrace: cute.Tensor, sQ_layout: cute.ComposedLayout,
                    sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout, mma_qk: cute.TiledMma,
                    mma_pv: cute.TiledMma, Storage: cutlass.Constexpr):
             warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -224,7 +231,7 @@ def _kernel_class():
                 cute.arch.setmaxregister_increase(self.mma_regs)
                 tidx, _, _ = cute.arch.thread_idx()
                 self.mma(tidx - 128, sQ, sK, sV, pipe_q, pipe_k, pipe_v, mQS, mKS, mVS, mO, qk_scale, mOSC,
-                         mma_qk, mma_pv, m_block, bh, seqlen, n_tiles)
+                         mTrace, mma_qk, mma_pv, m_block, bh, seqlen, n_tiles)
 
         @cute.jit
         def load(self, tq, tk, tv, tma_q, tma_k, tma_v, sQ, sK, sV, pipe_q, pipe_k, pipe_v, m_block, bh,
@@ -258,8 +265,8 @@ def _kernel_class():
             pipe_v.producer_tail(state)
 
         @cute.jit
-        def mma(self, tidx, sQ, sK, sV, pipe_q, pipe_k, pipe_v, mQS, mKS, mVS, mO, qk_scale, mOSC, mma_qk,
-                mma_pv, m_block, bh, seqlen, n_tiles):
+        def mma(self, tidx, sQ, sK, sV, pipe_q, pipe_k, pipe_v, mQS, mKS, mVS, mO, qk_scale, mOSC, mTrace,
+                mma_qk, mma_pv, m_block, bh, seqlen, n_tiles):
             """A consumer warpgroup's 64 rows: its fragments, then the key tiles in the schedule's order, then
             the epilogue."""
             wg = cute.arch.make_warp_uniform(tidx // 128)
@@ -281,7 +288,8 @@ def _kernel_class():
                 cS=thr_qk.partition_C(cute.make_identity_tensor((TILE, TILE))),
                 row_max=cute.make_rmem_tensor((2,), Float32), row_sum=cute.make_rmem_tensor((2,), Float32),
                 alpha=cute.make_rmem_tensor((2,), Float32), qsc=mQS[bh, m_block] * qk_scale, mKS=mKS, bh=bh,
-                seqlen=seqlen, n_tiles=n_tiles)
+                seqlen=seqlen, n_tiles=n_tiles, mTrace=mTrace, warp=tidx // 32,
+                traced=(bh == 0) & (m_block < TRACE_CTAS) & (tidx % 32 == 0), m_block=m_block)
             f.row_max.fill(-1.0e30)
             f.row_sum.fill(0.0)
             f.acc_o.fill(0.0)
@@ -371,22 +379,37 @@ def _kernel_class():
 
         @cute.jit
         def overlap_step(self, f, j, state, v_state, masked: cutlass.Constexpr):
+            self.mark(f, j, 0)
             c = self.tile_scale(f, j)
             state.advance()
             f.pipe_k.consumer_wait(state)
+            self.mark(f, j, 1)
             self.turn_wait(f.wg)
             gemm(f.mma_qk, f.acc_s, f.tSrQ, f.tSrK[None, None, None, state.index], True)
             f.pipe_v.consumer_wait(v_state)
             gemm(f.mma_pv, f.acc_o, f.tOrP, f.tOrV[None, None, None, v_state.index], False)
             self.turn_pass(f.wg)
             warpgroup.wait_group(1)
+            self.mark(f, j, 2)
             f.pipe_k.consumer_release(state)
             self.tile_softmax(f, f.acc_s, f.s_f, j, c, masked)
+            self.mark(f, j, 3)
             self.rescale(f.acc_o, f.alpha, 0)  # once P V of j-1 is done
+            self.mark(f, j, 4)
             f.pipe_v.consumer_release(v_state)
             self.pack_p(f.s_f, f.p_f, f.tOrP)
             v_state.advance()
+            self.mark(f, j, 5)
             return state, v_state
+
+        @cute.jit
+        def mark(self, f, j, event: cutlass.Constexpr):
+            """``trace``: the SM clock at ``event`` of key tile j, in the traced CTAs' lane 0 of each warp."""
+            if const_expr(self.trace):
+                t = cute.arch.clock64()
+                tr = cute.make_tensor(f.mTrace.iterator, f.mTrace.layout)
+                if f.traced & (j < TRACE_TILES):
+                    tr[f.m_block, f.warp, j, event] = t
 
         @cute.jit
         def tiles_lookahead(self, f, thr_qk):
@@ -582,12 +605,13 @@ def _dl(t, dynamic_dim: int):
 
 
 def attention_fp8(q8, q_scale, k8, k_scale, vt8, v_scale, *, out_scale=None, head_dim: int | None = None,
-                  **schedule):
+                  trace=None, **schedule):
     """:func:`trt_sora.kernels.triton_ops.attention_fp8` (dense, head dim 128) on this kernel: the same
     operands -> [B, S, H*D] bf16, or FP8 at ``out_scale`` (a one-element fp32 tensor on the device).
     ``schedule``: Attention8's options (``stages``, ``overlap``, ``pingpong``, ``lookahead``,
     ``lazy_rescale``), :data:`SCHEDULE`'s where not given. The first call of each schedule and output type
-    compiles it (about 2 s)."""
+    compiles it (about 2 s). ``trace``: an int64 tensor [TRACE_CTAS, 8, TRACE_TILES, len(TRACE_EVENTS)] on the
+    device that the overlap schedule's traced CTAs fill with SM clocks (:func:`trace_phases` reads it)."""
     unknown = sorted(set(schedule) - set(SCHEDULE))
     if unknown:
         raise TypeError(f"unknown CuTe attention schedule options {unknown}; known: {sorted(SCHEDULE)}")
@@ -606,10 +630,16 @@ def attention_fp8(q8, q_scale, k8, k_scale, vt8, v_scale, *, out_scale=None, hea
             _dl(q_scale.reshape(b * h, -1), 1), _dl(k_scale.reshape(b * h, -1), 1), _dl(v_scale.reshape(b * h, d), 1),
             _dl(o.view(torch.int16 if fp8 else torch.int32), 3),
             _dl((out_scale if fp8 else v_scale).reshape(-1)[:1], 0))
-    key = (*sorted(opts.items()), fp8)
+    tr = trace is not None
+    if tr and (tuple(trace.shape) != (TRACE_CTAS, 8, TRACE_TILES, len(TRACE_EVENTS)) or not opts["overlap"]
+               or opts["lookahead"]):
+        raise ValueError(f"trace takes an int64 tensor {(TRACE_CTAS, 8, TRACE_TILES, len(TRACE_EVENTS))} and "
+                         f"the overlap schedule, got {tuple(trace.shape)} and {opts}")
+    targ = _dl(trace if tr else q_scale.reshape(-1)[:1].view(torch.int32), 3 if tr else 0)
+    key = (*sorted(opts.items()), fp8, tr)
     stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
     if key not in _COMPILED:
-        kern = _kernel_type()(**opts, out_fp8=fp8)
-        _COMPILED[key] = cute.compile(kern, *args[:-1], qk_scale, args[-1], stream)
-    _COMPILED[key](*args[:-1], qk_scale, args[-1], stream)
+        kern = _kernel_type()(**opts, out_fp8=fp8, trace=tr)
+        _COMPILED[key] = cute.compile(kern, *args[:-1], qk_scale, args[-1], targ, stream)
+    _COMPILED[key](*args[:-1], qk_scale, args[-1], targ, stream)
     return o.view(b, s, h * d)
