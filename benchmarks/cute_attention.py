@@ -39,13 +39,6 @@ VARIANTS = {
     "lookahead_lazy": {"stages": 2, "overlap": False, "lookahead": True, "lazy_rescale": True},
     "overlap_pingpong_lazy": {"stages": 2, "overlap": True, "pingpong": True, "lazy_rescale": True},
     "overlap_lazy_qregs": {"stages": 2, "overlap": True, "lazy_rescale": True, "q_regs": True},
-    "overlap_lazy_s3": {"stages": 3, "overlap": True, "lazy_rescale": True},
-    "overlap_lazy_ones": {"stages": 2, "overlap": True, "lazy_rescale": True, "ones_sum": True},
-    "overlap_lazy_ones_qregs": {"stages": 2, "overlap": True, "lazy_rescale": True, "ones_sum": True,
-                                "q_regs": True},
-    "overlap_lazy_kt192": {"stages": 2, "overlap": True, "lazy_rescale": True, "key_tile": 192},
-    "overlap_lazy_ones_kt192": {"stages": 2, "overlap": True, "lazy_rescale": True, "ones_sum": True,
-                                "key_tile": 192},
 }
 SHAPES = ((1, 100, 2), (1, 128, 2), (1, 129, 2), (2, 1000, 2), (1, 4133, 2), (1, 32760, 3))
 

@@ -26,10 +26,6 @@ Options of :class:`Attention8` change the schedule, not the math:
   softmax does not overlap P V after all (``benchmarks/cute_sass.py`` shows where each wait lands);
 - ``q_regs``: Q K^T takes Q from registers (read from shared memory once per CTA), not from shared memory
   on every tile: 16 KB less shared-memory traffic per 128 x 128 tile.
-- ``ones_sum``: the row sums of P come from the tensor cores, not from 64 FADDs a tile in every thread:
-  V^T's shared-memory tile gets 8 rows of 1.0 after the head dim (written once, never by TMA), so P V runs
-  at N = 136 and its last columns hold sum(P) per row, rescaled with O. The sum is of the FP8 P that P V
-  multiplies, not of the fp32 one (about 1e-3 relative apart); 12% fewer instructions per key tile.
 
 :data:`SCHEDULE` (overlap + lazy_rescale, 2 stages) is the fastest measured alone and inside a model call
 (benchmarks/README.md).
@@ -54,8 +50,6 @@ TRACE_EVENTS = ("start", "k_landed", "qk_done", "softmax_done", "pv_done", "end"
 #: The magic number that turns an int32 (|x| < 2**22) into fp32 by one add and a bit cast.
 MAGIC_I = 0x4B400000
 MAGIC_F = 12582912.0
-#: ``ones_sum``: rows of 1.0 after V^T's head dim in shared memory (one 8-row group of the swizzle).
-ONES = 8
 
 
 def p_operand_source(c: int, h: int, k: int) -> tuple[int, int]:
@@ -121,11 +115,9 @@ def _kernel_class():
 
     K_MAJOR = cute.nvgpu.OperandMajorMode.K
 
-    def smem_layout(dtype, stages, rows=TILE, cols=TILE):
-        """K-major (``cols`` contiguous bytes per row), 128-byte swizzle; 64-byte where ``cols`` is 192."""
-        kind = warpgroup.SmemLayoutAtomKind.K_SW128 if cols % 128 == 0 else warpgroup.SmemLayoutAtomKind.K_SW64
-        atom = warpgroup.make_smem_layout_atom(kind, dtype)
-        shape = (rows, cols) if stages is None else (rows, cols, stages)
+    def smem_layout(dtype, stages):
+        atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, dtype)
+        shape = (TILE, TILE) if stages is None else (TILE, TILE, stages)
         return cute.tile_to_shape(atom, shape, order=(0, 1) if stages is None else (0, 1, 2))
 
     def gemm(tiled_mma, acc, a, b, zero_init):
@@ -146,13 +138,11 @@ def _kernel_class():
     class Attention8:
         def __init__(self, stages: int = 2, overlap: bool = False, pingpong: bool = False,
                      out_fp8: bool = False, lookahead: bool = False, lazy_rescale: bool = False,
-                     q_regs: bool = False, ones_sum: bool = False, key_tile: int = TILE, trace: bool = False,
+                     q_regs: bool = False, trace: bool = False,
                      mma_regs: int = 240, load_regs: int = 24):
             self.stages, self.overlap, self.pingpong, self.out_fp8 = stages, overlap, pingpong, out_fp8
             self.lookahead, self.lazy_rescale, self.q_regs = lookahead, lazy_rescale, q_regs
-            self.trace, self.ones_sum = trace, ones_sum
-            self.nd = TILE + ONES if ones_sum else TILE  # P V's N: the head dim (and the ones rows)
-            self.bn = key_tile  # keys per tile: Q K^T's N, P V's K
+            self.trace = trace
             self.mma_regs, self.load_regs = mma_regs, load_regs
 
         @cute.jit
@@ -168,21 +158,20 @@ def _kernel_class():
             k3 = cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=[1, 2, 0]))
             v3 = cute.make_tensor(mVt.iterator, cute.select(mVt.layout, mode=[1, 2, 0]))
             sQ_layout = smem_layout(cutlass.Int8, None)
-            bn = self.bn
-            sK_layout = smem_layout(cutlass.Int8, self.stages, bn)
-            sV_layout = smem_layout(cutlass.Float8E4M3FN, self.stages, self.nd, bn)
+            sK_layout = smem_layout(cutlass.Int8, self.stages)
+            sV_layout = smem_layout(cutlass.Float8E4M3FN, self.stages)
             tma_q, tq = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), q3, sQ_layout,
                                                    (TILE, TILE))
             tma_k, tk = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), k3,
-                                                   cute.select(sK_layout, mode=[0, 1]), (bn, TILE))
+                                                   cute.select(sK_layout, mode=[0, 1]), (TILE, TILE))
             tma_v, tv = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), v3,
-                                                   smem_layout(cutlass.Float8E4M3FN, None, TILE, bn), (TILE, bn))
+                                                   cute.select(sV_layout, mode=[0, 1]), (TILE, TILE))
             mma_qk = sm90.make_trivial_tiled_mma(cutlass.Int8, cutlass.Int8, K_MAJOR, K_MAJOR, Int32,
-                                                 (2, 1, 1), (64, bn),
+                                                 (2, 1, 1), (64, TILE),
                                                  a_source=warpgroup.OperandSource.RMEM if self.q_regs
                                                  else warpgroup.OperandSource.SMEM)
             mma_pv = sm90.make_trivial_tiled_mma(cutlass.Float8E4M3FN, cutlass.Float8E4M3FN, K_MAJOR, K_MAJOR,
-                                                 Float32, (2, 1, 1), (64, self.nd),
+                                                 Float32, (2, 1, 1), (64, TILE),
                                                  a_source=warpgroup.OperandSource.RMEM)
             stages = self.stages
 
@@ -216,22 +205,22 @@ def _kernel_class():
                     cpasync.prefetch_descriptor(atom)
             storage = cutlass.utils.SmemAllocator().allocate(Storage)
             group = lambda n: pipeline.CooperativeGroup(pipeline.Agent.Thread, n)  # noqa: E731
-            q_bytes, kv_bytes = TILE * TILE, self.bn * TILE
+            q_bytes = TILE * TILE
             pipe_q = pipeline.PipelineTmaAsync.create(barrier_storage=storage.bar_q.data_ptr(), num_stages=1,
                                                       producer_group=group(1), consumer_group=group(8),
                                                       tx_count=q_bytes, defer_sync=True)
             pipe_k = pipeline.PipelineTmaAsync.create(barrier_storage=storage.bar_k.data_ptr(),
                                                       num_stages=self.stages, producer_group=group(1),
-                                                      consumer_group=group(8), tx_count=kv_bytes, defer_sync=True)
+                                                      consumer_group=group(8), tx_count=q_bytes, defer_sync=True)
             pipe_v = pipeline.PipelineTmaAsync.create(barrier_storage=storage.bar_v.data_ptr(),
                                                       num_stages=self.stages, producer_group=group(1),
-                                                      consumer_group=group(8), tx_count=kv_bytes, defer_sync=True)
+                                                      consumer_group=group(8), tx_count=q_bytes, defer_sync=True)
             pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
             sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
             sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
             sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
             seqlen = tq.shape[0]
-            n_tiles = cute.ceil_div(seqlen, self.bn)
+            n_tiles = cute.ceil_div(seqlen, TILE)
             pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
             if warp < 4:
                 cute.arch.setmaxregister_decrease(self.load_regs)
@@ -248,13 +237,12 @@ def _kernel_class():
         def load(self, tq, tk, tv, tma_q, tma_k, tma_v, sQ, sK, sV, pipe_q, pipe_k, pipe_v, m_block, bh,
                  n_tiles):
             gQ = cute.local_tile(tq[None, None, bh], (TILE, TILE), (m_block, 0))
-            gK = cute.local_tile(tk[None, None, bh], (self.bn, TILE), (None, 0))
-            gV = cute.local_tile(tv[None, None, bh], (TILE, self.bn), (0, None))
+            gK = cute.local_tile(tk[None, None, bh], (TILE, TILE), (None, 0))
+            gV = cute.local_tile(tv[None, None, bh], (TILE, TILE), (0, None))
             sq, gq = cpasync.tma_partition(tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2),
                                            cute.group_modes(gQ, 0, 2))
             sk, gk = cpasync.tma_partition(tma_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2),
                                            cute.group_modes(gK, 0, 2))
-            sV = cute.local_tile(sV, (TILE, self.bn, self.stages), (0, 0, 0))  # TMA: the head dim, not the ones
             sv, gv = cpasync.tma_partition(tma_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2),
                                            cute.group_modes(gV, 0, 2))
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
@@ -287,27 +275,23 @@ def _kernel_class():
             wg_pv = mma_pv.get_slice(wg_layout(wg))
             thr_qk = mma_qk.get_slice(tidx)
             thr_pv = mma_pv.get_slice(tidx)
-            bn = self.bn
-            tOrP = wg_pv.make_fragment_A(wg_pv.partition_shape_A((TILE, bn)))
+            tOrP = wg_pv.make_fragment_A(wg_pv.partition_shape_A((TILE, TILE)))
             # V^T [D, keys] is P V's B operand (N = D, K = keys), K-major
             f = SimpleNamespace(
                 wg=wg, pipe_k=pipe_k, pipe_v=pipe_v, mma_qk=mma_qk, mma_pv=mma_pv,
                 tSrQ=wg_qk.make_fragment_A(wg_qk.partition_A(sQ)), tSrK=wg_qk.make_fragment_B(wg_qk.partition_B(sK)),
                 tOrV=wg_pv.make_fragment_B(wg_pv.partition_B(sV)), tOrP=tOrP,
-                acc_o=cute.make_rmem_tensor(thr_pv.partition_shape_C((TILE, self.nd)), Float32),
-                acc_s=cute.make_rmem_tensor(thr_qk.partition_shape_C((TILE, bn)), Int32),
-                s_f=cute.make_rmem_tensor(thr_qk.partition_shape_C((TILE, bn)), Float32),
+                acc_o=cute.make_rmem_tensor(thr_pv.partition_shape_C((TILE, TILE)), Float32),
+                acc_s=cute.make_rmem_tensor(thr_qk.partition_shape_C((TILE, TILE)), Int32),
+                s_f=cute.make_rmem_tensor(thr_qk.partition_shape_C((TILE, TILE)), Float32),
                 p_f=cute.make_rmem_tensor_like(tOrP, Float32),
-                cS=thr_qk.partition_C(cute.make_identity_tensor((TILE, bn))),
+                cS=thr_qk.partition_C(cute.make_identity_tensor((TILE, TILE))),
                 row_max=cute.make_rmem_tensor((2,), Float32), row_sum=cute.make_rmem_tensor((2,), Float32),
                 alpha=cute.make_rmem_tensor((2,), Float32), qsc=mQS[bh, m_block] * qk_scale, mKS=mKS, bh=bh,
-                n_kblk=mKS.shape[1],
                 seqlen=seqlen, n_tiles=n_tiles, mTrace=mTrace, warp=tidx // 32,
                 traced=(bh == 0) & (m_block < TRACE_CTAS) & (tidx % 32 == 0), m_block=m_block)
             f.row_max.fill(-1.0e30)
             f.row_sum.fill(0.0)
-            if const_expr(self.ones_sum):
-                self.fill_ones(sV, tidx)
             f.acc_o.fill(0.0)
             if const_expr(self.pingpong):
                 if wg == 0:
@@ -326,36 +310,15 @@ def _kernel_class():
             self.epilogue(f.acc_o, f.row_sum, thr_pv, mVS, mO, mOSC, m_block, bh, seqlen)
 
         @cute.jit
-        def fill_ones(self, sV, tidx):
-            """``ones_sum``: V^T's rows TILE.. of every stage hold 1.0, once (TMA never writes them), so P V's
-            columns TILE.. are P's row sums; made visible to the tensor cores before any P V."""
-            per = ONES * self.bn // 256
-            for s in cutlass.range_constexpr(self.stages):
-                for i in cutlass.range_constexpr(per):
-                    e = tidx * per + i
-                    sV[TILE + e // self.bn, e % self.bn, s] = cutlass.Float8E4M3FN(1.0)
-            cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.barrier(barrier_id=3, number_of_threads=256)
-
-        @cute.jit
         def tile_softmax(self, f, acc, s_f, j, c, masked: cutlass.Constexpr):
             """The softmax of key tile j (:meth:`softmax`); ``c`` its logits' scale (:meth:`tile_scale`)."""
-            self.softmax(acc, s_f, f.cS, f.row_max, f.row_sum, f.alpha, c, j * self.bn, f.seqlen, masked)
+            self.softmax(acc, s_f, f.cS, f.row_max, f.row_sum, f.alpha, c, j * TILE, f.seqlen, masked)
 
         @cute.jit
         def tile_scale(self, f, j):
             """Q's and key tile j's scales times D**-0.5 log2(e). Each step reads it first, before its waits, so
-            the global load's latency hides behind the Q K^T instead of standing in front of the first EX2.
-            192-key tiles span two K scale blocks: (c of columns 0-63, of 64-127, of 128-191). Tile j starts
-            at key 192 j, on a block's start (j even: 64-127 in the first block) or its middle (j odd: 64-127
-            in the second); the block past the last (a ragged tile's masked keys) reads the last."""
-            if const_expr(self.bn == TILE):
-                return f.qsc * f.mKS[f.bh, j]
-            else:
-                b0 = (3 * j) // 2
-                c0 = f.qsc * f.mKS[f.bh, b0]
-                c1 = f.qsc * f.mKS[f.bh, cutlass.min(b0 + 1, f.n_kblk - 1)]
-                return c0, (c1 if j % 2 == 1 else c0), c1
+            the global load's latency hides behind the Q K^T instead of standing in front of the first EX2."""
+            return f.qsc * f.mKS[f.bh, j]
 
         @cute.jit
         def first_qk(self, f, acc, state):
@@ -510,14 +473,11 @@ def _kernel_class():
             every tile's softmax)."""
             s_f.store((acc_s.load() + MAGIC_I).bitcast(Float32).reshape(s_f.shape))
             if const_expr(masked):
-                if key0 + self.bn > seqlen:
+                if key0 + TILE > seqlen:
                     for i in cutlass.range_constexpr(cute.size(s_f)):
                         if key0 + cS[i][1] >= seqlen:
                             s_f[i] = Float32(-1.0e30)
             n_cols = cute.size(s_f.shape[0][2])
-            if const_expr(self.bn != TILE):
-                self.softmax_groups(s_f, row_max, row_sum, alpha, c, n_cols)
-                return
             for r in cutlass.range_constexpr(2):
                 # the row's max as four chains, then a tree: exact in any order, and a quarter of the latency
                 # the warp waits before its first EX2
@@ -535,39 +495,9 @@ def _kernel_class():
                     for e in cutlass.range_constexpr(2):
                         p = cute.math.exp2(s_f[(e, r, n), 0, 0] * c - neg, fastmath=True)
                         s_f[(e, r, n), 0, 0] = p
-                        if const_expr(not self.ones_sum):  # else P V's ones columns sum P
-                            total += p
+                        total += p
                 alpha[r] = cute.math.exp2(row_max[r] - m_new, fastmath=True)
-                if const_expr(not self.ones_sum):
-                    row_sum[r] = row_sum[r] * alpha[r] + total
-                row_max[r] = m_new
-
-        @cute.jit
-        def softmax_groups(self, s_f, row_max, row_sum, alpha, c, n_cols: cutlass.Constexpr):
-            """:meth:`softmax` of a 192-key tile: its columns in three groups of 64 keys, each with its scale
-            (:meth:`tile_scale`). Each thread's max per group (two chains), scaled, then across groups and
-            the quad."""
-            group = [n * 3 // n_cols for n in range(n_cols)]  # n-block (8 keys) -> group
-            for r in cutlass.range_constexpr(2):
-                part = [None, None, None]
-                for n in cutlass.range_constexpr(n_cols):
-                    for e in cutlass.range_constexpr(2):
-                        g, v = group[n], s_f[(e, r, n), 0, 0]
-                        part[g] = v if part[g] is None else cute.arch.fmax(part[g], v)
-                mx = cute.arch.fmax(cute.arch.fmax((part[0] - MAGIC_F) * c[0], (part[1] - MAGIC_F) * c[1]),
-                                    (part[2] - MAGIC_F) * c[2])
-                m_new = cute.arch.fmax(row_max[r], quad_reduce(mx, cute.arch.fmax))
-                neg = [MAGIC_F * c[g] + m_new - LOG2_448 for g in range(3)]
-                total = Float32(0.0)
-                for n in cutlass.range_constexpr(n_cols):
-                    for e in cutlass.range_constexpr(2):
-                        p = cute.math.exp2(s_f[(e, r, n), 0, 0] * c[group[n]] - neg[group[n]], fastmath=True)
-                        s_f[(e, r, n), 0, 0] = p
-                        if const_expr(not self.ones_sum):
-                            total += p
-                alpha[r] = cute.math.exp2(row_max[r] - m_new, fastmath=True)
-                if const_expr(not self.ones_sum):
-                    row_sum[r] = row_sum[r] * alpha[r] + total
+                row_sum[r] = row_sum[r] * alpha[r] + total
                 row_max[r] = m_new
 
         @cute.jit
@@ -615,7 +545,7 @@ def _kernel_class():
         @cute.jit
         def pack_p(self, s_f, p_f, tOrP):
             """P (the Q K^T accumulator's layout) -> the FP8 A operand of P V (:func:`p_operand_source`)."""
-            for c in cutlass.range_constexpr(self.bn // 32):
+            for c in cutlass.range_constexpr(TILE // 32):
                 for h in cutlass.range_constexpr(2):
                     for r in cutlass.range_constexpr(2):
                         for k in cutlass.range_constexpr(4):
@@ -630,18 +560,15 @@ def _kernel_class():
             heads = mO.shape[2]
             b = bh // heads
             h = bh - b * heads
-            cO = thr_pv.partition_C(cute.make_identity_tensor((TILE, self.nd)))
+            cO = thr_pv.partition_C(cute.make_identity_tensor((TILE, TILE)))
             pair = cute.make_rmem_tensor((2,), Float32)
             inv = cute.make_rmem_tensor((2,), Float32)
             for r in cutlass.range_constexpr(2):
-                if const_expr(self.ones_sum):  # every lane's ones columns hold its rows' whole sums
-                    inv[r] = 1.0 / acc_o[(0, r, TILE // 8), 0, 0]
-                else:
-                    inv[r] = 1.0 / quad_reduce(row_sum[r], lambda x, y: x + y)
+                inv[r] = 1.0 / quad_reduce(row_sum[r], lambda x, y: x + y)
             for r in cutlass.range_constexpr(2):
                 row = m_block * TILE + cO[(0, r, 0), 0, 0][0]
                 if row < seqlen:
-                    for n in cutlass.range_constexpr(TILE // 8):  # not the ones columns
+                    for n in cutlass.range_constexpr(cute.size(acc_o.shape[0][2])):
                         d = cO[(0, r, n), 0, 0][1]
                         for e in cutlass.range_constexpr(2):
                             pair[e] = acc_o[(e, r, n), 0, 0] * inv[r] * mVS[bh, d + e]
@@ -668,7 +595,7 @@ _COMPILED: dict = {}
 #: The schedule :func:`attention_fp8` runs where its caller names none (``int8-cute`` inside a model call):
 #: the fastest measured (benchmarks/README.md). A benchmark may set it to time another in a model.
 SCHEDULE = {"stages": 2, "overlap": True, "pingpong": False, "lookahead": False, "lazy_rescale": True,
-            "q_regs": False, "ones_sum": False, "key_tile": TILE}
+            "q_regs": False}
 
 
 def _dl(t, dynamic_dim: int):
@@ -696,9 +623,6 @@ def attention_fp8(q8, q_scale, k8, k_scale, vt8, v_scale, *, out_scale=None, hea
     b, h, s, d = q8.shape
     if d != TILE:
         raise ValueError(f"the CuTe attention kernel takes head dim {TILE}, got {d}")
-    if opts["key_tile"] not in (TILE, 192) or (opts["key_tile"] != TILE and opts["lookahead"]):
-        raise ValueError(f"key_tile takes {TILE}, or 192 without lookahead; got {opts['key_tile']} "
-                         f"(lookahead={opts['lookahead']})")
     fp8 = out_scale is not None
     o = torch.empty((b, s, h, d), device=q8.device, dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16)
     qk_scale = 1.0 / math.sqrt(head_dim or d) * 1.4426950408889634
