@@ -39,6 +39,11 @@ VARIANTS = {
     "lookahead_lazy": {"stages": 2, "overlap": False, "lookahead": True, "lazy_rescale": True},
     "overlap_pingpong_lazy": {"stages": 2, "overlap": True, "pingpong": True, "lazy_rescale": True},
     "overlap_lazy_qregs": {"stages": 2, "overlap": True, "lazy_rescale": True, "q_regs": True},
+    "overlap_lazy_ep": {"stages": 2, "overlap": True, "lazy_rescale": True, "early_pack": True},
+    "overlap_lazy_ss": {"stages": 2, "overlap": True, "lazy_rescale": True, "split_sum": True},
+    "overlap_lazy_epss": {"stages": 2, "overlap": True, "lazy_rescale": True, "early_pack": True, "split_sum": True},
+    "overlap_lazy_epss_qregs": {"stages": 2, "overlap": True, "lazy_rescale": True, "early_pack": True,
+                                "split_sum": True, "q_regs": True},
 }
 SHAPES = ((1, 100, 2), (1, 128, 2), (1, 129, 2), (2, 1000, 2), (1, 4133, 2), (1, 32760, 3))
 

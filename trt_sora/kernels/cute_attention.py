@@ -26,6 +26,9 @@ Options of :class:`Attention8` change the schedule, not the math:
   softmax does not overlap P V after all (``benchmarks/cute_sass.py`` shows where each wait lands);
 - ``q_regs``: Q K^T takes Q from registers (read from shared memory once per CTA), not from shared memory
   on every tile: 16 KB less shared-memory traffic per 128 x 128 tile.
+- ``early_pack`` (overlap): P of tile j-1 is packed to FP8 after Q K^T of tile j is issued, in the shadow of
+  the wait for it, not at the end of j-1's step (the same bits);
+- ``split_sum``: each row's sum of P in four chains (as its max), not one chain of 32 dependent FADDs.
 
 :data:`SCHEDULE` (overlap + lazy_rescale, 2 stages) is the fastest measured alone and inside a model call
 (benchmarks/README.md).
@@ -138,11 +141,12 @@ def _kernel_class():
     class Attention8:
         def __init__(self, stages: int = 2, overlap: bool = False, pingpong: bool = False,
                      out_fp8: bool = False, lookahead: bool = False, lazy_rescale: bool = False,
-                     q_regs: bool = False, trace: bool = False,
+                     q_regs: bool = False, early_pack: bool = False, split_sum: bool = False,
+                     trace: bool = False,
                      mma_regs: int = 240, load_regs: int = 24):
             self.stages, self.overlap, self.pingpong, self.out_fp8 = stages, overlap, pingpong, out_fp8
             self.lookahead, self.lazy_rescale, self.q_regs = lookahead, lazy_rescale, q_regs
-            self.trace = trace
+            self.trace, self.early_pack, self.split_sum = trace, early_pack, split_sum
             self.mma_regs, self.load_regs = mma_regs, load_regs
 
         @cute.jit
@@ -366,12 +370,15 @@ def _kernel_class():
             c = self.tile_scale(f, 0)
             self.first_qk(f, f.acc_s, state)
             self.tile_softmax(f, f.acc_s, f.s_f, 0, c, True)
-            self.pack_p(f.s_f, f.p_f, f.tOrP)
+            if const_expr(not self.early_pack):
+                self.pack_p(f.s_f, f.p_f, f.tOrP)
             v_state = state.clone()
             for j in cutlass.range(1, f.n_tiles - 1, unroll=1):
                 state, v_state = self.overlap_step(f, j, state, v_state, False)
             if f.n_tiles > 1:
                 state, v_state = self.overlap_step(f, f.n_tiles - 1, state, v_state, True)
+            if const_expr(self.early_pack):
+                self.pack_p(f.s_f, f.p_f, f.tOrP)
             f.pipe_v.consumer_wait(v_state)
             gemm(f.mma_pv, f.acc_o, f.tOrP, f.tOrV[None, None, None, v_state.index], False)
             warpgroup.wait_group(0)
@@ -386,6 +393,8 @@ def _kernel_class():
             self.mark(f, j, 1)
             self.turn_wait(f.wg)
             gemm(f.mma_qk, f.acc_s, f.tSrQ, f.tSrK[None, None, None, state.index], True)
+            if const_expr(self.early_pack):  # P of j-1 packed while Q K^T of j runs
+                self.pack_p(f.s_f, f.p_f, f.tOrP)
             f.pipe_v.consumer_wait(v_state)
             gemm(f.mma_pv, f.acc_o, f.tOrP, f.tOrV[None, None, None, v_state.index], False)
             self.turn_pass(f.wg)
@@ -397,7 +406,8 @@ def _kernel_class():
             self.rescale(f.acc_o, f.alpha, 0)  # once P V of j-1 is done
             self.mark(f, j, 4)
             f.pipe_v.consumer_release(v_state)
-            self.pack_p(f.s_f, f.p_f, f.tOrP)
+            if const_expr(not self.early_pack):
+                self.pack_p(f.s_f, f.p_f, f.tOrP)
             v_state.advance()
             self.mark(f, j, 5)
             return state, v_state
@@ -490,12 +500,14 @@ def _kernel_class():
                                  cute.arch.fmax)
                 m_new = cute.arch.fmax(row_max[r], (mx - MAGIC_F) * c)
                 neg = MAGIC_F * c + m_new - LOG2_448
-                total = Float32(0.0)
+                sums = [Float32(0.0)] * (4 if self.split_sum else 1)
                 for n in cutlass.range_constexpr(cute.size(s_f.shape[0][2])):
                     for e in cutlass.range_constexpr(2):
                         p = cute.math.exp2(s_f[(e, r, n), 0, 0] * c - neg, fastmath=True)
                         s_f[(e, r, n), 0, 0] = p
-                        total += p
+                        k = (2 * (n % 2) + e) % len(sums)  # split_sum: four chains, as the max
+                        sums[k] = sums[k] + p
+                total = sums[0] if len(sums) == 1 else (sums[0] + sums[1]) + (sums[2] + sums[3])
                 alpha[r] = cute.math.exp2(row_max[r] - m_new, fastmath=True)
                 row_sum[r] = row_sum[r] * alpha[r] + total
                 row_max[r] = m_new
@@ -595,7 +607,7 @@ _COMPILED: dict = {}
 #: The schedule :func:`attention_fp8` runs where its caller names none (``int8-cute`` inside a model call):
 #: the fastest measured (benchmarks/README.md). A benchmark may set it to time another in a model.
 SCHEDULE = {"stages": 2, "overlap": True, "pingpong": False, "lookahead": False, "lazy_rescale": True,
-            "q_regs": False}
+            "q_regs": False, "early_pack": False, "split_sum": False}
 
 
 def _dl(t, dynamic_dim: int):
