@@ -42,8 +42,11 @@ VARIANTS = {
     "overlap_lazy_ep": {"stages": 2, "overlap": True, "lazy_rescale": True, "early_pack": True},
     "overlap_lazy_ss": {"stages": 2, "overlap": True, "lazy_rescale": True, "split_sum": True},
     "overlap_lazy_epss": {"stages": 2, "overlap": True, "lazy_rescale": True, "early_pack": True, "split_sum": True},
-    "overlap_lazy_epss_qregs": {"stages": 2, "overlap": True, "lazy_rescale": True, "early_pack": True,
-                                "split_sum": True, "q_regs": True},
+    "overlap_lazy_im": {"stages": 2, "overlap": True, "lazy_rescale": True, "int_max": True},
+    "overlap_lazy_epssim": {"stages": 2, "overlap": True, "lazy_rescale": True, "early_pack": True,
+                            "split_sum": True, "int_max": True},
+    "overlap_lazy_epssim_qregs": {"stages": 2, "overlap": True, "lazy_rescale": True, "early_pack": True,
+                                  "split_sum": True, "int_max": True, "q_regs": True},
 }
 SHAPES = ((1, 100, 2), (1, 128, 2), (1, 129, 2), (2, 1000, 2), (1, 4133, 2), (1, 32760, 3))
 

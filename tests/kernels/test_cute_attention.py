@@ -145,10 +145,11 @@ def test_gpu_lazy_rescale_changes_no_bit(schedule):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("option", ["early_pack", "q_regs"])
+@pytest.mark.parametrize("option", ["early_pack", "q_regs", "int_max"])
 def test_gpu_options_that_only_move_work_change_no_bit(option):
-    """Packing P of tile j-1 after Q K^T of j is issued, or reading Q from registers, moves instructions, not
-    arithmetic: the same bits as the default schedule, bf16 and FP8, ragged and many-tile."""
+    """Packing P of tile j-1 after Q K^T of j is issued, reading Q from registers, or taking the row max over the
+    int32 products (the magic add is exact and monotonic) moves instructions, not arithmetic: the same bits
+    as the default schedule, bf16 and FP8, ragged and many-tile."""
     import torch
 
     for s in (1000, 4133):

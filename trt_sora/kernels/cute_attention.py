@@ -29,6 +29,8 @@ Options of :class:`Attention8` change the schedule, not the math:
 - ``early_pack`` (overlap): P of tile j-1 is packed to FP8 after Q K^T of tile j is issued, in the shadow of
   the wait for it, not at the end of j-1's step (the same bits);
 - ``split_sum``: each row's sum of P in four chains (as its max), not one chain of 32 dependent FADDs.
+- ``int_max``: each row's max over the int32 products (3-input integer max steps), the magic adds after it
+  (the same max, the same bits); they no longer all stand before the first EX2.
 
 :data:`SCHEDULE` (overlap + lazy_rescale, 2 stages) is the fastest measured alone and inside a model call
 (benchmarks/README.md).
@@ -142,11 +144,12 @@ def _kernel_class():
         def __init__(self, stages: int = 2, overlap: bool = False, pingpong: bool = False,
                      out_fp8: bool = False, lookahead: bool = False, lazy_rescale: bool = False,
                      q_regs: bool = False, early_pack: bool = False, split_sum: bool = False,
+                     int_max: bool = False,
                      trace: bool = False,
                      mma_regs: int = 240, load_regs: int = 24):
             self.stages, self.overlap, self.pingpong, self.out_fp8 = stages, overlap, pingpong, out_fp8
             self.lookahead, self.lazy_rescale, self.q_regs = lookahead, lazy_rescale, q_regs
-            self.trace, self.early_pack, self.split_sum = trace, early_pack, split_sum
+            self.trace, self.early_pack, self.split_sum, self.int_max = trace, early_pack, split_sum, int_max
             self.mma_regs, self.load_regs = mma_regs, load_regs
 
         @cute.jit
@@ -481,6 +484,9 @@ def _kernel_class():
             ``masked`` (the last tile, the only one that can be ragged): keys at or past ``seqlen`` get -1e30
             before the max. The other tiles leave the test out (ptxas would predicate it into
             every tile's softmax)."""
+            if const_expr(self.int_max and not masked):
+                self.softmax_int_max(acc_s, s_f, row_max, row_sum, alpha, c)
+                return
             s_f.store((acc_s.load() + MAGIC_I).bitcast(Float32).reshape(s_f.shape))
             if const_expr(masked):
                 if key0 + TILE > seqlen:
@@ -506,6 +512,37 @@ def _kernel_class():
                         p = cute.math.exp2(s_f[(e, r, n), 0, 0] * c - neg, fastmath=True)
                         s_f[(e, r, n), 0, 0] = p
                         k = (2 * (n % 2) + e) % len(sums)  # split_sum: four chains, as the max
+                        sums[k] = sums[k] + p
+                total = sums[0] if len(sums) == 1 else (sums[0] + sums[1]) + (sums[2] + sums[3])
+                alpha[r] = cute.math.exp2(row_max[r] - m_new, fastmath=True)
+                row_sum[r] = row_sum[r] * alpha[r] + total
+                row_max[r] = m_new
+
+        @cute.jit
+        def softmax_int_max(self, acc_s, s_f, row_max, row_sum, alpha, c):
+            """:meth:`softmax` of an unmasked tile with ``int_max``: each row's max over the int32 products (the
+            magic add is monotonic and exact, so the same max), and the magic adds after it, where the EX2s
+            leave the integer pipe idle; before, all 64 adds and 64 max steps stood in front of the first EX2."""
+            n_cols = cute.size(s_f.shape[0][2])
+            mx = [None, None]
+            for r in cutlass.range_constexpr(2):
+                part = [acc_s[(e, r, n), 0, 0] for n in range(2) for e in range(2)]
+                for n in cutlass.range_constexpr(2, n_cols):
+                    for e in cutlass.range_constexpr(2):
+                        k = 2 * (n % 2) + e
+                        part[k] = cutlass.max(part[k], acc_s[(e, r, n), 0, 0])
+                mx[r] = quad_reduce(cutlass.max(cutlass.max(part[0], part[1]), cutlass.max(part[2], part[3])),
+                                    cutlass.max)
+            s_f.store((acc_s.load() + MAGIC_I).bitcast(Float32).reshape(s_f.shape))
+            for r in cutlass.range_constexpr(2):
+                m_new = cute.arch.fmax(row_max[r], Float32(mx[r]) * c)
+                neg = MAGIC_F * c + m_new - LOG2_448
+                sums = [Float32(0.0)] * (4 if self.split_sum else 1)
+                for n in cutlass.range_constexpr(n_cols):
+                    for e in cutlass.range_constexpr(2):
+                        p = cute.math.exp2(s_f[(e, r, n), 0, 0] * c - neg, fastmath=True)
+                        s_f[(e, r, n), 0, 0] = p
+                        k = (2 * (n % 2) + e) % len(sums)
                         sums[k] = sums[k] + p
                 total = sums[0] if len(sums) == 1 else (sums[0] + sums[1]) + (sums[2] + sums[3])
                 alpha[r] = cute.math.exp2(row_max[r] - m_new, fastmath=True)
@@ -607,7 +644,7 @@ _COMPILED: dict = {}
 #: The schedule :func:`attention_fp8` runs where its caller names none (``int8-cute`` inside a model call):
 #: the fastest measured (benchmarks/README.md). A benchmark may set it to time another in a model.
 SCHEDULE = {"stages": 2, "overlap": True, "pingpong": False, "lookahead": False, "lazy_rescale": True,
-            "q_regs": False, "early_pack": False, "split_sum": False}
+            "q_regs": False, "early_pack": False, "split_sum": False, "int_max": False}
 
 
 def _dl(t, dynamic_dim: int):
