@@ -32,7 +32,7 @@
 # wheels installed with `pip install --target /tmp/fa4site --python-version 3.12 --platform manylinux_2_28_x86_64
 # --only-binary=:all:` on the CPU (flash-attn-4, nvidia-cutlass-dsl and its libs-base/-core/-cu13, cuda-bindings,
 # cuda-pathfinder, apache-tvm-ffi, torch-c-dlpack-ext, quack-kernels, einops), `tar -c fa4site | xz -9e`, split
-# in 32 MB pieces over build/cute/a, build/cute/b, carried one folder per chained call: ignored build outputs stay
+# in 37 MB pieces (`split -b 37000000`) over build/cute/a, build/cute/b, carried one folder per chained call: ignored build outputs stay
 # on a warm machine between calls, and the 64 MiB carry holds the tracked tree too),
 # cute (issue 32: our CuTe DSL 8-bit attention kernel vs the Triton one: agreement on six shapes, speed at 32,760
 # tokens, benchmarks/cute_attention.py; the DSL from the fa4 part's carried pieces; CUTE_VARIANTS picks schedules;
