@@ -24,29 +24,37 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-#: name -> Attention8 options, each one named in full (trt_sora.kernels.cute_attention.SCHEDULE fills the rest)
+#: every Attention8 option off; each variant names all of them, so a change of SCHEDULE's defaults changes none
+OFF = {"stages": 2, "overlap": False, "pingpong": False, "lookahead": False, "lazy_rescale": False, "q_regs": False,
+       "early_pack": False, "split_sum": False, "int_max": False}
+
+
+def _v(**on) -> dict:
+    return OFF | on
+
+
+#: name -> Attention8 options (``overlap_lazy_epssim`` is trt_sora.kernels.cute_attention.SCHEDULE)
 VARIANTS = {
-    "plain": {"stages": 2, "overlap": False, "lazy_rescale": False},
-    "overlap": {"stages": 2, "overlap": True, "lazy_rescale": False},
-    "overlap_s3": {"stages": 3, "overlap": True, "lazy_rescale": False},
-    "overlap_s4": {"stages": 4, "overlap": True, "lazy_rescale": False},
-    "pingpong": {"stages": 2, "overlap": False, "pingpong": True, "lazy_rescale": False},
-    "overlap_pingpong": {"stages": 2, "overlap": True, "pingpong": True, "lazy_rescale": False},
-    "overlap_pingpong_s3": {"stages": 3, "overlap": True, "pingpong": True, "lazy_rescale": False},
-    "lookahead": {"stages": 2, "overlap": False, "lookahead": True, "lazy_rescale": False},
-    "lookahead_s3": {"stages": 3, "overlap": False, "lookahead": True, "lazy_rescale": False},
-    "overlap_lazy": {"stages": 2, "overlap": True, "lazy_rescale": True},
-    "lookahead_lazy": {"stages": 2, "overlap": False, "lookahead": True, "lazy_rescale": True},
-    "overlap_pingpong_lazy": {"stages": 2, "overlap": True, "pingpong": True, "lazy_rescale": True},
-    "overlap_lazy_qregs": {"stages": 2, "overlap": True, "lazy_rescale": True, "q_regs": True},
-    "overlap_lazy_ep": {"stages": 2, "overlap": True, "lazy_rescale": True, "early_pack": True},
-    "overlap_lazy_ss": {"stages": 2, "overlap": True, "lazy_rescale": True, "split_sum": True},
-    "overlap_lazy_epss": {"stages": 2, "overlap": True, "lazy_rescale": True, "early_pack": True, "split_sum": True},
-    "overlap_lazy_im": {"stages": 2, "overlap": True, "lazy_rescale": True, "int_max": True},
-    "overlap_lazy_epssim": {"stages": 2, "overlap": True, "lazy_rescale": True, "early_pack": True,
-                            "split_sum": True, "int_max": True},
-    "overlap_lazy_epssim_qregs": {"stages": 2, "overlap": True, "lazy_rescale": True, "early_pack": True,
-                                  "split_sum": True, "int_max": True, "q_regs": True},
+    "plain": _v(),
+    "overlap": _v(overlap=True),
+    "overlap_s3": _v(stages=3, overlap=True),
+    "overlap_s4": _v(stages=4, overlap=True),
+    "pingpong": _v(pingpong=True),
+    "overlap_pingpong": _v(overlap=True, pingpong=True),
+    "overlap_pingpong_s3": _v(stages=3, overlap=True, pingpong=True),
+    "lookahead": _v(lookahead=True),
+    "lookahead_s3": _v(stages=3, lookahead=True),
+    "overlap_lazy": _v(overlap=True, lazy_rescale=True),
+    "lookahead_lazy": _v(lookahead=True, lazy_rescale=True),
+    "overlap_pingpong_lazy": _v(overlap=True, pingpong=True, lazy_rescale=True),
+    "overlap_lazy_qregs": _v(overlap=True, lazy_rescale=True, q_regs=True),
+    "overlap_lazy_ep": _v(overlap=True, lazy_rescale=True, early_pack=True),
+    "overlap_lazy_ss": _v(overlap=True, lazy_rescale=True, split_sum=True),
+    "overlap_lazy_epss": _v(overlap=True, lazy_rescale=True, early_pack=True, split_sum=True),
+    "overlap_lazy_im": _v(overlap=True, lazy_rescale=True, int_max=True),
+    "overlap_lazy_epssim": _v(overlap=True, lazy_rescale=True, early_pack=True, split_sum=True, int_max=True),
+    "overlap_lazy_epssim_qregs": _v(overlap=True, lazy_rescale=True, early_pack=True, split_sum=True, int_max=True,
+                                    q_regs=True),
 }
 SHAPES = ((1, 100, 2), (1, 128, 2), (1, 129, 2), (2, 1000, 2), (1, 4133, 2), (1, 32760, 3))
 

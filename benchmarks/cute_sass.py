@@ -102,7 +102,7 @@ def main() -> None:
     ap.add_argument("--site", default=None, help="a pip --target folder holding nvidia-cutlass-dsl")
     ap.add_argument("--ptxas", required=True)
     ap.add_argument("--cuobjdump", required=True)
-    ap.add_argument("--variants", default="overlap,overlap_lazy,lookahead,lookahead_lazy,overlap_pingpong_lazy")
+    ap.add_argument("--variants", default="overlap,overlap_lazy,lookahead_lazy,overlap_lazy_im,overlap_lazy_epssim")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     if a.site:

@@ -32,8 +32,8 @@ Options of :class:`Attention8` change the schedule, not the math:
 - ``int_max``: each row's max over the int32 products (3-input integer max steps), the magic adds after it
   (the same max, the same bits); they no longer all stand before the first EX2.
 
-:data:`SCHEDULE` (overlap + lazy_rescale, 2 stages) is the fastest measured alone and inside a model call
-(benchmarks/README.md).
+:data:`SCHEDULE` (overlap + lazy_rescale + early_pack + split_sum + int_max, 2 stages) is the fastest
+measured inside a model call (benchmarks/README.md).
 
 The kernel compiles for ``sm_90a`` without a GPU (``CUTE_DSL_ARCH=sm_90a``): nothing here imports the DSL
 until a kernel is built (:func:`available`, :func:`attention_fp8`).
@@ -644,7 +644,7 @@ _COMPILED: dict = {}
 #: The schedule :func:`attention_fp8` runs where its caller names none (``int8-cute`` inside a model call):
 #: the fastest measured (benchmarks/README.md). A benchmark may set it to time another in a model.
 SCHEDULE = {"stages": 2, "overlap": True, "pingpong": False, "lookahead": False, "lazy_rescale": True,
-            "q_regs": False, "early_pack": False, "split_sum": False, "int_max": False}
+            "q_regs": False, "early_pack": True, "split_sum": True, "int_max": True}
 
 
 def _dl(t, dynamic_dim: int):
