@@ -145,10 +145,11 @@ def test_gpu_lazy_rescale_changes_no_bit(schedule):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("option", ["early_pack", "q_regs", "int_max"])
+@pytest.mark.parametrize("option", ["early_pack", "q_regs", "int_max", "mufu_turns"])
 def test_gpu_options_that_only_move_work_change_no_bit(option):
     """Packing P of tile j-1 after Q K^T of j is issued, reading Q from registers, or taking the row max over the
-    int32 products (the magic add is exact and monotonic) moves instructions, not arithmetic: the same bits
+    int32 products (the magic add is exact and monotonic), or taking turns at the EX2s (adds 0.0 read after the
+    turn's barrier) moves instructions, not arithmetic: the same bits
     with the option on and off (the rest of the default schedule), bf16 and FP8, ragged and many-tile."""
     import torch
 

@@ -31,6 +31,8 @@ Options of :class:`Attention8` change the schedule, not the math:
 - ``split_sum``: each row's sum of P in four chains (as its max), not one chain of 32 dependent FADDs.
 - ``int_max``: each row's max over the int32 products (3-input integer max steps), the magic adds after it
   (the same max, the same bits); they no longer all stand before the first EX2.
+- ``mufu_turns``: the two warpgroups take turns at their EX2s (named barriers), so one's EX2s run while the
+  other waits for Q K^T or takes its max (the same bits).
 
 :data:`SCHEDULE` (overlap + lazy_rescale + early_pack + split_sum + int_max, 2 stages) is the fastest
 measured inside a model call (benchmarks/README.md).
@@ -144,12 +146,13 @@ def _kernel_class():
         def __init__(self, stages: int = 2, overlap: bool = False, pingpong: bool = False,
                      out_fp8: bool = False, lookahead: bool = False, lazy_rescale: bool = False,
                      q_regs: bool = False, early_pack: bool = False, split_sum: bool = False,
-                     int_max: bool = False,
+                     int_max: bool = False, mufu_turns: bool = False,
                      trace: bool = False,
                      mma_regs: int = 240, load_regs: int = 24):
             self.stages, self.overlap, self.pingpong, self.out_fp8 = stages, overlap, pingpong, out_fp8
             self.lookahead, self.lazy_rescale, self.q_regs = lookahead, lazy_rescale, q_regs
             self.trace, self.early_pack, self.split_sum, self.int_max = trace, early_pack, split_sum, int_max
+            self.mufu_turns = mufu_turns
             self.mma_regs, self.load_regs = mma_regs, load_regs
 
         @cute.jit
@@ -190,6 +193,7 @@ def _kernel_class():
                 sQ: cute.struct.Align[cute.struct.MemRange[cutlass.Int8, cute.cosize(sQ_layout)], 1024]
                 sK: cute.struct.Align[cute.struct.MemRange[cutlass.Int8, cute.cosize(sK_layout)], 1024]
                 sV: cute.struct.Align[cute.struct.MemRange[cutlass.Float8E4M3FN, cute.cosize(sV_layout)], 1024]
+                turn: cute.struct.MemRange[Float32, 256]  # mufu_turns: a slot per consumer thread
 
             seqlen = mQ.shape[1]
             grid = (cute.ceil_div(seqlen, TILE), mQ.shape[0], 1)
@@ -226,6 +230,7 @@ def _kernel_class():
             sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
             sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
             sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+            sT = storage.turn.get_tensor(cute.make_layout(256)) if const_expr(self.mufu_turns) else None
             seqlen = tq.shape[0]
             n_tiles = cute.ceil_div(seqlen, TILE)
             pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
@@ -238,7 +243,7 @@ def _kernel_class():
                 cute.arch.setmaxregister_increase(self.mma_regs)
                 tidx, _, _ = cute.arch.thread_idx()
                 self.mma(tidx - 128, sQ, sK, sV, pipe_q, pipe_k, pipe_v, mQS, mKS, mVS, mO, qk_scale, mOSC,
-                         mTrace, mma_qk, mma_pv, m_block, bh, seqlen, n_tiles)
+                         mTrace, mma_qk, mma_pv, m_block, bh, seqlen, n_tiles, sT)
 
         @cute.jit
         def load(self, tq, tk, tv, tma_q, tma_k, tma_v, sQ, sK, sV, pipe_q, pipe_k, pipe_v, m_block, bh,
@@ -273,7 +278,7 @@ def _kernel_class():
 
         @cute.jit
         def mma(self, tidx, sQ, sK, sV, pipe_q, pipe_k, pipe_v, mQS, mKS, mVS, mO, qk_scale, mOSC, mTrace,
-                mma_qk, mma_pv, m_block, bh, seqlen, n_tiles):
+                mma_qk, mma_pv, m_block, bh, seqlen, n_tiles, sT):
             """A consumer warpgroup's 64 rows: its fragments, then the key tiles in the schedule's order, then
             the epilogue."""
             wg = cute.arch.make_warp_uniform(tidx // 128)
@@ -296,11 +301,11 @@ def _kernel_class():
                 row_max=cute.make_rmem_tensor((2,), Float32), row_sum=cute.make_rmem_tensor((2,), Float32),
                 alpha=cute.make_rmem_tensor((2,), Float32), qsc=mQS[bh, m_block] * qk_scale, mKS=mKS, bh=bh,
                 seqlen=seqlen, n_tiles=n_tiles, mTrace=mTrace, warp=tidx // 32,
-                traced=(bh == 0) & (m_block < TRACE_CTAS) & (tidx % 32 == 0), m_block=m_block)
+                traced=(bh == 0) & (m_block < TRACE_CTAS) & (tidx % 32 == 0), m_block=m_block, tidx=tidx, sT=sT)
             f.row_max.fill(-1.0e30)
             f.row_sum.fill(0.0)
             f.acc_o.fill(0.0)
-            if const_expr(self.pingpong):
+            if const_expr(self.pingpong or self.mufu_turns):
                 if wg == 0:
                     cute.arch.barrier_arrive(barrier_id=1, number_of_threads=256)
             q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
@@ -319,7 +324,8 @@ def _kernel_class():
         @cute.jit
         def tile_softmax(self, f, acc, s_f, j, c, masked: cutlass.Constexpr):
             """The softmax of key tile j (:meth:`softmax`); ``c`` its logits' scale (:meth:`tile_scale`)."""
-            self.softmax(acc, s_f, f.cS, f.row_max, f.row_sum, f.alpha, c, j * TILE, f.seqlen, masked)
+            self.softmax(acc, s_f, f.cS, f.row_max, f.row_sum, f.alpha, c, j * TILE, f.seqlen, masked,
+                         (f.wg, f.sT, f.tidx))
 
         @cute.jit
         def tile_scale(self, f, j):
@@ -478,14 +484,15 @@ def _kernel_class():
             return k_state, v_state
 
         @cute.jit
-        def softmax(self, acc_s, s_f, cS, row_max, row_sum, alpha, c, key0, seqlen, masked: cutlass.Constexpr):
+        def softmax(self, acc_s, s_f, cS, row_max, row_sum, alpha, c, key0, seqlen, masked: cutlass.Constexpr,
+                    turn=None):
             """acc_s (int32 Q K^T) -> s_f = 448 * exp2(c * s - m_new) per row; m and l updated, ``alpha`` the
             factor on O of each of the thread's two rows.
             ``masked`` (the last tile, the only one that can be ragged): keys at or past ``seqlen`` get -1e30
             before the max. The other tiles leave the test out (ptxas would predicate it into
             every tile's softmax)."""
             if const_expr(self.int_max and not masked):
-                self.softmax_int_max(acc_s, s_f, row_max, row_sum, alpha, c)
+                self.softmax_int_max(acc_s, s_f, row_max, row_sum, alpha, c, turn)
                 return
             s_f.store((acc_s.load() + MAGIC_I).bitcast(Float32).reshape(s_f.shape))
             if const_expr(masked):
@@ -494,6 +501,7 @@ def _kernel_class():
                         if key0 + cS[i][1] >= seqlen:
                             s_f[i] = Float32(-1.0e30)
             n_cols = cute.size(s_f.shape[0][2])
+            z = self.exp_turn_begin(turn)
             for r in cutlass.range_constexpr(2):
                 # the row's max as four chains, then a tree: exact in any order, and a quarter of the latency
                 # the warp waits before its first EX2
@@ -505,7 +513,7 @@ def _kernel_class():
                 mx = quad_reduce(cute.arch.fmax(cute.arch.fmax(part[0], part[1]), cute.arch.fmax(part[2], part[3])),
                                  cute.arch.fmax)
                 m_new = cute.arch.fmax(row_max[r], (mx - MAGIC_F) * c)
-                neg = MAGIC_F * c + m_new - LOG2_448
+                neg = MAGIC_F * c + m_new - LOG2_448 + z
                 sums = [Float32(0.0)] * (4 if self.split_sum else 1)
                 for n in cutlass.range_constexpr(cute.size(s_f.shape[0][2])):
                     for e in cutlass.range_constexpr(2):
@@ -517,9 +525,10 @@ def _kernel_class():
                 alpha[r] = cute.math.exp2(row_max[r] - m_new, fastmath=True)
                 row_sum[r] = row_sum[r] * alpha[r] + total
                 row_max[r] = m_new
+            self.exp_turn_end(turn, row_sum)
 
         @cute.jit
-        def softmax_int_max(self, acc_s, s_f, row_max, row_sum, alpha, c):
+        def softmax_int_max(self, acc_s, s_f, row_max, row_sum, alpha, c, turn):
             """:meth:`softmax` of an unmasked tile with ``int_max``: each row's max over the int32 products (the
             magic add is monotonic and exact, so the same max), and the magic adds after it, where the EX2s
             leave the integer pipe idle; before, all 64 adds and 64 max steps stood in front of the first EX2."""
@@ -534,9 +543,10 @@ def _kernel_class():
                 mx[r] = quad_reduce(cutlass.max(cutlass.max(part[0], part[1]), cutlass.max(part[2], part[3])),
                                     cutlass.max)
             s_f.store((acc_s.load() + MAGIC_I).bitcast(Float32).reshape(s_f.shape))
+            z = self.exp_turn_begin(turn)
             for r in cutlass.range_constexpr(2):
                 m_new = cute.arch.fmax(row_max[r], Float32(mx[r]) * c)
-                neg = MAGIC_F * c + m_new - LOG2_448
+                neg = MAGIC_F * c + m_new - LOG2_448 + z
                 sums = [Float32(0.0)] * (4 if self.split_sum else 1)
                 for n in cutlass.range_constexpr(n_cols):
                     for e in cutlass.range_constexpr(2):
@@ -548,6 +558,31 @@ def _kernel_class():
                 alpha[r] = cute.math.exp2(row_max[r] - m_new, fastmath=True)
                 row_sum[r] = row_sum[r] * alpha[r] + total
                 row_max[r] = m_new
+            self.exp_turn_end(turn, row_sum)
+
+        @cute.jit
+        def exp_turn_begin(self, turn):
+            """``mufu_turns``: the warpgroups take turns at their EX2s (named barriers 1 + wg, as ``pingpong``'s
+            turns at the GEMMs), so one's EX2s run while the other waits for Q K^T, takes its max or packs P:
+            the trace has them both in their softmax at once half the time, sharing each sub-partition's MUFU,
+            while at other times neither uses it. ``turn``: (warpgroup, its shared-memory slots, thread). Returns
+            0.0 read from shared memory after the barrier, for the EX2s' inputs to add: a barrier orders memory,
+            not registers, and without it ptxas runs the EX2s before the wait."""
+            if const_expr(self.mufu_turns):
+                wg, sT, tidx = turn
+                cute.arch.barrier(barrier_id=1 + wg, number_of_threads=256)
+                return sT[tidx] * Float32(0.0)
+            else:
+                return Float32(0.0)
+
+        @cute.jit
+        def exp_turn_end(self, turn, row_sum):
+            """``mufu_turns``: the row sums (after every EX2) stored before the other warpgroup's turn is passed,
+            so no EX2 sinks below the arrive."""
+            if const_expr(self.mufu_turns):
+                wg, sT, tidx = turn
+                sT[tidx] = row_sum[0] + row_sum[1]
+                cute.arch.barrier_arrive(barrier_id=2 - wg, number_of_threads=256)
 
         @cute.jit
         def rescale(self, acc_o, alpha, pending: cutlass.Constexpr = None):
@@ -644,7 +679,7 @@ _COMPILED: dict = {}
 #: The schedule :func:`attention_fp8` runs where its caller names none (``int8-cute`` inside a model call):
 #: the fastest measured (benchmarks/README.md). A benchmark may set it to time another in a model.
 SCHEDULE = {"stages": 2, "overlap": True, "pingpong": False, "lookahead": False, "lazy_rescale": True,
-            "q_regs": False, "early_pack": True, "split_sum": True, "int_max": True}
+            "q_regs": False, "early_pack": True, "split_sum": True, "int_max": True, "mufu_turns": False}
 
 
 def _dl(t, dynamic_dim: int):
@@ -679,6 +714,8 @@ def attention_fp8(q8, q_scale, k8, k_scale, vt8, v_scale, *, out_scale=None, hea
             _dl(q_scale.reshape(b * h, -1), 1), _dl(k_scale.reshape(b * h, -1), 1), _dl(v_scale.reshape(b * h, d), 1),
             _dl(o.view(torch.int16 if fp8 else torch.int32), 3),
             _dl((out_scale if fp8 else v_scale).reshape(-1)[:1], 0))
+    if opts["mufu_turns"] and (opts["pingpong"] or opts["lookahead"]):
+        raise ValueError(f"mufu_turns takes the overlap or in-order schedule without pingpong, got {opts}")
     tr = trace is not None
     if tr and (tuple(trace.shape) != (TRACE_CTAS, 8, TRACE_TILES, len(TRACE_EVENTS)) or not opts["overlap"]
                or opts["lookahead"]):
