@@ -6,9 +6,11 @@ batch-2 and many-tile shapes (bf16 output: bits equal, max |diff|, and both agai
 
     python benchmarks/cute_attention.py --site /tmp/fa4site --out results.json      # H100/H200
 
-``--trace NAMES``: those variants (overlap schedules) run once more with the kernel's ``trace`` buffer at the
-same length: SM clocks at each key tile's phases in lane 0 of each consumer warp of four CTAs, summarized by
-:func:`trace_phases` (cycles each phase takes, and how much the two warpgroups' softmaxes overlap).
+``--trace NAMES``: those variants (overlap or lookahead schedules) run once more with the kernel's ``trace``
+buffer at the same length: SM clocks at each key tile's phases in lane 0 of each consumer warp of four CTAs,
+summarized by :func:`trace_phases` (cycles each phase takes, and how much the two warpgroups' softmaxes
+overlap). In the lookahead schedule the phases read: K wait, the next Q K^T's issue, softmax, P V wait, then
+P's pack, P V's issue and the wait for the next Q K^T together (``pack``).
 """
 import argparse
 import json

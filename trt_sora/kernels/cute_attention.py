@@ -300,8 +300,8 @@ def _kernel_class():
                 cS=thr_qk.partition_C(cute.make_identity_tensor((TILE, TILE))),
                 row_max=cute.make_rmem_tensor((2,), Float32), row_sum=cute.make_rmem_tensor((2,), Float32),
                 alpha=cute.make_rmem_tensor((2,), Float32), qsc=mQS[bh, m_block] * qk_scale, mKS=mKS, bh=bh,
-                seqlen=seqlen, n_tiles=n_tiles, mTrace=mTrace, warp=tidx // 32,
-                traced=(bh == 0) & (m_block < TRACE_CTAS) & (tidx % 32 == 0), m_block=m_block, tidx=tidx, sT=sT)
+                seqlen=seqlen, n_tiles=n_tiles, tidx=tidx, sT=sT,
+                tr=(mTrace, (bh == 0) & (m_block < TRACE_CTAS) & (tidx % 32 == 0), m_block, tidx // 32))
             f.row_max.fill(-1.0e30)
             f.row_sum.fill(0.0)
             f.acc_o.fill(0.0)
@@ -395,11 +395,11 @@ def _kernel_class():
 
         @cute.jit
         def overlap_step(self, f, j, state, v_state, masked: cutlass.Constexpr):
-            self.mark(f, j, 0)
+            self.mark(f.tr, j, 0)
             c = self.tile_scale(f, j)
             state.advance()
             f.pipe_k.consumer_wait(state)
-            self.mark(f, j, 1)
+            self.mark(f.tr, j, 1)
             self.turn_wait(f.wg)
             gemm(f.mma_qk, f.acc_s, f.tSrQ, f.tSrK[None, None, None, state.index], True)
             if const_expr(self.early_pack):  # P of j-1 packed while Q K^T of j runs
@@ -408,27 +408,29 @@ def _kernel_class():
             gemm(f.mma_pv, f.acc_o, f.tOrP, f.tOrV[None, None, None, v_state.index], False)
             self.turn_pass(f.wg)
             warpgroup.wait_group(1)
-            self.mark(f, j, 2)
+            self.mark(f.tr, j, 2)
             f.pipe_k.consumer_release(state)
             self.tile_softmax(f, f.acc_s, f.s_f, j, c, masked)
-            self.mark(f, j, 3)
+            self.mark(f.tr, j, 3)
             self.rescale(f.acc_o, f.alpha, 0)  # once P V of j-1 is done
-            self.mark(f, j, 4)
+            self.mark(f.tr, j, 4)
             f.pipe_v.consumer_release(v_state)
             if const_expr(not self.early_pack):
                 self.pack_p(f.s_f, f.p_f, f.tOrP)
             v_state.advance()
-            self.mark(f, j, 5)
+            self.mark(f.tr, j, 5)
             return state, v_state
 
         @cute.jit
-        def mark(self, f, j, event: cutlass.Constexpr):
-            """``trace``: the SM clock at ``event`` of key tile j, in the traced CTAs' lane 0 of each warp."""
+        def mark(self, tr, j, event: cutlass.Constexpr):
+            """``trace``: the SM clock at ``event`` of key tile j, in the traced CTAs' lane 0 of each warp; ``tr``
+            (the trace tensor, whether this lane traces, its CTA's query block, its warp)."""
             if const_expr(self.trace):
+                m_trace, traced, m_block, warp = tr
                 t = cute.arch.clock64()
-                tr = cute.make_tensor(f.mTrace.iterator, f.mTrace.layout)
-                if f.traced & (j < TRACE_TILES):
-                    tr[f.m_block, f.warp, j, event] = t
+                out = cute.make_tensor(m_trace.iterator, m_trace.layout)
+                if traced & (j < TRACE_TILES):
+                    out[m_block, warp, j, event] = t
 
         @cute.jit
         def tiles_lookahead(self, f, thr_qk):
@@ -442,7 +444,7 @@ def _kernel_class():
             self.first_qk(f, acc_a, state)
             step = self.lookahead_step
             args = (f.pipe_k, f.pipe_v, f.mma_qk, f.mma_pv, f.tSrQ, f.tSrK, f.tOrV, f.tOrP, f.p_f, f.acc_o, f.cS,
-                    f.row_max, f.row_sum, f.alpha, f.qsc, f.mKS, f.bh, f.seqlen)
+                    f.row_max, f.row_sum, f.alpha, f.qsc, f.mKS, f.bh, f.seqlen, f.tr)
             pairs = (n_tiles - 1) // 2
             for jj in cutlass.range(pairs, unroll=1):
                 state, v_state = step(acc_a, acc_b, 2 * jj, state, v_state, *args, True)
@@ -457,21 +459,28 @@ def _kernel_class():
 
         @cute.jit
         def lookahead_step(self, s_cur, s_next, j, k_state, v_state, pipe_k, pipe_v, mma_qk, mma_pv, tSrQ, tSrK,
-                           tOrV, tOrP, p_f, acc_o, cS, row_max, row_sum, alpha, qsc, mKS, bh, seqlen,
+                           tOrV, tOrP, p_f, acc_o, cS, row_max, row_sum, alpha, qsc, mKS, bh, seqlen, tr,
                            has_next: cutlass.Constexpr):
             """Tile j, its Q K^T in ``s_cur`` (done): Q K^T of j+1 into ``s_next`` first (``has_next``), then the
             softmax of j (in place: the fp32 values in the int32 registers) while it and P V of j-1 run, then
             O's rescale and P's packing once P V of j-1 is done, then P V of j. Returns the K and V pipeline
             states. Its values come as arguments, not in the fragments' namespace: the tracer loses a
-            namespace's values across the staged branches around the steps."""
+            namespace's values across the staged branches around the steps. ``trace``: its marks stand before
+            the next Q K^T's K wait, after it, before and after the softmax, after O's rescale, and after the
+            wait for the next Q K^T (so the last phase is P's pack, P V's issue and that wait)."""
+            self.mark(tr, j, 0)
             c = qsc * mKS[bh, j]  # first, as in tile_scale
             if const_expr(has_next):
                 k_state.advance()
                 pipe_k.consumer_wait(k_state)
+                self.mark(tr, j, 1)
                 gemm(mma_qk, s_next, tSrQ, tSrK[None, None, None, k_state.index], True)
+            self.mark(tr, j, 2)
             s_f = cute.recast_tensor(s_cur, Float32)
             self.softmax(s_cur, s_f, cS, row_max, row_sum, alpha, c, j * TILE, seqlen, not has_next)
+            self.mark(tr, j, 3)
             self.rescale(acc_o, alpha, 1 if has_next else 0)  # once P V of j-1 is done: O and P are free
+            self.mark(tr, j, 4)
             if j > 0:
                 pipe_v.consumer_release(v_state)
                 v_state.advance()
@@ -480,6 +489,7 @@ def _kernel_class():
             gemm(mma_pv, acc_o, tOrP, tOrV[None, None, None, v_state.index], False)
             if const_expr(has_next):
                 warpgroup.wait_group(1)  # Q K^T of j+1 done
+                self.mark(tr, j, 5)
                 pipe_k.consumer_release(k_state)
             return k_state, v_state
 
@@ -717,10 +727,10 @@ def attention_fp8(q8, q_scale, k8, k_scale, vt8, v_scale, *, out_scale=None, hea
     if opts["mufu_turns"] and (opts["pingpong"] or opts["lookahead"]):
         raise ValueError(f"mufu_turns takes the overlap or in-order schedule without pingpong, got {opts}")
     tr = trace is not None
-    if tr and (tuple(trace.shape) != (TRACE_CTAS, 8, TRACE_TILES, len(TRACE_EVENTS)) or not opts["overlap"]
-               or opts["lookahead"]):
+    if tr and (tuple(trace.shape) != (TRACE_CTAS, 8, TRACE_TILES, len(TRACE_EVENTS))
+               or not (opts["overlap"] or opts["lookahead"])):
         raise ValueError(f"trace takes an int64 tensor {(TRACE_CTAS, 8, TRACE_TILES, len(TRACE_EVENTS))} and "
-                         f"the overlap schedule, got {tuple(trace.shape)} and {opts}")
+                         f"the overlap or lookahead schedule, got {tuple(trace.shape)} and {opts}")
     targ = _dl(trace if tr else q_scale.reshape(-1)[:1].view(torch.int32), 3 if tr else 0)
     key = (*sorted(opts.items()), fp8, tr)
     stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
