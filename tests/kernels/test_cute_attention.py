@@ -87,6 +87,20 @@ def test_an_unknown_schedule_option_is_named_before_any_launch():
         ca.attention_fp8(None, None, None, None, None, None, look_ahead=True)
 
 
+def test_schedules_that_cannot_run_are_named_before_any_launch():
+    import torch
+
+    with pytest.raises(ValueError, match="pass pingpong=False, lookahead=False .*pingpong=True"):
+        ca.attention_fp8(None, None, None, None, None, None, mufu_turns=True, pingpong=True)
+    with pytest.raises(ValueError, match="lookahead=True"):
+        ca.attention_fp8(None, None, None, None, None, None, mufu_turns=True, lookahead=True)
+    buf = torch.zeros(ca.TRACE_CTAS, 8, ca.TRACE_TILES, len(ca.TRACE_EVENTS), dtype=torch.int64)
+    with pytest.raises(ValueError, match="overlap or lookahead schedule; got .*overlap=False"):
+        ca.attention_fp8(None, None, None, None, None, None, trace=buf, overlap=False)
+    with pytest.raises(ValueError, match=r"got \(4, 8, 64\)"):
+        ca.attention_fp8(None, None, None, None, None, None, trace=buf[..., 0])
+
+
 def test_the_bench_schedule_flag_keeps_each_options_type():
     parse_schedule = load_script("benchmarks/fp8_bench.py").parse_schedule
     assert parse_schedule("overlap=0,lookahead=1,stages=3", ca.SCHEDULE) == {

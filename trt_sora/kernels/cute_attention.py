@@ -522,19 +522,8 @@ def _kernel_class():
                         part[k] = cute.arch.fmax(part[k], s_f[(e, r, n), 0, 0])
                 mx = quad_reduce(cute.arch.fmax(cute.arch.fmax(part[0], part[1]), cute.arch.fmax(part[2], part[3])),
                                  cute.arch.fmax)
-                m_new = cute.arch.fmax(row_max[r], (mx - MAGIC_F) * c)
-                neg = MAGIC_F * c + m_new - LOG2_448 + z
-                sums = [Float32(0.0)] * (4 if self.split_sum else 1)
-                for n in cutlass.range_constexpr(cute.size(s_f.shape[0][2])):
-                    for e in cutlass.range_constexpr(2):
-                        p = cute.math.exp2(s_f[(e, r, n), 0, 0] * c - neg, fastmath=True)
-                        s_f[(e, r, n), 0, 0] = p
-                        k = (2 * (n % 2) + e) % len(sums)  # split_sum: four chains, as the max
-                        sums[k] = sums[k] + p
-                total = sums[0] if len(sums) == 1 else (sums[0] + sums[1]) + (sums[2] + sums[3])
-                alpha[r] = cute.math.exp2(row_max[r] - m_new, fastmath=True)
-                row_sum[r] = row_sum[r] * alpha[r] + total
-                row_max[r] = m_new
+                self.row_exps(s_f, r, c, cute.arch.fmax(row_max[r], (mx - MAGIC_F) * c), z, row_max, row_sum,
+                              alpha)
             self.exp_turn_end(turn, row_sum)
 
         @cute.jit
@@ -555,20 +544,27 @@ def _kernel_class():
             s_f.store((acc_s.load() + MAGIC_I).bitcast(Float32).reshape(s_f.shape))
             z = self.exp_turn_begin(turn)
             for r in cutlass.range_constexpr(2):
-                m_new = cute.arch.fmax(row_max[r], Float32(mx[r]) * c)
-                neg = MAGIC_F * c + m_new - LOG2_448 + z
-                sums = [Float32(0.0)] * (4 if self.split_sum else 1)
-                for n in cutlass.range_constexpr(n_cols):
-                    for e in cutlass.range_constexpr(2):
-                        p = cute.math.exp2(s_f[(e, r, n), 0, 0] * c - neg, fastmath=True)
-                        s_f[(e, r, n), 0, 0] = p
-                        k = (2 * (n % 2) + e) % len(sums)
-                        sums[k] = sums[k] + p
-                total = sums[0] if len(sums) == 1 else (sums[0] + sums[1]) + (sums[2] + sums[3])
-                alpha[r] = cute.math.exp2(row_max[r] - m_new, fastmath=True)
-                row_sum[r] = row_sum[r] * alpha[r] + total
-                row_max[r] = m_new
+                self.row_exps(s_f, r, c, cute.arch.fmax(row_max[r], Float32(mx[r]) * c), z, row_max, row_sum,
+                              alpha)
             self.exp_turn_end(turn, row_sum)
+
+        @cute.jit
+        def row_exps(self, s_f, r, c, m_new, z, row_max, row_sum, alpha):
+            """Row r of s_f (fp32 of the magic-offset products) -> 448 * exp2(c * s - m_new), its sum into l (in
+            four chains with ``split_sum``, as the max), ``alpha`` = exp2(m_old - m_new); ``z``: 0.0 that
+            orders the EX2s after :meth:`exp_turn_begin`."""
+            neg = MAGIC_F * c + m_new - LOG2_448 + z
+            sums = [Float32(0.0)] * (4 if self.split_sum else 1)
+            for n in cutlass.range_constexpr(cute.size(s_f.shape[0][2])):
+                for e in cutlass.range_constexpr(2):
+                    p = cute.math.exp2(s_f[(e, r, n), 0, 0] * c - neg, fastmath=True)
+                    s_f[(e, r, n), 0, 0] = p
+                    k = (2 * (n % 2) + e) % len(sums)
+                    sums[k] = sums[k] + p
+            total = sums[0] if len(sums) == 1 else (sums[0] + sums[1]) + (sums[2] + sums[3])
+            alpha[r] = cute.math.exp2(row_max[r] - m_new, fastmath=True)
+            row_sum[r] = row_sum[r] * alpha[r] + total
+            row_max[r] = m_new
 
         @cute.jit
         def exp_turn_begin(self, turn):
@@ -702,18 +698,27 @@ def attention_fp8(q8, q_scale, k8, k_scale, vt8, v_scale, *, out_scale=None, hea
                   trace=None, **schedule):
     """:func:`trt_sora.kernels.triton_ops.attention_fp8` (dense, head dim 128) on this kernel: the same
     operands -> [B, S, H*D] bf16, or FP8 at ``out_scale`` (a one-element fp32 tensor on the device).
-    ``schedule``: Attention8's options (``stages``, ``overlap``, ``pingpong``, ``lookahead``,
-    ``lazy_rescale``), :data:`SCHEDULE`'s where not given. The first call of each schedule and output type
-    compiles it (about 2 s). ``trace``: an int64 tensor [TRACE_CTAS, 8, TRACE_TILES, len(TRACE_EVENTS)] on the
-    device that the overlap schedule's traced CTAs fill with SM clocks (:func:`trace_phases` reads it)."""
+    ``schedule``: Attention8's options (the keys of :data:`SCHEDULE`, whose values stand where not given).
+    The first call of each schedule and output type compiles it (about 2 s). ``trace``: an int64 tensor
+    [TRACE_CTAS, 8, TRACE_TILES, len(TRACE_EVENTS)] on the device that the overlap or lookahead schedule's
+    traced CTAs fill with SM clocks (``benchmarks/cute_attention.py``'s ``trace_phases`` reads it)."""
     unknown = sorted(set(schedule) - set(SCHEDULE))
     if unknown:
         raise TypeError(f"unknown CuTe attention schedule options {unknown}; known: {sorted(SCHEDULE)}")
+    opts = SCHEDULE | schedule
+    if opts["mufu_turns"] and (opts["pingpong"] or opts["lookahead"]):
+        raise ValueError("mufu_turns takes turns on pingpong's barriers and the overlap or in-order step: pass "
+                         f"pingpong=False, lookahead=False (got pingpong={opts['pingpong']}, "
+                         f"lookahead={opts['lookahead']})")
+    tr = trace is not None
+    want = (TRACE_CTAS, 8, TRACE_TILES, len(TRACE_EVENTS))
+    if tr and (tuple(trace.shape) != want or not (opts["overlap"] or opts["lookahead"])):
+        raise ValueError(f"trace takes an int64 tensor {want} and the overlap or lookahead schedule; got "
+                         f"{tuple(trace.shape)}, overlap={opts['overlap']}, lookahead={opts['lookahead']}")
     import cuda.bindings.driver as cuda
     import cutlass.cute as cute
     import torch
 
-    opts = SCHEDULE | schedule
     b, h, s, d = q8.shape
     if d != TILE:
         raise ValueError(f"the CuTe attention kernel takes head dim {TILE}, got {d}")
@@ -724,13 +729,6 @@ def attention_fp8(q8, q_scale, k8, k_scale, vt8, v_scale, *, out_scale=None, hea
             _dl(q_scale.reshape(b * h, -1), 1), _dl(k_scale.reshape(b * h, -1), 1), _dl(v_scale.reshape(b * h, d), 1),
             _dl(o.view(torch.int16 if fp8 else torch.int32), 3),
             _dl((out_scale if fp8 else v_scale).reshape(-1)[:1], 0))
-    if opts["mufu_turns"] and (opts["pingpong"] or opts["lookahead"]):
-        raise ValueError(f"mufu_turns takes the overlap or in-order schedule without pingpong, got {opts}")
-    tr = trace is not None
-    if tr and (tuple(trace.shape) != (TRACE_CTAS, 8, TRACE_TILES, len(TRACE_EVENTS))
-               or not (opts["overlap"] or opts["lookahead"])):
-        raise ValueError(f"trace takes an int64 tensor {(TRACE_CTAS, 8, TRACE_TILES, len(TRACE_EVENTS))} and "
-                         f"the overlap or lookahead schedule, got {tuple(trace.shape)} and {opts}")
     targ = _dl(trace if tr else q_scale.reshape(-1)[:1].view(torch.int32), 3 if tr else 0)
     key = (*sorted(opts.items()), fp8, tr)
     stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
