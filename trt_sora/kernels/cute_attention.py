@@ -33,6 +33,9 @@ Options of :class:`Attention8` change the schedule, not the math:
   (the same max, the same bits); they no longer all stand before the first EX2.
 - ``mufu_turns``: the two warpgroups take turns at their EX2s (named barriers), so one's EX2s run while the
   other waits for Q K^T or takes its max (the same bits).
+- ``poly_exp`` (0-8): that many of every 8 n-blocks of P take 2**x from a polynomial on the FMA pipe, not
+  the MUFU (FlashAttention-4's move): the MUFU is what both warpgroups' softmaxes share (1 moves 8 of a
+  thread's 64 EX2s; 9e-5 of P's FP8 values round otherwise).
 
 :data:`SCHEDULE` (overlap + lazy_rescale + early_pack + split_sum + int_max, 2 stages) is the fastest
 measured inside a model call (benchmarks/README.md).
@@ -54,6 +57,8 @@ LOG2_448 = 8.807354922057604
 #: the SM clock at TRACE_EVENTS points of each of their first TRACE_TILES key tiles (:func:`attention_fp8`).
 TRACE_CTAS, TRACE_TILES = 4, 64
 TRACE_EVENTS = ("start", "k_landed", "qk_done", "softmax_done", "pv_done", "end")
+#: ln(2)**k / k!, k = 1..4: 2**f = e**(f ln 2) to degree 4 (``poly_exp``).
+EXP2_TAYLOR = tuple(math.log(2) ** k / math.factorial(k) for k in range(1, 5))
 #: The magic number that turns an int32 (|x| < 2**22) into fp32 by one add and a bit cast.
 MAGIC_I = 0x4B400000
 MAGIC_F = 12582912.0
@@ -137,6 +142,17 @@ def _kernel_class():
             atom.set(warpgroup.Field.ACCUMULATE, True)
         warpgroup.commit_group()
 
+    def exp2_poly(x):
+        """2**x (x <= 9) on the FMA and integer pipes, not the MUFU: n = round(x) by the magic add, 2**f on
+        [-0.5, 0.5] by its degree-4 Taylor polynomial (relative error under 6e-5 in fp32, far under P's FP8
+        step), n added to the exponent bits (the magic's own bits shift out). Below -125 it returns 2**-125.
+        :func:`trt_sora.kernels.reference.exp2_poly` is the same steps in torch."""
+        x = cute.arch.fmax(x, Float32(-125.0))
+        t = x + Float32(MAGIC_F)
+        f = x - (t - Float32(MAGIC_F))
+        p = Float32(1.0) + f * (EXP2_TAYLOR[0] + f * (EXP2_TAYLOR[1] + f * (EXP2_TAYLOR[2] + f * EXP2_TAYLOR[3])))
+        return (p.bitcast(Int32) + (t.bitcast(Int32) << 23)).bitcast(Float32)
+
     def quad_reduce(x, op):
         """``op`` over the four lanes of a quad (they share a row of the accumulator)."""
         x = op(x, cute.arch.shuffle_sync_bfly(x, offset=1))
@@ -146,13 +162,13 @@ def _kernel_class():
         def __init__(self, stages: int = 2, overlap: bool = False, pingpong: bool = False,
                      out_fp8: bool = False, lookahead: bool = False, lazy_rescale: bool = False,
                      q_regs: bool = False, early_pack: bool = False, split_sum: bool = False,
-                     int_max: bool = False, mufu_turns: bool = False,
+                     int_max: bool = False, mufu_turns: bool = False, poly_exp: int = 0,
                      trace: bool = False,
                      mma_regs: int = 240, load_regs: int = 24):
             self.stages, self.overlap, self.pingpong, self.out_fp8 = stages, overlap, pingpong, out_fp8
             self.lookahead, self.lazy_rescale, self.q_regs = lookahead, lazy_rescale, q_regs
             self.trace, self.early_pack, self.split_sum, self.int_max = trace, early_pack, split_sum, int_max
-            self.mufu_turns = mufu_turns
+            self.mufu_turns, self.poly_exp = mufu_turns, poly_exp
             self.mma_regs, self.load_regs = mma_regs, load_regs
 
         @cute.jit
@@ -557,7 +573,11 @@ def _kernel_class():
             sums = [Float32(0.0)] * (4 if self.split_sum else 1)
             for n in cutlass.range_constexpr(cute.size(s_f.shape[0][2])):
                 for e in cutlass.range_constexpr(2):
-                    p = cute.math.exp2(s_f[(e, r, n), 0, 0] * c - neg, fastmath=True)
+                    x = s_f[(e, r, n), 0, 0] * c - neg
+                    if const_expr(n % 8 < self.poly_exp):  # poly_exp of every 8 n-blocks on the FMA pipe
+                        p = exp2_poly(x)
+                    else:
+                        p = cute.math.exp2(x, fastmath=True)
                     s_f[(e, r, n), 0, 0] = p
                     k = (2 * (n % 2) + e) % len(sums)
                     sums[k] = sums[k] + p
@@ -685,7 +705,8 @@ _COMPILED: dict = {}
 #: The schedule :func:`attention_fp8` runs where its caller names none (``int8-cute`` inside a model call):
 #: the fastest measured (benchmarks/README.md). A benchmark may set it to time another in a model.
 SCHEDULE = {"stages": 2, "overlap": True, "pingpong": False, "lookahead": False, "lazy_rescale": True,
-            "q_regs": False, "early_pack": True, "split_sum": True, "int_max": True, "mufu_turns": False}
+            "q_regs": False, "early_pack": True, "split_sum": True, "int_max": True, "mufu_turns": False,
+            "poly_exp": 0}
 
 
 def _dl(t, dynamic_dim: int):
