@@ -153,6 +153,26 @@ def _kernel_class():
         p = Float32(1.0) + f * (EXP2_TAYLOR[0] + f * (EXP2_TAYLOR[1] + f * (EXP2_TAYLOR[2] + f * EXP2_TAYLOR[3])))
         return (p.bitcast(Int32) + (t.bitcast(Int32) << 23)).bitcast(Float32)
 
+    def take_turn(wg):
+        """Wait for warpgroup wg's turn (``pingpong``, ``mufu_turns``): named barrier 1 + wg, completed by the
+        other warpgroup's :func:`pass_turn` (or, for warpgroup 0's first turn, its own arrive at start)."""
+        cute.arch.barrier(barrier_id=1 + wg, number_of_threads=256)
+
+    def pass_turn(wg):
+        """Hand the turn from warpgroup wg to the other one."""
+        cute.arch.barrier_arrive(barrier_id=2 - wg, number_of_threads=256)
+
+    def row_reduce(t, r, op):
+        """``op`` over row r of an accumulator-shaped fragment ``t`` (its values (e, r, n)) and the quad's other
+        lanes: four chains, then a tree. Exact for max in any order, and a quarter of the latency of one chain
+        that the warp waits through before its first EX2."""
+        part = [t[(e, r, n), 0, 0] for n in range(2) for e in range(2)]
+        for n in range(2, cute.size(t.shape[0][2])):  # a plain helper (not jit): Python unrolls it
+            for e in range(2):
+                k = 2 * (n % 2) + e
+                part[k] = op(part[k], t[(e, r, n), 0, 0])
+        return quad_reduce(op(op(part[0], part[1]), op(part[2], part[3])), op)
+
     def quad_reduce(x, op):
         """``op`` over the four lanes of a quad (they share a row of the accumulator)."""
         x = op(x, cute.arch.shuffle_sync_bfly(x, offset=1))
@@ -526,18 +546,9 @@ def _kernel_class():
                     for i in cutlass.range_constexpr(cute.size(s_f)):
                         if key0 + cS[i][1] >= seqlen:
                             s_f[i] = Float32(-1.0e30)
-            n_cols = cute.size(s_f.shape[0][2])
             z = self.exp_turn_begin(turn)
             for r in cutlass.range_constexpr(2):
-                # the row's max as four chains, then a tree: exact in any order, and a quarter of the latency
-                # the warp waits before its first EX2
-                part = [s_f[(e, r, n), 0, 0] for n in range(2) for e in range(2)]
-                for n in cutlass.range_constexpr(2, n_cols):
-                    for e in cutlass.range_constexpr(2):
-                        k = 2 * (n % 2) + e
-                        part[k] = cute.arch.fmax(part[k], s_f[(e, r, n), 0, 0])
-                mx = quad_reduce(cute.arch.fmax(cute.arch.fmax(part[0], part[1]), cute.arch.fmax(part[2], part[3])),
-                                 cute.arch.fmax)
+                mx = row_reduce(s_f, r, cute.arch.fmax)
                 self.row_exps(s_f, r, c, cute.arch.fmax(row_max[r], (mx - MAGIC_F) * c), z, row_max, row_sum,
                               alpha)
             self.exp_turn_end(turn, row_sum)
@@ -547,16 +558,7 @@ def _kernel_class():
             """:meth:`softmax` of an unmasked tile with ``int_max``: each row's max over the int32 products (the
             magic add is monotonic and exact, so the same max), and the magic adds after it, where the EX2s
             leave the integer pipe idle; before, all 64 adds and 64 max steps stood in front of the first EX2."""
-            n_cols = cute.size(s_f.shape[0][2])
-            mx = [None, None]
-            for r in cutlass.range_constexpr(2):
-                part = [acc_s[(e, r, n), 0, 0] for n in range(2) for e in range(2)]
-                for n in cutlass.range_constexpr(2, n_cols):
-                    for e in cutlass.range_constexpr(2):
-                        k = 2 * (n % 2) + e
-                        part[k] = cutlass.max(part[k], acc_s[(e, r, n), 0, 0])
-                mx[r] = quad_reduce(cutlass.max(cutlass.max(part[0], part[1]), cutlass.max(part[2], part[3])),
-                                    cutlass.max)
+            mx = [row_reduce(acc_s, r, cutlass.max) for r in range(2)]
             s_f.store((acc_s.load() + MAGIC_I).bitcast(Float32).reshape(s_f.shape))
             z = self.exp_turn_begin(turn)
             for r in cutlass.range_constexpr(2):
@@ -596,7 +598,7 @@ def _kernel_class():
             not registers, and without it ptxas runs the EX2s before the wait."""
             if const_expr(self.mufu_turns):
                 wg, sT, tidx = turn
-                cute.arch.barrier(barrier_id=1 + wg, number_of_threads=256)
+                take_turn(wg)
                 return sT[tidx] * Float32(0.0)
             else:
                 return Float32(0.0)
@@ -608,7 +610,7 @@ def _kernel_class():
             if const_expr(self.mufu_turns):
                 wg, sT, tidx = turn
                 sT[tidx] = row_sum[0] + row_sum[1]
-                cute.arch.barrier_arrive(barrier_id=2 - wg, number_of_threads=256)
+                pass_turn(wg)
 
         @cute.jit
         def rescale(self, acc_o, alpha, pending: cutlass.Constexpr = None):
@@ -642,15 +644,15 @@ def _kernel_class():
 
         @cute.jit
         def turn_wait(self, wg):
-            """pingpong: wait for this warpgroup's turn on the tensor cores (named barrier 1 + wg)."""
+            """pingpong: wait for this warpgroup's turn on the tensor cores (:func:`take_turn`)."""
             if const_expr(self.pingpong):
-                cute.arch.barrier(barrier_id=1 + wg, number_of_threads=256)
+                take_turn(wg)
 
         @cute.jit
         def turn_pass(self, wg):
-            """pingpong: hand the tensor cores to the other warpgroup."""
+            """pingpong: hand the tensor cores to the other warpgroup (:func:`pass_turn`)."""
             if const_expr(self.pingpong):
-                cute.arch.barrier_arrive(barrier_id=2 - wg, number_of_threads=256)
+                pass_turn(wg)
 
         @cute.jit
         def pack_p(self, s_f, p_f, tOrP):
