@@ -71,7 +71,7 @@ PHASES = (("k_wait", 0, 1), ("qk", 1, 2), ("softmax", 2, 3), ("pv_wait", 3, 4), 
 
 
 def trace_phases(tr, first: int = 8) -> dict:
-    """SM clocks [CTAs, 8 warps, tiles, 6 events] (``trace_events`` of the kernel; tiles never reached hold 0)
+    """SM clocks [CTAs, 8 warps, tiles, 6 events] (the kernel's ``TRACE_EVENTS``; tiles never reached hold 0)
     -> median cycles of each phase and of a whole step per warpgroup (warps 0-3, 4-7), over tiles ``first``..
     (the pipeline filled), and ``softmax_overlap``: the share of warpgroup 0's softmax time during which the
     warp of warpgroup 1 on the same SM sub-partition (warp w + 4) is in its softmax too (0: they take turns,
@@ -119,7 +119,8 @@ def main() -> None:
     ap.add_argument("--probe-timeout", type=float, default=120.0)
     ap.add_argument("--watchdog", type=float, default=0.0, help="seconds after which the partial JSON is written and "
                     "the process exits (0: none)")
-    ap.add_argument("--trace", default="", help="comma-separated VARIANTS (overlap schedules) to trace, first")
+    ap.add_argument("--trace", default="", help="comma-separated VARIANTS (overlap or lookahead schedules) to "
+                    "trace, first")
     ap.add_argument("--trace-only", action="store_true", help="stop after the traces")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()

@@ -115,6 +115,12 @@ def test_schedules_that_cannot_run_are_named_before_any_launch():
         ca.attention_fp8(None, None, None, None, None, None, trace=buf[..., 0])
 
 
+def test_every_bench_variant_names_every_schedule_option():
+    """A variant that left an option out would take SCHEDULE's value, and change when the default does."""
+    variants = load_script("benchmarks/cute_attention.py").VARIANTS
+    assert {name: sorted(v) for name, v in variants.items()} == {name: sorted(ca.SCHEDULE) for name in variants}
+
+
 def test_the_bench_schedule_flag_keeps_each_options_type():
     parse_schedule = load_script("benchmarks/fp8_bench.py").parse_schedule
     assert parse_schedule("overlap=0,lookahead=1,stages=3", ca.SCHEDULE) == {
