@@ -27,8 +27,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 #: every Attention8 option off; each variant names all of them, so a change of SCHEDULE's defaults changes none
-OFF = {"stages": 2, "overlap": False, "pingpong": False, "lookahead": False, "lazy_rescale": False, "q_regs": False,
-       "early_pack": False, "split_sum": False, "int_max": False, "mufu_turns": False, "poly_exp": 0}
+OFF = {"stages": 2, "overlap": False, "pingpong": False, "lookahead": False, "lazy_rescale": False,
+       "early_pack": False, "split_sum": False, "int_max": False}
 
 
 def _v(**on) -> dict:
@@ -49,20 +49,11 @@ VARIANTS = {
     "overlap_lazy": _v(overlap=True, lazy_rescale=True),
     "lookahead_lazy": _v(lookahead=True, lazy_rescale=True),
     "overlap_pingpong_lazy": _v(overlap=True, pingpong=True, lazy_rescale=True),
-    "overlap_lazy_qregs": _v(overlap=True, lazy_rescale=True, q_regs=True),
     "overlap_lazy_ep": _v(overlap=True, lazy_rescale=True, early_pack=True),
     "overlap_lazy_ss": _v(overlap=True, lazy_rescale=True, split_sum=True),
     "overlap_lazy_epss": _v(overlap=True, lazy_rescale=True, early_pack=True, split_sum=True),
     "overlap_lazy_im": _v(overlap=True, lazy_rescale=True, int_max=True),
     "overlap_lazy_epssim": _v(overlap=True, lazy_rescale=True, early_pack=True, split_sum=True, int_max=True),
-    "overlap_lazy_epssim_qregs": _v(overlap=True, lazy_rescale=True, early_pack=True, split_sum=True, int_max=True,
-                                    q_regs=True),
-    "overlap_lazy_epssim_turns": _v(overlap=True, lazy_rescale=True, early_pack=True, split_sum=True, int_max=True,
-                                    mufu_turns=True),
-    "overlap_lazy_epssim_poly1": _v(overlap=True, lazy_rescale=True, early_pack=True, split_sum=True, int_max=True,
-                                    poly_exp=1),
-    "overlap_lazy_epssim_poly2": _v(overlap=True, lazy_rescale=True, early_pack=True, split_sum=True, int_max=True,
-                                    poly_exp=2),
 }
 SHAPES = ((1, 100, 2), (1, 128, 2), (1, 129, 2), (2, 1000, 2), (1, 4133, 2), (1, 32760, 3))
 

@@ -24,18 +24,11 @@ Options of :class:`Attention8` change the schedule, not the math:
 - ``lazy_rescale``: O's rescale is skipped where no row of a warp has a new max (exact), and the wait for
   P V sits in both arms of that branch. Without it ptxas moves the wait above the softmax's EX2s, so the
   softmax does not overlap P V after all (``benchmarks/cute_sass.py`` shows where each wait lands);
-- ``q_regs``: Q K^T takes Q from registers (read from shared memory once per CTA), not from shared memory
-  on every tile: 16 KB less shared-memory traffic per 128 x 128 tile.
 - ``early_pack`` (overlap): P of tile j-1 is packed to FP8 after Q K^T of tile j is issued, in the shadow of
   the wait for it, not at the end of j-1's step (the same bits);
 - ``split_sum``: each row's sum of P in four chains (as its max), not one chain of 32 dependent FADDs.
 - ``int_max``: each row's max over the int32 products (3-input integer max steps), the magic adds after it
   (the same max, the same bits); they no longer all stand before the first EX2.
-- ``mufu_turns``: the two warpgroups take turns at their EX2s (named barriers), so one's EX2s run while the
-  other waits for Q K^T or takes its max (the same bits).
-- ``poly_exp`` (0-8): that many of every 8 n-blocks of P take 2**x from a polynomial on the FMA pipe, not
-  the MUFU (FlashAttention-4's move): the MUFU is what both warpgroups' softmaxes share (1 moves 8 of a
-  thread's 64 EX2s; 9e-5 of P's FP8 values round otherwise).
 
 :data:`SCHEDULE` (overlap + lazy_rescale + early_pack + split_sum + int_max, 2 stages) is the fastest
 measured inside a model call (benchmarks/README.md).
@@ -57,8 +50,6 @@ LOG2_448 = 8.807354922057604
 #: the SM clock at TRACE_EVENTS points of each of their first TRACE_TILES key tiles (:func:`attention_fp8`).
 TRACE_CTAS, TRACE_TILES = 4, 64
 TRACE_EVENTS = ("start", "k_landed", "qk_done", "softmax_done", "pv_done", "end")
-#: ln(2)**k / k!, k = 1..4: 2**f = e**(f ln 2) to degree 4 (``poly_exp``).
-EXP2_TAYLOR = tuple(math.log(2) ** k / math.factorial(k) for k in range(1, 5))
 #: The magic number that turns an int32 (|x| < 2**22) into fp32 by one add and a bit cast.
 MAGIC_I = 0x4B400000
 MAGIC_F = 12582912.0
@@ -142,20 +133,9 @@ def _kernel_class():
             atom.set(warpgroup.Field.ACCUMULATE, True)
         warpgroup.commit_group()
 
-    def exp2_poly(x):
-        """2**x (x <= 9) on the FMA and integer pipes, not the MUFU: n = round(x) by the magic add, 2**f on
-        [-0.5, 0.5] by its degree-4 Taylor polynomial (relative error under 6e-5 in fp32, far under P's FP8
-        step), n added to the exponent bits (the magic's own bits shift out). Below -125 it returns 2**-125.
-        :func:`trt_sora.kernels.reference.exp2_poly` is the same steps in torch."""
-        x = cute.arch.fmax(x, Float32(-125.0))
-        t = x + Float32(MAGIC_F)
-        f = x - (t - Float32(MAGIC_F))
-        p = Float32(1.0) + f * (EXP2_TAYLOR[0] + f * (EXP2_TAYLOR[1] + f * (EXP2_TAYLOR[2] + f * EXP2_TAYLOR[3])))
-        return (p.bitcast(Int32) + (t.bitcast(Int32) << 23)).bitcast(Float32)
-
     def take_turn(wg):
-        """Wait for warpgroup wg's turn (``pingpong``, ``mufu_turns``): named barrier 1 + wg, completed by the
-        other warpgroup's :func:`pass_turn` (or, for warpgroup 0's first turn, its own arrive at start)."""
+        """Wait for warpgroup wg's turn (``pingpong``): named barrier 1 + wg, completed by the other
+        warpgroup's :func:`pass_turn` (or, for warpgroup 0's first turn, its own arrive at start)."""
         cute.arch.barrier(barrier_id=1 + wg, number_of_threads=256)
 
     def pass_turn(wg):
@@ -181,14 +161,12 @@ def _kernel_class():
     class Attention8:
         def __init__(self, stages: int = 2, overlap: bool = False, pingpong: bool = False,
                      out_fp8: bool = False, lookahead: bool = False, lazy_rescale: bool = False,
-                     q_regs: bool = False, early_pack: bool = False, split_sum: bool = False,
-                     int_max: bool = False, mufu_turns: bool = False, poly_exp: int = 0,
+                     early_pack: bool = False, split_sum: bool = False, int_max: bool = False,
                      trace: bool = False,
                      mma_regs: int = 240, load_regs: int = 24):
             self.stages, self.overlap, self.pingpong, self.out_fp8 = stages, overlap, pingpong, out_fp8
-            self.lookahead, self.lazy_rescale, self.q_regs = lookahead, lazy_rescale, q_regs
+            self.lookahead, self.lazy_rescale = lookahead, lazy_rescale
             self.trace, self.early_pack, self.split_sum, self.int_max = trace, early_pack, split_sum, int_max
-            self.mufu_turns, self.poly_exp = mufu_turns, poly_exp
             self.mma_regs, self.load_regs = mma_regs, load_regs
 
         @cute.jit
@@ -213,9 +191,7 @@ def _kernel_class():
             tma_v, tv = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), v3,
                                                    cute.select(sV_layout, mode=[0, 1]), (TILE, TILE))
             mma_qk = sm90.make_trivial_tiled_mma(cutlass.Int8, cutlass.Int8, K_MAJOR, K_MAJOR, Int32,
-                                                 (2, 1, 1), (64, TILE),
-                                                 a_source=warpgroup.OperandSource.RMEM if self.q_regs
-                                                 else warpgroup.OperandSource.SMEM)
+                                                 (2, 1, 1), (64, TILE))
             mma_pv = sm90.make_trivial_tiled_mma(cutlass.Float8E4M3FN, cutlass.Float8E4M3FN, K_MAJOR, K_MAJOR,
                                                  Float32, (2, 1, 1), (64, TILE),
                                                  a_source=warpgroup.OperandSource.RMEM)
@@ -229,7 +205,6 @@ def _kernel_class():
                 sQ: cute.struct.Align[cute.struct.MemRange[cutlass.Int8, cute.cosize(sQ_layout)], 1024]
                 sK: cute.struct.Align[cute.struct.MemRange[cutlass.Int8, cute.cosize(sK_layout)], 1024]
                 sV: cute.struct.Align[cute.struct.MemRange[cutlass.Float8E4M3FN, cute.cosize(sV_layout)], 1024]
-                turn: cute.struct.MemRange[Float32, 256]  # mufu_turns: a slot per consumer thread
 
             seqlen = mQ.shape[1]
             grid = (cute.ceil_div(seqlen, TILE), mQ.shape[0], 1)
@@ -266,7 +241,6 @@ def _kernel_class():
             sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
             sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
             sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
-            sT = storage.turn.get_tensor(cute.make_layout(256)) if const_expr(self.mufu_turns) else None
             seqlen = tq.shape[0]
             n_tiles = cute.ceil_div(seqlen, TILE)
             pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
@@ -279,7 +253,7 @@ def _kernel_class():
                 cute.arch.setmaxregister_increase(self.mma_regs)
                 tidx, _, _ = cute.arch.thread_idx()
                 self.mma(tidx - 128, sQ, sK, sV, pipe_q, pipe_k, pipe_v, mQS, mKS, mVS, mO, qk_scale, mOSC,
-                         mTrace, mma_qk, mma_pv, m_block, bh, seqlen, n_tiles, sT)
+                         mTrace, mma_qk, mma_pv, m_block, bh, seqlen, n_tiles)
 
         @cute.jit
         def load(self, tq, tk, tv, tma_q, tma_k, tma_v, sQ, sK, sV, pipe_q, pipe_k, pipe_v, m_block, bh,
@@ -314,7 +288,7 @@ def _kernel_class():
 
         @cute.jit
         def mma(self, tidx, sQ, sK, sV, pipe_q, pipe_k, pipe_v, mQS, mKS, mVS, mO, qk_scale, mOSC, mTrace,
-                mma_qk, mma_pv, m_block, bh, seqlen, n_tiles, sT):
+                mma_qk, mma_pv, m_block, bh, seqlen, n_tiles):
             """A consumer warpgroup's 64 rows: its fragments, then the key tiles in the schedule's order, then
             the epilogue."""
             wg = cute.arch.make_warp_uniform(tidx // 128)
@@ -336,19 +310,16 @@ def _kernel_class():
                 cS=thr_qk.partition_C(cute.make_identity_tensor((TILE, TILE))),
                 row_max=cute.make_rmem_tensor((2,), Float32), row_sum=cute.make_rmem_tensor((2,), Float32),
                 alpha=cute.make_rmem_tensor((2,), Float32), qsc=mQS[bh, m_block] * qk_scale, mKS=mKS, bh=bh,
-                seqlen=seqlen, n_tiles=n_tiles, tidx=tidx, sT=sT,
+                seqlen=seqlen, n_tiles=n_tiles,
                 tr=(mTrace, (bh == 0) & (m_block < TRACE_CTAS) & (tidx % 32 == 0), m_block, tidx // 32))
             f.row_max.fill(-1.0e30)
             f.row_sum.fill(0.0)
             f.acc_o.fill(0.0)
-            if const_expr(self.pingpong or self.mufu_turns):
+            if const_expr(self.pingpong):
                 if wg == 0:
                     cute.arch.barrier_arrive(barrier_id=1, number_of_threads=256)
             q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
             pipe_q.consumer_wait(q_state)
-            if const_expr(self.q_regs):  # Q K^T's A operand from registers: Q read from shared memory once
-                f.tSrQ = wg_qk.make_fragment_A(wg_qk.partition_shape_A((TILE, TILE)))
-                cute.autovec_copy(thr_qk.partition_A(sQ), f.tSrQ)
             if const_expr(self.lookahead):
                 self.tiles_lookahead(f, thr_qk)
             elif const_expr(self.overlap):
@@ -360,8 +331,7 @@ def _kernel_class():
         @cute.jit
         def tile_softmax(self, f, acc, s_f, j, c, masked: cutlass.Constexpr):
             """The softmax of key tile j (:meth:`softmax`); ``c`` its logits' scale (:meth:`tile_scale`)."""
-            self.softmax(acc, s_f, f.cS, f.row_max, f.row_sum, f.alpha, c, j * TILE, f.seqlen, masked,
-                         (f.wg, f.sT, f.tidx))
+            self.softmax(acc, s_f, f.cS, f.row_max, f.row_sum, f.alpha, c, j * TILE, f.seqlen, masked)
 
         @cute.jit
         def tile_scale(self, f, j):
@@ -530,15 +500,14 @@ def _kernel_class():
             return k_state, v_state
 
         @cute.jit
-        def softmax(self, acc_s, s_f, cS, row_max, row_sum, alpha, c, key0, seqlen, masked: cutlass.Constexpr,
-                    turn=None):
+        def softmax(self, acc_s, s_f, cS, row_max, row_sum, alpha, c, key0, seqlen, masked: cutlass.Constexpr):
             """acc_s (int32 Q K^T) -> s_f = 448 * exp2(c * s - m_new) per row; m and l updated, ``alpha`` the
             factor on O of each of the thread's two rows.
             ``masked`` (the last tile, the only one that can be ragged): keys at or past ``seqlen`` get -1e30
             before the max. The other tiles leave the test out (ptxas would predicate it into
             every tile's softmax)."""
             if const_expr(self.int_max and not masked):
-                self.softmax_int_max(acc_s, s_f, row_max, row_sum, alpha, c, turn)
+                self.softmax_int_max(acc_s, s_f, row_max, row_sum, alpha, c)
                 return
             s_f.store((acc_s.load() + MAGIC_I).bitcast(Float32).reshape(s_f.shape))
             if const_expr(masked):
@@ -546,40 +515,30 @@ def _kernel_class():
                     for i in cutlass.range_constexpr(cute.size(s_f)):
                         if key0 + cS[i][1] >= seqlen:
                             s_f[i] = Float32(-1.0e30)
-            z = self.exp_turn_begin(turn)
             for r in cutlass.range_constexpr(2):
                 mx = row_reduce(s_f, r, cute.arch.fmax)
-                self.row_exps(s_f, r, c, cute.arch.fmax(row_max[r], (mx - MAGIC_F) * c), z, row_max, row_sum,
-                              alpha)
-            self.exp_turn_end(turn, row_sum)
+                self.row_exps(s_f, r, c, cute.arch.fmax(row_max[r], (mx - MAGIC_F) * c), row_max, row_sum, alpha)
 
         @cute.jit
-        def softmax_int_max(self, acc_s, s_f, row_max, row_sum, alpha, c, turn):
+        def softmax_int_max(self, acc_s, s_f, row_max, row_sum, alpha, c):
             """:meth:`softmax` of an unmasked tile with ``int_max``: each row's max over the int32 products (the
             magic add is monotonic and exact, so the same max), and the magic adds after it, where the EX2s
             leave the integer pipe idle; before, all 64 adds and 64 max steps stood in front of the first EX2."""
             mx = [row_reduce(acc_s, r, cutlass.max) for r in range(2)]
             s_f.store((acc_s.load() + MAGIC_I).bitcast(Float32).reshape(s_f.shape))
-            z = self.exp_turn_begin(turn)
             for r in cutlass.range_constexpr(2):
-                self.row_exps(s_f, r, c, cute.arch.fmax(row_max[r], Float32(mx[r]) * c), z, row_max, row_sum,
-                              alpha)
-            self.exp_turn_end(turn, row_sum)
+                self.row_exps(s_f, r, c, cute.arch.fmax(row_max[r], Float32(mx[r]) * c), row_max, row_sum, alpha)
 
         @cute.jit
-        def row_exps(self, s_f, r, c, m_new, z, row_max, row_sum, alpha):
+        def row_exps(self, s_f, r, c, m_new, row_max, row_sum, alpha):
             """Row r of s_f (fp32 of the magic-offset products) -> 448 * exp2(c * s - m_new), its sum into l (in
-            four chains with ``split_sum``, as the max), ``alpha`` = exp2(m_old - m_new); ``z``: 0.0 that
-            orders the EX2s after :meth:`exp_turn_begin`."""
-            neg = MAGIC_F * c + m_new - LOG2_448 + z
+            four chains with ``split_sum``, as the max), ``alpha`` = exp2(m_old - m_new)."""
+            neg = MAGIC_F * c + m_new - LOG2_448
             sums = [Float32(0.0)] * (4 if self.split_sum else 1)
             for n in cutlass.range_constexpr(cute.size(s_f.shape[0][2])):
                 for e in cutlass.range_constexpr(2):
                     x = s_f[(e, r, n), 0, 0] * c - neg
-                    if const_expr(n % 8 < self.poly_exp):  # poly_exp of every 8 n-blocks on the FMA pipe
-                        p = exp2_poly(x)
-                    else:
-                        p = cute.math.exp2(x, fastmath=True)
+                    p = cute.math.exp2(x, fastmath=True)
                     s_f[(e, r, n), 0, 0] = p
                     k = (2 * (n % 2) + e) % len(sums)
                     sums[k] = sums[k] + p
@@ -587,30 +546,6 @@ def _kernel_class():
             alpha[r] = cute.math.exp2(row_max[r] - m_new, fastmath=True)
             row_sum[r] = row_sum[r] * alpha[r] + total
             row_max[r] = m_new
-
-        @cute.jit
-        def exp_turn_begin(self, turn):
-            """``mufu_turns``: the warpgroups take turns at their EX2s (named barriers 1 + wg, as ``pingpong``'s
-            turns at the GEMMs), so one's EX2s run while the other waits for Q K^T, takes its max or packs P:
-            the trace has them both in their softmax at once half the time, sharing each sub-partition's MUFU,
-            while at other times neither uses it. ``turn``: (warpgroup, its shared-memory slots, thread). Returns
-            0.0 read from shared memory after the barrier, for the EX2s' inputs to add: a barrier orders memory,
-            not registers, and without it ptxas runs the EX2s before the wait."""
-            if const_expr(self.mufu_turns):
-                wg, sT, tidx = turn
-                take_turn(wg)
-                return sT[tidx] * Float32(0.0)
-            else:
-                return Float32(0.0)
-
-        @cute.jit
-        def exp_turn_end(self, turn, row_sum):
-            """``mufu_turns``: the row sums (after every EX2) stored before the other warpgroup's turn is passed,
-            so no EX2 sinks below the arrive."""
-            if const_expr(self.mufu_turns):
-                wg, sT, tidx = turn
-                sT[tidx] = row_sum[0] + row_sum[1]
-                pass_turn(wg)
 
         @cute.jit
         def rescale(self, acc_o, alpha, pending: cutlass.Constexpr = None):
@@ -707,8 +642,7 @@ _COMPILED: dict = {}
 #: The schedule :func:`attention_fp8` runs where its caller names none (``int8-cute`` inside a model call):
 #: the fastest measured (benchmarks/README.md). A benchmark may set it to time another in a model.
 SCHEDULE = {"stages": 2, "overlap": True, "pingpong": False, "lookahead": False, "lazy_rescale": True,
-            "q_regs": False, "early_pack": True, "split_sum": True, "int_max": True, "mufu_turns": False,
-            "poly_exp": 0}
+            "early_pack": True, "split_sum": True, "int_max": True}
 
 
 def _dl(t, dynamic_dim: int):
@@ -729,10 +663,6 @@ def attention_fp8(q8, q_scale, k8, k_scale, vt8, v_scale, *, out_scale=None, hea
     if unknown:
         raise TypeError(f"unknown CuTe attention schedule options {unknown}; known: {sorted(SCHEDULE)}")
     opts = SCHEDULE | schedule
-    if opts["mufu_turns"] and (opts["pingpong"] or opts["lookahead"]):
-        raise ValueError("mufu_turns takes turns on pingpong's barriers and the overlap or in-order step: pass "
-                         f"pingpong=False, lookahead=False (got pingpong={opts['pingpong']}, "
-                         f"lookahead={opts['lookahead']})")
     tr = trace is not None
     want = (TRACE_CTAS, 8, TRACE_TILES, len(TRACE_EVENTS))
     if tr and (tuple(trace.shape) != want or not (opts["overlap"] or opts["lookahead"])):

@@ -18,8 +18,7 @@ from trt_sora.formats import INT8_MAX
 
 FP8 = torch.float8_e4m3fn
 
-__all__ = ["FP8", "FP8_MAX", "attention", "attention_fp8", "block_quant", "dequant_scale", "example_qkv", "exp2_poly",
-           "gelu_quant",
+__all__ = ["FP8", "FP8_MAX", "attention", "attention_fp8", "block_quant", "dequant_scale", "example_qkv", "gelu_quant",
            "heads_to_tokens", "key_valid", "per_row", "quantize", "quantize_int8", "qkv_rmsnorm_rope",
            "residual_norm_quant", "rms_stats", "rope", "sdpa_fp8", "sdpa_fp8_operands", "vt_key_order", "vt_natural"]
 
@@ -230,20 +229,6 @@ def vt_key_order(n: int) -> torch.Tensor:
     the same order keeps the product the same sum over keys."""
     p = torch.arange(n)
     return p // 16 * 16 + p % 4 // 2 * 8 + p % 16 // 4 * 2 + p % 2
-
-
-def exp2_poly(x: torch.Tensor) -> torch.Tensor:
-    """What the CuTe kernel's ``poly_exp`` computes for 2**x (fp32, x <= 9) off the MUFU, step by step in fp32:
-    x clamped at -125, n = round(x) by adding 1.5 * 2**23, f = x - n, 2**f by the degree-4 Taylor polynomial
-    of e**(f ln 2), and n added to the result's exponent bits (the magic's bits shift out of the word)."""
-    from trt_sora.kernels.cute_attention import EXP2_TAYLOR, MAGIC_F
-
-    x = x.float().clamp(min=-125.0)
-    t = x + MAGIC_F
-    f = x - (t - MAGIC_F)
-    c1, c2, c3, c4 = (torch.tensor(c, dtype=torch.float32) for c in EXP2_TAYLOR)
-    p = 1.0 + f * (c1 + f * (c2 + f * (c3 + f * c4)))
-    return (p.view(torch.int32) + (t.view(torch.int32) << 23)).view(torch.float32)
 
 
 def vt_natural(vt8: torch.Tensor, s: int) -> torch.Tensor:
