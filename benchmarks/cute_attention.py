@@ -10,7 +10,8 @@ batch-2 and many-tile shapes (bf16 output: bits equal, max |diff|, and both agai
 buffer at the same length: SM clocks at each key tile's phases in lane 0 of each consumer warp of four CTAs,
 summarized by :func:`trace_phases` (cycles each phase takes, and how much the two warpgroups' softmaxes
 overlap). In the lookahead schedule the phases read: K wait, the next Q K^T's issue, softmax, P V wait, then
-P's pack, P V's issue and the wait for the next Q K^T together (``pack``).
+P's pack, P V's issue and the wait for the next Q K^T together (``pack``). ``NAME@exp+pv`` traces NAME with
+the kernel's ``ablate`` (the EX2s, the P V products left out of each step): what each costs in cycles.
 """
 import argparse
 import json
@@ -111,7 +112,7 @@ def main() -> None:
     ap.add_argument("--watchdog", type=float, default=0.0, help="seconds after which the partial JSON is written and "
                     "the process exits (0: none)")
     ap.add_argument("--trace", default="", help="comma-separated VARIANTS (overlap or lookahead schedules) to "
-                    "trace, first")
+                    "trace, first; NAME@exp+pv: with that work left out (the kernel's ablate)")
     ap.add_argument("--trace-only", action="store_true", help="stop after the traces")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
@@ -127,6 +128,8 @@ def main() -> None:
     from trt_sora.kernels import triton_ops as t
 
     names = [n for n in a.variants.split(",") if n]
+    for n in filter(None, a.trace.split(",")):
+        trace_spec(n)  # a bad entry stops the run here, not after the other traces
     res = {"device": torch.cuda.get_device_name(0), "triton": triton.__version__, "variants":
            {n: VARIANTS[n] for n in names}, "bits": [], "errors": {}, "ms": {}, "probes": {}}
 
@@ -236,6 +239,18 @@ def main() -> None:
     os._exit(0)  # the watchdog timer thread must not hold the process
 
 
+def trace_spec(spec: str) -> tuple[str, tuple]:
+    """``--trace`` entry -> (variant, ablations): ``NAME`` or ``NAME@exp+pv`` (the kernel's ``ablate``: that work
+    left out of the traced step, to see what it costs)."""
+    from trt_sora.kernels.cute_attention import ABLATIONS
+
+    name, _, cut = spec.partition("@")
+    ablate = tuple(x for x in cut.split("+") if x)
+    if name not in VARIANTS or set(ablate) - set(ABLATIONS):
+        raise SystemExit(f"--trace {spec!r}: NAME[@ABLATION+...] with NAME in VARIANTS, ABLATION in {ABLATIONS}")
+    return name, ablate
+
+
 def run_traces(a, res, dump) -> None:
     """Each ``--trace`` variant at ``--tokens``: 20 untraced launches to warm the clocks, then traced ones; the
     last trace's phases (:func:`trace_phases`) into ``res["trace"]``."""
@@ -246,13 +261,14 @@ def run_traces(a, res, dump) -> None:
     ops = t.qkv_rmsnorm_rope(*ref.example_qkv(1, a.tokens, 40, 128), 40, fp8=True)
     res["trace"] = {}
     for n in a.trace.split(","):
+        name, ablate = trace_spec(n)
         try:
             buf = torch.zeros(ca.TRACE_CTAS, 8, ca.TRACE_TILES, len(ca.TRACE_EVENTS), dtype=torch.int64,
                               device="cuda")
             for _ in range(20):
-                ca.attention_fp8(*ops, **VARIANTS[n])
+                ca.attention_fp8(*ops, **VARIANTS[name])
             for _ in range(5):
-                ca.attention_fp8(*ops, trace=buf, **VARIANTS[n])
+                ca.attention_fp8(*ops, trace=buf, ablate=ablate, **VARIANTS[name])
             torch.cuda.synchronize()
             res["trace"][n] = trace_phases(buf.cpu())
         except Exception as e:  # noqa: BLE001  (a variant that fails is reported, the others still run)

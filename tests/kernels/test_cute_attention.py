@@ -97,6 +97,28 @@ def test_schedules_that_cannot_run_are_named_before_any_launch():
         ca.attention_fp8(None, None, None, None, None, None, trace=buf[..., 0])
 
 
+def test_ablations_are_refused_outside_a_traced_overlap_run():
+    """``ablate`` leaves work out, so its output is wrong: only a traced overlap schedule (a timing tool) takes
+    it, and only the names the kernel knows; the bench's ``--trace NAME@a+b`` parses to the same names."""
+    import torch
+
+    buf = torch.zeros(ca.TRACE_CTAS, 8, ca.TRACE_TILES, len(ca.TRACE_EVENTS), dtype=torch.int64)
+    with pytest.raises(ValueError, match=r"ablate takes .* with trace=.*traced=False"):
+        ca.attention_fp8(None, None, None, None, None, None, ablate=("exp",))
+    with pytest.raises(ValueError, match=r"got ablate=\('qk',\)"):
+        ca.attention_fp8(None, None, None, None, None, None, trace=buf, ablate=("qk",))
+    with pytest.raises(ValueError, match="lookahead=True"):
+        ca.attention_fp8(None, None, None, None, None, None, trace=buf, ablate=("pv",), overlap=False,
+                         lookahead=True)
+    trace_spec = load_script("benchmarks/cute_attention.py").trace_spec
+    assert trace_spec("overlap_lazy_epssim@pv+exp") == ("overlap_lazy_epssim", ("pv", "exp"))
+    assert trace_spec("overlap_lazy") == ("overlap_lazy", ())
+    with pytest.raises(SystemExit, match="ABLATION in"):
+        trace_spec("overlap_lazy@qk")
+    with pytest.raises(SystemExit, match="NAME in VARIANTS"):
+        trace_spec("overlap_lazzy@exp")
+
+
 def test_every_bench_variant_names_every_schedule_option():
     """A variant that left an option out would take SCHEDULE's value, and change when the default does."""
     variants = load_script("benchmarks/cute_attention.py").VARIANTS

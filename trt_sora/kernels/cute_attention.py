@@ -50,6 +50,11 @@ LOG2_448 = 8.807354922057604
 #: the SM clock at TRACE_EVENTS points of each of their first TRACE_TILES key tiles (:func:`attention_fp8`).
 TRACE_CTAS, TRACE_TILES = 4, 64
 TRACE_EVENTS = ("start", "k_landed", "qk_done", "softmax_done", "pv_done", "end")
+#: ``ablate``: work a traced overlap step leaves out, to see what each costs (the output is wrong by design):
+#: ``exp`` P's EX2s become an FMUL each (the MUFU idle but for the two alphas; the loop otherwise the same),
+#: ``pv`` the P V products (and P's pack, which then has no reader). Not Q K^T: the softmax's max over a
+#: product that no longer changes leaves the loop, and the registers spill.
+ABLATIONS = ("exp", "pv")
 #: The magic number that turns an int32 (|x| < 2**22) into fp32 by one add and a bit cast.
 MAGIC_I = 0x4B400000
 MAGIC_F = 12582912.0
@@ -162,11 +167,12 @@ def _kernel_class():
         def __init__(self, stages: int = 2, overlap: bool = False, pingpong: bool = False,
                      out_fp8: bool = False, lookahead: bool = False, lazy_rescale: bool = False,
                      early_pack: bool = False, split_sum: bool = False, int_max: bool = False,
-                     trace: bool = False,
+                     trace: bool = False, ablate: tuple = (),
                      mma_regs: int = 240, load_regs: int = 24):
             self.stages, self.overlap, self.pingpong, self.out_fp8 = stages, overlap, pingpong, out_fp8
             self.lookahead, self.lazy_rescale = lookahead, lazy_rescale
             self.trace, self.early_pack, self.split_sum, self.int_max = trace, early_pack, split_sum, int_max
+            self.ablate = ablate
             self.mma_regs, self.load_regs = mma_regs, load_regs
 
         @cute.jit
@@ -411,9 +417,10 @@ def _kernel_class():
             if const_expr(self.early_pack):  # P of j-1 packed while Q K^T of j runs
                 self.pack_p(f.s_f, f.p_f, f.tOrP)
             f.pipe_v.consumer_wait(v_state)
-            gemm(f.mma_pv, f.acc_o, f.tOrP, f.tOrV[None, None, None, v_state.index], False)
+            if const_expr("pv" not in self.ablate):
+                gemm(f.mma_pv, f.acc_o, f.tOrP, f.tOrV[None, None, None, v_state.index], False)
             self.turn_pass(f.wg)
-            warpgroup.wait_group(1)
+            warpgroup.wait_group(0 if "pv" in self.ablate else 1)
             self.mark(f.tr, j, 2)
             f.pipe_k.consumer_release(state)
             self.tile_softmax(f, f.acc_s, f.s_f, j, c, masked)
@@ -538,7 +545,10 @@ def _kernel_class():
             for n in cutlass.range_constexpr(cute.size(s_f.shape[0][2])):
                 for e in cutlass.range_constexpr(2):
                     x = s_f[(e, r, n), 0, 0] * c - neg
-                    p = cute.math.exp2(x, fastmath=True)
+                    if const_expr("exp" in self.ablate):
+                        p = x * Float32(0.0078125)
+                    else:
+                        p = cute.math.exp2(x, fastmath=True)
                     s_f[(e, r, n), 0, 0] = p
                     k = (2 * (n % 2) + e) % len(sums)
                     sums[k] = sums[k] + p
@@ -652,13 +662,14 @@ def _dl(t, dynamic_dim: int):
 
 
 def attention_fp8(q8, q_scale, k8, k_scale, vt8, v_scale, *, out_scale=None, head_dim: int | None = None,
-                  trace=None, **schedule):
+                  trace=None, ablate: tuple = (), **schedule):
     """:func:`trt_sora.kernels.triton_ops.attention_fp8` (dense, head dim 128) on this kernel: the same
     operands -> [B, S, H*D] bf16, or FP8 at ``out_scale`` (a one-element fp32 tensor on the device).
     ``schedule``: Attention8's options (the keys of :data:`SCHEDULE`, whose values stand where not given).
     The first call of each schedule and output type compiles it (about 2 s). ``trace``: an int64 tensor
     [TRACE_CTAS, 8, TRACE_TILES, len(TRACE_EVENTS)] on the device that the overlap or lookahead schedule's
-    traced CTAs fill with SM clocks (``benchmarks/cute_attention.py``'s ``trace_phases`` reads it)."""
+    traced CTAs fill with SM clocks (``benchmarks/cute_attention.py``'s ``trace_phases`` reads it).
+    ``ablate``: names of :data:`ABLATIONS` a traced overlap schedule leaves out (its output is then wrong)."""
     unknown = sorted(set(schedule) - set(SCHEDULE))
     if unknown:
         raise TypeError(f"unknown CuTe attention schedule options {unknown}; known: {sorted(SCHEDULE)}")
@@ -668,6 +679,11 @@ def attention_fp8(q8, q_scale, k8, k_scale, vt8, v_scale, *, out_scale=None, hea
     if tr and (tuple(trace.shape) != want or not (opts["overlap"] or opts["lookahead"])):
         raise ValueError(f"trace takes an int64 tensor {want} and the overlap or lookahead schedule; got "
                          f"{tuple(trace.shape)}, overlap={opts['overlap']}, lookahead={opts['lookahead']}")
+    ablate = tuple(sorted(set(ablate)))
+    if ablate and (set(ablate) - set(ABLATIONS) or not tr or opts["lookahead"] or not opts["overlap"]):
+        raise ValueError(f"ablate takes names of {ABLATIONS} with trace= and the overlap schedule (it leaves work "
+                         f"out, so the output is wrong: a timing tool); got ablate={ablate}, traced={tr}, "
+                         f"overlap={opts['overlap']}, lookahead={opts['lookahead']}")
     import cuda.bindings.driver as cuda
     import cutlass.cute as cute
     import torch
@@ -683,10 +699,10 @@ def attention_fp8(q8, q_scale, k8, k_scale, vt8, v_scale, *, out_scale=None, hea
             _dl(o.view(torch.int16 if fp8 else torch.int32), 3),
             _dl((out_scale if fp8 else v_scale).reshape(-1)[:1], 0))
     targ = _dl(trace if tr else q_scale.reshape(-1)[:1].view(torch.int32), 3 if tr else 0)
-    key = (*sorted(opts.items()), fp8, tr)
+    key = (*sorted(opts.items()), fp8, tr, ablate)
     stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
     if key not in _COMPILED:
-        kern = _kernel_type()(**opts, out_fp8=fp8, trace=tr)
+        kern = _kernel_type()(**opts, out_fp8=fp8, trace=tr, ablate=ablate)
         _COMPILED[key] = cute.compile(kern, *args[:-1], qk_scale, args[-1], targ, stream)
     _COMPILED[key](*args[:-1], qk_scale, args[-1], targ, stream)
     return o.view(b, s, h * d)
