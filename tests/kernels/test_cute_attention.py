@@ -90,6 +90,11 @@ def test_an_unknown_schedule_option_is_named_before_any_launch():
 def test_schedules_that_cannot_run_are_named_before_any_launch():
     import torch
 
+    with pytest.raises(ValueError, match=r"pass int_max=True, lookahead=False \(got int_max=True, lookahead=True"):
+        ca.attention_fp8(None, None, None, None, None, None, stale_max=True, overlap=False, lookahead=True)
+    with pytest.raises(ValueError, match=r"got int_max=False"):
+        ca.attention_fp8(None, None, None, None, None, None, stale_max=True, int_max=False)
+
     buf = torch.zeros(ca.TRACE_CTAS, 8, ca.TRACE_TILES, len(ca.TRACE_EVENTS), dtype=torch.int64)
     with pytest.raises(ValueError, match="overlap or lookahead schedule; got .*overlap=False"):
         ca.attention_fp8(None, None, None, None, None, None, trace=buf, overlap=False)
@@ -183,11 +188,12 @@ def test_gpu_lazy_rescale_changes_no_bit(schedule):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("option", ["early_pack", "int_max"])
+@pytest.mark.parametrize("option", ["early_pack", "int_max", "stale_max"])
 def test_gpu_options_that_only_move_work_change_no_bit(option):
-    """Packing P of tile j-1 after Q K^T of j is issued, or taking the row max over the int32 products (the
-    magic add is exact and monotonic) moves instructions, not arithmetic: the same bits with the option on and
-    off (the rest of the default schedule), bf16 and FP8, ragged and many-tile."""
+    """Packing P of tile j-1 after Q K^T of j is issued, taking the row max over the int32 products (the
+    magic add is exact and monotonic), or P against the running max with a second pass where a row's max grew
+    moves instructions, not arithmetic: the same bits with the option on and off (the rest of the default
+    schedule), bf16 and FP8, ragged and many-tile."""
     import torch
 
     for s in (1000, 4133):
