@@ -94,6 +94,10 @@ def test_schedules_that_cannot_run_are_named_before_any_launch():
         ca.attention_fp8(None, None, None, None, None, None, stale_max=True, overlap=False, lookahead=True)
     with pytest.raises(ValueError, match=r"got int_max=False"):
         ca.attention_fp8(None, None, None, None, None, None, stale_max=True, int_max=False)
+    with pytest.raises(ValueError, match=r"got headroom=1, stale_max=False: pass stale_max=True"):
+        ca.attention_fp8(None, None, None, None, None, None, headroom=1)
+    with pytest.raises(ValueError, match=r"got headroom=4"):
+        ca.attention_fp8(None, None, None, None, None, None, stale_max=True, headroom=4)
 
     buf = torch.zeros(ca.TRACE_CTAS, 8, ca.TRACE_TILES, len(ca.TRACE_EVENTS), dtype=torch.int64)
     with pytest.raises(ValueError, match="overlap or lookahead schedule; got .*overlap=False"):
@@ -149,8 +153,8 @@ def _gpu_ops(b, s, h):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("schedule", [{}, {"lazy_rescale": False}, {"split_sum": False}, {"overlap": False},
-                                      {"overlap": False, "lookahead": True}],
-                         ids=["default", "not-lazy", "one-sum-chain", "in-order", "lookahead"])
+                                      {"overlap": False, "lookahead": True}, {"stale_max": True, "headroom": 1}],
+                         ids=["default", "not-lazy", "one-sum-chain", "in-order", "lookahead", "stale-headroom"])
 @pytest.mark.parametrize("s", [1000, 640, 129, 100])  # 8 key tiles (even), 5 (odd: the lookahead's tails), 2, 1
 def test_gpu_kernel_agrees_with_the_triton_kernel(schedule, s):
     """Batch 2, ragged (1000; 129: one key in the last tile; 100: the one tile) and whole tiles (640): only the

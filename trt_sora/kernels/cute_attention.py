@@ -32,6 +32,9 @@ Options of :class:`Attention8` change the schedule, not the math:
 - ``stale_max`` (with ``int_max``, not ``lookahead``): P's EX2s start at once, against the running max of
   the tiles before, while the tile's max is reduced beside them; where a row of the warp finds a larger
   max, the warp computes P again from the products (the same bits either way).
+- ``headroom`` (0-3, with ``stale_max``): P = 448 * 2**(x - m - headroom), so a max that grows by up to
+  ``headroom`` (log2 units) keeps the running one without a second pass (P stays <= 448); the FP8 P's
+  subnormal range starts that many binades nearer its largest value.
 
 :data:`SCHEDULE` (overlap + lazy_rescale + early_pack + split_sum + int_max, 2 stages) is the fastest
 measured inside a model call (benchmarks/README.md).
@@ -170,12 +173,12 @@ def _kernel_class():
         def __init__(self, stages: int = 2, overlap: bool = False, pingpong: bool = False,
                      out_fp8: bool = False, lookahead: bool = False, lazy_rescale: bool = False,
                      early_pack: bool = False, split_sum: bool = False, int_max: bool = False,
-                     stale_max: bool = False, trace: bool = False, ablate: tuple = (),
+                     stale_max: bool = False, headroom: int = 0, trace: bool = False, ablate: tuple = (),
                      mma_regs: int = 240, load_regs: int = 24):
             self.stages, self.overlap, self.pingpong, self.out_fp8 = stages, overlap, pingpong, out_fp8
             self.lookahead, self.lazy_rescale = lookahead, lazy_rescale
             self.trace, self.early_pack, self.split_sum, self.int_max = trace, early_pack, split_sum, int_max
-            self.ablate, self.stale_max = ablate, stale_max
+            self.ablate, self.stale_max, self.headroom = ablate, stale_max, headroom
             self.mma_regs, self.load_regs = mma_regs, load_regs
 
         @cute.jit
@@ -552,9 +555,10 @@ def _kernel_class():
             s_f.store((acc_s.load() + MAGIC_I).bitcast(Float32).reshape(s_f.shape))
             total = [self.exps(s_f, r, c, row_max[r]) for r in range(2)]
             mx = [row_reduce(acc_s, r, cutlass.max) for r in range(2)]
+            lim = [row_max[r] + Float32(self.headroom) if self.headroom else row_max[r] for r in range(2)]
             # the sums' test is always false where no max grew (P <= 448): it keeps ptxas from sinking the EX2s
             # into the branch that keeps them, behind the max
-            grew = (Float32(mx[0]) * c > row_max[0]) or (Float32(mx[1]) * c > row_max[1]) or (
+            grew = (Float32(mx[0]) * c > lim[0]) or (Float32(mx[1]) * c > lim[1]) or (
                 total[0] + total[1] > Float32(1.0e30))
             if cute.arch.vote_any_sync(grew):
                 self.softmax_int_max(acc_s, s_f, row_max, row_sum, alpha, c)
@@ -575,7 +579,7 @@ def _kernel_class():
         def exps(self, s_f, r, c, m):
             """Row r of s_f -> 448 * exp2(c * s - m) in place; returns their sum (in four chains with
             ``split_sum``, as the max). A plain helper (not jit): Python unrolls it."""
-            neg = MAGIC_F * c + m - LOG2_448
+            neg = MAGIC_F * c + m - (LOG2_448 - self.headroom)
             sums = [Float32(0.0)] * (4 if self.split_sum else 1)
             for n in range(cute.size(s_f.shape[0][2])):
                 for e in range(2):
@@ -681,7 +685,7 @@ _COMPILED: dict = {}
 #: The schedule :func:`attention_fp8` runs where its caller names none (``int8-cute`` inside a model call):
 #: the fastest measured (benchmarks/README.md). A benchmark may set it to time another in a model.
 SCHEDULE = {"stages": 2, "overlap": True, "pingpong": False, "lookahead": False, "lazy_rescale": True,
-            "early_pack": True, "split_sum": True, "int_max": True, "stale_max": False}
+            "early_pack": True, "split_sum": True, "int_max": True, "stale_max": False, "headroom": 0}
 
 
 def _dl(t, dynamic_dim: int):
@@ -712,6 +716,9 @@ def attention_fp8(q8, q_scale, k8, k_scale, vt8, v_scale, *, out_scale=None, hea
         raise ValueError("stale_max computes P again from the int32 products, which lookahead's softmax overwrites "
                          f"and only int_max's path reads: pass int_max=True, lookahead=False (got "
                          f"int_max={opts['int_max']}, lookahead={opts['lookahead']})")
+    if opts["headroom"] and not (opts["stale_max"] and 0 < opts["headroom"] <= 3):
+        raise ValueError(f"headroom (1-3 binades) spares stale_max's second pass; got headroom={opts['headroom']}, "
+                         f"stale_max={opts['stale_max']}: pass stale_max=True and a headroom of 1-3, or 0")
     ablate = tuple(sorted(set(ablate)))
     if ablate and (set(ablate) - set(ABLATIONS) or not tr or opts["lookahead"] or not opts["overlap"]):
         raise ValueError(f"ablate takes names of {ABLATIONS} with trace= and the overlap schedule (it leaves work "
