@@ -538,6 +538,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--attention-kernel", default="int8", help="our runner's 8-bit attention kernel (int8; "
                     "int8-cute: the h100-fp8 / h200-fp8 recipes' kernel, needs nvidia-cutlass-dsl and SM 9.0)")
+    ap.add_argument("--cute-schedule", default=None, help="with --attention-kernel int8-cute: the kernel's schedule "
+                    "over trt_sora.kernels.cute_attention.SCHEDULE, e.g. stale_max=1,headroom=1 (fp8_bench's flag)")
     ap.add_argument("--tmp", default="/tmp")
     ap.add_argument("--out", required=True)
     ap.add_argument("--measure", default="units", choices=("units", "clips"), help="units: time each stage and a "
@@ -551,6 +553,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--compose-from", default=None, help="recompose a measured JSON (e.g. with --cache-saved) "
                     "instead of measuring")
     args = ap.parse_args(argv)
+    if args.cute_schedule:
+        import sys
+
+        from trt_sora.kernels import cute_attention
+
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from fp8_bench import parse_schedule
+
+        cute_attention.SCHEDULE = cute_attention.SCHEDULE | parse_schedule(args.cute_schedule, cute_attention.SCHEDULE)
     args.paths = set(args.paths.split(","))
     args.clips = [c for c in args.clips.split(",") if c]
     if not args.clips or set(args.clips) - {"eager", "cached", "uncached"} or len(set(args.clips)) < len(args.clips):
@@ -560,6 +571,10 @@ def main(argv: list[str] | None = None) -> None:
     else:
         res = json.loads(Path(args.compose_from).read_text()) if args.compose_from else measure(args)
         res["per_clip"] = compose(res, args.clip_steps, args.cache_saved)
+    if args.cute_schedule:
+        from trt_sora.kernels import cute_attention
+
+        res["cute_schedule"] = dict(cute_attention.SCHEDULE)
     text = json.dumps(res, indent=2, default=str)
     Path(args.out).write_text(text + "\n")
     print(text)
