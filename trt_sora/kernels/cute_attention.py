@@ -560,7 +560,8 @@ def _kernel_class():
             # into the branch that keeps them, behind the max
             grew = (Float32(mx[0]) * c > lim[0]) or (Float32(mx[1]) * c > lim[1]) or (
                 total[0] + total[1] > Float32(1.0e30))
-            if cute.arch.vote_any_sync(grew):
+            if cute.arch.vote_any_sync(grew):  # the max reduced again: handed ``mx``, ptxas shares c * s between
+                # both passes and splits every FFMA of the first into an FMUL and an FADD
                 self.softmax_int_max(acc_s, s_f, row_max, row_sum, alpha, c)
             else:
                 for r in cutlass.range_constexpr(2):
