@@ -550,8 +550,8 @@ def _kernel_class():
             """:meth:`softmax_int_max` with ``stale_max``: P against the running max first, so the EX2s need not
             wait for this tile's max (its reduction and the quad's shuffles stood in front of the first EX2,
             about 180 instructions); the max after, beside the EX2s. Where no row of the warp has a larger
-            max (the warp votes, as ``lazy_rescale`` does), m_new = m_old: the same P, alpha = exp2(0) = 1 and
-            l * 1 + sum = l + sum, bit for bit. Otherwise P again from the int32 products, as without it."""
+            max (the warp votes, as ``lazy_rescale`` does), m_new = m_old: the same P, and l and alpha updated as
+            the default does, bit for bit. Otherwise P again from the int32 products, as without it."""
             s_f.store((acc_s.load() + MAGIC_I).bitcast(Float32).reshape(s_f.shape))
             total = [self.exps(s_f, r, c, row_max[r]) for r in range(2)]
             mx = [row_reduce(acc_s, r, cutlass.max) for r in range(2)]
@@ -565,8 +565,14 @@ def _kernel_class():
                 self.softmax_int_max(acc_s, s_f, row_max, row_sum, alpha, c)
             else:
                 for r in cutlass.range_constexpr(2):
-                    alpha[r] = Float32(1.0)
-                    row_sum[r] = row_sum[r] + total[r]
+                    if const_expr(self.headroom):  # the running max stays: P was taken against it
+                        alpha[r] = Float32(1.0)
+                        row_sum[r] = row_sum[r] + total[r]
+                    else:  # the default's own update (m_new = m_old), so its bits whatever EX2(0) returns
+                        m_new = cute.arch.fmax(row_max[r], Float32(mx[r]) * c)
+                        alpha[r] = cute.math.exp2(row_max[r] - m_new, fastmath=True)
+                        row_sum[r] = row_sum[r] * alpha[r] + total[r]
+                        row_max[r] = m_new
 
         @cute.jit
         def row_exps(self, s_f, r, c, m_new, row_max, row_sum, alpha):
