@@ -70,6 +70,10 @@
 #   bash benchmarks/h200.sh ccalib cache50 checkcache gen cserve cache20
 #   CACHE_METHOD=extrapolate+cfg bash benchmarks/h200.sh ccalib cache50 checkcache gen cserve cache20
 #   CACHE_PLAN=global bash benchmarks/h200.sh ccalib cache50 checkcache gen
+# CC_CURVE: checkcache's curve instead of this call's cacheN (e.g. a committed one; $CCW/run calibrated before,
+# on the CPU too, and carried):
+#   CCW=build/cc CC_CURVE=benchmarks/results/h100_caching_wan-shapes_50steps_global_damped_wide_2026-12-06.json \
+#     CACHE_PLAN=global CACHE_DAMPING=0.5 bash benchmarks/h200.sh checkcache gen cserve
 # CACHE_DAMPING (1: the line; e.g. 0.5) sets caching.damping of cacheN's rows and checkcache's recipe:
 #   CACHE_PLAN=global CACHE_DAMPING=0.5 CACHE50_GLOBAL_GRID=0.8:3:10,0.9:3:10,1.1:3:10 bash benchmarks/h200.sh ccalib cache50 checkcache
 set -u
@@ -78,10 +82,12 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 # CUTE=1: the CuTe DSL (build/cute/*'s pieces, unpacked once into /tmp/fa4site) on every part's path, for
 # runs of torch_fp8.attention_kernel int8-cute: e.g. CUTE=1 E2ECLIP_ARGS="--attention-kernel int8-cute"
-# WHL: the carried wheels' folder (default .whl; e.g. build/pyt, pytest alone, beside the DSL's 40 MB piece)
+# WHL: the carried wheels' folders, space-separated (default .whl; e.g. build/pyt, pytest alone, beside the DSL's
+# 40 MB piece; or "build/psrv_a build/psrv_b", wheels carried over two calls to stay under the carry limit)
 WHL=${WHL:-.whl}
-if [ -d "$WHL" ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHL"/*.whl \
+WHEELS=$(for w in $WHL; do [ -d "$w" ] && ls "$w"/*.whl; done)
+if [ -n "$WHEELS" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $WHEELS \
     && export PYTHONPATH=/tmp/site:$PWD || { echo "wheel install failed"; exit 1; }
 fi
 # the DSL's site (flash-attn-4 and its CuTe DSL wheels), unpacked once from the carried pieces, and its path
@@ -241,7 +247,7 @@ print(ort.__version__)' \$X/quant/model.qdq.onnx" ;;
               --settings 0.8:3:10,0.9:3:10,1.1:3:10 --sample calibrated,order1 --trajectories /tmp/damp50.pt \
               ${DAMP_ARGS:-} --out "$OUT/damp50.json" ;;
     checkcache) TAIL=40 part checkcache $CC_LIMIT bash -c "set -e; python3 benchmarks/cache_check.py prepare --run '$RUN' \
-                  --work $CCW --steps $CC_STEPS --method $CACHE_METHOD --plan $CACHE_PLAN --damping $CACHE_DAMPING --curve $OUT/cache$CC_STEPS.json
+                  --work $CCW --steps $CC_STEPS --method $CACHE_METHOD --plan $CACHE_PLAN --damping $CACHE_DAMPING --curve ${CC_CURVE:-$OUT/cache$CC_STEPS.json}
                 trap 'cp $CCW/recipe.yaml $CCW/run/parity/report.json $CCW/run/parity/report.md $OUT/ 2>/dev/null' EXIT
                 python3 -m trt_sora check --run $CCW/run --recipe $CCW/recipe.yaml --backend $CC_BACKEND --device $CC_DEVICE \
                   --text-embeddings '$EMB'" ;;
