@@ -569,16 +569,18 @@ def _kernel_class():
                         alpha[r] = Float32(1.0)
                         row_sum[r] = row_sum[r] + total[r]
                     else:  # the default's own update (m_new = m_old), so its bits whatever EX2(0) returns
-                        m_new = cute.arch.fmax(row_max[r], Float32(mx[r]) * c)
-                        alpha[r] = cute.math.exp2(row_max[r] - m_new, fastmath=True)
-                        row_sum[r] = row_sum[r] * alpha[r] + total[r]
-                        row_max[r] = m_new
+                        self.row_update(r, cute.arch.fmax(row_max[r], Float32(mx[r]) * c), total[r], row_max,
+                                        row_sum, alpha)
 
         @cute.jit
         def row_exps(self, s_f, r, c, m_new, row_max, row_sum, alpha):
             """Row r of s_f (fp32 of the magic-offset products) -> 448 * exp2(c * s - m_new) (:meth:`exps`), its
             sum into l, ``alpha`` = exp2(m_old - m_new)."""
-            total = self.exps(s_f, r, c, m_new)
+            self.row_update(r, m_new, self.exps(s_f, r, c, m_new), row_max, row_sum, alpha)
+
+        def row_update(self, r, m_new, total, row_max, row_sum, alpha):
+            """Row r's running max to ``m_new``: ``alpha`` = exp2(m_old - m_new), l = l * alpha + ``total``. A
+            plain helper (not jit)."""
             alpha[r] = cute.math.exp2(row_max[r] - m_new, fastmath=True)
             row_sum[r] = row_sum[r] * alpha[r] + total
             row_max[r] = m_new
@@ -701,15 +703,9 @@ def _dl(t, dynamic_dim: int):
     return from_dlpack(t, assumed_align=16).mark_layout_dynamic(leading_dim=dynamic_dim)
 
 
-def attention_fp8(q8, q_scale, k8, k_scale, vt8, v_scale, *, out_scale=None, head_dim: int | None = None,
-                  trace=None, ablate: tuple = (), **schedule):
-    """:func:`trt_sora.kernels.triton_ops.attention_fp8` (dense, head dim 128) on this kernel: the same
-    operands -> [B, S, H*D] bf16, or FP8 at ``out_scale`` (a one-element fp32 tensor on the device).
-    ``schedule``: Attention8's options (the keys of :data:`SCHEDULE`, whose values stand where not given).
-    The first call of each schedule and output type compiles it (about 2 s). ``trace``: an int64 tensor
-    [TRACE_CTAS, 8, TRACE_TILES, len(TRACE_EVENTS)] on the device that the overlap or lookahead schedule's
-    traced CTAs fill with SM clocks (``benchmarks/cute_attention.py``'s ``trace_phases`` reads it).
-    ``ablate``: names of :data:`ABLATIONS` a traced overlap schedule leaves out (its output is then wrong)."""
+def _checked(schedule: dict, trace, ablate) -> tuple[dict, tuple]:
+    """:func:`attention_fp8`'s schedule (over :data:`SCHEDULE`) and ablations, refused before any import of the
+    DSL where the kernel cannot run them, with the fix named."""
     unknown = sorted(set(schedule) - set(SCHEDULE))
     if unknown:
         raise TypeError(f"unknown CuTe attention schedule options {unknown}; known: {sorted(SCHEDULE)}")
@@ -731,6 +727,20 @@ def attention_fp8(q8, q_scale, k8, k_scale, vt8, v_scale, *, out_scale=None, hea
         raise ValueError(f"ablate takes names of {ABLATIONS} with trace= and the overlap schedule (it leaves work "
                          f"out, so the output is wrong: a timing tool); got ablate={ablate}, traced={tr}, "
                          f"overlap={opts['overlap']}, lookahead={opts['lookahead']}")
+    return opts, ablate
+
+
+def attention_fp8(q8, q_scale, k8, k_scale, vt8, v_scale, *, out_scale=None, head_dim: int | None = None,
+                  trace=None, ablate: tuple = (), **schedule):
+    """:func:`trt_sora.kernels.triton_ops.attention_fp8` (dense, head dim 128) on this kernel: the same
+    operands -> [B, S, H*D] bf16, or FP8 at ``out_scale`` (a one-element fp32 tensor on the device).
+    ``schedule``: Attention8's options (the keys of :data:`SCHEDULE`, whose values stand where not given).
+    The first call of each schedule and output type compiles it (about 2 s). ``trace``: an int64 tensor
+    [TRACE_CTAS, 8, TRACE_TILES, len(TRACE_EVENTS)] on the device that the overlap or lookahead schedule's
+    traced CTAs fill with SM clocks (``benchmarks/cute_attention.py``'s ``trace_phases`` reads it).
+    ``ablate``: names of :data:`ABLATIONS` a traced overlap schedule leaves out (its output is then wrong)."""
+    opts, ablate = _checked(schedule, trace, ablate)
+    tr = trace is not None
     import cuda.bindings.driver as cuda
     import cutlass.cute as cute
     import torch
