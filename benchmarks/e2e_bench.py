@@ -553,15 +553,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--compose-from", default=None, help="recompose a measured JSON (e.g. with --cache-saved) "
                     "instead of measuring")
     args = ap.parse_args(argv)
+    schedule = None
     if args.cute_schedule:
         import sys
 
-        from trt_sora.kernels import cute_attention
-
         sys.path.insert(0, str(Path(__file__).resolve().parent))
-        from fp8_bench import parse_schedule
+        from fp8_bench import set_cute_schedule
 
-        cute_attention.SCHEDULE = cute_attention.SCHEDULE | parse_schedule(args.cute_schedule, cute_attention.SCHEDULE)
+        schedule = set_cute_schedule(args.cute_schedule)
     args.paths = set(args.paths.split(","))
     args.clips = [c for c in args.clips.split(",") if c]
     if not args.clips or set(args.clips) - {"eager", "cached", "uncached"} or len(set(args.clips)) < len(args.clips):
@@ -571,10 +570,8 @@ def main(argv: list[str] | None = None) -> None:
     else:
         res = json.loads(Path(args.compose_from).read_text()) if args.compose_from else measure(args)
         res["per_clip"] = compose(res, args.clip_steps, args.cache_saved)
-    if args.cute_schedule:
-        from trt_sora.kernels import cute_attention
-
-        res["cute_schedule"] = dict(cute_attention.SCHEDULE)
+    if schedule:
+        res["cute_schedule"] = schedule
     text = json.dumps(res, indent=2, default=str)
     Path(args.out).write_text(text + "\n")
     print(text)

@@ -793,6 +793,15 @@ def parse_schedule(text: str, known: dict) -> dict:
     return out
 
 
+def set_cute_schedule(text: str) -> dict:
+    """``--cute-schedule`` over trt_sora.kernels.cute_attention.SCHEDULE, the schedule every int8-cute call of this
+    process then runs; returns it."""
+    from trt_sora.kernels import cute_attention
+
+    cute_attention.SCHEDULE = cute_attention.SCHEDULE | parse_schedule(text, cute_attention.SCHEDULE)
+    return dict(cute_attention.SCHEDULE)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--parts", default="attention,models")
@@ -824,9 +833,7 @@ def main(argv=None) -> None:
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     if a.cute_schedule:
-        from trt_sora.kernels import cute_attention
-
-        cute_attention.SCHEDULE = cute_attention.SCHEDULE | parse_schedule(a.cute_schedule, cute_attention.SCHEDULE)
+        set_cute_schedule(a.cute_schedule)
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     on_gpu = a.device.startswith("cuda")
