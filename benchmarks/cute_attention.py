@@ -29,8 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 #: every Attention8 option off; each variant names all of them, so a change of SCHEDULE's defaults changes none
 OFF = {"stages": 2, "overlap": False, "pingpong": False, "lookahead": False, "lazy_rescale": False,
-       "early_pack": False, "split_sum": False, "int_max": False, "stale_max": False,
-       "headroom": 0}
+       "early_pack": False, "split_sum": False, "int_max": False}
 
 
 def _v(**on) -> dict:
@@ -56,13 +55,6 @@ VARIANTS = {
     "overlap_lazy_epss": _v(overlap=True, lazy_rescale=True, early_pack=True, split_sum=True),
     "overlap_lazy_im": _v(overlap=True, lazy_rescale=True, int_max=True),
     "overlap_lazy_epssim": _v(overlap=True, lazy_rescale=True, early_pack=True, split_sum=True, int_max=True),
-    "overlap_lazy_epssim_stale": _v(overlap=True, lazy_rescale=True, early_pack=True, split_sum=True, int_max=True,
-                                    stale_max=True),
-    "overlap_lazy_ssim_stale": _v(overlap=True, lazy_rescale=True, split_sum=True, int_max=True, stale_max=True),
-    "overlap_lazy_epssim_stale_h1": _v(overlap=True, lazy_rescale=True, early_pack=True, split_sum=True,
-                                       int_max=True, stale_max=True, headroom=1),
-    "overlap_lazy_ssim_stale_h1": _v(overlap=True, lazy_rescale=True, split_sum=True, int_max=True, stale_max=True,
-                                     headroom=1),
 }
 SHAPES = ((1, 100, 2), (1, 128, 2), (1, 129, 2), (2, 1000, 2), (1, 4133, 2), (1, 32760, 3))
 

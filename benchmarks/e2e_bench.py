@@ -539,7 +539,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--attention-kernel", default="int8", help="our runner's 8-bit attention kernel (int8; "
                     "int8-cute: the h100-fp8 / h200-fp8 recipes' kernel, needs nvidia-cutlass-dsl and SM 9.0)")
     ap.add_argument("--cute-schedule", default=None, help="with --attention-kernel int8-cute: the kernel's schedule "
-                    "over trt_sora.kernels.cute_attention.SCHEDULE, e.g. stale_max=1,headroom=1 (fp8_bench's flag)")
+                    "over trt_sora.kernels.cute_attention.SCHEDULE, e.g. early_pack=0,stages=3 (fp8_bench's flag)")
     ap.add_argument("--tmp", default="/tmp")
     ap.add_argument("--out", required=True)
     ap.add_argument("--measure", default="units", choices=("units", "clips"), help="units: time each stage and a "

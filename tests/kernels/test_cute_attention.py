@@ -90,15 +90,6 @@ def test_an_unknown_schedule_option_is_named_before_any_launch():
 def test_schedules_that_cannot_run_are_named_before_any_launch():
     import torch
 
-    with pytest.raises(ValueError, match=r"pass int_max=True, lookahead=False \(got int_max=True, lookahead=True"):
-        ca.attention_fp8(None, None, None, None, None, None, stale_max=True, overlap=False, lookahead=True)
-    with pytest.raises(ValueError, match=r"got int_max=False"):
-        ca.attention_fp8(None, None, None, None, None, None, stale_max=True, int_max=False)
-    with pytest.raises(ValueError, match=r"got headroom=1, stale_max=False: pass stale_max=True"):
-        ca.attention_fp8(None, None, None, None, None, None, headroom=1)
-    with pytest.raises(ValueError, match=r"got headroom=4"):
-        ca.attention_fp8(None, None, None, None, None, None, stale_max=True, headroom=4)
-
     buf = torch.zeros(ca.TRACE_CTAS, 8, ca.TRACE_TILES, len(ca.TRACE_EVENTS), dtype=torch.int64)
     with pytest.raises(ValueError, match="overlap or lookahead schedule; got .*overlap=False"):
         ca.attention_fp8(None, None, None, None, None, None, trace=buf, overlap=False)
@@ -153,8 +144,8 @@ def _gpu_ops(b, s, h):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("schedule", [{}, {"lazy_rescale": False}, {"split_sum": False}, {"overlap": False},
-                                      {"overlap": False, "lookahead": True}, {"stale_max": True, "headroom": 1}],
-                         ids=["default", "not-lazy", "one-sum-chain", "in-order", "lookahead", "stale-headroom"])
+                                      {"overlap": False, "lookahead": True}],
+                         ids=["default", "not-lazy", "one-sum-chain", "in-order", "lookahead"])
 @pytest.mark.parametrize("s", [1000, 640, 129, 100])  # 8 key tiles (even), 5 (odd: the lookahead's tails), 2, 1
 def test_gpu_kernel_agrees_with_the_triton_kernel(schedule, s):
     """Batch 2, ragged (1000; 129: one key in the last tile; 100: the one tile) and whole tiles (640): only the
@@ -192,12 +183,11 @@ def test_gpu_lazy_rescale_changes_no_bit(schedule):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("option", ["early_pack", "int_max", "stale_max"])
+@pytest.mark.parametrize("option", ["early_pack", "int_max"])
 def test_gpu_options_that_only_move_work_change_no_bit(option):
-    """Packing P of tile j-1 after Q K^T of j is issued, taking the row max over the int32 products (the
-    magic add is exact and monotonic), or P against the running max with a second pass where a row's max grew
-    moves instructions, not arithmetic: the same bits with the option on and off (the rest of the default
-    schedule), bf16 and FP8, ragged and many-tile."""
+    """Packing P of tile j-1 after Q K^T of j is issued, or taking the row max over the int32 products (the
+    magic add is exact and monotonic), moves instructions, not arithmetic: the same bits with the option on and
+    off (the rest of the default schedule), bf16 and FP8, ragged and many-tile."""
     import torch
 
     for s in (1000, 4133):

@@ -29,12 +29,6 @@ Options of :class:`Attention8` change the schedule, not the math:
 - ``split_sum``: each row's sum of P in four chains (as its max), not one chain of 32 dependent FADDs.
 - ``int_max``: each row's max over the int32 products (3-input integer max steps), the magic adds after it
   (the same max, the same bits); they no longer all stand before the first EX2.
-- ``stale_max`` (with ``int_max``, not ``lookahead``): P's EX2s start at once, against the running max of
-  the tiles before, while the tile's max is reduced beside them; where a row of the warp finds a larger
-  max, the warp computes P again from the products (the same bits either way).
-- ``headroom`` (0-3, with ``stale_max``): P = 448 * 2**(x - m - headroom), so a max that grows by up to
-  ``headroom`` (log2 units) keeps the running one without a second pass (P stays <= 448); the FP8 P's
-  subnormal range starts that many binades nearer its largest value.
 
 :data:`SCHEDULE` (overlap + lazy_rescale + early_pack + split_sum + int_max, 2 stages) is the fastest
 measured inside a model call (benchmarks/README.md).
@@ -173,12 +167,12 @@ def _kernel_class():
         def __init__(self, stages: int = 2, overlap: bool = False, pingpong: bool = False,
                      out_fp8: bool = False, lookahead: bool = False, lazy_rescale: bool = False,
                      early_pack: bool = False, split_sum: bool = False, int_max: bool = False,
-                     stale_max: bool = False, headroom: int = 0, trace: bool = False, ablate: tuple = (),
+                     trace: bool = False, ablate: tuple = (),
                      mma_regs: int = 240, load_regs: int = 24):
             self.stages, self.overlap, self.pingpong, self.out_fp8 = stages, overlap, pingpong, out_fp8
             self.lookahead, self.lazy_rescale = lookahead, lazy_rescale
             self.trace, self.early_pack, self.split_sum, self.int_max = trace, early_pack, split_sum, int_max
-            self.ablate, self.stale_max, self.headroom = ablate, stale_max, headroom
+            self.ablate = ablate
             self.mma_regs, self.load_regs = mma_regs, load_regs
 
         @cute.jit
@@ -519,9 +513,6 @@ def _kernel_class():
             ``masked`` (the last tile, the only one that can be ragged): keys at or past ``seqlen`` get -1e30
             before the max. The other tiles leave the test out (ptxas would predicate it into
             every tile's softmax)."""
-            if const_expr(self.int_max and self.stale_max and not masked):
-                self.softmax_stale_max(acc_s, s_f, row_max, row_sum, alpha, c)
-                return
             if const_expr(self.int_max and not masked):
                 self.softmax_int_max(acc_s, s_f, row_max, row_sum, alpha, c)
                 return
@@ -546,33 +537,6 @@ def _kernel_class():
                 self.row_exps(s_f, r, c, cute.arch.fmax(row_max[r], Float32(mx[r]) * c), row_max, row_sum, alpha)
 
         @cute.jit
-        def softmax_stale_max(self, acc_s, s_f, row_max, row_sum, alpha, c):
-            """:meth:`softmax_int_max` with ``stale_max``: P against the running max first, so the EX2s need not
-            wait for this tile's max (its reduction and the quad's shuffles stood in front of the first EX2,
-            about 180 instructions); the max after, beside the EX2s. Where no row of the warp has a larger
-            max (the warp votes, as ``lazy_rescale`` does), m_new = m_old: the same P, and l and alpha updated as
-            the default does, bit for bit. Otherwise P again from the int32 products, as without it."""
-            s_f.store((acc_s.load() + MAGIC_I).bitcast(Float32).reshape(s_f.shape))
-            total = [self.exps(s_f, r, c, row_max[r]) for r in range(2)]
-            mx = [row_reduce(acc_s, r, cutlass.max) for r in range(2)]
-            lim = [row_max[r] + Float32(self.headroom) if self.headroom else row_max[r] for r in range(2)]
-            # the sums' test is always false where no max grew (P <= 448): it keeps ptxas from sinking the EX2s
-            # into the branch that keeps them, behind the max
-            grew = (Float32(mx[0]) * c > lim[0]) or (Float32(mx[1]) * c > lim[1]) or (
-                total[0] + total[1] > Float32(1.0e30))
-            if cute.arch.vote_any_sync(grew):  # the max reduced again: handed ``mx``, ptxas shares c * s between
-                # both passes and splits every FFMA of the first into an FMUL and an FADD
-                self.softmax_int_max(acc_s, s_f, row_max, row_sum, alpha, c)
-            else:
-                for r in cutlass.range_constexpr(2):
-                    if const_expr(self.headroom):  # the running max stays: P was taken against it
-                        alpha[r] = Float32(1.0)
-                        row_sum[r] = row_sum[r] + total[r]
-                    else:  # the default's own update (m_new = m_old), so its bits whatever EX2(0) returns
-                        self.row_update(r, cute.arch.fmax(row_max[r], Float32(mx[r]) * c), total[r], row_max,
-                                        row_sum, alpha)
-
-        @cute.jit
         def row_exps(self, s_f, r, c, m_new, row_max, row_sum, alpha):
             """Row r of s_f (fp32 of the magic-offset products) -> 448 * exp2(c * s - m_new) (:meth:`exps`), its
             sum into l, ``alpha`` = exp2(m_old - m_new)."""
@@ -588,7 +552,7 @@ def _kernel_class():
         def exps(self, s_f, r, c, m):
             """Row r of s_f -> 448 * exp2(c * s - m) in place; returns their sum (in four chains with
             ``split_sum``, as the max). A plain helper (not jit): Python unrolls it."""
-            neg = MAGIC_F * c + m - (LOG2_448 - self.headroom)
+            neg = MAGIC_F * c + m - LOG2_448
             sums = [Float32(0.0)] * (4 if self.split_sum else 1)
             for n in range(cute.size(s_f.shape[0][2])):
                 for e in range(2):
@@ -694,7 +658,7 @@ _COMPILED: dict = {}
 #: The schedule :func:`attention_fp8` runs where its caller names none (``int8-cute`` inside a model call):
 #: the fastest measured (benchmarks/README.md). A benchmark may set it to time another in a model.
 SCHEDULE = {"stages": 2, "overlap": True, "pingpong": False, "lookahead": False, "lazy_rescale": True,
-            "early_pack": True, "split_sum": True, "int_max": True, "stale_max": False, "headroom": 0}
+            "early_pack": True, "split_sum": True, "int_max": True}
 
 
 def _dl(t, dynamic_dim: int):
@@ -715,13 +679,6 @@ def _checked(schedule: dict, trace, ablate) -> tuple[dict, tuple]:
     if tr and (tuple(trace.shape) != want or not (opts["overlap"] or opts["lookahead"])):
         raise ValueError(f"trace takes an int64 tensor {want} and the overlap or lookahead schedule; got "
                          f"{tuple(trace.shape)}, overlap={opts['overlap']}, lookahead={opts['lookahead']}")
-    if opts["stale_max"] and (opts["lookahead"] or not opts["int_max"]):
-        raise ValueError("stale_max computes P again from the int32 products, which lookahead's softmax overwrites "
-                         f"and only int_max's path reads: pass int_max=True, lookahead=False (got "
-                         f"int_max={opts['int_max']}, lookahead={opts['lookahead']})")
-    if opts["headroom"] and not (opts["stale_max"] and 0 < opts["headroom"] <= 3):
-        raise ValueError(f"headroom (1-3 binades) spares stale_max's second pass; got headroom={opts['headroom']}, "
-                         f"stale_max={opts['stale_max']}: pass stale_max=True and a headroom of 1-3, or 0")
     ablate = tuple(sorted(set(ablate)))
     if ablate and (set(ablate) - set(ABLATIONS) or not tr or opts["lookahead"] or not opts["overlap"]):
         raise ValueError(f"ablate takes names of {ABLATIONS} with trace= and the overlap schedule (it leaves work "
