@@ -536,23 +536,11 @@ def _kernel_class():
             for r in cutlass.range_constexpr(2):
                 self.row_exps(s_f, r, c, cute.arch.fmax(row_max[r], Float32(mx[r]) * c), row_max, row_sum, alpha)
 
-        @cute.jit
         def row_exps(self, s_f, r, c, m_new, row_max, row_sum, alpha):
-            """Row r of s_f (fp32 of the magic-offset products) -> 448 * exp2(c * s - m_new) (:meth:`exps`), its
-            sum into l, ``alpha`` = exp2(m_old - m_new)."""
-            self.row_update(r, m_new, self.exps(s_f, r, c, m_new), row_max, row_sum, alpha)
-
-        def row_update(self, r, m_new, total, row_max, row_sum, alpha):
-            """Row r's running max to ``m_new``: ``alpha`` = exp2(m_old - m_new), l = l * alpha + ``total``. A
-            plain helper (not jit)."""
-            alpha[r] = cute.math.exp2(row_max[r] - m_new, fastmath=True)
-            row_sum[r] = row_sum[r] * alpha[r] + total
-            row_max[r] = m_new
-
-        def exps(self, s_f, r, c, m):
-            """Row r of s_f -> 448 * exp2(c * s - m) in place; returns their sum (in four chains with
-            ``split_sum``, as the max). A plain helper (not jit): Python unrolls it."""
-            neg = MAGIC_F * c + m - LOG2_448
+            """Row r of s_f (fp32 of the magic-offset products) -> 448 * exp2(c * s - m_new) in place, their sum
+            into l (in four chains with ``split_sum``, as the max), ``alpha`` = exp2(m_old - m_new). A plain helper
+            (not jit): Python unrolls it."""
+            neg = MAGIC_F * c + m_new - LOG2_448
             sums = [Float32(0.0)] * (4 if self.split_sum else 1)
             for n in range(cute.size(s_f.shape[0][2])):
                 for e in range(2):
@@ -561,7 +549,10 @@ def _kernel_class():
                     s_f[(e, r, n), 0, 0] = p
                     k = (2 * (n % 2) + e) % len(sums)
                     sums[k] = sums[k] + p
-            return sums[0] if len(sums) == 1 else (sums[0] + sums[1]) + (sums[2] + sums[3])
+            total = sums[0] if len(sums) == 1 else (sums[0] + sums[1]) + (sums[2] + sums[3])
+            alpha[r] = cute.math.exp2(row_max[r] - m_new, fastmath=True)
+            row_sum[r] = row_sum[r] * alpha[r] + total
+            row_max[r] = m_new
 
         @cute.jit
         def rescale(self, acc_o, alpha, pending: cutlass.Constexpr = None):
