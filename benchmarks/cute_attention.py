@@ -263,7 +263,7 @@ def run_traces(a, res, dump) -> None:
     for n in a.trace.split(","):
         name, ablate = trace_spec(n)
         try:
-            buf = torch.zeros(ca.TRACE_CTAS, 8, ca.TRACE_TILES, len(ca.TRACE_EVENTS), dtype=torch.int64,
+            buf = torch.zeros(ca.TRACE_SHAPE, dtype=torch.int64,
                               device="cuda")
             for _ in range(20):
                 ca.attention_fp8(*ops, **VARIANTS[name])

@@ -49,7 +49,7 @@ def compile_ptx(options: dict, dump: Path, name: str) -> Path:
     scales = torch.ones(b * h, nb), torch.ones(b * h, nb), torch.ones(b * h, d)
     o = torch.empty(b, s, h, d // 2, dtype=torch.int16 if fp8 else torch.int32)
     args = (ca._dl(q8, 2), ca._dl(q8, 2), ca._dl(vt8, 2), *(ca._dl(x, 1) for x in scales), ca._dl(o, 3))
-    tr = (ca._dl(torch.zeros(ca.TRACE_CTAS, 8, ca.TRACE_TILES, len(ca.TRACE_EVENTS), dtype=torch.int64), 3)
+    tr = (ca._dl(torch.zeros(ca.TRACE_SHAPE, dtype=torch.int64), 3)
           if trace else ca._dl(torch.zeros(1, dtype=torch.int32), 0))
     kern = ca._kernel_type()(**(ca.SCHEDULE | opts), out_fp8=fp8, trace=trace)
     cute.compile(kern, *args, 0.1, ca._dl(scales[2].reshape(-1)[:1], 0), tr, cuda.CUstream(0))

@@ -90,7 +90,7 @@ def test_an_unknown_schedule_option_is_named_before_any_launch():
 def test_schedules_that_cannot_run_are_named_before_any_launch():
     import torch
 
-    buf = torch.zeros(ca.TRACE_CTAS, 8, ca.TRACE_TILES, len(ca.TRACE_EVENTS), dtype=torch.int64)
+    buf = torch.zeros(ca.TRACE_SHAPE, dtype=torch.int64)
     with pytest.raises(ValueError, match="overlap or lookahead schedule; got .*overlap=False"):
         ca.attention_fp8(None, None, None, None, None, None, trace=buf, overlap=False)
     with pytest.raises(ValueError, match=r"got \(4, 8, 64\)"):
@@ -102,7 +102,7 @@ def test_ablations_are_refused_outside_a_traced_overlap_run():
     it, and only the names the kernel knows; the bench's ``--trace NAME@a+b`` parses to the same names."""
     import torch
 
-    buf = torch.zeros(ca.TRACE_CTAS, 8, ca.TRACE_TILES, len(ca.TRACE_EVENTS), dtype=torch.int64)
+    buf = torch.zeros(ca.TRACE_SHAPE, dtype=torch.int64)
     with pytest.raises(ValueError, match=r"ablate takes .* with trace=.*traced=False"):
         ca.attention_fp8(None, None, None, None, None, None, ablate=("exp",))
     with pytest.raises(ValueError, match=r"got ablate=\('qk',\)"):

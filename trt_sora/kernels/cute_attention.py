@@ -50,6 +50,8 @@ LOG2_448 = 8.807354922057604
 #: the SM clock at TRACE_EVENTS points of each of their first TRACE_TILES key tiles (:func:`attention_fp8`).
 TRACE_CTAS, TRACE_TILES = 4, 64
 TRACE_EVENTS = ("start", "k_landed", "qk_done", "softmax_done", "pv_done", "end")
+#: ``trace``'s int64 tensor: traced CTAs, their 8 consumer warps, key tiles, events.
+TRACE_SHAPE = (TRACE_CTAS, 8, TRACE_TILES, len(TRACE_EVENTS))
 #: ``ablate``: work a traced overlap step leaves out, to see what each costs (the output is wrong by design):
 #: ``exp`` P's EX2s become an FMUL each (the MUFU idle but for the two alphas; the loop otherwise the same),
 #: ``pv`` the P V products (and P's pack, which then has no reader). Not Q K^T: the softmax's max over a
@@ -181,8 +183,8 @@ def _kernel_class():
                      mTrace: cute.Tensor, stream: cuda.CUstream):
             """mQ, mK [BH, S, D] int8; mVt [BH, D, S_pad] fp8; mQS, mKS [BH, nblk] fp32 (one per 128 tokens);
             mVS [BH, D]; mO [B, S, H, D/2] int32 (bf16 pairs) or int16 (``out_fp8``: E4M3 pairs); qk_scale:
-            D**-0.5 * log2(e); mOSC [1]: the FP8 output's scale (unread for bf16); mTrace int64 [TRACE_CTAS, 8,
-            TRACE_TILES, len(TRACE_EVENTS)] (``trace``; else unread)."""
+            D**-0.5 * log2(e); mOSC [1]: the FP8 output's scale (unread for bf16); mTrace int64
+            :data:`TRACE_SHAPE` (``trace``; else unread)."""
             # (rows, D, BH) views: TMA tiles of (128, 128) at (block, 0, bh)
             q3 = cute.make_tensor(mQ.iterator, cute.select(mQ.layout, mode=[1, 2, 0]))
             k3 = cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=[1, 2, 0]))
@@ -666,9 +668,8 @@ def _checked(schedule: dict, trace, ablate) -> tuple[dict, tuple]:
         raise TypeError(f"unknown CuTe attention schedule options {unknown}; known: {sorted(SCHEDULE)}")
     opts = SCHEDULE | schedule
     tr = trace is not None
-    want = (TRACE_CTAS, 8, TRACE_TILES, len(TRACE_EVENTS))
-    if tr and (tuple(trace.shape) != want or not (opts["overlap"] or opts["lookahead"])):
-        raise ValueError(f"trace takes an int64 tensor {want} and the overlap or lookahead schedule; got "
+    if tr and (tuple(trace.shape) != TRACE_SHAPE or not (opts["overlap"] or opts["lookahead"])):
+        raise ValueError(f"trace takes an int64 tensor {TRACE_SHAPE} and the overlap or lookahead schedule; got "
                          f"{tuple(trace.shape)}, overlap={opts['overlap']}, lookahead={opts['lookahead']}")
     ablate = tuple(sorted(set(ablate)))
     if ablate and (set(ablate) - set(ABLATIONS) or not tr or opts["lookahead"] or not opts["overlap"]):
@@ -684,7 +685,7 @@ def attention_fp8(q8, q_scale, k8, k_scale, vt8, v_scale, *, out_scale=None, hea
     operands -> [B, S, H*D] bf16, or FP8 at ``out_scale`` (a one-element fp32 tensor on the device).
     ``schedule``: Attention8's options (the keys of :data:`SCHEDULE`, whose values stand where not given).
     The first call of each schedule and output type compiles it (about 2 s). ``trace``: an int64 tensor
-    [TRACE_CTAS, 8, TRACE_TILES, len(TRACE_EVENTS)] on the device that the overlap or lookahead schedule's
+    :data:`TRACE_SHAPE` on the device that the overlap or lookahead schedule's
     traced CTAs fill with SM clocks (``benchmarks/cute_attention.py``'s ``trace_phases`` reads it).
     ``ablate``: names of :data:`ABLATIONS` a traced overlap schedule leaves out (its output is then wrong)."""
     opts, ablate = _checked(schedule, trace, ablate)
