@@ -113,20 +113,26 @@ def export_call(adapter, mdl):
     return call, f
 
 
+def fp8_bench_module():
+    """benchmarks/fp8_bench.py, imported with this folder on the path (its runner helpers are shared)."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import fp8_bench
+
+    return fp8_bench
+
+
 def fp8_runner(adapter, model, fwd, noise, text, dev: str, kernel: str = "int8"):
     """Our torch-fp8 runner (fused FP8 quantization, 8-bit attention on ``kernel``, CUDA graphs on a GPU),
     activated; its input amax calibrated on one call of ``fwd`` at timestep 700 with ``noise`` [1, C, F, H, W]
     and ``text`` [1, L, D]. ``model`` is rewritten in place (the runner's from then on)."""
-    import sys
-
     from trt_sora.runners.fp8_runner import AttentionPolicy, TorchFp8Runner
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from fp8_bench import calibrate_plan
 
     feeds = {"hidden_states": noise.bfloat16(), "timestep": torch.full((1,), 700.0, device=dev),
              "encoder_hidden_states": text.bfloat16()}
-    plan = calibrate_plan(model, lambda *a: fwd(*a), [feeds[n] for n in adapter.input_names], adapter.quant_excludes)
+    plan = fp8_bench_module().calibrate_plan(model, lambda *a: fwd(*a), [feeds[n] for n in adapter.input_names],
+                                              adapter.quant_excludes)
     return TorchFp8Runner(adapter, None, plan=plan, device=dev, model=model, mode="fused",
                           attention=AttentionPolicy(enabled=True, kernel=kernel), cuda_graphs=True).activate()
 
@@ -555,12 +561,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     schedule = None
     if args.cute_schedule:
-        import sys
-
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        from fp8_bench import set_cute_schedule
-
-        schedule = set_cute_schedule(args.cute_schedule)
+        schedule = fp8_bench_module().set_cute_schedule(args.cute_schedule)
     args.paths = set(args.paths.split(","))
     args.clips = [c for c in args.clips.split(",") if c]
     if not args.clips or set(args.clips) - {"eager", "cached", "uncached"} or len(set(args.clips)) < len(args.clips):
