@@ -2,7 +2,16 @@
 and with ``--grpc-port`` the gRPC stream of clips beside it."""
 from __future__ import annotations
 
+import sys
+
 from trt_sora.cli.common import add_cfg_arg, add_runtime_args
+
+
+def _say(line: str) -> None:
+    """One stdout line in one write: print() writes the text and the newline apart, so a line printed
+    from another thread (a worker's) could land between them and leave neither at a line's start."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
 
 
 def add_parser(sub) -> None:
@@ -118,14 +127,14 @@ def run(args) -> int:
     grpc_servers = []
 
     def listening(engine, host, port):
-        print(f"serving {args.run} on http://{host}:{port} (ready when /readyz answers 200)", flush=True)
+        _say(f"serving {args.run} on http://{host}:{port} (ready when /readyz answers 200)")
         if grpc_config is not None:
             grpc_servers.append(_start_grpc(engine, grpc_config, http))
             tls = " with TLS" if grpc_config.tls_cert else ""
-            print(f"serving {args.run} over gRPC{tls} on {host}:{grpc_servers[0].port}", flush=True)
+            _say(f"serving {args.run} over gRPC{tls} on {host}:{grpc_servers[0].port}")
 
     def ready(engine):
-        print(f"ready: {engine.generator.runner.backend} backend, batch cap {engine.memory.get('cap')}", flush=True)
+        _say(f"ready: {engine.generator.runner.backend} backend, batch cap {engine.memory.get('cap')}")
 
     try:
         return serve(load, config, http, text_encoder=args.text_encoder, on_listen=listening, on_ready=ready,
