@@ -802,6 +802,26 @@ def set_cute_schedule(text: str) -> dict:
     return dict(cute_attention.SCHEDULE)
 
 
+#: The torch-fp8 Triton kernels' launch settings ``--kernel-settings`` may set (trt_sora.kernels.triton_ops).
+KERNEL_SETTINGS = ("NORM_ROWS", "NORM_WARPS", "EPILOGUE_SUBTILES", "EPILOGUE_WARPS")
+
+
+def set_kernel_settings(path: str) -> dict:
+    """``--kernel-settings``: a JSON object of :data:`KERNEL_SETTINGS` (e.g. ``best`` of
+    benchmarks/epilogue_bench.py's output) set on trt_sora.kernels.triton_ops for this process; returns them."""
+    from trt_sora.kernels import triton_ops
+
+    given = json.loads(Path(path).read_text())
+    given = given.get("best", given)
+    unknown = sorted(set(given) - set(KERNEL_SETTINGS))
+    if unknown:
+        raise SystemExit(f"--kernel-settings: unknown {unknown}; known: {list(KERNEL_SETTINGS)}")
+    for name, value in given.items():
+        current = getattr(triton_ops, name)
+        setattr(triton_ops, name, current | value if isinstance(current, dict) else value)
+    return {name: getattr(triton_ops, name) for name in KERNEL_SETTINGS}
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--parts", default="attention,models")
@@ -830,15 +850,19 @@ def main(argv=None) -> None:
     ap.add_argument("--cute-schedule", default=None,
                     help="the _cute rungs' CuTe kernel schedule, e.g. overlap=0,lookahead=1,lazy_rescale=1 "
                          "(trt_sora.kernels.cute_attention.SCHEDULE's keys; 0/1 or a stage count)")
+    ap.add_argument("--kernel-settings", default=None,
+                    help="a JSON file of triton_ops launch settings (NORM_ROWS, NORM_WARPS, EPILOGUE_SUBTILES, "
+                         "EPILOGUE_WARPS; or epilogue_bench.py's output, its best ones) for every kernel of this run")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     if a.cute_schedule:
         set_cute_schedule(a.cute_schedule)
+    settings = set_kernel_settings(a.kernel_settings) if a.kernel_settings else None
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     on_gpu = a.device.startswith("cuda")
     out = {"gpu": torch.cuda.get_device_name() if on_gpu else "cpu", "torch": torch.__version__,
-           "ceilings": CEILING, "runs": []}
+           "ceilings": CEILING, "runs": [], **({"kernel_settings": settings} if settings else {})}
     if on_gpu:
         import triton
 

@@ -39,8 +39,12 @@
 # CUTE_TRACE=overlap_lazy,...: those first, traced: the cycles of each key tile's phases),
 # m14cute (the 14B 480p call with torch_fp8.attention_kernel int8-cute beside the Triton kernel: eager with the
 # profiler split, and graphed; the DSL as for cute; M14CUTE_SCHEDULE, e.g. overlap=0,lookahead=1: the kernel's
-# schedule; needs diffusers' wheel), cute_tests (the CuTe kernel's GPU tests, the DSL on the path; pytest from the
+# schedule; KERNEL_SETTINGS: a JSON of the Triton kernels' launch settings, e.g. the epi part's output, its best
+# ones; needs diffusers' wheel), cute_tests (the CuTe kernel's GPU tests, the DSL on the path; pytest from the
 # WHL carry: build/pyt holds pytest, pluggy, iniconfig and diffusers, 6.5 MB beside the DSL's 40 MB piece),
+# epi (the memory-bound kernels of the 14B call at its size: residual_norm_quant by rows a program and warps, the
+# fused-QKV epilogue by token sub-tiles and warps, each kernel's time and its outputs vs the shipped setting's;
+# benchmarks/_prev_triton_ops.py beside it: that commit's kernels too; benchmarks/epilogue_bench.py),
 # hist (one batch's |x| histogram several ways; HIST_ARGS=--only-cuda: the torch path and the NVRTC kernel),
 # m14b2 (14B batch 2), m14_720 (14B 720p batch 1), m14sparse (issue 32: the 14B 720p call, the full torch-fp8 rung
 # dense and with block-sparse attention per window of SPARSE_WINDOWS (4-2-2,2-2-2), iters 5, one eager call), m14x (14B 480p batch 2, 720p batch 1 and 2: eager vs full torch-fp8,
@@ -164,8 +168,10 @@ for p in "$@"; do
                PYTHONPATH=\$PYTHONPATH:$DSL_PATH python3 benchmarks/fp8_bench.py --parts models \
                  --models wan2.1-t2v-14b --batches 1 --iters 5 \
                  --rungs fp8_fused_attn8_graph,fp8_fused_attn8_cute,fp8_fused_attn8_graph_cute \
-                 ${M14CUTE_SCHEDULE:+--cute-schedule $M14CUTE_SCHEDULE} --out $OUT/m14cute.json" ;;
+                 ${M14CUTE_SCHEDULE:+--cute-schedule $M14CUTE_SCHEDULE} \
+                 ${KERNEL_SETTINGS:+--kernel-settings $KERNEL_SETTINGS} --out $OUT/m14cute.json" ;;
     gemm) part gemm 120 python3 benchmarks/fp8_bench.py --parts gemm --out "$OUT/gemm.json" ;;
+    epi) part epi ${EPI_LIMIT:-300} python3 benchmarks/epilogue_bench.py --out "$OUT/epi.json" ;;
     attention) part attention 240 python3 benchmarks/fp8_bench.py --parts attention --out "$OUT/attention.json" ;;
     quality) part quality 240 python3 benchmarks/fp8_quality.py --run "$RUN" \
                --prompts build/wan_shapes_heldout.safetensors --num 16 --out "$OUT/quality.json" ;;
@@ -188,7 +194,8 @@ for p in "$@"; do
     m13) part m13 300 python3 benchmarks/fp8_bench.py --parts models --models wan2.1-t2v-1.3b --batches 1 \
            --out "$OUT/m13.json" ;;
     m14) part m14 540 python3 benchmarks/fp8_bench.py --parts models --models wan2.1-t2v-14b --batches 1 \
-           --rungs "${M14_RUNGS:-compile_bf16,fp8_gemm,fp8_fused,fp8_fused_attn8,fp8_fused_attn8_graph}" --out "$OUT/m14.json" ;;
+           --rungs "${M14_RUNGS:-compile_bf16,fp8_gemm,fp8_fused,fp8_fused_attn8,fp8_fused_attn8_graph}" ${M14_ARGS:-} \
+           ${KERNEL_SETTINGS:+--kernel-settings $KERNEL_SETTINGS} --out "$OUT/m14.json" ;;
     m14x) part m14x 560 python3 benchmarks/fp8_bench.py --parts models --models wan2.1-t2v-14b --points 480p:2,720p:1,720p:2 \
             --iters 10 --no-profile --rungs fp8_fused_attn8_graph --out "$OUT/m14x.json" ;;
     m14b2) part m14b2 540 python3 benchmarks/fp8_bench.py --parts models --models wan2.1-t2v-14b --batches 2 \

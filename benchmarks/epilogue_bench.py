@@ -1,0 +1,192 @@
+"""The torch-fp8 backend's memory-bound kernels at Wan 14B 480p x 81 (32,760 tokens, 5,120 channels, 40 heads
+of 128), one setting at a time: the time, the DRAM rate it implies, and its outputs against the shipped setting's.
+
+* ``norm``: ``residual_norm_quant`` in the three forms a Wan block calls it (AdaLN modulation before self-attention;
+  gated residual + LayerNorm affine before cross-attention; residual + modulation before the FFN), by rows a
+  program (``NORM_ROWS``) and warps (``NORM_WARPS``).
+* ``qkv``: the fused-QKV epilogue after the RMS statistics (the tile pass, the K mean / V scale reductions and the
+  K/V pass), by token sub-tiles (``EPILOGUE_SUBTILES``) and warps of the two passes, with each
+  kernel's own time from the profiler.
+
+With ``benchmarks/_prev_triton_ops.py`` beside it (``git show REV:trt_sora/kernels/triton_ops.py >
+benchmarks/_prev_triton_ops.py``), that commit's kernels run on the same inputs in the same process.
+
+    python benchmarks/epilogue_bench.py --out benchmarks/results/h200_epilogue_2026-12-07.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.fp8_bench import bench_ms  # noqa: E402
+from trt_sora.kernels.reference import example_qkv  # noqa: E402
+
+S, C, H, D = 32760, 5120, 40, 128
+DEVICE = "cuda"
+NORM_GRID = [(1, None), (1, 8), (2, 8), (2, 16), (4, 16), (8, 16)]  # (rows a program, warps; None: by width)
+#: (the tile pass's sub-tiles, its warps, the K/V pass's sub-tiles, its warps)
+QKV_GRID = [(1, 8, 1, 8), (1, 16, 1, 16), (2, 8, 1, 8), (2, 16, 1, 8), (4, 8, 1, 8), (4, 4, 1, 8), (4, 8, 2, 8),
+            (4, 8, 4, 8), (4, 8, 2, 16), (2, 8, 2, 8), (4, 4, 4, 4)]
+
+
+def _prev():
+    try:
+        from benchmarks import _prev_triton_ops as prev
+    except ImportError:
+        return None
+    return prev
+
+
+def norm_inputs(g) -> dict:
+    """The three calls of a Wan block (keyword arguments of ``residual_norm_quant``) on one [1, S, C] stream."""
+    dev = g.device
+    x = torch.randn(1, S, C, device=dev, generator=g).to(torch.bfloat16)
+    r = torch.randn(1, S, C, device=dev, generator=g).to(torch.bfloat16)
+    vec = [torch.randn(1, C, device=dev, generator=g) * 0.3 for _ in range(3)]
+    w, bi = torch.randn(C, device=dev, generator=g), torch.randn(C, device=dev, generator=g)
+    sc = torch.tensor(6.0 / 448, device=dev)
+    return {"x": x, "forms": {
+        "mod": dict(mod_scale=vec[0], mod_shift=vec[1], act_scale=sc),
+        "residual_gate_affine": dict(branch=r, gate=vec[2], weight=w, bias=bi, act_scale=sc),
+        "residual_mod": dict(branch=r, mod_scale=vec[0], mod_shift=vec[1], act_scale=sc)}}
+
+
+def norm_bytes(kw: dict) -> int:
+    """DRAM bytes of one call: x read, the branch read and the new residual written, FP8 y written."""
+    per = 2 + 1 + (4 if "branch" in kw else 0)
+    return S * C * per
+
+
+def _u8(t):
+    return t.view(torch.uint8) if t.element_size() == 1 else t
+
+
+def _same(a, b) -> float:
+    """Fraction of equal elements (as bytes for 8-bit tensors)."""
+    return (_u8(a) == _u8(b)).float().mean().item()
+
+
+def norm_part(t, prev) -> dict:
+    inp = norm_inputs(torch.Generator(device=DEVICE).manual_seed(0))
+    x, out = inp["x"], {}
+    shipped = t.NORM_ROWS, t.NORM_WARPS
+    for form, kw in inp["forms"].items():
+        want = t.residual_norm_quant(x, **kw)
+        rows = {}
+        try:
+            for r, w in NORM_GRID:
+                t.NORM_ROWS, t.NORM_WARPS = r, w
+                got = t.residual_norm_quant(x, **kw)
+                ms = bench_ms(lambda: t.residual_norm_quant(x, **kw))  # noqa: B023
+                rows[f"rows{r}_warps{w or 'auto'}"] = {
+                    "ms": ms, "tb_s": norm_bytes(kw) / (ms * 1e-3) / 1e12,
+                    "x_equal": _same(got[0], want[0]), "y_equal": _same(got[1], want[1])}
+        finally:
+            t.NORM_ROWS, t.NORM_WARPS = shipped
+        if prev is not None:
+            got = prev.residual_norm_quant(x, **kw)
+            ms = bench_ms(lambda: prev.residual_norm_quant(x, **kw))  # noqa: B023
+            rows["prev"] = {"ms": ms, "tb_s": norm_bytes(kw) / (ms * 1e-3) / 1e12,
+                            "x_equal": _same(got[0], want[0]), "y_equal": _same(got[1], want[1])}
+        out[form] = {"bytes": norm_bytes(kw), "by_setting": rows}
+    out["shipped"] = {"rows": shipped[0], "warps": shipped[1]}
+    return out
+
+
+def kernel_us(fn, iters: int = 20) -> dict:
+    """Each CUDA kernel's mean time in us over ``iters`` calls of ``fn`` (the profiler's device times)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    return {ev.key[:60]: round(ev.device_time_total / iters, 2) for ev in prof.key_averages()
+            if ev.device_time_total > 0}
+
+
+def _compare(got, want) -> dict:
+    q8, qs, k8, ks, vt8, vs = got
+    wq8, wqs, wk8, wks, wvt8, wvs = want
+    return {"q8_equal": _same(q8, wq8), "q8_max_step": (q8.int() - wq8.int()).abs().max().item(),
+            "qs_equal": torch.equal(qs, wqs), "vt8_equal": torch.equal(_u8(vt8), _u8(wvt8)),
+            "vs_equal": torch.equal(vs, wvs), "k8_equal": _same(k8, wk8),
+            "k8_max_step": (k8.int() - wk8.int()).abs().max().item(),
+            "ks_max_rel": ((ks - wks).abs() / wks).max().item()}
+
+
+def qkv_part(t, prev) -> dict:
+    qkv, wq, wk, cs, sn = example_qkv(1, S, H, D, device=DEVICE)
+    rstd = t.rms_stats(qkv)
+
+    def call(m=t):
+        return m.qkv_rmsnorm_rope(qkv, wq, wk, cs, sn, H, fp8=True, rstd=rstd)
+
+    want = call()
+    shipped = dict(t.EPILOGUE_SUBTILES), dict(t.EPILOGUE_WARPS)
+    rows = {}
+    try:
+        for ps, pw, ks, kw in QKV_GRID:
+            t.EPILOGUE_SUBTILES.update(post=ps, kv=ks)
+            t.EPILOGUE_WARPS.update(post=pw, kv=kw)
+            rows[f"post_sub{ps}_w{pw}_kv_sub{ks}_w{kw}"] = {"ms": bench_ms(call), "kernels_us": kernel_us(call),
+                                                            **_compare(call(), want)}
+    finally:
+        t.EPILOGUE_SUBTILES.update(shipped[0])
+        t.EPILOGUE_WARPS.update(shipped[1])
+    if prev is not None:
+        got = call(prev)
+        rows["prev"] = {"ms": bench_ms(lambda: call(prev)), "kernels_us": kernel_us(lambda: call(prev)),
+                        **_compare(got, want)}
+    moved = {"tile_pass": S * 3 * C * 2 + S * C, "kv_pass": S * 2 * C * 2 + S * C * 2}  # bytes read + written
+    return {"bytes": moved, "shipped": {"subtiles": shipped[0], "warps": shipped[1]}, "by_setting": rows,
+            "rms_ms": bench_ms(lambda: t.rms_stats(qkv))}
+
+
+def best_settings(res: dict) -> dict:
+    """The fastest setting of each part (norm: the least time over its three forms), as
+    ``fp8_bench.py --kernel-settings`` takes them."""
+    out = {}
+    if "norm" in res:
+        forms = [v["by_setting"] for k, v in res["norm"].items() if k != "shipped"]
+        names = [n for n in forms[0] if n != "prev"]
+        name = min(names, key=lambda n: sum(f[n]["ms"] for f in forms))
+        rows, warps = name.removeprefix("rows").split("_warps")
+        out |= {"NORM_ROWS": int(rows), "NORM_WARPS": None if warps == "auto" else int(warps)}
+    if "qkv" in res:
+        rows = {n: v for n, v in res["qkv"]["by_setting"].items() if n != "prev"}
+        ps, pw, ks, kw = QKV_GRID[list(rows).index(min(rows, key=lambda n: rows[n]["ms"]))]
+        out |= {"EPILOGUE_SUBTILES": {"post": ps, "kv": ks}, "EPILOGUE_WARPS": {"post": pw, "kv": kw}}
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--parts", default="norm,qkv")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    from trt_sora.kernels import triton_ops as t
+
+    prev = _prev()
+    res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "shape": [1, S, C, H, D],
+           "prev": prev is not None, "script": "benchmarks/epilogue_bench.py"}
+    import triton
+    res["triton"] = triton.__version__
+    parts = {"norm": norm_part, "qkv": qkv_part}
+    for name in args.parts.split(","):
+        res[name] = parts[name](t, prev)
+        res["best"] = best_settings(res)
+        Path(args.out).write_text(json.dumps(res, indent=1))
+        print(name, "done", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
