@@ -2,11 +2,13 @@
 of 128), one setting at a time: the time, the DRAM rate it implies, and its outputs against the shipped setting's.
 
 * ``norm``: ``residual_norm_quant`` in the three forms a Wan block calls it (AdaLN modulation before self-attention;
-  gated residual + LayerNorm affine before cross-attention; residual + modulation before the FFN), by rows a
-  program (``NORM_ROWS``) and warps (``NORM_WARPS``).
+  gated residual + LayerNorm affine before cross-attention; residual + modulation before the FFN), by the most warps
+  a row's program takes (``NORM_MAX_WARPS``).
 * ``qkv``: the fused-QKV epilogue after the RMS statistics (the tile pass, the K mean / V scale reductions and the
-  K/V pass), by token sub-tiles (``EPILOGUE_SUBTILES``) and warps of the two passes, with each
-  kernel's own time from the profiler.
+  K/V pass), by the two passes' warps (``EPILOGUE_WARPS``), with each kernel's own time from the profiler.
+
+results/h100_epilogue_settings_2026-12-07.json came from this file at f0f2c89, whose grid also had rows a norm
+program and token sub-tiles of the epilogue's passes (both slower at every value; removed).
 
 With ``benchmarks/_prev_triton_ops.py`` beside it (``git show REV:trt_sora/kernels/triton_ops.py >
 benchmarks/_prev_triton_ops.py``), that commit's kernels run on the same inputs in the same process.
@@ -28,10 +30,8 @@ from trt_sora.kernels.reference import example_qkv  # noqa: E402
 
 S, C, H, D = 32760, 5120, 40, 128
 DEVICE = "cuda"
-NORM_GRID = [(1, None), (1, 8), (2, 8), (2, 16), (4, 16), (8, 16)]  # (rows a program, warps; None: by width)
-#: (the tile pass's sub-tiles, its warps, the K/V pass's sub-tiles, its warps)
-QKV_GRID = [(1, 8, 1, 8), (1, 16, 1, 16), (2, 8, 1, 8), (2, 16, 1, 8), (4, 8, 1, 8), (4, 4, 1, 8), (4, 8, 2, 8),
-            (4, 8, 4, 8), (4, 8, 2, 16), (2, 8, 2, 8), (4, 4, 4, 4)]
+NORM_GRID = (16, 8, 4)  # the most warps of a row's program
+QKV_GRID = ((8, 8), (16, 16), (4, 8), (8, 16), (4, 4))  # (the tile pass's warps, the K/V pass's)
 
 
 def _prev():
@@ -74,27 +74,26 @@ def _same(a, b) -> float:
 def norm_part(t, prev) -> dict:
     inp = norm_inputs(torch.Generator(device=DEVICE).manual_seed(0))
     x, out = inp["x"], {}
-    shipped = t.NORM_ROWS, t.NORM_WARPS
+    shipped = t.NORM_MAX_WARPS
     for form, kw in inp["forms"].items():
         want = t.residual_norm_quant(x, **kw)
         rows = {}
         try:
-            for r, w in NORM_GRID:
-                t.NORM_ROWS, t.NORM_WARPS = r, w
+            for w in NORM_GRID:
+                t.NORM_MAX_WARPS = w
                 got = t.residual_norm_quant(x, **kw)
                 ms = bench_ms(lambda: t.residual_norm_quant(x, **kw))  # noqa: B023
-                rows[f"rows{r}_warps{w or 'auto'}"] = {
-                    "ms": ms, "tb_s": norm_bytes(kw) / (ms * 1e-3) / 1e12,
-                    "x_equal": _same(got[0], want[0]), "y_equal": _same(got[1], want[1])}
+                rows[f"warps{w}"] = {"ms": ms, "tb_s": norm_bytes(kw) / (ms * 1e-3) / 1e12,
+                                     "x_equal": _same(got[0], want[0]), "y_equal": _same(got[1], want[1])}
         finally:
-            t.NORM_ROWS, t.NORM_WARPS = shipped
+            t.NORM_MAX_WARPS = shipped
         if prev is not None:
             got = prev.residual_norm_quant(x, **kw)
             ms = bench_ms(lambda: prev.residual_norm_quant(x, **kw))  # noqa: B023
             rows["prev"] = {"ms": ms, "tb_s": norm_bytes(kw) / (ms * 1e-3) / 1e12,
                             "x_equal": _same(got[0], want[0]), "y_equal": _same(got[1], want[1])}
         out[form] = {"bytes": norm_bytes(kw), "by_setting": rows}
-    out["shipped"] = {"rows": shipped[0], "warps": shipped[1]}
+    out["shipped"] = {"max_warps": shipped}
     return out
 
 
@@ -130,23 +129,20 @@ def qkv_part(t, prev) -> dict:
         return m.qkv_rmsnorm_rope(qkv, wq, wk, cs, sn, H, fp8=True, rstd=rstd)
 
     want = call()
-    shipped = dict(t.EPILOGUE_SUBTILES), dict(t.EPILOGUE_WARPS)
+    shipped = dict(t.EPILOGUE_WARPS)
     rows = {}
     try:
-        for ps, pw, ks, kw in QKV_GRID:
-            t.EPILOGUE_SUBTILES.update(post=ps, kv=ks)
+        for pw, kw in QKV_GRID:
             t.EPILOGUE_WARPS.update(post=pw, kv=kw)
-            rows[f"post_sub{ps}_w{pw}_kv_sub{ks}_w{kw}"] = {"ms": bench_ms(call), "kernels_us": kernel_us(call),
-                                                            **_compare(call(), want)}
+            rows[f"post{pw}_kv{kw}"] = {"ms": bench_ms(call), "kernels_us": kernel_us(call), **_compare(call(), want)}
     finally:
-        t.EPILOGUE_SUBTILES.update(shipped[0])
-        t.EPILOGUE_WARPS.update(shipped[1])
+        t.EPILOGUE_WARPS.update(shipped)
     if prev is not None:
         got = call(prev)
         rows["prev"] = {"ms": bench_ms(lambda: call(prev)), "kernels_us": kernel_us(lambda: call(prev)),
                         **_compare(got, want)}
     moved = {"tile_pass": S * 3 * C * 2 + S * C, "kv_pass": S * 2 * C * 2 + S * C * 2}  # bytes read + written
-    return {"bytes": moved, "shipped": {"subtiles": shipped[0], "warps": shipped[1]}, "by_setting": rows,
+    return {"bytes": moved, "shipped": shipped, "by_setting": rows,
             "rms_ms": bench_ms(lambda: t.rms_stats(qkv))}
 
 
@@ -156,14 +152,11 @@ def best_settings(res: dict) -> dict:
     out = {}
     if "norm" in res:
         forms = [v["by_setting"] for k, v in res["norm"].items() if k != "shipped"]
-        names = [n for n in forms[0] if n != "prev"]
-        name = min(names, key=lambda n: sum(f[n]["ms"] for f in forms))
-        rows, warps = name.removeprefix("rows").split("_warps")
-        out |= {"NORM_ROWS": int(rows), "NORM_WARPS": None if warps == "auto" else int(warps)}
+        out["NORM_MAX_WARPS"] = min(NORM_GRID, key=lambda w: sum(f[f"warps{w}"]["ms"] for f in forms))
     if "qkv" in res:
-        rows = {n: v for n, v in res["qkv"]["by_setting"].items() if n != "prev"}
-        ps, pw, ks, kw = QKV_GRID[list(rows).index(min(rows, key=lambda n: rows[n]["ms"]))]
-        out |= {"EPILOGUE_SUBTILES": {"post": ps, "kv": ks}, "EPILOGUE_WARPS": {"post": pw, "kv": kw}}
+        rows = res["qkv"]["by_setting"]
+        pw, kw = min(QKV_GRID, key=lambda g: rows[f"post{g[0]}_kv{g[1]}"]["ms"])
+        out["EPILOGUE_WARPS"] = {"post": pw, "kv": kw}
     return out
 
 

@@ -803,7 +803,7 @@ def set_cute_schedule(text: str) -> dict:
 
 
 #: The torch-fp8 Triton kernels' launch settings ``--kernel-settings`` may set (trt_sora.kernels.triton_ops).
-KERNEL_SETTINGS = ("NORM_ROWS", "NORM_WARPS", "EPILOGUE_SUBTILES", "EPILOGUE_WARPS")
+KERNEL_SETTINGS = ("NORM_MAX_WARPS", "EPILOGUE_WARPS")
 
 
 def set_kernel_settings(path: str) -> dict:
@@ -851,8 +851,8 @@ def main(argv=None) -> None:
                     help="the _cute rungs' CuTe kernel schedule, e.g. overlap=0,lookahead=1,lazy_rescale=1 "
                          "(trt_sora.kernels.cute_attention.SCHEDULE's keys; 0/1 or a stage count)")
     ap.add_argument("--kernel-settings", default=None,
-                    help="a JSON file of triton_ops launch settings (NORM_ROWS, NORM_WARPS, EPILOGUE_SUBTILES, "
-                         "EPILOGUE_WARPS; or epilogue_bench.py's output, its best ones) for every kernel of this run")
+                    help="a JSON file of triton_ops launch settings (NORM_MAX_WARPS, EPILOGUE_WARPS; or "
+                         "epilogue_bench.py's output, its best ones) for every kernel of this run")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     if a.cute_schedule:

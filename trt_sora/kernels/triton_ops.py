@@ -27,9 +27,6 @@ ATTN_BLOCK_N = (128, 256)
 EPILOGUE_WARPS = {"rms": 4, "post": 8, "kv": 8}
 #: The epilogue's tile passes launch the heads of one token block together (see :func:`_token_tile`).
 EPILOGUE_HEADS_FAST = True
-#: Token sub-tiles of the 8-bit tile pass and K/V pass: a block's scale (Q's, K's) is taken one sub-tile at a
-#: time and the sub-tiles are computed again to be quantized, so that fewer registers hold a tile.
-EPILOGUE_SUBTILES = {"post": 1, "kv": 1}
 
 __all__ = ["SCALE_BLOCK", "abs_scaled", "attention_fp8", "attention_kernel", "gated_add", "gelu_quant",
            "heads_to_tokens", "kv_descriptors", "qkv_rmsnorm_rope", "quantize", "residual_norm_quant", "rms_stats"]
@@ -63,42 +60,35 @@ def _vec_strides(*vecs) -> tuple[int, int]:
     return strides.pop() if strides else (0, 0)
 
 
-#: Rows of one ``residual_norm_quant`` program (all of one sample) and its warps (None: by the row's width).
-#: Several rows a program load the per-sample AdaLN vectors once for all of them (per-token vectors: one row).
-NORM_ROWS = 1
-NORM_WARPS = None
+#: Most warps of a ``residual_norm_quant`` program (one row): 8, not 16, at 5,120 channels (Wan 14B) measured
+#: faster, the row held as a [1, C] tile (benchmarks/epilogue_bench.py, README "epilogue settings").
+NORM_MAX_WARPS = 8
 
 
 @triton.jit
 def _res_norm_quant_kernel(X, R, G, W, BI, MS, MH, XO, Y, SC, S, C, eps, VB, VS,
                            HAS_R: tl.constexpr, HAS_G: tl.constexpr, HAS_W: tl.constexpr, HAS_MOD: tl.constexpr,
-                           QUANT: tl.constexpr, PER_TOKEN: tl.constexpr, ROWS: tl.constexpr, BLOCK_C: tl.constexpr):
-    b = tl.program_id(1).to(tl.int64)
-    t = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    cols = tl.arange(0, BLOCK_C)
-    cm = cols < C
-    m = (t < S)[:, None] & cm[None, :]
-    offs = (b * S + t)[:, None] * C + cols[None, :]
-    if PER_TOKEN:  # the AdaLN vectors: per token [ROWS, BLOCK_C], or one row of this sample [1, BLOCK_C]
-        vec, vm = (b * VB + t.to(tl.int64) * VS)[:, None] + cols[None, :], m
-    else:
-        vec, vm = b * VB + cols[None, :], cm[None, :]
+                           QUANT: tl.constexpr, BLOCK_C: tl.constexpr):
+    t, b = tl.program_id(0), tl.program_id(1).to(tl.int64)  # token t of sample b
+    cols = tl.arange(0, BLOCK_C)[None, :]  # the row as a [1, BLOCK_C] tile: its vectors load in its own layout
+    m = cols < C
+    offs = (b * S + t) * C + cols
+    vec = b * VB + t * VS + cols  # this row's AdaLN vectors: per sample (VS = 0) or per token
     x = tl.load(X + offs, mask=m, other=0.0).to(tl.float32)
     if HAS_R:
         r = tl.load(R + offs, mask=m, other=0.0).to(tl.float32)
         if HAS_G:
-            r = r * tl.load(G + vec, mask=vm, other=0.0)
+            r = r * tl.load(G + vec, mask=m, other=0.0)
         xb = (x + r).to(tl.bfloat16)
         tl.store(XO + offs, xb, mask=m)
         x = xb.to(tl.float32)
     mean = tl.sum(x, 1) / C
-    d = tl.where(cm[None, :], x - mean[:, None], 0.0)
+    d = tl.where(m, x - mean[:, None], 0.0)
     y = d * tl.rsqrt(tl.sum(d * d, 1) / C + eps)[:, None]
     if HAS_W:
-        y = y * tl.load(W + cols[None, :], mask=cm[None, :], other=0.0) + tl.load(BI + cols[None, :], mask=cm[None, :],
-                                                                                 other=0.0)
+        y = y * tl.load(W + cols, mask=m, other=0.0) + tl.load(BI + cols, mask=m, other=0.0)
     if HAS_MOD:
-        y = y * (1.0 + tl.load(MS + vec, mask=vm, other=0.0)) + tl.load(MH + vec, mask=vm, other=0.0)
+        y = y * (1.0 + tl.load(MS + vec, mask=m, other=0.0)) + tl.load(MH + vec, mask=m, other=0.0)
     yb = y.to(tl.bfloat16)
     if QUANT:
         tl.store(Y + offs, _q8(yb.to(tl.float32), tl.load(SC)), mask=m)
@@ -115,15 +105,13 @@ def residual_norm_quant(x, *, branch=None, gate=None, weight=None, bias=None, mo
     dummy = x
     vb, vs = _vec_strides(gate, mod_scale, mod_shift)
     block_c = triton.next_power_of_2(c)
-    warps = NORM_WARPS or min(16, max(4, block_c // 512))
-    rows = NORM_ROWS if vs == 0 else 1  # per-token vectors (TI2V): no row shares them
-    _res_norm_quant_kernel[(triton.cdiv(s, rows), b)](
+    _res_norm_quant_kernel[(s, b)](
         x, branch if branch is not None else dummy, gate if gate is not None else dummy,
         weight if weight is not None else dummy, bias if bias is not None else dummy,
         mod_scale if mod_scale is not None else dummy, mod_shift if mod_shift is not None else dummy,
         xo, y, act_scale if act_scale is not None else dummy, s, c, eps, vb, vs,
         HAS_R=branch is not None, HAS_G=gate is not None, HAS_W=weight is not None, HAS_MOD=mod_scale is not None,
-        QUANT=act_scale is not None, PER_TOKEN=vs != 0, ROWS=rows, BLOCK_C=block_c, num_warps=warps)
+        QUANT=act_scale is not None, BLOCK_C=block_c, num_warps=min(NORM_MAX_WARPS, max(4, block_c // 512)))
     return xo, y
 
 
@@ -265,13 +253,6 @@ def _amax(a):
 
 
 @triton.jit
-def _sub_rows(S, b, t0, SB: tl.constexpr):
-    """``SB`` tokens from ``t0`` of sample ``b``: ``(tokens, which of them are < S, their rows as int64)``."""
-    t = t0 + tl.arange(0, SB)
-    return t, t < S, (b * S + t).to(tl.int64)
-
-
-@triton.jit
 def _rope_tile(CS, pos, rm, D: tl.constexpr, BLOCK_S: tl.constexpr, ROPE: tl.constexpr):
     """``(cos of the even lanes, sin of the odd lanes)`` [BLOCK_S, D // 2] at token positions ``pos``, from the
     compact table ``CS`` [S, D // 2, 2] (:func:`_rope_table`): one [BLOCK_S, D] fp32 load per tile, shared by
@@ -306,68 +287,30 @@ def _norm_rope_tile(QKV, RSTD, W, ce, so, row64, rm, col0, h, which: tl.constexp
 
 
 @triton.jit
-def _post_stats(QKV, RSTD, WQ, WK, CS, S, b, h, t0, klen, C, D: tl.constexpr, SB: tl.constexpr,
-                ROPE: tl.constexpr):
-    """The 8-bit tile pass on ``SB`` tokens from ``t0``: ``(Q normalized + roped, its amax, K's channel sums, V's
-    channel amax, the tokens, which are < S)``, only tokens before ``klen`` in the amaxes and sums."""
-    t, rm, rows = _sub_rows(S, b, t0, SB)
-    d = tl.arange(0, D)
-    ce, so = _rope_tile(CS, t.to(tl.int64), rm, D, SB, ROPE)
-    q = _norm_rope_tile(QKV, RSTD, WQ, ce, so, rows, rm, 0, h, 0, C, D, SB, ROPE)
-    k = _norm_rope_tile(QKV, RSTD, WK, ce, so, rows, rm, C, h, 1, C, D, SB, ROPE)
-    v = tl.load(QKV + rows[:, None] * (3 * C) + 2 * C + h * D + d[None, :], mask=rm[:, None], other=0.0)
-    km = (t < klen)[:, None]
-    return (q, _amax(tl.where(km, tl.abs(q), 0.0)), tl.sum(tl.where(km, k, 0.0), 0),
-            tl.max(tl.where(km, tl.abs(v.to(tl.float32)), 0.0), 0), t, rm)
-
-
-@triton.jit
 def _qkv_post_kernel(QKV, RSTD, WQ, WK, CS, QO, KO, VO, QS, KSUM, VMAX, S, H, nblk, KLEN,
                      D: tl.constexpr, BLOCK_S: tl.constexpr, ROPE: tl.constexpr, Q8_OUT: tl.constexpr,
-                     HEADS_FAST: tl.constexpr, KEYS: tl.constexpr, SUB: tl.constexpr):
+                     HEADS_FAST: tl.constexpr, KEYS: tl.constexpr):
     """Per (token block, batch x head): Q normalized + roped (INT8 per block, or bf16), K the same
     (bf16 path) or its partial per-channel sums (8-bit path: K is quantized once its mean is known),
     V copied (bf16 path) or its partial per-channel amax. KEYS: only tokens before ``KLEN[b]`` count
-    in the Q scale, K sums and V amax (8-bit path). SUB (8-bit path): the block in SUB sub-tiles of
-    tokens, Q normalized and rotated once for its scale and again to be quantized (see
-    :data:`EPILOGUE_SUBTILES`)."""
+    in the Q scale, K sums and V amax (8-bit path)."""
     pid_s, bh, b, h, t, rm, row64 = _token_tile(S, H, BLOCK_S, HEADS_FAST)
     C = H * D
     d = tl.arange(0, D)
+    out = (bh.to(tl.int64) * S + t)[:, None] * D + d[None, :]
+    ce, so = _rope_tile(CS, t.to(tl.int64), rm, D, BLOCK_S, ROPE)
+    q = _norm_rope_tile(QKV, RSTD, WQ, ce, so, row64, rm, 0, h, 0, C, D, BLOCK_S, ROPE)
+    k = _norm_rope_tile(QKV, RSTD, WK, ce, so, row64, rm, C, h, 1, C, D, BLOCK_S, ROPE)
+    v = tl.load(QKV + row64[:, None] * (3 * C) + 2 * C + h * D + d[None, :], mask=rm[:, None], other=0.0)
     if Q8_OUT:
-        SB: tl.constexpr = BLOCK_S // SUB
-        t0 = pid_s * BLOCK_S
-        klen = tl.load(KLEN + b) if KEYS else S  # padding past the key length: in no scale or sum
-        if SUB == 1:
-            q, qa, ks, va, t, rm = _post_stats(QKV, RSTD, WQ, WK, CS, S, b, h, t0, klen, C, D, SB, ROPE)
-        else:
-            qa = 0.0
-            ks = tl.zeros([D], tl.float32)
-            va = tl.zeros([D], tl.float32)
-            for i in range(SUB):
-                _, qa_i, ks_i, va_i, _, _ = _post_stats(QKV, RSTD, WQ, WK, CS, S, b, h, t0 + i * SB, klen, C, D, SB,
-                                                        ROPE)
-                qa, ks, va = tl.maximum(qa, qa_i), ks + ks_i, tl.maximum(va, va_i)
-        s = _i8_scale(qa)
+        km = (t < (tl.load(KLEN + b) if KEYS else S))[:, None]  # padding past the key length: in no scale or sum
+        s = _i8_scale(_amax(tl.where(km, tl.abs(q), 0.0)))
+        tl.store(QO + out, _qi8(q, 1.0 / s), mask=rm[:, None])
         tl.store(QS + bh * nblk + pid_s, s)
         part = (bh * nblk + pid_s).to(tl.int64) * D + d
-        tl.store(KSUM + part, ks)
-        tl.store(VMAX + part, va)
-        inv = 1.0 / s
-        if SUB == 1:
-            tl.store(QO + (bh.to(tl.int64) * S + t)[:, None] * D + d[None, :], _qi8(q, inv), mask=rm[:, None])
-        else:
-            for i in range(SUB):
-                ts, ms, rows = _sub_rows(S, b, t0 + i * SB, SB)
-                ce, so = _rope_tile(CS, ts.to(tl.int64), ms, D, SB, ROPE)
-                q = _norm_rope_tile(QKV, RSTD, WQ, ce, so, rows, ms, 0, h, 0, C, D, SB, ROPE)
-                tl.store(QO + (bh.to(tl.int64) * S + ts)[:, None] * D + d[None, :], _qi8(q, inv), mask=ms[:, None])
+        tl.store(KSUM + part, tl.sum(tl.where(km, k, 0.0), 0))
+        tl.store(VMAX + part, tl.max(tl.where(km, tl.abs(v.to(tl.float32)), 0.0), 0))
     else:
-        out = (bh.to(tl.int64) * S + t)[:, None] * D + d[None, :]
-        ce, so = _rope_tile(CS, t.to(tl.int64), rm, D, BLOCK_S, ROPE)
-        q = _norm_rope_tile(QKV, RSTD, WQ, ce, so, row64, rm, 0, h, 0, C, D, BLOCK_S, ROPE)
-        k = _norm_rope_tile(QKV, RSTD, WK, ce, so, row64, rm, C, h, 1, C, D, BLOCK_S, ROPE)
-        v = tl.load(QKV + row64[:, None] * (3 * C) + 2 * C + h * D + d[None, :], mask=rm[:, None], other=0.0)
         tl.store(QO + out, q.to(tl.bfloat16), mask=rm[:, None])
         tl.store(KO + out, k.to(tl.bfloat16), mask=rm[:, None])
         tl.store(VO + out, v, mask=rm[:, None])
@@ -384,51 +327,24 @@ def _vt_order(x):
 
 
 @triton.jit
-def _centered_k(QKV, RSTD, WK, CS, KMEAN, S, b, bh, h, t0, klen, C, D: tl.constexpr, SB: tl.constexpr,
-                ROPE: tl.constexpr):
-    """K on ``SB`` tokens from ``t0``, normalized and roped, minus its channel mean, zeros from ``klen`` on:
-    ``(k, the tokens, which are < S)``."""
-    t, rm, rows = _sub_rows(S, b, t0, SB)
-    ce, so = _rope_tile(CS, t.to(tl.int64), rm, D, SB, ROPE)
-    k = _norm_rope_tile(QKV, RSTD, WK, ce, so, rows, rm, C, h, 1, C, D, SB, ROPE)
-    k = tl.where((t < klen)[:, None], k - tl.load(KMEAN + bh * D + tl.arange(0, D))[None, :], 0.0)
-    return k, t, rm
-
-
-@triton.jit
 def _kv_quant_kernel(QKV, RSTD, WK, CS, KMEAN, K8, KS, VS, VT8, S, S_pad, H, nblk, KLEN, D: tl.constexpr,
-                     BLOCK_S: tl.constexpr, ROPE: tl.constexpr, HEADS_FAST: tl.constexpr, KEYS: tl.constexpr,
-                     SUB: tl.constexpr):
+                     BLOCK_S: tl.constexpr, ROPE: tl.constexpr, HEADS_FAST: tl.constexpr, KEYS: tl.constexpr):
     """K (recomputed from ``qkv``: cheaper than a bf16 round trip) minus its mean -> INT8 per block;
     V -> FP8 per channel, stored transposed [D, S_pad] in the P V product's key order, padding zeros
-    (KEYS: zeros from ``KLEN[b]`` on, K and V alike). SUB: the block in SUB token sub-tiles, K centered once
-    for its scale and again to be quantized (:data:`EPILOGUE_SUBTILES`)."""
+    (KEYS: zeros from ``KLEN[b]`` on, K and V alike)."""
     pid_s, bh, b, h, t, rm, row64 = _token_tile(S, H, BLOCK_S, HEADS_FAST)
     C = H * D
     d = tl.arange(0, D)
-    SB: tl.constexpr = BLOCK_S // SUB
-    t0 = pid_s * BLOCK_S
-    klen = tl.load(KLEN + b) if KEYS else S
-    if SUB == 1:
-        k, t, rm = _centered_k(QKV, RSTD, WK, CS, KMEAN, S, b, bh, h, t0, klen, C, D, SB, ROPE)
-        s = _i8_scale(_amax(tl.abs(k)))
-        tl.store(K8 + (bh.to(tl.int64) * S + t)[:, None] * D + d[None, :], _qi8(k, 1.0 / s), mask=rm[:, None])
-    else:
-        ka = 0.0
-        for i in range(SUB):
-            k, _, _ = _centered_k(QKV, RSTD, WK, CS, KMEAN, S, b, bh, h, t0 + i * SB, klen, C, D, SB, ROPE)
-            ka = tl.maximum(ka, _amax(tl.abs(k)))
-        s = _i8_scale(ka)
-        for i in range(SUB):
-            k, ts, ms = _centered_k(QKV, RSTD, WK, CS, KMEAN, S, b, bh, h, t0 + i * SB, klen, C, D, SB, ROPE)
-            tl.store(K8 + (bh.to(tl.int64) * S + ts)[:, None] * D + d[None, :], _qi8(k, 1.0 / s), mask=ms[:, None])
+    ce, so = _rope_tile(CS, t.to(tl.int64), rm, D, BLOCK_S, ROPE)
+    k = _norm_rope_tile(QKV, RSTD, WK, ce, so, row64, rm, C, h, 1, C, D, BLOCK_S, ROPE)
+    km = t < (tl.load(KLEN + b) if KEYS else S)
+    k = tl.where(km[:, None], k - tl.load(KMEAN + bh * D + d)[None, :], 0.0)
+    s = _i8_scale(_amax(tl.abs(k)))
+    tl.store(K8 + (bh.to(tl.int64) * S + t)[:, None] * D + d[None, :], _qi8(k, 1.0 / s), mask=rm[:, None])
     tl.store(KS + bh * nblk + pid_s, s)
-    vs = tl.load(VS + bh * D + d)[None, :]
-    for i in tl.static_range(SUB):
-        ts, _, rows = _sub_rows(S, b, t0 + i * SB, SB)
-        v = tl.load(QKV + rows[:, None] * (3 * C) + 2 * C + h * D + d[None, :], mask=(ts < klen)[:, None], other=0.0)
-        v8 = _q8(v.to(tl.float32), vs)  # zeros past S: the padding is read
-        tl.store(VT8 + bh.to(tl.int64) * D * S_pad + d[:, None] * S_pad + ts[None, :], _vt_order(tl.trans(v8)))
+    v = tl.load(QKV + row64[:, None] * (3 * C) + 2 * C + h * D + d[None, :], mask=km[:, None], other=0.0)
+    v8 = _q8(v.to(tl.float32), tl.load(VS + bh * D + d)[None, :])  # zeros past S: the padding is read
+    tl.store(VT8 + bh.to(tl.int64) * D * S_pad + d[:, None] * S_pad + t[None, :], _vt_order(tl.trans(v8)))
 
 
 def _rope_table(cos, sin):
@@ -479,8 +395,7 @@ def qkv_rmsnorm_rope(qkv, wq, wk, cos, sin, heads: int, eps: float = 1e-6, *, fp
     if not fp8:
         q, k, v = (torch.empty((b, heads, s, d), device=dev, dtype=torch.bfloat16) for _ in range(3))
         _qkv_post_kernel[grid](qkv, rstd, wq, wk, cs, q, k, v, rstd, rstd, rstd, s, heads, nblk, rstd, D=d,
-                               BLOCK_S=SCALE_BLOCK, ROPE=rope, Q8_OUT=False, HEADS_FAST=hf, KEYS=False, SUB=1,
-                               num_warps=pw)
+                               BLOCK_S=SCALE_BLOCK, ROPE=rope, Q8_OUT=False, HEADS_FAST=hf, KEYS=False, num_warps=pw)
         return q, k, v
     q8 = torch.empty((b, heads, s, d), device=dev, dtype=torch.int8)
     qs = torch.empty((b, heads, nblk), device=dev, dtype=torch.float32)
@@ -489,8 +404,7 @@ def qkv_rmsnorm_rope(qkv, wq, wk, cos, sin, heads: int, eps: float = 1e-6, *, fp
     keys = key_len is not None
     klen = key_len if keys else qs  # unread without key lengths
     _qkv_post_kernel[grid](qkv, rstd, wq, wk, cs, q8, q8, q8, qs, ksum, vmax, s, heads, nblk, klen, D=d,
-                           BLOCK_S=SCALE_BLOCK, ROPE=rope, Q8_OUT=True, HEADS_FAST=hf, KEYS=keys,
-                           SUB=EPILOGUE_SUBTILES["post"], num_warps=pw)
+                           BLOCK_S=SCALE_BLOCK, ROPE=rope, Q8_OUT=True, HEADS_FAST=hf, KEYS=keys, num_warps=pw)
     # deterministic two-stage reduction (no atomics)
     k_mean = ksum.sum(dim=2) / (key_len.float()[:, None, None] if keys else s)
     v_scale = vmax.amax(dim=2) / FP8_MAX
@@ -500,8 +414,7 @@ def qkv_rmsnorm_rope(qkv, wq, wk, cos, sin, heads: int, eps: float = 1e-6, *, fp
     ks = torch.empty((b, heads, nblk), device=dev, dtype=torch.float32)
     vt8 = torch.empty((b, heads, d, s_pad), device=dev, dtype=FP8)
     _kv_quant_kernel[grid](qkv, rstd, wk, cs, k_mean, k8, ks, v_scale, vt8, s, s_pad, heads, nblk, klen, D=d,
-                           BLOCK_S=SCALE_BLOCK, ROPE=rope, HEADS_FAST=hf, KEYS=keys, SUB=EPILOGUE_SUBTILES["kv"],
-                           num_warps=EPILOGUE_WARPS["kv"])
+                           BLOCK_S=SCALE_BLOCK, ROPE=rope, HEADS_FAST=hf, KEYS=keys, num_warps=EPILOGUE_WARPS["kv"])
     return q8, qs, k8, ks, vt8, v_scale
 
 
