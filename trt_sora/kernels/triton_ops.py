@@ -61,7 +61,7 @@ def _vec_strides(*vecs) -> tuple[int, int]:
 
 
 #: Most warps of a ``residual_norm_quant`` program (one row): 8, not 16, at 5,120 channels (Wan 14B) measured
-#: faster, the row held as a [1, C] tile (benchmarks/epilogue_bench.py, README "epilogue settings").
+#: faster, the row held as a [1, C] tile (benchmarks/epilogue_bench.py; benchmarks/README.md, session 25).
 NORM_MAX_WARPS = 8
 
 
