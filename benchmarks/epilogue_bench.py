@@ -168,10 +168,12 @@ def main() -> int:
     from trt_sora.kernels import triton_ops as t
 
     prev = _prev()
-    res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "shape": [1, S, C, H, D],
-           "prev": prev is not None, "script": "benchmarks/epilogue_bench.py"}
     import triton
-    res["triton"] = triton.__version__
+    from triton.backends.nvidia.compiler import get_ptxas_version
+
+    res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+           "ptxas": get_ptxas_version().strip().splitlines()[-1], "shape": [1, S, C, H, D], "prev": prev is not None,
+           "script": "benchmarks/epilogue_bench.py"}
     parts = {"norm": norm_part, "qkv": qkv_part}
     for name in args.parts.split(","):
         res[name] = parts[name](t, prev)
