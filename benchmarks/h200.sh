@@ -42,7 +42,7 @@
 # schedule; KERNEL_SETTINGS: a JSON of the Triton kernels' launch settings, e.g. the epi part's output, its best
 # ones; needs diffusers' wheel), cute_tests (the CuTe kernel's GPU tests, the DSL on the path; pytest from the
 # WHL carry: build/pyt holds pytest, pluggy, iniconfig and diffusers, 6.5 MB beside the DSL's 40 MB piece),
-# epi (the memory-bound kernels of the 14B call at its size (PTXAS13=1: through ptxas 13.5): residual_norm_quant and the fused-QKV epilogue by
+# epi (the memory-bound kernels of the 14B call at its size: residual_norm_quant and the fused-QKV epilogue by
 # warps, each kernel's time and its outputs vs the shipped setting's;
 # benchmarks/_prev_triton_ops.py beside it: that commit's kernels too; benchmarks/epilogue_bench.py),
 # hist (one batch's |x| histogram several ways; HIST_ARGS=--only-cuda: the torch path and the NVRTC kernel),
@@ -93,15 +93,6 @@ WHEELS=$(for w in $WHL; do [ -d "$w" ] && ls "$w"/*.whl; done)
 if [ -n "$WHEELS" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $WHEELS \
     && export PYTHONPATH=/tmp/site:$PWD || { echo "wheel install failed"; exit 1; }
-fi
-# PTXAS13=1: Triton's kernels through ptxas 13.5 (build/ptxas13/ptxas.xz, from the nvidia-cuda-nvcc 13.5 wheel,
-# unpacked once to /tmp/ptxas13) instead of the 12.8 one Triton 3.6 ships: it gives the QKV epilogue's tile pass
-# 183 registers where 12.8 gives 254 (compiled on the CPU)
-if [ -n "${PTXAS13:-}" ]; then
-  { [ -x /tmp/ptxas13 ] || { xz -dc build/ptxas13/ptxas.xz > /tmp/ptxas13 && chmod +x /tmp/ptxas13; }; } \
-    || { echo "carry build/ptxas13 (ptxas.xz) for PTXAS13=1"; exit 1; }
-  export TRITON_PTXAS_PATH=/tmp/ptxas13
-  /tmp/ptxas13 --version | tail -1
 fi
 # the DSL's site (flash-attn-4 and its CuTe DSL wheels), unpacked once from the carried pieces, and its path
 DSL_UNPACK="[ -d /tmp/fa4site/nvidia_cutlass_dsl ] || cat build/cute/*/fa4site.part-* | xz -d | tar -xf - -C /tmp"

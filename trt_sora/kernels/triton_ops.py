@@ -297,19 +297,20 @@ def _qkv_post_kernel(QKV, RSTD, WQ, WK, CS, QO, KO, VO, QS, KSUM, VMAX, S, H, nb
     pid_s, bh, b, h, t, rm, row64 = _token_tile(S, H, BLOCK_S, HEADS_FAST)
     C = H * D
     d = tl.arange(0, D)
-    out = (bh.to(tl.int64) * S + t)[:, None] * D + d[None, :]
     ce, so = _rope_tile(CS, t.to(tl.int64), rm, D, BLOCK_S, ROPE)
     q = _norm_rope_tile(QKV, RSTD, WQ, ce, so, row64, rm, 0, h, 0, C, D, BLOCK_S, ROPE)
     k = _norm_rope_tile(QKV, RSTD, WK, ce, so, row64, rm, C, h, 1, C, D, BLOCK_S, ROPE)
     v = tl.load(QKV + row64[:, None] * (3 * C) + 2 * C + h * D + d[None, :], mask=rm[:, None], other=0.0)
+    out = (bh.to(tl.int64) * S + t)[:, None] * D + d[None, :]
     if Q8_OUT:
         km = (t < (tl.load(KLEN + b) if KEYS else S))[:, None]  # padding past the key length: in no scale or sum
-        s = _i8_scale(_amax(tl.where(km, tl.abs(q), 0.0)))
-        tl.store(QO + out, _qi8(q, 1.0 / s), mask=rm[:, None])
-        tl.store(QS + bh * nblk + pid_s, s)
+        # K's sums and V's amax first: K and V then die before Q is quantized (183 registers, not 254: ptxas -v)
         part = (bh * nblk + pid_s).to(tl.int64) * D + d
         tl.store(KSUM + part, tl.sum(tl.where(km, k, 0.0), 0))
         tl.store(VMAX + part, tl.max(tl.where(km, tl.abs(v.to(tl.float32)), 0.0), 0))
+        s = _i8_scale(_amax(tl.where(km, tl.abs(q), 0.0)))
+        tl.store(QS + bh * nblk + pid_s, s)
+        tl.store(QO + out, _qi8(q, 1.0 / s), mask=rm[:, None])
     else:
         tl.store(QO + out, q.to(tl.bfloat16), mask=rm[:, None])
         tl.store(KO + out, k.to(tl.bfloat16), mask=rm[:, None])
