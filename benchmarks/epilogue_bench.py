@@ -71,6 +71,13 @@ def _same(a, b) -> float:
     return (_u8(a) == _u8(b)).float().mean().item()
 
 
+def _norm_row(run, want, nbytes: int) -> dict:
+    """One setting's time, DRAM rate and outputs against ``want`` (``run``: one call)."""
+    got, ms = run(), bench_ms(run)
+    return {"ms": ms, "tb_s": nbytes / (ms * 1e-3) / 1e12, "x_equal": _same(got[0], want[0]),
+            "y_equal": _same(got[1], want[1])}
+
+
 def norm_part(t, prev) -> dict:
     inp = norm_inputs(torch.Generator(device=DEVICE).manual_seed(0))
     x, out = inp["x"], {}
@@ -81,17 +88,11 @@ def norm_part(t, prev) -> dict:
         try:
             for w in NORM_GRID:
                 t.NORM_MAX_WARPS = w
-                got = t.residual_norm_quant(x, **kw)
-                ms = bench_ms(lambda: t.residual_norm_quant(x, **kw))  # noqa: B023
-                rows[f"warps{w}"] = {"ms": ms, "tb_s": norm_bytes(kw) / (ms * 1e-3) / 1e12,
-                                     "x_equal": _same(got[0], want[0]), "y_equal": _same(got[1], want[1])}
+                rows[f"warps{w}"] = _norm_row(lambda: t.residual_norm_quant(x, **kw), want, norm_bytes(kw))  # noqa: B023
         finally:
             t.NORM_MAX_WARPS = shipped
         if prev is not None:
-            got = prev.residual_norm_quant(x, **kw)
-            ms = bench_ms(lambda: prev.residual_norm_quant(x, **kw))  # noqa: B023
-            rows["prev"] = {"ms": ms, "tb_s": norm_bytes(kw) / (ms * 1e-3) / 1e12,
-                            "x_equal": _same(got[0], want[0]), "y_equal": _same(got[1], want[1])}
+            rows["prev"] = _norm_row(lambda: prev.residual_norm_quant(x, **kw), want, norm_bytes(kw))  # noqa: B023
         out[form] = {"bytes": norm_bytes(kw), "by_setting": rows}
     out["shipped"] = {"max_warps": shipped}
     return out
@@ -131,16 +132,17 @@ def qkv_part(t, prev) -> dict:
     want = call()
     shipped = dict(t.EPILOGUE_WARPS)
     rows = {}
+    def row(run):
+        return {"ms": bench_ms(run), "kernels_us": kernel_us(run), **_compare(run(), want)}
+
     try:
         for pw, kw in QKV_GRID:
             t.EPILOGUE_WARPS.update(post=pw, kv=kw)
-            rows[f"post{pw}_kv{kw}"] = {"ms": bench_ms(call), "kernels_us": kernel_us(call), **_compare(call(), want)}
+            rows[f"post{pw}_kv{kw}"] = row(call)
     finally:
         t.EPILOGUE_WARPS.update(shipped)
     if prev is not None:
-        got = call(prev)
-        rows["prev"] = {"ms": bench_ms(lambda: call(prev)), "kernels_us": kernel_us(lambda: call(prev)),
-                        **_compare(got, want)}
+        rows["prev"] = row(lambda: call(prev))
     moved = {"tile_pass": S * 3 * C * 2 + S * C, "kv_pass": S * 2 * C * 2 + S * C * 2}  # bytes read + written
     return {"bytes": moved, "shipped": shipped, "by_setting": rows,
             "rms_ms": bench_ms(lambda: t.rms_stats(qkv))}

@@ -39,11 +39,11 @@ def _q8(x, s):
 
 
 @triton.jit
-def _qi8(x, inv):
-    """fp32 ``x * inv`` (``inv``: 1 / the scale) rounded half away from zero, saturated to +-127, int8: the
-    half added away from zero, then the conversion's truncation (four instructions, not a division and two
-    roundings an element)."""
-    y = x * inv
+def _qi8(x, s):
+    """fp32 ``x / s`` (as ``x`` times the scalar ``1 / s``) rounded half away from zero, saturated to +-127, int8:
+    the half added away from zero, then the conversion's truncation (four instructions an element, not a division
+    and two roundings)."""
+    y = x * (1.0 / s)
     y = y + tl.where(y >= 0, 0.5, -0.5)
     return tl.minimum(tl.maximum(y, -127.0), 127.0).to(tl.int8)
 
@@ -240,16 +240,10 @@ def _token_tile(S, H, BLOCK_S: tl.constexpr, HEADS_FAST: tl.constexpr):
 
 
 @triton.jit
-def _i8_scale(amax):
-    """The INT8 scale of a tile whose largest magnitude is ``amax``: amax / 127 (1 for an all-zero tile)."""
-    s = amax / 127.0
+def _i8_scale(a):
+    """The INT8 scale of a tile of magnitudes ``a`` [M, N]: its max / 127 (1 for an all-zero tile)."""
+    s = tl.max(tl.max(a, 1), 0) / 127.0
     return tl.where(s > 0, s, 1.0)
-
-
-@triton.jit
-def _amax(a):
-    """The largest element of a 2-D tile (a scalar)."""
-    return tl.max(tl.max(a, 1), 0)
 
 
 @triton.jit
@@ -308,9 +302,9 @@ def _qkv_post_kernel(QKV, RSTD, WQ, WK, CS, QO, KO, VO, QS, KSUM, VMAX, S, H, nb
         part = (bh * nblk + pid_s).to(tl.int64) * D + d
         tl.store(KSUM + part, tl.sum(tl.where(km, k, 0.0), 0))
         tl.store(VMAX + part, tl.max(tl.where(km, tl.abs(v.to(tl.float32)), 0.0), 0))
-        s = _i8_scale(_amax(tl.where(km, tl.abs(q), 0.0)))
+        s = _i8_scale(tl.where(km, tl.abs(q), 0.0))
         tl.store(QS + bh * nblk + pid_s, s)
-        tl.store(QO + out, _qi8(q, 1.0 / s), mask=rm[:, None])
+        tl.store(QO + out, _qi8(q, s), mask=rm[:, None])
     else:
         tl.store(QO + out, q.to(tl.bfloat16), mask=rm[:, None])
         tl.store(KO + out, k.to(tl.bfloat16), mask=rm[:, None])
@@ -340,8 +334,8 @@ def _kv_quant_kernel(QKV, RSTD, WK, CS, KMEAN, K8, KS, VS, VT8, S, S_pad, H, nbl
     k = _norm_rope_tile(QKV, RSTD, WK, ce, so, row64, rm, C, h, 1, C, D, BLOCK_S, ROPE)
     km = t < (tl.load(KLEN + b) if KEYS else S)
     k = tl.where(km[:, None], k - tl.load(KMEAN + bh * D + d)[None, :], 0.0)
-    s = _i8_scale(_amax(tl.abs(k)))
-    tl.store(K8 + (bh.to(tl.int64) * S + t)[:, None] * D + d[None, :], _qi8(k, 1.0 / s), mask=rm[:, None])
+    s = _i8_scale(tl.abs(k))
+    tl.store(K8 + (bh.to(tl.int64) * S + t)[:, None] * D + d[None, :], _qi8(k, s), mask=rm[:, None])
     tl.store(KS + bh * nblk + pid_s, s)
     v = tl.load(QKV + row64[:, None] * (3 * C) + 2 * C + h * D + d[None, :], mask=km[:, None], other=0.0)
     v8 = _q8(v.to(tl.float32), tl.load(VS + bh * D + d)[None, :])  # zeros past S: the padding is read
