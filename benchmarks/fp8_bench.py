@@ -35,6 +35,8 @@ Parts (``--parts``):
   warp-specialized Gluon one on SM 9.x; ``fp8_fused_attn8_cudnn`` / ``fp8_fused_attn8_graph_cudnn``: with
   cuDNN's FP8 SDPA, eager with its profiler split, and graphed; a failure there is recorded, not fatal;
   ``fp8_fused_attn8_cute`` / ``fp8_fused_attn8_graph_cute``: the same with our CuTe DSL kernel (SM 9.0);
+  any rung + ``_xsdpa``: that rung with Wan's cross-attention as it ran before its fused kernel
+  (:func:`cross_attention_sdpa`), for an A/B in one process;
   ``fp8_fused_attn8_graph_sparse``: the full rung with block-sparse self-attention, once per window of
   ``--sparse-windows`` (rung ``fp8_fused_attn8_graph_sparse_F-H-W``; every layer and step, the first
   ``--sparse-global-frames`` latent frames global), with its block density and its speed-up and cosine
@@ -684,9 +686,11 @@ def model_part(name: str, size: str, batch: int, iters: int, rungs: list[str], s
                                            cuda_graphs=False),
               "fp8_fused_attn8_graph_cute": dict(mode="fused", attention=AttentionPolicy(kernel="int8-cute"),
                                                  cuda_graphs=True)}
-    from trt_sora.kernels import triton_ops
+    # the same rungs with the cross-attention as it ran before its fused kernel (cross_attention_sdpa)
+    ladder |= {f"{k}_xsdpa": v for k, v in list(ladder.items())}
+    from trt_sora.kernels import ops, triton_ops
 
-    shipped_ws = triton_ops.ATTN_WS
+    shipped_ws, shipped_cross = triton_ops.ATTN_WS, ops.cross_attention
     plans = {rung: None for rung in ladder if rung in rungs} | dict(sparse or {})
     if plans and str(device).startswith("cuda"):
         # each rung rewrites its own copy of the model: the bf16 reference waits on the host, so a 14B rung
@@ -697,6 +701,7 @@ def model_part(name: str, size: str, batch: int, iters: int, rungs: list[str], s
     for rung, sparse_plan in plans.items():
         kw = ladder["fp8_fused_attn8_graph"] if sparse_plan is not None else ladder[rung]
         triton_ops.ATTN_WS = shipped_ws != rung.endswith("_otherkernel")
+        ops.cross_attention = cross_attention_sdpa if rung.endswith("_xsdpa") else shipped_cross
         held = _gpu_gib()
         r = None
         try:
@@ -706,13 +711,15 @@ def model_part(name: str, size: str, batch: int, iters: int, rungs: list[str], s
             call = lambda: r.infer(feeds_r)["sample"]  # noqa: E731
             y, t, ts = timed_calls(call, iters)
         except Exception as exc:  # noqa: BLE001 - an optional kernel (cuDNN FP8, CuTe) must not end the other rungs
-            if not rung.endswith(("_cudnn", "_cute")):
+            if not rung.removesuffix("_xsdpa").endswith(("_cudnn", "_cute")):
+                ops.cross_attention = shipped_cross
                 raise
             from trt_sora.kernels import cudnn_attention, cute_attention
 
             res["rungs"][rung] = {"error": f"{type(exc).__name__}: {exc}", "cudnn": cudnn_attention.versions(),
                                   "cutlass_dsl": cute_attention.version()}
             print(rung, "failed:", res["rungs"][rung], flush=True)
+            ops.cross_attention = shipped_cross
             if r is not None:
                 r.deactivate()
             del r
@@ -733,7 +740,7 @@ def model_part(name: str, size: str, batch: int, iters: int, rungs: list[str], s
             raise SystemExit(f"{rung}: ran {rep['fp8_gemms_per_call']} FP8 GEMMs, the plan needs "
                              f"{rep['expected_fp8_gemms']}: a silent no-op")
         res["rungs"][rung] = rep
-        triton_ops.ATTN_WS = shipped_ws
+        triton_ops.ATTN_WS, ops.cross_attention = shipped_ws, shipped_cross
         r.deactivate()
         del r, call
         _release_gpu()
@@ -803,7 +810,19 @@ def set_cute_schedule(text: str) -> dict:
 
 
 #: The torch-fp8 Triton kernels' launch settings ``--kernel-settings`` may set (trt_sora.kernels.triton_ops).
-KERNEL_SETTINGS = ("NORM_MAX_WARPS", "EPILOGUE_WARPS")
+KERNEL_SETTINGS = ("NORM_MAX_WARPS", "EPILOGUE_WARPS", "CROSS_ATTN")
+
+
+def cross_attention_sdpa(q, wq, k, v, heads: int, eps: float, act_scale=None):
+    """Wan's cross-attention as torch-fp8 ran it before ``ops.cross_attention`` had its kernel (the ``_xsdpa``
+    rungs): torch's RMSNorm of the queries, cuDNN BF16 SDPA on [B, H, S, D] views, the layout (+ FP8) pass."""
+    from trt_sora.kernels import ops
+
+    def split(t):
+        return t.unflatten(-1, (heads, -1)).transpose(1, 2)
+
+    qn = torch.nn.functional.rms_norm(q, (q.shape[-1],), wq, eps)
+    return ops.heads_to_tokens(ops.sdpa_bf16(split(qn), split(k), split(v)), act_scale)
 
 
 def set_kernel_settings(path: str) -> dict:

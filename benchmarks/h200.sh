@@ -40,10 +40,11 @@
 # m14cute (the 14B 480p call with torch_fp8.attention_kernel int8-cute beside the Triton kernel: eager with the
 # profiler split, and graphed; the DSL as for cute; M14CUTE_SCHEDULE, e.g. overlap=0,lookahead=1: the kernel's
 # schedule; KERNEL_SETTINGS: a JSON of the Triton kernels' launch settings, e.g. the epi part's output, its best
-# ones; needs diffusers' wheel), cute_tests (the CuTe kernel's GPU tests, the DSL on the path; pytest from the
+# ones; M14CUTE_RUNGS: other rungs, e.g. ..._graph_cute,..._graph_cute_xsdpa (the cross-attention as it ran before
+# its kernel); needs diffusers' wheel), cute_tests (the CuTe kernel's GPU tests, the DSL on the path; pytest from the
 # WHL carry: build/pyt holds pytest, pluggy, iniconfig and diffusers, 6.5 MB beside the DSL's 40 MB piece),
 # epi (the memory-bound kernels of the 14B call at its size: residual_norm_quant and the fused-QKV epilogue by
-# warps, each kernel's time and its outputs vs the shipped setting's;
+# warps, the cross-attention kernel by tile, each kernel's time and its outputs vs the shipped setting's;
 # benchmarks/_prev_triton_ops.py beside it: that commit's kernels too; benchmarks/epilogue_bench.py),
 # hist (one batch's |x| histogram several ways; HIST_ARGS=--only-cuda: the torch path and the NVRTC kernel),
 # m14b2 (14B batch 2), m14_720 (14B 720p batch 1), m14sparse (issue 32: the 14B 720p call, the full torch-fp8 rung
@@ -167,7 +168,7 @@ for p in "$@"; do
     m14cute) part m14cute ${M14CUTE_LIMIT:-360} bash -c "set -e; $DSL_UNPACK
                PYTHONPATH=\$PYTHONPATH:$DSL_PATH python3 benchmarks/fp8_bench.py --parts models \
                  --models wan2.1-t2v-14b --batches 1 --iters 5 \
-                 --rungs fp8_fused_attn8_graph,fp8_fused_attn8_cute,fp8_fused_attn8_graph_cute \
+                 --rungs ${M14CUTE_RUNGS:-fp8_fused_attn8_graph,fp8_fused_attn8_cute,fp8_fused_attn8_graph_cute} \
                  ${M14CUTE_SCHEDULE:+--cute-schedule $M14CUTE_SCHEDULE} \
                  ${KERNEL_SETTINGS:+--kernel-settings $KERNEL_SETTINGS} --out $OUT/m14cute.json" ;;
     gemm) part gemm 120 python3 benchmarks/fp8_bench.py --parts gemm --out "$OUT/gemm.json" ;;

@@ -7,10 +7,12 @@ interpreter must be chosen before Triton is imported (its language library is de
 import), so :func:`test_kernels_under_the_interpreter` runs this file again in a fresh process with
 ``TRITON_INTERPRET=1``; there, the ``interp`` tests below run and the runner is skipped.
 
-One fix of the interpreter's own: it rounds fp32 -> FP8 E4M3 half-up on the truncated mantissa
-and lets a mantissa carry spill into the exponent (31.6 becomes 16), where the GPU's
-``cvt.rn.satfinite`` rounds to nearest even. The ``t`` fixture swaps that conversion for ml_dtypes'
-(round to nearest even, as the GPU and torch do), so FP8 outputs compare bit for bit.
+Two fixes of the interpreter's own. It rounds fp32 -> FP8 E4M3 half-up on the truncated mantissa
+and lets a mantissa carry spill into the exponent (31.6 becomes 16), and it truncates fp32 -> bf16,
+where the GPU's ``cvt.rn`` rounds to nearest even: the ``t`` fixture swaps those conversions for
+ml_dtypes' (round to nearest even, as the GPU and torch do), so FP8 outputs compare bit for bit. And
+it multiplies bf16 ``tl.dot`` operands as their raw 16-bit integers: the fixture converts them to
+fp32 first (the tensor cores' exact bf16 products, accumulated in fp32).
 """
 from __future__ import annotations
 
@@ -27,9 +29,11 @@ ml_dtypes = pytest.importorskip("ml_dtypes")
 
 from khelpers import (  # noqa: E402
     RESIDUAL_NORM_VARIANTS,
+    assert_cross_attention_tracks_fp32,
     assert_operands_match,
     assert_qkv_epilogue_matches,
     bits,
+    cross_case,
     residual_norm_inputs,
     run_attention,
 )
@@ -61,17 +65,26 @@ def t():
 
     from trt_sora.kernels import triton_ops
 
-    original = interpreter._convert_float
+    original, original_dot = interpreter._convert_float, interpreter.InterpreterBuilder.create_dot
     dtypes = {tl.float32: np.float32, tl.float16: np.float16, tl.bfloat16: ml_dtypes.bfloat16}
+    narrow = {tl.float8e4nv: (ml_dtypes.float8_e4m3fn, np.uint8), tl.bfloat16: (ml_dtypes.bfloat16, np.uint16)}
 
     def convert(input, input_dtype, output_dtype, rounding_mode):
-        if output_dtype == tl.float8e4nv and input_dtype in dtypes:
+        if output_dtype in narrow and input_dtype in dtypes and input_dtype != output_dtype:
             x = np.frombuffer(input.tobytes(), dtype=dtypes[input_dtype]).astype(np.float32)
-            return x.astype(ml_dtypes.float8_e4m3fn).view(np.uint8).reshape(input.shape)
+            to, raw = narrow[output_dtype]
+            return x.astype(to).view(raw).reshape(input.shape)
         return original(input, input_dtype, output_dtype, rounding_mode)
+
+    def dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if tl.bfloat16 in (a.dtype.scalar, b.dtype.scalar):
+            a, b = (interpreter.TensorHandle(x.data.view(ml_dtypes.bfloat16).astype(np.float32), tl.float32)
+                    if x.dtype.scalar == tl.bfloat16 else x for x in (a, b))
+        return original_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
 
     mp = pytest.MonkeyPatch()
     mp.setattr(interpreter, "_convert_float", convert)
+    mp.setattr(interpreter.InterpreterBuilder, "create_dot", dot)
     yield triton_ops
     mp.undo()
 
@@ -332,3 +345,24 @@ def test_attention_with_key_lengths_attends_the_valid_keys_only(t):
     full_ops = t.qkv_rmsnorm_rope(qkv, wq, wk, cos, sin, h, fp8=True, key_len=full)
     for cfg in t._attn_configs():
         assert torch.equal(run_attention(t, full_ops, cfg, key_len=full), run_attention(t, dense_ops, cfg))
+
+
+@interp
+@pytest.mark.parametrize("case", [(2, 70, 45, 2, 64, {"BLOCK_M": 32, "BLOCK_N": 32}),  # ragged queries and keys
+                                  (1, 37, 19, 1, 128, {}),  # the shipped tile: one ragged tile of each
+                                  (1, 64, 130, 2, 64, {"BLOCK_M": 64, "BLOCK_N": 64})])
+def test_cross_attention_tracks_fp32_attention(t, case):
+    b, s, lk, h, d, settings = case
+    q, wq, k, v = cross_case(b, s, lk, h, d)
+    sc = torch.tensor(2.0 / 448)
+    y = t.cross_attention(q, wq, k, v, h, 1e-6, **settings)
+    assert y.dtype == torch.bfloat16 and y.shape == q.shape
+    assert_cross_attention_tracks_fp32(y, q, wq, k, v, h)
+    y8 = t.cross_attention(q, wq, k, v, h, 1e-6, sc, **settings)
+    assert y8.dtype == ref.FP8
+    assert_cross_attention_tracks_fp32(y8, q, wq, k, v, h, sc)
+    # the FP8 output is the bf16 one quantized: the same rounding points as heads_to_tokens
+    assert torch.equal(bits(y8), bits(ref.quantize(y, sc)))
+    # a setting moves no bit: the same key tiles in the same order per row (for equal BLOCK_N)
+    other = {**settings, "BLOCK_M": 16}
+    assert torch.equal(t.cross_attention(q, wq, k, v, h, 1e-6, **other), y)

@@ -13,8 +13,8 @@ from trt_sora.errors import ConfigError
 from trt_sora.kernels import cute_attention
 from trt_sora.kernels import reference as ref
 
-__all__ = ["ATTENTION_KERNELS", "gated_add", "gelu_quant", "linear_fp8", "quantize", "residual_norm_quant",
-           "sdpa_fp8_tensor", "self_attention", "sdpa_bf16", "heads_to_tokens"]
+__all__ = ["ATTENTION_KERNELS", "cross_attention", "gated_add", "gelu_quant", "linear_fp8", "quantize",
+           "residual_norm_quant", "sdpa_fp8_tensor", "self_attention", "sdpa_bf16", "heads_to_tokens"]
 
 
 #: The 8-bit self-attention kernels (:class:`~trt_sora.config.recipe.AttentionKernel`): ``int8`` (Triton,
@@ -60,6 +60,13 @@ def quantize(x, act_scale):
 def heads_to_tokens(o, act_scale=None):
     t = _tri(o)
     return (t or ref).heads_to_tokens(o, act_scale)
+
+
+def cross_attention(q, wq, k, v, heads: int, eps: float, act_scale=None):
+    """Queries ``q`` [B, S, C] (RMSNorm with ``wq`` applied here) over a short context's normed keys and values
+    [B, L, C]: [B, S, C] bf16, FP8 at ``act_scale`` (one Triton kernel on CUDA)."""
+    t = _tri(q)
+    return (t or ref).cross_attention(q, wq, k, v, heads, eps, act_scale)
 
 
 def sdpa_bf16(q, k, v):
