@@ -6,6 +6,8 @@ of 128), one setting at a time: the time, the DRAM rate it implies, and its outp
   a row's program takes (``NORM_MAX_WARPS``).
 * ``qkv``: the fused-QKV epilogue after the RMS statistics (the tile pass, the K mean / V scale reductions and the
   K/V pass), by the two passes' warps (``EPILOGUE_WARPS``), with each kernel's own time from the profiler.
+* ``gelu``: ``gelu_quant`` on the FFN's hidden state (13,824 channels), against torch's tanh GELU + ``quantize``
+  (and the previous commit's kernel, as below).
 * ``cross``: Wan's cross-attention over 512 text tokens (``cross_attention``: the queries' RMSNorm, BF16 attention,
   the FP8 output in token layout) by launch setting (``CROSS_ATTN``), beside the path it replaced (torch's RMSNorm,
   cuDNN BF16 SDPA, the layout pass: ``fp8_bench.cross_attention_sdpa``); each one's error against fp32 attention.
@@ -155,6 +157,28 @@ def qkv_part(t, prev) -> dict:
             "rms_ms": bench_ms(lambda: t.rms_stats(qkv))}
 
 
+FFN = 13824  # Wan 14B's FFN width
+
+
+def gelu_part(t, prev) -> dict:
+    from trt_sora.kernels import reference as ref
+
+    h = (torch.randn(1, S, FFN, device=DEVICE, generator=torch.Generator(device=DEVICE).manual_seed(0)) * 2).to(
+        torch.bfloat16)
+    sc = torch.tensor(8.0 / 448, device=DEVICE)
+    want = ref.gelu_quant(h, sc)
+    nbytes = h.numel() * 3
+    rows = {}
+    for name, m in (("shipped", t), ("prev", prev)):
+        if m is None:
+            continue
+        got = m.gelu_quant(h, sc)
+        ms = bench_ms(lambda m=m: m.gelu_quant(h, sc))
+        rows[name] = {"ms": ms, "tb_s": nbytes / (ms * 1e-3) / 1e12, "y_equal_torch": _same(got, want),
+                      "max_step": (got.float() * sc - want.float() * sc).abs().max().item()}
+    return {"bytes": nbytes, "by_setting": rows}
+
+
 def _cross_key(g) -> str:
     return "m{}_n{}_w{}_s{}".format(*g)
 
@@ -216,7 +240,7 @@ def best_settings(res: dict) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--parts", default="norm,qkv,cross")
+    ap.add_argument("--parts", default="norm,qkv,gelu,cross")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     from trt_sora.kernels import triton_ops as t
@@ -228,7 +252,7 @@ def main() -> int:
     res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
            "ptxas": get_ptxas_version().strip().splitlines()[-1], "shape": [1, S, C, H, D], "prev": prev is not None,
            "script": "benchmarks/epilogue_bench.py"}
-    parts = {"norm": norm_part, "qkv": qkv_part, "cross": cross_part}
+    parts = {"norm": norm_part, "qkv": qkv_part, "gelu": gelu_part, "cross": cross_part}
     for name in args.parts.split(","):
         res[name] = parts[name](t, prev)
         res["best"] = best_settings(res)
