@@ -117,10 +117,12 @@ def test_interpreter_fp8_rounding_is_the_gpus(t):
 # fp32 value by a few ulps of the largest terms, which can move its bf16 or FP8 rounding by one step
 # at a boundary: outputs are held to one step of their format (see _bf16_close, _fp8_close).
 @interp
+@pytest.mark.parametrize("c", [64, 80, 100])
 @pytest.mark.parametrize("variant", RESIDUAL_NORM_VARIANTS)
-def test_residual_norm_quant(t, variant):
-    # 37 rows of 64 channels (not powers of two): the masked tail of each row
-    x, kw, sc = residual_norm_inputs(variant, 2, 37, 64, torch.Generator().manual_seed(3))
+def test_residual_norm_quant(t, variant, c):
+    # rows of 64 channels (one segment), 64 + 16 (two, none masked: Wan 14B's 4,096 + 1,024) and 64 + 36 (the
+    # second segment of 64 masked past the row)
+    x, kw, sc = residual_norm_inputs(variant, 2, 37, c, torch.Generator().manual_seed(3))
     xa, ya = t.residual_norm_quant(x, **kw)
     xb, yb = ref.residual_norm_quant(x, **kw)
     _bf16_close(xa, xb)
@@ -136,7 +138,7 @@ def test_per_token_modulation_reads_each_rows_own_vectors(t, variant):
     """Wan 2.2 TI2V: the AdaLN vectors are per token, [B, S, C] views of one [B, S, 6, C] tensor
     (row stride 6C), as the fused block slices them; every row must read its own."""
     g = torch.Generator().manual_seed(5)
-    b, s, c = 2, 37, 64
+    b, s, c = 2, 37, 100  # two segments of the row, 64 + 64 (masked past 100)
     x = torch.randn(b, s, c, generator=g).to(torch.bfloat16)
     r = torch.randn(b, s, c, generator=g).to(torch.bfloat16)
     gate, ms, mh = (torch.randn(b, s, 6, c, generator=g) * 0.3).unbind(-2)[:3]

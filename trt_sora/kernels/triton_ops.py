@@ -62,39 +62,90 @@ def _vec_strides(*vecs) -> tuple[int, int]:
 
 
 #: Most warps of a ``residual_norm_quant`` program (one row): 8, not 16, at 5,120 channels (Wan 14B) measured
-#: faster, the row held as a [1, C] tile (benchmarks/epilogue_bench.py; benchmarks/README.md, session 25).
+#: faster with the row as one [1, 8192] tile (benchmarks/epilogue_bench.py; benchmarks/README.md, session 25).
 NORM_MAX_WARPS = 8
+
+
+@triton.jit
+def _ld(P, m):
+    """fp32 of ``P``'s elements, masked by ``m`` (0 outside) or, ``m`` None, all of them."""
+    if m is None:
+        v = tl.load(P)
+    else:
+        v = tl.load(P, mask=m, other=0.0)
+    return v.to(tl.float32)
+
+
+@triton.jit
+def _st(P, v, m):
+    if m is None:
+        tl.store(P, v)
+    else:
+        tl.store(P, v, mask=m)
+
+
+@triton.jit
+def _rnq_in(X, R, G, XO, offs, vec, m, HAS_R: tl.constexpr, HAS_G: tl.constexpr):
+    """One segment of the row: ``x``, or the new residual ``bf16(x + r (* g))`` (stored) in fp32."""
+    x = _ld(X + offs, m)
+    if HAS_R:
+        r = _ld(R + offs, m)
+        if HAS_G:
+            r = r * _ld(G + vec, m)
+        xb = (x + r).to(tl.bfloat16)
+        _st(XO + offs, xb, m)
+        x = xb.to(tl.float32)
+    return x
+
+
+@triton.jit
+def _rnq_out(Y, W, BI, MS, MH, SC, y, cols, offs, vec, m, HAS_W: tl.constexpr, HAS_MOD: tl.constexpr,
+             QUANT: tl.constexpr):
+    """One segment of the normed row: affine, modulation, bf16, FP8 at SC (QUANT), stored."""
+    if HAS_W:
+        y = y * _ld(W + cols, m) + _ld(BI + cols, m)
+    if HAS_MOD:
+        y = y * (1.0 + _ld(MS + vec, m)) + _ld(MH + vec, m)
+    yb = y.to(tl.bfloat16)
+    if QUANT:
+        _st(Y + offs, _q8(yb.to(tl.float32), tl.load(SC)), m)
+    else:
+        _st(Y + offs, yb, m)
 
 
 @triton.jit
 def _res_norm_quant_kernel(X, R, G, W, BI, MS, MH, XO, Y, SC, S, C, eps, VB, VS,
                            HAS_R: tl.constexpr, HAS_G: tl.constexpr, HAS_W: tl.constexpr, HAS_MOD: tl.constexpr,
-                           QUANT: tl.constexpr, BLOCK_C: tl.constexpr):
+                           QUANT: tl.constexpr, SEG_A: tl.constexpr, SEG_B: tl.constexpr):
+    """One row of C channels as two power-of-two segments, [1, SEG_A] (all valid) and [1, SEG_B] (masked past
+    C; SEG_B = 0: none), so no lane works on a channel past C (5,120 = 4,096 + 1,024: none masked)."""
     t, b = tl.program_id(0), tl.program_id(1).to(tl.int64)  # token t of sample b
-    cols = tl.arange(0, BLOCK_C)[None, :]  # the row as a [1, BLOCK_C] tile: its vectors load in its own layout
-    m = cols < C
-    offs = (b * S + t) * C + cols
-    vec = b * VB + t * VS + cols  # this row's AdaLN vectors: per sample (VS = 0) or per token
-    x = tl.load(X + offs, mask=m, other=0.0).to(tl.float32)
-    if HAS_R:
-        r = tl.load(R + offs, mask=m, other=0.0).to(tl.float32)
-        if HAS_G:
-            r = r * tl.load(G + vec, mask=m, other=0.0)
-        xb = (x + r).to(tl.bfloat16)
-        tl.store(XO + offs, xb, mask=m)
-        x = xb.to(tl.float32)
-    mean = tl.sum(x, 1) / C
-    d = tl.where(m, x - mean[:, None], 0.0)
-    y = d * tl.rsqrt(tl.sum(d * d, 1) / C + eps)[:, None]
-    if HAS_W:
-        y = y * tl.load(W + cols, mask=m, other=0.0) + tl.load(BI + cols, mask=m, other=0.0)
-    if HAS_MOD:
-        y = y * (1.0 + tl.load(MS + vec, mask=m, other=0.0)) + tl.load(MH + vec, mask=m, other=0.0)
-    yb = y.to(tl.bfloat16)
-    if QUANT:
-        tl.store(Y + offs, _q8(yb.to(tl.float32), tl.load(SC)), mask=m)
-    else:
-        tl.store(Y + offs, yb, mask=m)
+    row = (b * S + t) * C
+    vrow = b * VB + t * VS  # this row's AdaLN vectors: per sample (VS = 0) or per token
+    ca = tl.arange(0, SEG_A)[None, :]  # a [1, SEG] tile: the row's vectors load in its own layout
+    xa = _rnq_in(X, R, G, XO, row + ca, vrow + ca, None, HAS_R, HAS_G)
+    tot = tl.sum(xa, 1)
+    if SEG_B > 0:
+        cb = SEG_A + tl.arange(0, SEG_B)[None, :]
+        mb = cb < C
+        xb = _rnq_in(X, R, G, XO, row + cb, vrow + cb, mb, HAS_R, HAS_G)
+        tot += tl.sum(xb, 1)
+    mean = tot / C
+    da = xa - mean[:, None]
+    sq = tl.sum(da * da, 1)
+    if SEG_B > 0:
+        db = tl.where(mb, xb - mean[:, None], 0.0)
+        sq += tl.sum(db * db, 1)
+    rstd = tl.rsqrt(sq / C + eps)[:, None]
+    _rnq_out(Y, W, BI, MS, MH, SC, da * rstd, ca, row + ca, vrow + ca, None, HAS_W, HAS_MOD, QUANT)
+    if SEG_B > 0:
+        _rnq_out(Y, W, BI, MS, MH, SC, db * rstd, cb, row + cb, vrow + cb, mb, HAS_W, HAS_MOD, QUANT)
+
+
+def _segments(c: int) -> tuple[int, int]:
+    """``(SEG_A, SEG_B)`` of a row of ``c``: the largest power of two <= c, and the rest's next power of two."""
+    a = 1 << (c.bit_length() - 1)
+    return a, (triton.next_power_of_2(c - a) if c > a else 0)
 
 
 def residual_norm_quant(x, *, branch=None, gate=None, weight=None, bias=None, mod_scale=None, mod_shift=None,
@@ -105,14 +156,14 @@ def residual_norm_quant(x, *, branch=None, gate=None, weight=None, bias=None, mo
     xo = torch.empty_like(x) if branch is not None else x
     dummy = x
     vb, vs = _vec_strides(gate, mod_scale, mod_shift)
-    block_c = triton.next_power_of_2(c)
+    seg_a, seg_b = _segments(c)
     _res_norm_quant_kernel[(s, b)](
         x, branch if branch is not None else dummy, gate if gate is not None else dummy,
         weight if weight is not None else dummy, bias if bias is not None else dummy,
         mod_scale if mod_scale is not None else dummy, mod_shift if mod_shift is not None else dummy,
         xo, y, act_scale if act_scale is not None else dummy, s, c, eps, vb, vs,
         HAS_R=branch is not None, HAS_G=gate is not None, HAS_W=weight is not None, HAS_MOD=mod_scale is not None,
-        QUANT=act_scale is not None, BLOCK_C=block_c, num_warps=min(NORM_MAX_WARPS, max(4, block_c // 512)))
+        QUANT=act_scale is not None, SEG_A=seg_a, SEG_B=seg_b, num_warps=min(NORM_MAX_WARPS, max(4, seg_a // 256)))
     return xo, y
 
 
