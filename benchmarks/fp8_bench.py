@@ -36,7 +36,8 @@ Parts (``--parts``):
   cuDNN's FP8 SDPA, eager with its profiler split, and graphed; a failure there is recorded, not fatal;
   ``fp8_fused_attn8_cute`` / ``fp8_fused_attn8_graph_cute``: the same with our CuTe DSL kernel (SM 9.0);
   any rung + ``_xsdpa``: that rung with Wan's cross-attention as it ran before its fused kernel
-  (:func:`cross_attention_sdpa`), for an A/B in one process;
+  (:func:`cross_attention_sdpa`), + ``_prev``: that and benchmarks/_prev_triton_ops.py's Triton kernels
+  (:func:`prev_kernels`), for an A/B in one process;
   ``fp8_fused_attn8_graph_sparse``: the full rung with block-sparse self-attention, once per window of
   ``--sparse-windows`` (rung ``fp8_fused_attn8_graph_sparse_F-H-W``; every layer and step, the first
   ``--sparse-global-frames`` latent frames global), with its block density and its speed-up and cosine
@@ -686,11 +687,12 @@ def model_part(name: str, size: str, batch: int, iters: int, rungs: list[str], s
                                            cuda_graphs=False),
               "fp8_fused_attn8_graph_cute": dict(mode="fused", attention=AttentionPolicy(kernel="int8-cute"),
                                                  cuda_graphs=True)}
-    # the same rungs with the cross-attention as it ran before its fused kernel (cross_attention_sdpa)
-    ladder |= {f"{k}_xsdpa": v for k, v in list(ladder.items())}
+    # the same rungs with the cross-attention as it ran before its fused kernel (cross_attention_sdpa), and
+    # with that and every Triton kernel of benchmarks/_prev_triton_ops.py (another commit's; see epilogue_bench)
+    ladder |= {f"{k}{x}": v for k, v in list(ladder.items()) for x in ("_xsdpa", "_prev")}
     from trt_sora.kernels import ops, triton_ops
 
-    shipped_ws, shipped_cross = triton_ops.ATTN_WS, ops.cross_attention
+    shipped_ws, shipped_cross, shipped_tri = triton_ops.ATTN_WS, ops.cross_attention, ops._tri
     plans = {rung: None for rung in ladder if rung in rungs} | dict(sparse or {})
     if plans and str(device).startswith("cuda"):
         # each rung rewrites its own copy of the model: the bf16 reference waits on the host, so a 14B rung
@@ -701,7 +703,8 @@ def model_part(name: str, size: str, batch: int, iters: int, rungs: list[str], s
     for rung, sparse_plan in plans.items():
         kw = ladder["fp8_fused_attn8_graph"] if sparse_plan is not None else ladder[rung]
         triton_ops.ATTN_WS = shipped_ws != rung.endswith("_otherkernel")
-        ops.cross_attention = cross_attention_sdpa if rung.endswith("_xsdpa") else shipped_cross
+        ops.cross_attention = cross_attention_sdpa if rung.endswith(("_xsdpa", "_prev")) else shipped_cross
+        ops._tri = prev_kernels(shipped_tri) if rung.endswith("_prev") else shipped_tri
         held = _gpu_gib()
         r = None
         try:
@@ -711,15 +714,15 @@ def model_part(name: str, size: str, batch: int, iters: int, rungs: list[str], s
             call = lambda: r.infer(feeds_r)["sample"]  # noqa: E731
             y, t, ts = timed_calls(call, iters)
         except Exception as exc:  # noqa: BLE001 - an optional kernel (cuDNN FP8, CuTe) must not end the other rungs
-            if not rung.removesuffix("_xsdpa").endswith(("_cudnn", "_cute")):
-                ops.cross_attention = shipped_cross
+            if not rung.removesuffix("_xsdpa").removesuffix("_prev").endswith(("_cudnn", "_cute")):
+                ops.cross_attention, ops._tri = shipped_cross, shipped_tri
                 raise
             from trt_sora.kernels import cudnn_attention, cute_attention
 
             res["rungs"][rung] = {"error": f"{type(exc).__name__}: {exc}", "cudnn": cudnn_attention.versions(),
                                   "cutlass_dsl": cute_attention.version()}
             print(rung, "failed:", res["rungs"][rung], flush=True)
-            ops.cross_attention = shipped_cross
+            ops.cross_attention, ops._tri = shipped_cross, shipped_tri
             if r is not None:
                 r.deactivate()
             del r
@@ -740,7 +743,7 @@ def model_part(name: str, size: str, batch: int, iters: int, rungs: list[str], s
             raise SystemExit(f"{rung}: ran {rep['fp8_gemms_per_call']} FP8 GEMMs, the plan needs "
                              f"{rep['expected_fp8_gemms']}: a silent no-op")
         res["rungs"][rung] = rep
-        triton_ops.ATTN_WS, ops.cross_attention = shipped_ws, shipped_cross
+        triton_ops.ATTN_WS, ops.cross_attention, ops._tri = shipped_ws, shipped_cross, shipped_tri
         r.deactivate()
         del r, call
         _release_gpu()
@@ -811,6 +814,17 @@ def set_cute_schedule(text: str) -> dict:
 
 #: The torch-fp8 Triton kernels' launch settings ``--kernel-settings`` may set (trt_sora.kernels.triton_ops).
 KERNEL_SETTINGS = ("NORM_MAX_WARPS", "EPILOGUE_WARPS", "CROSS_ATTN")
+
+
+def prev_kernels(shipped_tri):
+    """``ops._tri`` for the ``_prev`` rungs: benchmarks/_prev_triton_ops.py (``git show
+    REV:trt_sora/kernels/triton_ops.py > benchmarks/_prev_triton_ops.py``) where the shipped module would run."""
+    try:
+        from benchmarks import _prev_triton_ops as prev
+    except ImportError as exc:
+        raise SystemExit("a _prev rung needs benchmarks/_prev_triton_ops.py (git show "
+                         "REV:trt_sora/kernels/triton_ops.py > benchmarks/_prev_triton_ops.py)") from exc
+    return lambda x: prev if shipped_tri(x) is not None else None
 
 
 def cross_attention_sdpa(q, wq, k, v, heads: int, eps: float, act_scale=None):
