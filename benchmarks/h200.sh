@@ -172,7 +172,7 @@ for p in "$@"; do
                  ${M14CUTE_SCHEDULE:+--cute-schedule $M14CUTE_SCHEDULE} \
                  ${KERNEL_SETTINGS:+--kernel-settings $KERNEL_SETTINGS} --out $OUT/m14cute.json" ;;
     gemm) part gemm 120 python3 benchmarks/fp8_bench.py --parts gemm --out "$OUT/gemm.json" ;;
-    epi) part epi ${EPI_LIMIT:-300} python3 benchmarks/epilogue_bench.py --out "$OUT/epi.json" ;;
+    epi) part epi ${EPI_LIMIT:-300} python3 benchmarks/epilogue_bench.py ${EPI_ARGS:-} --out "$OUT/epi.json" ;;
     attention) part attention 240 python3 benchmarks/fp8_bench.py --parts attention --out "$OUT/attention.json" ;;
     quality) part quality 240 python3 benchmarks/fp8_quality.py --run "$RUN" \
                --prompts build/wan_shapes_heldout.safetensors --num 16 --out "$OUT/quality.json" ;;
@@ -194,7 +194,7 @@ for p in "$@"; do
              --out $OUT/serve.json" ;;
     m13) part m13 300 python3 benchmarks/fp8_bench.py --parts models --models wan2.1-t2v-1.3b --batches 1 \
            --out "$OUT/m13.json" ;;
-    m14) part m14 540 python3 benchmarks/fp8_bench.py --parts models --models wan2.1-t2v-14b --batches 1 \
+    m14) part m14 ${M14_LIMIT:-540} python3 benchmarks/fp8_bench.py --parts models --models wan2.1-t2v-14b --batches 1 \
            --rungs "${M14_RUNGS:-compile_bf16,fp8_gemm,fp8_fused,fp8_fused_attn8,fp8_fused_attn8_graph}" ${M14_ARGS:-} \
            ${KERNEL_SETTINGS:+--kernel-settings $KERNEL_SETTINGS} --out "$OUT/m14.json" ;;
     m14x) part m14x 560 python3 benchmarks/fp8_bench.py --parts models --models wan2.1-t2v-14b --points 480p:2,720p:1,720p:2 \
