@@ -117,26 +117,26 @@ def _rnq_out(Y, W, BI, MS, MH, SC, y, cols, offs, vec, m, HAS_W: tl.constexpr, H
 def _res_norm_quant_kernel(X, R, G, W, BI, MS, MH, XO, Y, SC, S, C, eps, VB, VS,
                            HAS_R: tl.constexpr, HAS_G: tl.constexpr, HAS_W: tl.constexpr, HAS_MOD: tl.constexpr,
                            QUANT: tl.constexpr, SEG_A: tl.constexpr, SEG_B: tl.constexpr):
-    """One row of C channels as two power-of-two segments, [1, SEG_A] (all valid) and [1, SEG_B] (masked past
-    C; SEG_B = 0: none), so no lane works on a channel past C (5,120 = 4,096 + 1,024: none masked)."""
+    """One row of C channels as two power-of-two segments, [SEG_A] (all valid) and [SEG_B] (masked past C;
+    SEG_B = 0: none), so no lane works on a channel past C (5,120 = 4,096 + 1,024: none masked)."""
     t, b = tl.program_id(0), tl.program_id(1).to(tl.int64)  # token t of sample b
     row = (b * S + t) * C
     vrow = b * VB + t * VS  # this row's AdaLN vectors: per sample (VS = 0) or per token
-    ca = tl.arange(0, SEG_A)[None, :]  # a [1, SEG] tile: the row's vectors load in its own layout
+    ca = tl.arange(0, SEG_A)
     xa = _rnq_in(X, R, G, XO, row + ca, vrow + ca, None, HAS_R, HAS_G)
-    tot = tl.sum(xa, 1)
+    tot = tl.sum(xa)  # scalars: the two segments' layouts never meet
     if SEG_B > 0:
-        cb = SEG_A + tl.arange(0, SEG_B)[None, :]
+        cb = SEG_A + tl.arange(0, SEG_B)
         mb = cb < C
         xb = _rnq_in(X, R, G, XO, row + cb, vrow + cb, mb, HAS_R, HAS_G)
-        tot += tl.sum(xb, 1)
+        tot += tl.sum(xb)
     mean = tot / C
-    da = xa - mean[:, None]
-    sq = tl.sum(da * da, 1)
+    da = xa - mean
+    sq = tl.sum(da * da)
     if SEG_B > 0:
-        db = tl.where(mb, xb - mean[:, None], 0.0)
-        sq += tl.sum(db * db, 1)
-    rstd = tl.rsqrt(sq / C + eps)[:, None]
+        db = tl.where(mb, xb - mean, 0.0)
+        sq += tl.sum(db * db)
+    rstd = tl.rsqrt(sq / C + eps)
     _rnq_out(Y, W, BI, MS, MH, SC, da * rstd, ca, row + ca, vrow + ca, None, HAS_W, HAS_MOD, QUANT)
     if SEG_B > 0:
         _rnq_out(Y, W, BI, MS, MH, SC, db * rstd, cb, row + cb, vrow + cb, mb, HAS_W, HAS_MOD, QUANT)
