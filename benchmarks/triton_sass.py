@@ -1,9 +1,9 @@
 """What ptxas makes of the torch-fp8 backend's memory-bound Triton kernels, without a GPU: compile each one for
-``sm_90a`` at Wan 14B's sizes (5,120 channels, heads of 128, the FFN's GELU), assemble with the ptxas of the
-Triton on the path, disassemble with its cuobjdump, and report per kernel: registers, spills, ptxas's wgmma
-warnings, SASS instructions by opcode (predicated ones under their opcode), barriers, and instructions per
-element a thread handles. ``--prev``: the same kernels of benchmarks/_prev_triton_ops.py (``git show
-REV:trt_sora/kernels/triton_ops.py > benchmarks/_prev_triton_ops.py``) beside them.
+``sm_90a`` at Wan 14B's sizes (5,120 channels, heads of 128, the FFN's GELU) with the Triton on the path (its
+ptxas), disassemble with its cuobjdump, and report per kernel: registers, local memory (spills), ptxas's note
+that the products run serialized, SASS instructions by opcode (predicated ones under their opcode), barriers,
+and instructions per element a thread handles. ``--prev``: the same kernels of benchmarks/_prev_triton_ops.py
+(``git show REV:trt_sora/kernels/triton_ops.py > benchmarks/_prev_triton_ops.py``) beside them.
 
 A count is not a time: it says where a kernel's instructions go and what a change removed; benchmarks/
 epilogue_bench.py times the kernels on a GPU.
@@ -37,8 +37,9 @@ C, FFN = 5120, 13824
 
 
 def compile_sass(fn, sig: dict, constexprs: dict, warps: int, div16=()) -> dict:
-    """One kernel's ptxas report and SASS opcode counts (pointers and ``div16`` arguments known divisible by 16,
-    as the JIT specializes them)."""
+    """One kernel's resources and SASS opcode counts (pointers and ``div16`` arguments known divisible by 16, as
+    the JIT specializes them): Triton compiles to a cubin with its own ptxas, the cuobjdump beside it reads it;
+    ptxas's wgmma note comes from a second ``ptxas -v`` of the PTX (None where that ptxas refuses the PTX)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -51,15 +52,17 @@ def compile_sass(fn, sig: dict, constexprs: dict, warps: int, div16=()) -> dict:
     with tempfile.TemporaryDirectory() as d:
         ptx, cubin = Path(d) / "k.ptx", Path(d) / "k.cubin"
         ptx.write_text(k.asm["ptx"])
-        r = subprocess.run([str(bin_dir / "ptxas"), "-v", "-arch=sm_90a", str(ptx), "-o", str(cubin)],
-                           capture_output=True, text=True, check=True)
-        sass = subprocess.run([str(bin_dir / "cuobjdump"), "-sass", str(cubin)], capture_output=True, text=True,
-                              check=True).stdout
+        cubin.write_bytes(k.asm["cubin"])
+        dump = [str(bin_dir / "cuobjdump"), str(cubin)]
+        sass = subprocess.run(dump[:1] + ["-sass"] + dump[1:], capture_output=True, text=True, check=True).stdout
+        res = subprocess.run(dump[:1] + ["-res-usage"] + dump[1:], capture_output=True, text=True, check=True).stdout
+        note = subprocess.run([str(bin_dir / "ptxas"), "-v", "-arch=sm_90a", str(ptx), "-o", str(Path(d) / "x")],
+                              capture_output=True, text=True)
     ops = collections.Counter(m.group(1) for m in map(INSTR.match, sass.splitlines()) if m)
-    regs = re.search(r"Used (\d+) registers", r.stderr)
-    spill = re.search(r"(\d+) bytes spill stores", r.stderr)
-    return {"registers": int(regs.group(1)), "spill_store_bytes": int(spill.group(1)) if spill else 0,
-            "wgmma_serialized": "wgmma.mma_async instructions are serialized" in r.stderr,
+    return {"registers": int(re.search(r"REG:(\d+)", res).group(1)),
+            "local_bytes": int(re.search(r"LOCAL:(\d+)", res).group(1)),
+            "wgmma_serialized": ("wgmma.mma_async instructions are serialized" in note.stderr
+                                 if note.returncode == 0 else None),
             "instructions": sum(ops.values()) - ops.get("NOP", 0), "barriers": ops.get("BAR", 0),
             "by_opcode": dict(ops.most_common(16)), "triton": triton.__version__}
 

@@ -368,3 +368,12 @@ def test_cross_attention_tracks_fp32_attention(t, case):
     # a setting moves no bit: the same key tiles in the same order per row (for equal BLOCK_N)
     other = {**settings, "BLOCK_M": 16}
     assert torch.equal(t.cross_attention(q, wq, k, v, h, 1e-6, **other), y)
+
+
+@pytest.mark.skipif(INTERPRETED, reason="plain Python: runs once, in the main process")
+def test_norm_row_segments_cover_the_row_with_the_least_masking():
+    from trt_sora.kernels.triton_ops import _segments
+
+    # Wan 14B, Wan 1.3B, HunyuanVideo 1.5 / Wan 5B: two full segments; a power of two: one; else the rest masked
+    assert [_segments(c) for c in (5120, 1536, 3072, 4096, 64, 100, 1)] == [
+        (4096, 1024), (1024, 512), (2048, 1024), (4096, 0), (64, 0), (64, 64), (1, 0)]
