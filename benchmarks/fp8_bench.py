@@ -20,8 +20,9 @@ Parts (``--parts``):
   quantization itself puts into the product (vs the bf16 operands).
 * ``attention_in_model``: why the attention kernel is slower inside a 14B call than alone: the
   kernel's time per layer in a profiled call, then the kernel alone on block 0's captured inputs
-  and on the synthetic ones (bf16 and FP8 output), the autotuner's pick, and the SM clock / power
-  nvidia-smi saw during each phase.
+  and on the synthetic ones (bf16 and FP8 output), 40 layers' epilogue + attention back to back, the
+  autotuner's pick, and the SM clock / power nvidia-smi saw during each phase; ``--attention-kernel
+  int8-cute``: the same for the CuTe DSL kernel.
 * ``models``: one transformer call of Wan 1.3B / 14B (or any Wan variant: ``wan2.1-i2v-14b``,
   ``wan2.2-ti2v-5b``, ``wan2.2-t2v-a14b`` as its high-noise expert; or HunyuanVideo 1.5:
   ``hunyuanvideo-1.5-480p-t2v``, whose padded text and absent image tokens are masked keys: its 8-bit
@@ -445,12 +446,16 @@ def bench_adapter(name: str):
     return adapter.expert(adapter.experts[0]) if adapter.experts else adapter
 
 
-def attention_in_model_part(name: str = "wan2.1-t2v-14b") -> dict:
-    """See the module docstring (``attention_in_model``)."""
-    from trt_sora.kernels import ops
+def attention_in_model_part(name: str = "wan2.1-t2v-14b", kernel: str = "int8") -> dict:
+    """See the module docstring (``attention_in_model``). ``kernel``: the 8-bit attention kernel
+    (``int8``: Triton, ``int8-cute``: the CuTe DSL one) of the call and of the timings alone."""
+    from trt_sora.kernels import cute_attention, ops
     from trt_sora.kernels import triton_ops as t
     from trt_sora.models import get_adapter
     from trt_sora.runners.fp8_runner import AttentionPolicy, TorchFp8Runner
+
+    attend = cute_attention.attention_fp8 if kernel == "int8-cute" else t.attention_fp8
+    marker = "cute_attention_kernel" if kernel == "int8-cute" else "attn_fp8"
 
     adapter = get_adapter(name)
     _, inputs = call_inputs(adapter, "480p", 1)
@@ -458,8 +463,8 @@ def attention_in_model_part(name: str = "wan2.1-t2v-14b") -> dict:
     fwd = adapter.export_module(model)
     plan = calibrate_plan(model, fwd, inputs, adapter.quant_excludes)
     del fwd
-    r = TorchFp8Runner(adapter, None, plan=plan, device="cuda", model=model, attention=AttentionPolicy(enabled=True),
-                       cuda_graphs=False).activate()
+    r = TorchFp8Runner(adapter, None, plan=plan, device="cuda", model=model,
+                       attention=AttentionPolicy(enabled=True, kernel=kernel), cuda_graphs=False).activate()
     del model
     feeds_r = dict(zip(adapter.input_names, inputs))
     captured: dict = {}
@@ -476,12 +481,12 @@ def attention_in_model_part(name: str = "wan2.1-t2v-14b") -> dict:
         r.infer(feeds_r)
     finally:
         ops.self_attention = orig
-    out: dict = {"model": name, "tokens": int(captured["qkv"].shape[1]), "heads": captured["heads"]}
+    out: dict = {"model": name, "kernel": kernel, "tokens": int(captured["qkv"].shape[1]), "heads": captured["heads"]}
     with GpuSampler() as smp:
         _, t_call, _ = timed_calls(lambda: r.infer(feeds_r)["sample"], 5, warmup=1)
     out["call_s"], out["gpu_during_calls"] = t_call, smp.summary()
     sp = profile_split(lambda: r.infer(feeds_r)["sample"])
-    attn = [k for k in sp["top_kernels"] if "attn_fp8" in k[2]]
+    attn = [k for k in sp["top_kernels"] if marker in k[2]]
     out["in_model_attention_ms_per_layer"] = attn[0][0] / attn[0][1] if attn else None
     out["autotune_best"] = str(getattr(t._attn_fp8_kernel, "best_config", None))
     c = captured
@@ -491,18 +496,26 @@ def attention_in_model_part(name: str = "wan2.1-t2v-14b") -> dict:
     for tag, o8 in (("model_inputs", ops_model), ("synthetic_inputs", ops_syn)):
         for otag, osc in (("bf16_out", None), ("fp8_out", c["out_scale"])):
             with GpuSampler() as smp:
-                ms = bench_ms(lambda: t.attention_fp8(*o8, out_scale=osc))
+                ms = bench_ms(lambda: attend(*o8, out_scale=osc))  # noqa: B023
             out[f"alone_{tag}_{otag}_ms"] = ms
             out[f"gpu_alone_{tag}_{otag}"] = smp.summary()
     with GpuSampler() as smp:  # back to back, as in the call: one layer's epilogue + attention, 40 times
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         for _ in range(40):
-            t.attention_fp8(*t.qkv_rmsnorm_rope(c["qkv"], c["wq"], c["wk"], c["cos"], c["sin"], heads, c["eps"],
-                                                fp8=True), out_scale=c["out_scale"])
+            attend(*t.qkv_rmsnorm_rope(c["qkv"], c["wq"], c["wk"], c["cos"], c["sin"], heads, c["eps"], fp8=True),
+                   out_scale=c["out_scale"])
         torch.cuda.synchronize()
     out["sustained_40_layers_ms_per_layer"] = (time.perf_counter() - t0) * 1e3 / 40
     out["gpu_sustained"] = smp.summary()
+    with GpuSampler() as smp:  # the attention alone 40 times on block 0's operands: no epilogue between
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(40):
+            attend(*ops_model, out_scale=c["out_scale"])
+        torch.cuda.synchronize()
+    out["sustained_40_attention_only_ms_per_layer"] = (time.perf_counter() - t0) * 1e3 / 40
+    out["gpu_sustained_attention_only"] = smp.summary()
     flops = 4.0 * s_tok * s_tok * 128 * heads
     out.update({k.replace("_ms", "_tflops"): flops / (v * 1e-3) / 1e12 for k, v in list(out.items())
                 if (k.endswith("_ms") or k.endswith("_ms_per_layer")) and isinstance(v, float)})
@@ -880,6 +893,8 @@ def main(argv=None) -> None:
                     "720p x 81: 75600)")
     ap.add_argument("--fa4-site", default=None,
                     help="fa4_attention: a folder of pip --target installs of flash-attn-4 and its CuTe DSL wheels")
+    ap.add_argument("--attention-kernel", default="int8", choices=("int8", "int8-cute"),
+                    help="attention_in_model: the 8-bit attention kernel of the call and of the timings alone")
     ap.add_argument("--cute-schedule", default=None,
                     help="the _cute rungs' CuTe kernel schedule, e.g. overlap=0,lookahead=1,lazy_rescale=1 "
                          "(trt_sora.kernels.cute_attention.SCHEDULE's keys; 0/1 or a stage count)")
@@ -904,7 +919,7 @@ def main(argv=None) -> None:
     if "gemm" in parts:
         out["gemm"] = gemm_part()
     if "attention_in_model" in parts:
-        out["attention_in_model"] = attention_in_model_part()
+        out["attention_in_model"] = attention_in_model_part(kernel=a.attention_kernel)
         print(json.dumps(out["attention_in_model"]), flush=True)
     if "attention" in parts:
         out["attention"] = attention_part()

@@ -15,7 +15,8 @@
 # exact vs fast FP8 accumulation), attention (kernel vs
 # cuDNN/flash), cudnn_attn (issue 32: our 8-bit Triton kernel vs cuDNN's FP8 SDPA alone, 1 x 40 x 32,760 x 128;
 # needs the nvidia-cudnn-frontend wheel in .whl; cudnn_tests: its GPU tests), m14cudnn (the 14B 480p call with cuDNN's FP8 SDPA as the
-# attention kernel beside the Triton one, eager with the profiler split and graphed), attn_model (the attention kernel inside a 14B call vs alone, with clocks and power), quality (wan-shapes clips),
+# attention kernel beside the Triton one, eager with the profiler split and graphed), attn_model (the attention kernel inside a 14B call vs alone, with clocks and power; attn_model_cute: the CuTe
+# kernel's, the DSL as for cute), quality (wan-shapes clips),
 # levers (issue 13: FP8/INT8 quantization levers on 17 wan-shapes clips at 20 steps, vs fp32; needs
 # build/lev/prompts.safetensors + prompts.text.safetensors from `python benchmarks/quality_levers.py --encode
 # --out build/lev/prompts.safetensors` on CPU, carried),
@@ -153,6 +154,9 @@ for p in "$@"; do
     calib14) part calib14 360 python3 benchmarks/calib_overhead.py --model wan2.1-t2v-14b --cfg batched --reps 3 --variants ${CALIB14_VARIANTS:-shipped} --out "$OUT/calib14_batched.json" ;;
     attn_model) part attn_model 400 python3 benchmarks/fp8_bench.py --parts attention_in_model \
                   --out "$OUT/attn_model.json" ;;
+    attn_model_cute) part attn_model_cute ${ATTN_MODEL_LIMIT:-420} bash -c "set -e; $DSL_UNPACK
+               PYTHONPATH=\$PYTHONPATH:$DSL_PATH python3 benchmarks/fp8_bench.py --parts attention_in_model \
+                 --attention-kernel int8-cute --out $OUT/attn_model_cute.json" ;;
     wsn) part wsn 240 python3 benchmarks/attention_tiles.py --out "$OUT/wsn.json" ;;
     ws) part ws 300 python3 benchmarks/gluon_attention.py ${WS_CONFIGS:+--configs "$WS_CONFIGS"} \
           ${WS_VARIANTS:+--variants "$WS_VARIANTS"} --out "$OUT/ws.json" ;;
