@@ -194,7 +194,7 @@ def cross_part(t, prev) -> dict:
     v = torch.randn(1, TEXT, 2 * C, device=DEVICE, generator=g).to(torch.bfloat16)[..., :C]  # kv2's chunk view
     sc = torch.tensor(4.0 / 448, device=DEVICE)
     heads = min(4, H)  # the error against fp32 on the first heads' columns (all 40 in fp32: slow and large)
-    qn = ref._rms(q, wq, torch.rsqrt(q.float().square().mean(-1, keepdim=True) + 1e-6))[..., :heads * D]
+    qn = ref.rms_norm(q, wq)[..., :heads * D]
     exact = ref.attention(*(x.unflatten(-1, (heads, D)).transpose(1, 2)
                             for x in (qn, k[..., :heads * D], v[..., :heads * D]))).transpose(1, 2).flatten(2)
 

@@ -98,7 +98,7 @@ def assert_cross_attention_tracks_fp32(y, q, wq, k, v, h, act_scale=None):
     each weight: 2^-9 of max |v| on the output), and its output to bf16 (2^-9 of each value) and to FP8 (2^-4);
     twice those bounds for the RMS statistics' order, which can move one rounding of a normed query."""
     want = ref.cross_attention(q, wq, k, v, h).float()  # fp32 attention, rounded once to bf16
-    qn = ref._rms(q, wq, torch.rsqrt(q.float().square().mean(-1, keepdim=True) + 1e-6))
+    qn = ref.rms_norm(q, wq)
     exact = ref.attention(*(x.unflatten(-1, (h, -1)).transpose(1, 2) for x in (qn, k, v))).transpose(1, 2).flatten(2)
     got = y.float() * (act_scale if act_scale is not None else 1.0)
     rel = 2 ** -4 if act_scale is not None else 2 ** -8

@@ -316,7 +316,7 @@ def test_cross_attention_vs_fp32_and_the_path_it_replaced(settings):
     def split(x):
         return x.unflatten(-1, (h, -1)).transpose(1, 2)
 
-    qn = ref._rms(q, wq, torch.rsqrt(q.float().square().mean(-1, keepdim=True) + 1e-6))
+    qn = ref.rms_norm(q, wq)
     exact = ref.attention(split(qn), split(k), split(v)).transpose(1, 2).flatten(2)
     old = ops.heads_to_tokens(ops.sdpa_bf16(split(F.rms_norm(q, (h * 128,), wq, 1e-6)), split(k), split(v)))
     err, err_old = ((x.float() - exact).abs().mean().item() for x in (y, old))

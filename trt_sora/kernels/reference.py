@@ -20,7 +20,7 @@ FP8 = torch.float8_e4m3fn
 
 __all__ = ["FP8", "FP8_MAX", "attention", "attention_fp8", "block_quant", "cross_attention", "dequant_scale",
            "example_qkv", "gelu_quant", "heads_to_tokens", "key_valid", "per_row", "quantize", "quantize_int8",
-           "qkv_rmsnorm_rope", "residual_norm_quant", "rms_stats", "rope", "sdpa_fp8", "sdpa_fp8_operands",
+           "qkv_rmsnorm_rope", "residual_norm_quant", "rms_norm", "rms_stats", "rope", "sdpa_fp8", "sdpa_fp8_operands",
            "vt_key_order", "vt_natural"]
 
 
@@ -83,6 +83,11 @@ def rms_stats(qkv: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 def _rms(x: torch.Tensor, w: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
     """``x`` [B, S, C] * ``rstd`` [B, S, 1] * ``w`` [C], rounded to ``x``'s dtype (diffusers' RMSNorm)."""
     return (x.float() * rstd * w.float()).to(x.dtype)
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """RMSNorm of ``x`` [..., C] over C with weight ``w`` [C], the statistics in fp32, rounded once to ``x``'s dtype."""
+    return _rms(x, w, torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps))
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -251,7 +256,7 @@ def cross_attention(q: torch.Tensor, wq: torch.Tensor, k: torch.Tensor, v: torch
     """Queries over a short context (Wan's text tokens): ``q`` [B, S, C] bf16 RMS-normed over C with ``wq`` here,
     keys (already normed) and values [B, L, C] bf16, ``heads`` heads, softmax scale 1 / sqrt(C / heads); fp32
     attention rounded to bf16, [B, S, C], FP8 at ``act_scale`` when given."""
-    qn = _rms(q, wq, torch.rsqrt(q.float().square().mean(-1, keepdim=True) + eps))
+    qn = rms_norm(q, wq, eps)
 
     def split(t):
         return t.unflatten(-1, (heads, -1)).transpose(1, 2)
