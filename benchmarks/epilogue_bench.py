@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.fp8_bench import bench_ms  # noqa: E402
+from benchmarks.fp8_bench import bench_ms, prev_triton_ops  # noqa: E402
 from trt_sora.kernels.reference import example_qkv  # noqa: E402
 
 S, C, H, D = 32760, 5120, 40, 128
@@ -41,14 +41,6 @@ TEXT = 512  # Wan's text tokens
 #: (query rows, keys a tile, warps, stages) of the cross-attention kernel
 CROSS_GRID = ((128, 64, 8, 2), (128, 128, 8, 2), (128, 64, 4, 2), (128, 64, 8, 3), (64, 64, 4, 2), (64, 128, 4, 3),
               (128, 32, 4, 2))
-
-
-def _prev():
-    try:
-        from benchmarks import _prev_triton_ops as prev
-    except ImportError:
-        return None
-    return prev
 
 
 def norm_inputs(g) -> dict:
@@ -245,7 +237,7 @@ def main() -> int:
     args = ap.parse_args()
     from trt_sora.kernels import triton_ops as t
 
-    prev = _prev()
+    prev = prev_triton_ops()
     import triton
     from triton.backends.nvidia.compiler import get_ptxas_version
 

@@ -499,23 +499,22 @@ def attention_in_model_part(name: str = "wan2.1-t2v-14b", kernel: str = "int8") 
                 ms = bench_ms(lambda: attend(*o8, out_scale=osc))  # noqa: B023
             out[f"alone_{tag}_{otag}_ms"] = ms
             out[f"gpu_alone_{tag}_{otag}"] = smp.summary()
-    with GpuSampler() as smp:  # back to back, as in the call: one layer's epilogue + attention, 40 times
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(40):
-            attend(*t.qkv_rmsnorm_rope(c["qkv"], c["wq"], c["wk"], c["cos"], c["sin"], heads, c["eps"], fp8=True),
-                   out_scale=c["out_scale"])
-        torch.cuda.synchronize()
-    out["sustained_40_layers_ms_per_layer"] = (time.perf_counter() - t0) * 1e3 / 40
-    out["gpu_sustained"] = smp.summary()
-    with GpuSampler() as smp:  # the attention alone 40 times on block 0's operands: no epilogue between
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(40):
-            attend(*ops_model, out_scale=c["out_scale"])
-        torch.cuda.synchronize()
-    out["sustained_40_attention_only_ms_per_layer"] = (time.perf_counter() - t0) * 1e3 / 40
-    out["gpu_sustained_attention_only"] = smp.summary()
+    def forty(fn) -> tuple[float, dict]:
+        """ms a call of ``fn`` run 40 times back to back (a call's layers), and what nvidia-smi saw."""
+        with GpuSampler() as smp:
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(40):
+                fn()
+            torch.cuda.synchronize()
+        return (time.perf_counter() - t0) * 1e3 / 40, smp.summary()
+
+    # as in the call: one layer's epilogue + attention; then the attention alone, no epilogue between
+    out["sustained_40_layers_ms_per_layer"], out["gpu_sustained"] = forty(lambda: attend(
+        *t.qkv_rmsnorm_rope(c["qkv"], c["wq"], c["wk"], c["cos"], c["sin"], heads, c["eps"], fp8=True),
+        out_scale=c["out_scale"]))
+    out["sustained_40_attention_only_ms_per_layer"], out["gpu_sustained_attention_only"] = forty(
+        lambda: attend(*ops_model, out_scale=c["out_scale"]))
     flops = 4.0 * s_tok * s_tok * 128 * heads
     out.update({k.replace("_ms", "_tflops"): flops / (v * 1e-3) / 1e12 for k, v in list(out.items())
                 if (k.endswith("_ms") or k.endswith("_ms_per_layer")) and isinstance(v, float)})
@@ -713,54 +712,54 @@ def model_part(name: str, size: str, batch: int, iters: int, rungs: list[str], s
         model.to("cpu")
         _release_gpu()
     y_dense = None
-    for rung, sparse_plan in plans.items():
-        kw = ladder["fp8_fused_attn8_graph"] if sparse_plan is not None else ladder[rung]
-        triton_ops.ATTN_WS = shipped_ws != rung.endswith("_otherkernel")
-        ops.cross_attention = cross_attention_sdpa if rung.endswith(("_xsdpa", "_prev")) else shipped_cross
-        ops._tri = prev_kernels(shipped_tri) if rung.endswith("_prev") else shipped_tri
-        held = _gpu_gib()
-        r = None
-        try:
-            r = TorchFp8Runner(adapter, None, plan=plan, device=device, model=copy.deepcopy(model),
-                               sparse=sparse_plan, **kw).activate()
-            feeds_r = {n: x for n, x in zip(adapter.input_names, inputs)}
-            call = lambda: r.infer(feeds_r)["sample"]  # noqa: E731
-            y, t, ts = timed_calls(call, iters)
-        except Exception as exc:  # noqa: BLE001 - an optional kernel (cuDNN FP8, CuTe) must not end the other rungs
-            if not rung.removesuffix("_xsdpa").removesuffix("_prev").endswith(("_cudnn", "_cute")):
-                ops.cross_attention, ops._tri = shipped_cross, shipped_tri
-                raise
-            from trt_sora.kernels import cudnn_attention, cute_attention
+    try:  # each rung sets the kernels it runs; the shipped ones are back after the last, or a failure
+        for rung, sparse_plan in plans.items():
+            kw = ladder["fp8_fused_attn8_graph"] if sparse_plan is not None else ladder[rung]
+            triton_ops.ATTN_WS = shipped_ws != rung.endswith("_otherkernel")
+            ops.cross_attention = cross_attention_sdpa if rung.endswith(("_xsdpa", "_prev")) else shipped_cross
+            ops._tri = prev_kernels(shipped_tri) if rung.endswith("_prev") else shipped_tri
+            held = _gpu_gib()
+            r = None
+            try:
+                r = TorchFp8Runner(adapter, None, plan=plan, device=device, model=copy.deepcopy(model),
+                                   sparse=sparse_plan, **kw).activate()
+                feeds_r = {n: x for n, x in zip(adapter.input_names, inputs)}
+                call = lambda: r.infer(feeds_r)["sample"]  # noqa: E731
+                y, t, ts = timed_calls(call, iters)
+            except Exception as exc:  # noqa: BLE001 - an optional kernel (cuDNN FP8, CuTe) must not end the other rungs
+                if not rung.removesuffix("_xsdpa").removesuffix("_prev").endswith(("_cudnn", "_cute")):
+                    raise
+                from trt_sora.kernels import cudnn_attention, cute_attention
 
-            res["rungs"][rung] = {"error": f"{type(exc).__name__}: {exc}", "cudnn": cudnn_attention.versions(),
-                                  "cutlass_dsl": cute_attention.version()}
-            print(rung, "failed:", res["rungs"][rung], flush=True)
-            ops.cross_attention, ops._tri = shipped_cross, shipped_tri
-            if r is not None:
-                r.deactivate()
-            del r
+                res["rungs"][rung] = {"error": f"{type(exc).__name__}: {exc}", "cudnn": cudnn_attention.versions(),
+                                      "cutlass_dsl": cute_attention.version()}
+                print(rung, "failed:", res["rungs"][rung], flush=True)
+                if r is not None:
+                    r.deactivate()
+                del r
+                _release_gpu()
+                save(res)
+                continue
+            rep = r.report()
+            if profile and rung in ("fp8_fused", "fp8_fused_attn8", "fp8_fused_attn8_cudnn", "fp8_fused_attn8_cute"):
+                rep["split_ms"] = profile_split(call)
+            rep.update({"s": t, "all_s": ts, "cosine_vs_eager_bf16": cos(y, y_ref),
+                        "expected_fp8_gemms": r.expected_gemms(), "gpu_gib_held_before_rung": held})
+            if rung == "fp8_fused_attn8_graph":
+                y_dense = y
+            if sparse_plan is not None:
+                rep.update(sparse_record(sparse_plan, adapter.token_grid(inputs[0].shape), y, y_dense, t,
+                                         res["rungs"].get("fp8_fused_attn8_graph", {}).get("s")))
+            if not r.cuda_graphs and rep["fp8_gemms_per_call"] != rep["expected_fp8_gemms"]:
+                raise SystemExit(f"{rung}: ran {rep['fp8_gemms_per_call']} FP8 GEMMs, the plan needs "
+                                 f"{rep['expected_fp8_gemms']}: a silent no-op")
+            res["rungs"][rung] = rep
+            r.deactivate()
+            del r, call
             _release_gpu()
             save(res)
-            continue
-        rep = r.report()
-        if profile and rung in ("fp8_fused", "fp8_fused_attn8", "fp8_fused_attn8_cudnn", "fp8_fused_attn8_cute"):
-            rep["split_ms"] = profile_split(call)
-        rep.update({"s": t, "all_s": ts, "cosine_vs_eager_bf16": cos(y, y_ref),
-                    "expected_fp8_gemms": r.expected_gemms(), "gpu_gib_held_before_rung": held})
-        if rung == "fp8_fused_attn8_graph":
-            y_dense = y
-        if sparse_plan is not None:
-            rep.update(sparse_record(sparse_plan, adapter.token_grid(inputs[0].shape), y, y_dense, t,
-                                     res["rungs"].get("fp8_fused_attn8_graph", {}).get("s")))
-        if not r.cuda_graphs and rep["fp8_gemms_per_call"] != rep["expected_fp8_gemms"]:
-            raise SystemExit(f"{rung}: ran {rep['fp8_gemms_per_call']} FP8 GEMMs, the plan needs "
-                             f"{rep['expected_fp8_gemms']}: a silent no-op")
-        res["rungs"][rung] = rep
+    finally:
         triton_ops.ATTN_WS, ops.cross_attention, ops._tri = shipped_ws, shipped_cross, shipped_tri
-        r.deactivate()
-        del r, call
-        _release_gpu()
-        save(res)
     del fwd
     torch.cuda.empty_cache()
     base = res["rungs"]["eager_bf16"]["s"]
@@ -829,14 +828,23 @@ def set_cute_schedule(text: str) -> dict:
 KERNEL_SETTINGS = ("NORM_MAX_WARPS", "EPILOGUE_WARPS", "CROSS_ATTN")
 
 
-def prev_kernels(shipped_tri):
-    """``ops._tri`` for the ``_prev`` rungs: benchmarks/_prev_triton_ops.py (``git show
-    REV:trt_sora/kernels/triton_ops.py > benchmarks/_prev_triton_ops.py``) where the shipped module would run."""
+def prev_triton_ops(required: bool = False):
+    """benchmarks/_prev_triton_ops.py (``git show REV:trt_sora/kernels/triton_ops.py >
+    benchmarks/_prev_triton_ops.py``): another commit's Triton kernels, or None where it is absent and not
+    ``required``."""
     try:
         from benchmarks import _prev_triton_ops as prev
     except ImportError as exc:
-        raise SystemExit("a _prev rung needs benchmarks/_prev_triton_ops.py (git show "
-                         "REV:trt_sora/kernels/triton_ops.py > benchmarks/_prev_triton_ops.py)") from exc
+        if required:
+            raise SystemExit("this needs benchmarks/_prev_triton_ops.py (git show "
+                             "REV:trt_sora/kernels/triton_ops.py > benchmarks/_prev_triton_ops.py)") from exc
+        return None
+    return prev
+
+
+def prev_kernels(shipped_tri):
+    """``ops._tri`` for the ``_prev`` rungs: :func:`prev_triton_ops` where the shipped module would run."""
+    prev = prev_triton_ops(required=True)
     return lambda x: prev if shipped_tri(x) is not None else None
 
 

@@ -10,6 +10,7 @@ from khelpers import (  # noqa: E402
     assert_cross_attention_tracks_fp32,
     assert_operands_match,
     assert_qkv_epilogue_matches,
+    cross_attention_exact,
     cross_case,
     residual_norm_inputs,
     run_attention,
@@ -316,8 +317,7 @@ def test_cross_attention_vs_fp32_and_the_path_it_replaced(settings):
     def split(x):
         return x.unflatten(-1, (h, -1)).transpose(1, 2)
 
-    qn = ref.rms_norm(q, wq)
-    exact = ref.attention(split(qn), split(k), split(v)).transpose(1, 2).flatten(2)
+    exact = cross_attention_exact(q, wq, k, v, h)
     old = ops.heads_to_tokens(ops.sdpa_bf16(split(F.rms_norm(q, (h * 128,), wq, 1e-6)), split(k), split(v)))
     err, err_old = ((x.float() - exact).abs().mean().item() for x in (y, old))
     assert err <= 1.05 * err_old, (err, err_old)

@@ -482,7 +482,7 @@ def qkv_rmsnorm_rope(qkv, wq, wk, cos, sin, heads: int, eps: float = 1e-6, *, fp
 # -- cross-attention over a short context: RMSNorm of Q + BF16 attention + [B, S, C] (+ quantize) -------------
 @triton.jit
 def _cross_attention_kernel(Q, RSTD, WQ, K, V, Y, SC, S, L, H, s_kb, s_kl, s_vb, s_vl, qk_scale, D: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QUANT: tl.constexpr):
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QUANT: tl.constexpr):
     """One head's BLOCK_M queries over all L keys. Q rows [B*S, H*D] bf16 are RMS-normed on load
     (``bf16(q * rstd * w)``, diffusers' RMSNorm), the products are BF16 with fp32 accumulation and
     the probabilities rounded to bf16 for P V (what flash SDPA does), the output rounded to bf16 and
@@ -539,8 +539,8 @@ def cross_attention(q, wq, k, v, heads: int, eps: float = 1e-6, act_scale=None, 
     cfg = {**CROSS_ATTN, **settings}
     grid = (b * heads, triton.cdiv(s, cfg["BLOCK_M"]))
     _cross_attention_kernel[grid](q, rstd, wq, k, v, y, act_scale if act_scale is not None else q, s, lk, heads,
-                             k.stride(0), k.stride(1), v.stride(0), v.stride(1), math.log2(math.e) / math.sqrt(d),
-                             D=d, QUANT=act_scale is not None, **cfg)
+                                  k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                                  math.log2(math.e) / math.sqrt(d), D=d, QUANT=act_scale is not None, **cfg)
     return y
 
 
