@@ -8,9 +8,6 @@ of 128), one setting at a time: the time, the DRAM rate it implies, and its outp
   K/V pass), by the two passes' warps (``EPILOGUE_WARPS``), with each kernel's own time from the profiler.
 * ``gelu``: ``gelu_quant`` on the FFN's hidden state (13,824 channels), against torch's tanh GELU + ``quantize``
   (and the previous commit's kernel, as below).
-* ``cross``: Wan's cross-attention over 512 text tokens (``cross_attention``: the queries' RMSNorm, BF16 attention,
-  the FP8 output in token layout) by launch setting (``CROSS_ATTN``), beside the path it replaced (torch's RMSNorm,
-  cuDNN BF16 SDPA, the layout pass: ``fp8_bench.cross_attention_sdpa``); each one's error against fp32 attention.
 
 results/h100_epilogue_settings_2026-12-07.json came from this file at f0f2c89, whose grid also had rows a norm
 program and token sub-tiles of the epilogue's passes (both slower at every value; removed).
@@ -37,10 +34,6 @@ S, C, H, D = 32760, 5120, 40, 128
 DEVICE = "cuda"
 NORM_GRID = (16, 8, 4)  # the most warps of a row's program
 QKV_GRID = ((8, 8), (16, 16), (4, 8), (8, 16), (4, 4))  # (the tile pass's warps, the K/V pass's)
-TEXT = 512  # Wan's text tokens
-#: (query rows, keys a tile, warps, stages) of the cross-attention kernel
-CROSS_GRID = ((128, 64, 8, 2), (128, 128, 8, 2), (128, 64, 4, 2), (128, 64, 8, 3), (64, 64, 4, 2), (64, 128, 4, 3),
-              (128, 32, 4, 2))
 
 
 def norm_inputs(g) -> dict:
@@ -171,47 +164,6 @@ def gelu_part(t, prev) -> dict:
     return {"bytes": nbytes, "by_setting": rows}
 
 
-def _cross_key(g) -> str:
-    return "m{}_n{}_w{}_s{}".format(*g)
-
-
-def cross_part(t, prev) -> dict:
-    from benchmarks.fp8_bench import cross_attention_sdpa
-    from trt_sora.kernels import reference as ref
-
-    g = torch.Generator(device=DEVICE).manual_seed(0)
-    q = (torch.randn(1, S, C, device=DEVICE, generator=g) * 2).to(torch.bfloat16)
-    wq = (1 + 0.2 * torch.randn(C, device=DEVICE, generator=g)).to(torch.bfloat16)
-    k = torch.randn(1, TEXT, C, device=DEVICE, generator=g).to(torch.bfloat16)
-    v = torch.randn(1, TEXT, 2 * C, device=DEVICE, generator=g).to(torch.bfloat16)[..., :C]  # kv2's chunk view
-    sc = torch.tensor(4.0 / 448, device=DEVICE)
-    heads = min(4, H)  # the error against fp32 on the first heads' columns (all 40 in fp32: slow and large)
-    qn = ref.rms_norm(q, wq)[..., :heads * D]
-    exact = ref.attention(*(x.unflatten(-1, (heads, D)).transpose(1, 2)
-                            for x in (qn, k[..., :heads * D], v[..., :heads * D]))).transpose(1, 2).flatten(2)
-
-    def err(y):
-        d = y[..., :heads * D].float() * sc - exact
-        return {"max_abs_vs_fp32": d.abs().max().item(), "mean_abs_vs_fp32": d.abs().mean().item()}
-
-    want = t.cross_attention(q, wq, k, v, H, 1e-6, sc)
-    rows = {}
-    for cfg in CROSS_GRID:
-        kw = dict(zip(("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"), cfg))
-        run = lambda kw=kw: t.cross_attention(q, wq, k, v, H, 1e-6, sc, **kw)  # noqa: E731
-        got = run()
-        rows[_cross_key(cfg)] = {"ms": bench_ms(run), "kernels_us": kernel_us(run), "y_equal": _same(got, want),
-                                 **err(got)}
-    old = lambda: cross_attention_sdpa(q, wq, k, v, H, 1e-6, sc)  # noqa: E731
-    rows["sdpa_path"] = {"ms": bench_ms(old), "kernels_us": kernel_us(old), "y_equal": _same(old(), want),
-                         **err(old())}
-    flops = 4.0 * S * TEXT * C
-    for r in rows.values():
-        r["tflops"] = flops / (r["ms"] * 1e-3) / 1e12
-    return {"text_tokens": TEXT, "shipped": dict(t.CROSS_ATTN), "by_setting": rows,
-            "bytes": S * C * 2 + S * C + 2 * TEXT * C * 2}
-
-
 def best_settings(res: dict) -> dict:
     """The fastest setting of each part (norm: the least time over its three forms), as
     ``fp8_bench.py --kernel-settings`` takes them."""
@@ -223,16 +175,12 @@ def best_settings(res: dict) -> dict:
         rows = res["qkv"]["by_setting"]
         pw, kw = min(QKV_GRID, key=lambda g: rows[f"post{g[0]}_kv{g[1]}"]["ms"])
         out["EPILOGUE_WARPS"] = {"post": pw, "kv": kw}
-    if "cross" in res:
-        rows = res["cross"]["by_setting"]
-        best = min(CROSS_GRID, key=lambda g: rows[_cross_key(g)]["ms"])
-        out["CROSS_ATTN"] = dict(zip(("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"), best))
     return out
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--parts", default="norm,qkv,gelu,cross")
+    ap.add_argument("--parts", default="norm,qkv,gelu")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     from trt_sora.kernels import triton_ops as t
@@ -244,7 +192,7 @@ def main() -> int:
     res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
            "ptxas": get_ptxas_version().strip().splitlines()[-1], "shape": [1, S, C, H, D], "prev": prev is not None,
            "script": "benchmarks/epilogue_bench.py"}
-    parts = {"norm": norm_part, "qkv": qkv_part, "gelu": gelu_part, "cross": cross_part}
+    parts = {"norm": norm_part, "qkv": qkv_part, "gelu": gelu_part}
     for name in args.parts.split(","):
         res[name] = parts[name](t, prev)
         res["best"] = best_settings(res)

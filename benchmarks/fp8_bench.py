@@ -36,8 +36,7 @@ Parts (``--parts``):
   warp-specialized Gluon one on SM 9.x; ``fp8_fused_attn8_cudnn`` / ``fp8_fused_attn8_graph_cudnn``: with
   cuDNN's FP8 SDPA, eager with its profiler split, and graphed; a failure there is recorded, not fatal;
   ``fp8_fused_attn8_cute`` / ``fp8_fused_attn8_graph_cute``: the same with our CuTe DSL kernel (SM 9.0);
-  any rung + ``_xsdpa``: that rung with Wan's cross-attention as it ran before its fused kernel
-  (:func:`cross_attention_sdpa`), + ``_prev``: that and benchmarks/_prev_triton_ops.py's Triton kernels
+  any rung + ``_prev``: that rung with benchmarks/_prev_triton_ops.py's Triton kernels
   (:func:`prev_kernels`), for an A/B in one process;
   ``fp8_fused_attn8_graph_sparse``: the full rung with block-sparse self-attention, once per window of
   ``--sparse-windows`` (rung ``fp8_fused_attn8_graph_sparse_F-H-W``; every layer and step, the first
@@ -699,12 +698,12 @@ def model_part(name: str, size: str, batch: int, iters: int, rungs: list[str], s
                                            cuda_graphs=False),
               "fp8_fused_attn8_graph_cute": dict(mode="fused", attention=AttentionPolicy(kernel="int8-cute"),
                                                  cuda_graphs=True)}
-    # the same rungs with the cross-attention as it ran before its fused kernel (cross_attention_sdpa), and
-    # with that and every Triton kernel of benchmarks/_prev_triton_ops.py (another commit's; see epilogue_bench)
-    ladder |= {f"{k}{x}": v for k, v in list(ladder.items()) for x in ("_xsdpa", "_prev")}
+    # the same rungs with every Triton kernel of benchmarks/_prev_triton_ops.py (another commit's; see
+    # epilogue_bench)
+    ladder |= {f"{k}_prev": v for k, v in list(ladder.items())}
     from trt_sora.kernels import ops, triton_ops
 
-    shipped_ws, shipped_cross, shipped_tri = triton_ops.ATTN_WS, ops.cross_attention, ops._tri
+    shipped_ws, shipped_tri = triton_ops.ATTN_WS, ops._tri
     plans = {rung: None for rung in ladder if rung in rungs} | dict(sparse or {})
     if plans and str(device).startswith("cuda"):
         # each rung rewrites its own copy of the model: the bf16 reference waits on the host, so a 14B rung
@@ -716,7 +715,6 @@ def model_part(name: str, size: str, batch: int, iters: int, rungs: list[str], s
         for rung, sparse_plan in plans.items():
             kw = ladder["fp8_fused_attn8_graph"] if sparse_plan is not None else ladder[rung]
             triton_ops.ATTN_WS = shipped_ws != rung.endswith("_otherkernel")
-            ops.cross_attention = cross_attention_sdpa if rung.endswith(("_xsdpa", "_prev")) else shipped_cross
             ops._tri = prev_kernels(shipped_tri) if rung.endswith("_prev") else shipped_tri
             held = _gpu_gib()
             r = None
@@ -727,7 +725,7 @@ def model_part(name: str, size: str, batch: int, iters: int, rungs: list[str], s
                 call = lambda: r.infer(feeds_r)["sample"]  # noqa: E731
                 y, t, ts = timed_calls(call, iters)
             except Exception as exc:  # noqa: BLE001 - an optional kernel (cuDNN FP8, CuTe) must not end the other rungs
-                if not rung.removesuffix("_xsdpa").removesuffix("_prev").endswith(("_cudnn", "_cute")):
+                if not rung.removesuffix("_prev").endswith(("_cudnn", "_cute")):
                     raise
                 from trt_sora.kernels import cudnn_attention, cute_attention
 
@@ -759,7 +757,7 @@ def model_part(name: str, size: str, batch: int, iters: int, rungs: list[str], s
             _release_gpu()
             save(res)
     finally:
-        triton_ops.ATTN_WS, ops.cross_attention, ops._tri = shipped_ws, shipped_cross, shipped_tri
+        triton_ops.ATTN_WS, ops._tri = shipped_ws, shipped_tri
     del fwd
     torch.cuda.empty_cache()
     base = res["rungs"]["eager_bf16"]["s"]
@@ -825,7 +823,7 @@ def set_cute_schedule(text: str) -> dict:
 
 
 #: The torch-fp8 Triton kernels' launch settings ``--kernel-settings`` may set (trt_sora.kernels.triton_ops).
-KERNEL_SETTINGS = ("NORM_MAX_WARPS", "EPILOGUE_WARPS", "CROSS_ATTN")
+KERNEL_SETTINGS = ("NORM_MAX_WARPS", "EPILOGUE_WARPS")
 
 
 def prev_triton_ops(required: bool = False):
@@ -846,18 +844,6 @@ def prev_kernels(shipped_tri):
     """``ops._tri`` for the ``_prev`` rungs: :func:`prev_triton_ops` where the shipped module would run."""
     prev = prev_triton_ops(required=True)
     return lambda x: prev if shipped_tri(x) is not None else None
-
-
-def cross_attention_sdpa(q, wq, k, v, heads: int, eps: float, act_scale=None):
-    """Wan's cross-attention as torch-fp8 ran it before ``ops.cross_attention`` had its kernel (the ``_xsdpa``
-    rungs): torch's RMSNorm of the queries, cuDNN BF16 SDPA on [B, H, S, D] views, the layout (+ FP8) pass."""
-    from trt_sora.kernels import ops
-
-    def split(t):
-        return t.unflatten(-1, (heads, -1)).transpose(1, 2)
-
-    qn = torch.nn.functional.rms_norm(q, (q.shape[-1],), wq, eps)
-    return ops.heads_to_tokens(ops.sdpa_bf16(split(qn), split(k), split(v)), act_scale)
 
 
 def set_kernel_settings(path: str) -> dict:

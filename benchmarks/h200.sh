@@ -41,11 +41,11 @@
 # m14cute (the 14B 480p call with torch_fp8.attention_kernel int8-cute beside the Triton kernel: eager with the
 # profiler split, and graphed; the DSL as for cute; M14CUTE_SCHEDULE, e.g. overlap=0,lookahead=1: the kernel's
 # schedule; KERNEL_SETTINGS: a JSON of the Triton kernels' launch settings, e.g. the epi part's output, its best
-# ones; M14CUTE_RUNGS: other rungs, e.g. ..._graph_cute,..._graph_cute_xsdpa (the cross-attention as it ran before
-# its kernel); needs diffusers' wheel), cute_tests (the CuTe kernel's GPU tests, the DSL on the path; pytest from the
+# ones; M14CUTE_RUNGS: other rungs, e.g. ..._graph_cute,..._graph_cute_prev (benchmarks/_prev_triton_ops.py's
+# Triton kernels); needs diffusers' wheel), cute_tests (the CuTe kernel's GPU tests, the DSL on the path; pytest from the
 # WHL carry: build/pyt holds pytest, pluggy, iniconfig and diffusers, 6.5 MB beside the DSL's 40 MB piece),
 # epi (the memory-bound kernels of the 14B call at its size: residual_norm_quant and the fused-QKV epilogue by
-# warps, the cross-attention kernel by tile, each kernel's time and its outputs vs the shipped setting's;
+# warps, gelu_quant, each kernel's time and its outputs vs the shipped setting's;
 # benchmarks/_prev_triton_ops.py beside it: that commit's kernels too; benchmarks/epilogue_bench.py),
 # hist (one batch's |x| histogram several ways; HIST_ARGS=--only-cuda: the torch path and the NVRTC kernel),
 # m14b2 (14B batch 2), m14_720 (14B 720p batch 1), m14sparse (issue 32: the 14B 720p call, the full torch-fp8 rung

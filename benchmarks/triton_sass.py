@@ -30,9 +30,6 @@ NORM_SIG.update({"Y": "*fp8e4nv", "SC": "*fp32", "S": "i32", "C": "i32", "eps": 
 NORM_FORMS = {"mod": dict(HAS_R=False, HAS_G=False, HAS_W=False, HAS_MOD=True),
               "residual_gate_affine": dict(HAS_R=True, HAS_G=True, HAS_W=True, HAS_MOD=False),
               "residual_mod": dict(HAS_R=True, HAS_G=False, HAS_W=False, HAS_MOD=True)}
-CROSS_SIG = {"Q": "*bf16", "RSTD": "*fp32", "WQ": "*bf16", "K": "*bf16", "V": "*bf16", "Y": "*fp8e4nv", "SC": "*fp32",
-             "S": "i32", "L": "i32", "H": "i32", "s_kb": "i32", "s_kl": "i32", "s_vb": "i32", "s_vl": "i32",
-             "qk_scale": "fp32"}
 C, FFN = 5120, 13824
 
 
@@ -81,11 +78,6 @@ def kernels(m) -> dict:
                                ("C", "VB"), C / (32 * warps))
     out["gelu_quant"] = (m._act_quant_kernel, {"X": "*bf16", "Y": "*fp8e4nv", "SC": "*fp32", "N": "i32"},
                          dict(GELU=True, QUANT=True, BLOCK=4096), 8, ("N",), 4096 / 256)
-    if hasattr(m, "_cross_attention_kernel"):
-        cfg = m.CROSS_ATTN
-        out["cross_attention"] = (m._cross_attention_kernel, CROSS_SIG,
-                                  dict(D=128, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], QUANT=True),
-                                  cfg["num_warps"], ("S", "L", "s_kb", "s_kl", "s_vb", "s_vl"), None)
     return out
 
 

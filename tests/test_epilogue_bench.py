@@ -23,12 +23,8 @@ def test_best_settings_take_the_least_time_over_the_norm_forms_and_the_fastest_q
             "c": {"by_setting": _rows({"warps16": 5, "warps8": 3, "warps4": 3, "prev": 0.1})},
             "shipped": {"max_warps": 8}}
     qkv = {"by_setting": _rows({f"post{p}_kv{k}": 2.0 for p, k in eb.QKV_GRID} | {"post4_kv8": 1.5, "prev": 0.1})}
-    # the path the kernel replaced is no candidate either
-    cross = {"by_setting": _rows({eb._cross_key(g): 3.0 for g in eb.CROSS_GRID} | {"m64_n64_w4_s2": 2.5,
-                                                                                   "sdpa_path": 0.1})}
-    assert eb.best_settings({"norm": norm, "qkv": qkv, "cross": cross}) == {
-        "NORM_MAX_WARPS": 4, "EPILOGUE_WARPS": {"post": 4, "kv": 8},
-        "CROSS_ATTN": {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}}
+    assert eb.best_settings({"norm": norm, "qkv": qkv}) == {"NORM_MAX_WARPS": 4,
+                                                            "EPILOGUE_WARPS": {"post": 4, "kv": 8}}
 
 
 def test_kernel_settings_set_the_named_launch_settings_and_refuse_unknown_ones(tmp_path, monkeypatch):
@@ -37,16 +33,12 @@ def test_kernel_settings_set_the_named_launch_settings_and_refuse_unknown_ones(t
 
     monkeypatch.setattr(t, "NORM_MAX_WARPS", t.NORM_MAX_WARPS)
     monkeypatch.setattr(t, "EPILOGUE_WARPS", dict(t.EPILOGUE_WARPS))
-    monkeypatch.setattr(t, "CROSS_ATTN", dict(t.CROSS_ATTN))
-    rms, cross = t.EPILOGUE_WARPS["rms"], dict(t.CROSS_ATTN)
+    rms = t.EPILOGUE_WARPS["rms"]
     f = tmp_path / "epi.json"
-    f.write_text(json.dumps({"gpu": "x", "best": {"NORM_MAX_WARPS": 4, "EPILOGUE_WARPS": {"post": 16, "kv": 4},
-                                                  "CROSS_ATTN": {"BLOCK_N": 128}}}))
+    f.write_text(json.dumps({"gpu": "x", "best": {"NORM_MAX_WARPS": 4, "EPILOGUE_WARPS": {"post": 16, "kv": 4}}}))
     got = fb.set_kernel_settings(str(f))
     assert t.NORM_MAX_WARPS == 4 and t.EPILOGUE_WARPS == {"rms": rms, "post": 16, "kv": 4}  # merged, rms kept
-    assert t.CROSS_ATTN == cross | {"BLOCK_N": 128} != cross
-    assert got == {"NORM_MAX_WARPS": 4, "EPILOGUE_WARPS": {"rms": rms, "post": 16, "kv": 4},
-                   "CROSS_ATTN": cross | {"BLOCK_N": 128}}
+    assert got == {"NORM_MAX_WARPS": 4, "EPILOGUE_WARPS": {"rms": rms, "post": 16, "kv": 4}}
     f.write_text(json.dumps({"NORM_ROWS": 2}))
     with pytest.raises(SystemExit, match="unknown \\['NORM_ROWS'\\]"):
         fb.set_kernel_settings(str(f))

@@ -80,34 +80,3 @@ def run_attention(t, ops8, cfg, *, block_n=None, tma=False, blocks=None, key_len
         **cfg.kwargs)
     return o
 
-
-def cross_case(b: int, s: int, lk: int, h: int, d: int, seed: int = 0, device: str = "cpu"):
-    """``(q, wq, k, v)`` of Wan's cross-attention: queries before their RMSNorm, normed keys, values as the
-    fused K/V GEMM's chunk view (row stride 2C); logits of unit scale, so no key is negligible."""
-    g = torch.Generator(device=device).manual_seed(seed)
-    c = h * d
-    q = (3 * torch.randn(b, s, c, device=device, generator=g)).to(torch.bfloat16)
-    wq = (1 + 0.2 * torch.randn(c, device=device, generator=g)).to(torch.bfloat16)
-    k = torch.randn(b, lk, c, device=device, generator=g).to(torch.bfloat16)
-    v = torch.randn(b, lk, 2 * c, device=device, generator=g).to(torch.bfloat16)[..., :c]
-    return q, wq, k, v
-
-
-def cross_attention_exact(q, wq, k, v, h):
-    """fp32 attention of the RMS-normed bf16 queries over ``k``, ``v`` (``h`` heads), unrounded: [B, S, C]."""
-    split = [x.unflatten(-1, (h, -1)).transpose(1, 2) for x in (ref.rms_norm(q, wq), k, v)]
-    return ref.attention(*split).transpose(1, 2).flatten(2)
-
-
-def assert_cross_attention_tracks_fp32(y, q, wq, k, v, h, act_scale=None):
-    """Against fp32 attention of the same bf16 operands: the kernel rounds P to bf16 for P V (at most 2^-9 of
-    each weight: 2^-9 of max |v| on the output), and its output to bf16 (2^-9 of each value) and to FP8 (2^-4);
-    twice those bounds for the RMS statistics' order, which can move one rounding of a normed query."""
-    want = ref.cross_attention(q, wq, k, v, h).float()  # fp32 attention, rounded once to bf16
-    exact = cross_attention_exact(q, wq, k, v, h)
-    got = y.float() * (act_scale if act_scale is not None else 1.0)
-    rel = 2 ** -4 if act_scale is not None else 2 ** -8
-    bound = 2 * 2 ** -9 * v.float().abs().max() + rel * exact.abs()
-    assert ((got - exact).abs() <= bound).all(), (got - exact).abs().max()
-    assert (got - want).abs().mean() < 2 ** -9 * want.abs().mean() * (16 if act_scale is not None else 2)
-

@@ -29,11 +29,9 @@ ml_dtypes = pytest.importorskip("ml_dtypes")
 
 from khelpers import (  # noqa: E402
     RESIDUAL_NORM_VARIANTS,
-    assert_cross_attention_tracks_fp32,
     assert_operands_match,
     assert_qkv_epilogue_matches,
     bits,
-    cross_case,
     residual_norm_inputs,
     run_attention,
 )
@@ -347,27 +345,6 @@ def test_attention_with_key_lengths_attends_the_valid_keys_only(t):
     full_ops = t.qkv_rmsnorm_rope(qkv, wq, wk, cos, sin, h, fp8=True, key_len=full)
     for cfg in t._attn_configs():
         assert torch.equal(run_attention(t, full_ops, cfg, key_len=full), run_attention(t, dense_ops, cfg))
-
-
-@interp
-@pytest.mark.parametrize("case", [(2, 70, 45, 2, 64, {"BLOCK_M": 32, "BLOCK_N": 32}),  # ragged queries and keys
-                                  (1, 37, 19, 1, 128, {}),  # the shipped tile: one ragged tile of each
-                                  (1, 64, 130, 2, 64, {"BLOCK_M": 64, "BLOCK_N": 64})])
-def test_cross_attention_tracks_fp32_attention(t, case):
-    b, s, lk, h, d, settings = case
-    q, wq, k, v = cross_case(b, s, lk, h, d)
-    sc = torch.tensor(2.0 / 448)
-    y = t.cross_attention(q, wq, k, v, h, 1e-6, **settings)
-    assert y.dtype == torch.bfloat16 and y.shape == q.shape
-    assert_cross_attention_tracks_fp32(y, q, wq, k, v, h)
-    y8 = t.cross_attention(q, wq, k, v, h, 1e-6, sc, **settings)
-    assert y8.dtype == ref.FP8
-    assert_cross_attention_tracks_fp32(y8, q, wq, k, v, h, sc)
-    # the FP8 output is the bf16 one quantized: the same rounding points as heads_to_tokens
-    assert torch.equal(bits(y8), bits(ref.quantize(y, sc)))
-    # a setting moves no bit: the same key tiles in the same order per row (for equal BLOCK_N)
-    other = {**settings, "BLOCK_M": 16}
-    assert torch.equal(t.cross_attention(q, wq, k, v, h, 1e-6, **other), y)
 
 
 @pytest.mark.skipif(INTERPRETED, reason="plain Python: runs once, in the main process")

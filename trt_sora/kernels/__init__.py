@@ -19,8 +19,6 @@
   ``attention_fp8``           flash attention with INT8 QK^T and FP8 PV on tensor cores, per-block
                               Q/K scales, output written token-major (optionally FP8 for ``to_out``)
   ``heads_to_tokens``         [B, H, S, D] -> [B, S, H*D] (+ FP8 quantize) for a BF16 attention output
-  ``cross_attention``         Wan's cross-attention over the text tokens: the queries' RMSNorm, BF16
-                              attention and the output's token layout (+ FP8 quantize) in one kernel
   ``abs_scaled``              calibration: fp32 ``|x| * 2**-e`` in one pass, the input of the
                               ``|x|`` histogram (:func:`trt_sora.calibrate.histogram.batch_counts`)
   ==========================  ==========================================================================

@@ -18,7 +18,7 @@ from trt_sora.formats import INT8_MAX
 
 FP8 = torch.float8_e4m3fn
 
-__all__ = ["FP8", "FP8_MAX", "attention", "attention_fp8", "block_quant", "cross_attention", "dequant_scale",
+__all__ = ["FP8", "FP8_MAX", "attention", "attention_fp8", "block_quant", "dequant_scale",
            "example_qkv", "gelu_quant", "heads_to_tokens", "key_valid", "per_row", "quantize", "quantize_int8",
            "qkv_rmsnorm_rope", "residual_norm_quant", "rms_norm", "rms_stats", "rope", "sdpa_fp8", "sdpa_fp8_operands",
            "vt_key_order", "vt_natural"]
@@ -249,19 +249,6 @@ def heads_to_tokens(o: torch.Tensor, act_scale: torch.Tensor | None = None) -> t
     """[B, H, S, D] -> [B, S, H*D] in bf16, or FP8 at ``act_scale``."""
     y = o.transpose(1, 2).flatten(2).to(torch.bfloat16)
     return quantize(y, act_scale) if act_scale is not None else y
-
-
-def cross_attention(q: torch.Tensor, wq: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int,
-                    eps: float = 1e-6, act_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """Queries over a short context (Wan's text tokens): ``q`` [B, S, C] bf16 RMS-normed over C with ``wq`` here,
-    keys (already normed) and values [B, L, C] bf16, ``heads`` heads, softmax scale 1 / sqrt(C / heads); fp32
-    attention rounded to bf16, [B, S, C], FP8 at ``act_scale`` when given."""
-    qn = rms_norm(q, wq, eps)
-
-    def split(t):
-        return t.unflatten(-1, (heads, -1)).transpose(1, 2)
-
-    return heads_to_tokens(attention(split(qn), split(k), split(v)), act_scale)
 
 
 def example_qkv(b: int, s: int, h: int, d: int = 128, *, seed: int = 0, device: str = "cuda"):

@@ -28,7 +28,7 @@ EPILOGUE_WARPS = {"rms": 4, "post": 8, "kv": 8}
 #: The epilogue's tile passes launch the heads of one token block together (see :func:`_token_tile`).
 EPILOGUE_HEADS_FAST = True
 
-__all__ = ["SCALE_BLOCK", "abs_scaled", "attention_fp8", "attention_kernel", "cross_attention", "gated_add",
+__all__ = ["SCALE_BLOCK", "abs_scaled", "attention_fp8", "attention_kernel", "gated_add",
            "gelu_quant", "heads_to_tokens", "kv_descriptors", "qkv_rmsnorm_rope", "quantize", "residual_norm_quant",
            "rms_stats"]
 
@@ -61,9 +61,10 @@ def _vec_strides(*vecs) -> tuple[int, int]:
     return strides.pop() if strides else (0, 0)
 
 
-#: Most warps of a ``residual_norm_quant`` program (one row): 8, not 16, at 5,120 channels (Wan 14B) measured
-#: faster with the row as one [1, 8192] tile (benchmarks/epilogue_bench.py; benchmarks/README.md, session 25).
-NORM_MAX_WARPS = 8
+#: Most warps of a ``residual_norm_quant`` program (one row): 4 at 5,120 channels (Wan 14B), with the row as two
+#: segments, is the fastest of 4 / 8 / 16 in all three forms of a Wan block (benchmarks/epilogue_bench.py;
+#: benchmarks/README.md, session 27).
+NORM_MAX_WARPS = 4
 
 
 @triton.jit
@@ -261,28 +262,23 @@ def heads_to_tokens(o, act_scale=None):
 
 # -- fused-QKV epilogue: split + RMSNorm across heads + RoPE + quantize --------------------------------
 @triton.jit
-def _rms_kernel(X, RSTD, S, C, row_stride, eps, PAIR: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr):
-    """1 / rms over C channels for BLOCK_S tokens of rows ``row_stride`` apart: RSTD [B*S, 1]; PAIR: of the C
-    channels at 0 and of the C after them (Q and K of a fused QKV row), RSTD [B*S, 2]."""
+def _rms_kernel(QKV, RSTD, S, C, eps, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr):
+    """1 / rms over all heads of Q and of K for BLOCK_S tokens: RSTD [B*S, 2]."""
     t = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
     rm = t < S
     rows = tl.program_id(1) * S + t
-    base = X + rows.to(tl.int64)[:, None] * row_stride
+    base = QKV + rows.to(tl.int64)[:, None] * (3 * C)
     cols = tl.arange(0, BLOCK_C)
     sq = tl.zeros([BLOCK_S], tl.float32)
     sk = tl.zeros([BLOCK_S], tl.float32)
     for c0 in range(0, C, BLOCK_C):
         m = rm[:, None] & (c0 + cols < C)[None, :]  # a last chunk past C would read K (for Q) or V (for K)
         q = tl.load(base + c0 + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        k = tl.load(base + C + c0 + cols[None, :], mask=m, other=0.0).to(tl.float32)
         sq += tl.sum(q * q, 1)
-        if PAIR:
-            k = tl.load(base + C + c0 + cols[None, :], mask=m, other=0.0).to(tl.float32)
-            sk += tl.sum(k * k, 1)
-    if PAIR:
-        tl.store(RSTD + rows.to(tl.int64) * 2, tl.rsqrt(sq / C + eps), mask=rm)
-        tl.store(RSTD + rows.to(tl.int64) * 2 + 1, tl.rsqrt(sk / C + eps), mask=rm)
-    else:
-        tl.store(RSTD + rows.to(tl.int64), tl.rsqrt(sq / C + eps), mask=rm)
+        sk += tl.sum(k * k, 1)
+    tl.store(RSTD + rows.to(tl.int64) * 2, tl.rsqrt(sq / C + eps), mask=rm)
+    tl.store(RSTD + rows.to(tl.int64) * 2 + 1, tl.rsqrt(sk / C + eps), mask=rm)
 
 
 @triton.jit
@@ -415,15 +411,11 @@ def rms_stats(qkv, eps: float = 1e-6):
     return _rstd(qkv, eps)
 
 
-def _rstd(x, eps, pair: bool = True):
-    """[B, S, 3C] (``pair``: Q's and K's statistics, [B*S, 2]) or [B, S, C] ([B*S, 1]), rows contiguous."""
-    b, s, cx = x.shape
-    if x.stride(2) != 1 or x.stride(0) != s * x.stride(1):
-        x = x.contiguous()
-    c = cx // 3 if pair else cx
-    rstd = torch.empty((b * s, 2 if pair else 1), device=x.device, dtype=torch.float32)
-    _rms_kernel[(triton.cdiv(s, 16), b)](x, rstd, s, c, x.stride(1), eps, PAIR=pair, BLOCK_S=16,
-                                         BLOCK_C=min(512, triton.next_power_of_2(c)),
+def _rstd(qkv, eps):
+    b, s, c3 = qkv.shape
+    c = c3 // 3
+    rstd = torch.empty((b * s, 2), device=qkv.device, dtype=torch.float32)
+    _rms_kernel[(triton.cdiv(s, 16), b)](qkv, rstd, s, c, eps, BLOCK_S=16, BLOCK_C=min(512, triton.next_power_of_2(c)),
                                          num_warps=EPILOGUE_WARPS["rms"])
     return rstd
 
@@ -477,71 +469,6 @@ def qkv_rmsnorm_rope(qkv, wq, wk, cos, sin, heads: int, eps: float = 1e-6, *, fp
     _kv_quant_kernel[grid](qkv, rstd, wk, cs, k_mean, k8, ks, v_scale, vt8, s, s_pad, heads, nblk, klen, D=d,
                            BLOCK_S=SCALE_BLOCK, ROPE=rope, HEADS_FAST=hf, KEYS=keys, num_warps=EPILOGUE_WARPS["kv"])
     return q8, qs, k8, ks, vt8, v_scale
-
-
-# -- cross-attention over a short context: RMSNorm of Q + BF16 attention + [B, S, C] (+ quantize) -------------
-@triton.jit
-def _cross_attention_kernel(Q, RSTD, WQ, K, V, Y, SC, S, L, H, s_kb, s_kl, s_vb, s_vl, qk_scale, D: tl.constexpr,
-                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QUANT: tl.constexpr):
-    """One head's BLOCK_M queries over all L keys. Q rows [B*S, H*D] bf16 are RMS-normed on load
-    (``bf16(q * rstd * w)``, diffusers' RMSNorm), the products are BF16 with fp32 accumulation and
-    the probabilities rounded to bf16 for P V (what flash SDPA does), the output rounded to bf16 and
-    then, when QUANT, to FP8 at SC, stored at this head's columns of [B*S, H*D]."""
-    _, _, b, h, _, in_s, row64 = _token_tile(S, H, BLOCK_M, True)
-    d = tl.arange(0, D)
-    rm = in_s[:, None]
-    q = tl.load(Q + row64[:, None] * (H * D) + h * D + d[None, :], mask=rm, other=0.0).to(tl.float32)
-    rstd = tl.load(RSTD + row64, mask=in_s, other=0.0)
-    q = (q * rstd[:, None] * tl.load(WQ + h * D + d).to(tl.float32)[None, :]).to(tl.bfloat16)
-    kp = K + b.to(tl.int64) * s_kb + h * D
-    vp = V + b.to(tl.int64) * s_vb + h * D
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, D], tl.float32)
-    n = tl.arange(0, BLOCK_N)
-    for n0 in range(0, L, BLOCK_N):
-        keys = n0 + n
-        km = keys < L
-        k = tl.load(kp + keys.to(tl.int64)[:, None] * s_kl + d[None, :], mask=km[:, None], other=0.0)
-        x = tl.where(km[None, :], tl.dot(q, tl.trans(k)) * qk_scale, float("-inf"))  # log2 units
-        m_new = tl.maximum(m_i, tl.max(x, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(x - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(vp + keys.to(tl.int64)[:, None] * s_vl + d[None, :], mask=km[:, None], other=0.0)
-        acc = tl.dot(p.to(tl.bfloat16), v, acc * alpha[:, None])
-        m_i = m_new
-    o = (acc / l_i[:, None]).to(tl.bfloat16)
-    yp = Y + row64[:, None] * (H * D) + h * D + d[None, :]
-    if QUANT:
-        tl.store(yp, _q8(o.to(tl.float32), tl.load(SC)), mask=rm)
-    else:
-        tl.store(yp, o, mask=rm)
-
-
-#: Launch settings of :func:`cross_attention` (query rows, keys a tile, warps, pipeline stages). Settings with the
-#: same BLOCK_N compute the same bits (the same key tiles in the same order per row).
-CROSS_ATTN = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
-
-
-def cross_attention(q, wq, k, v, heads: int, eps: float = 1e-6, act_scale=None, **settings):
-    """See :func:`trt_sora.kernels.reference.cross_attention`; one statistics pass over ``q``, then one kernel
-    (no [B, H, S, D] copy, no separate RMSNorm or output pass). ``settings`` override :data:`CROSS_ATTN`."""
-    b, s, c = q.shape
-    lk, d = k.shape[1], c // heads
-    if k.shape != (b, lk, c) or v.shape != k.shape or c != heads * d or d not in (64, 128) or lk < 1:
-        raise ValueError(f"cross_attention: q [B, S, C] {tuple(q.shape)}, k / v [B, L, C] {tuple(k.shape)} / "
-                         f"{tuple(v.shape)}, {heads} heads of 64 or 128")
-    q = q if q.is_contiguous() else q.contiguous()
-    k, v = (t if t.stride(2) == 1 else t.contiguous() for t in (k, v))
-    rstd = _rstd(q, eps, pair=False)
-    y = torch.empty((b, s, c), device=q.device, dtype=FP8 if act_scale is not None else torch.bfloat16)
-    cfg = {**CROSS_ATTN, **settings}
-    grid = (b * heads, triton.cdiv(s, cfg["BLOCK_M"]))
-    _cross_attention_kernel[grid](q, rstd, wq, k, v, y, act_scale if act_scale is not None else q, s, lk, heads,
-                                  k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                                  math.log2(math.e) / math.sqrt(d), D=d, QUANT=act_scale is not None, **cfg)
-    return y
 
 
 # -- 8-bit flash attention ----------------------------------------------------------------------------------

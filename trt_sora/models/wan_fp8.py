@@ -12,7 +12,7 @@ One block, top to bottom (``q8`` = FP8 E4M3; every quantize fused into the kerne
     qkv = y1 @ Wqkv                                               FP8 GEMM (fused Q, K, V)
     a   = attention(RMSNorm+RoPE(q, k), v) -> q8                  qkv epilogue + attention (FP8 or cuDNN BF16)
     x, y2 = x + (a @ Wo) * gate_msa, q8(LN_affine(x))             FP8 GEMM, residual_norm_quant
-    c   = cross_attention(y2 @ Wq2, q8(ctx) @ Wkv2) -> q8         FP8 GEMMs, RMSNorm + BF16 attention (text keys)
+    c   = cross_attention(y2 @ Wq2, q8(ctx) @ Wkv2) -> q8         FP8 GEMMs, RMSNorm + cuDNN BF16 SDPA (text keys)
     x, y3 = x + c @ Wo2, q8(LN(x) * (1 + c_scale) + c_shift)      FP8 GEMM, residual_norm_quant
     x   = x + (q8(GELU(y3 @ W1)) @ W2) * c_gate                   FP8 GEMMs, gelu_quant, gated_add
 
@@ -96,7 +96,7 @@ class FusedWanBlock(torch.nn.Module):
         att = ops.self_attention(self.qkv(y), self.nq1, self.nk1, cos, sin, self.heads, self.qk_eps, fp8=fp8_attn,
                                  out_scale=self.out1.act_scale, seq=self.seq, sparse=self.sparse,
                                  kernel=self.attention_kernel)
-        # 2. cross-attention (text keys: short, BF16)
+        # 2. cross-attention (text keys: short, cuDNN BF16)
         x, y = ops.residual_norm_quant(x, branch=self.out1(att), gate=gate, weight=self.n2w, bias=self.n2b,
                                        eps=self.eps, act_scale=self.q2.act_scale)
         att2 = self._cross_attention(y, encoder_hidden_states.to(torch.bfloat16))
@@ -108,20 +108,17 @@ class FusedWanBlock(torch.nn.Module):
 
     def _cross_attention(self, y, ctx):
         """Queries from ``y`` over the text tokens (I2V: and over the leading image tokens, summed in
-        bf16): the ``to_out`` input [B, S, C], FP8 at its scale. The query's RMSNorm, the BF16
-        attention over the short context and the output's layout and quantization are one kernel."""
+        bf16): the ``to_out`` input [B, S, C], FP8 at its scale (:func:`ops.cross_attention`)."""
         c = y.shape[-1]
         img, txt = ctx[:, :self.image_len], ctx[:, self.image_len:]
         q = self.q2(y)
         k, v = self.kv2(ops.quantize(txt, self.kv2.act_scale)).chunk(2, dim=-1)
         k = F.rms_norm(k, (c,), self.nk2, self.qk_eps)
-        if self.kv_img is None:
-            return ops.cross_attention(q, self.nq2, k, v, self.heads, self.qk_eps, self.out2.act_scale)
-        att = ops.cross_attention(q, self.nq2, k, v, self.heads, self.qk_eps)
-        k, v = self.kv_img(ops.quantize(img, self.kv_img.act_scale)).chunk(2, dim=-1)
-        att_img = ops.cross_attention(q, self.nq2, F.rms_norm(k, (c,), self.nki, self.img_eps), v, self.heads,
-                                      self.qk_eps)
-        return ops.quantize(att + att_img, self.out2.act_scale)
+        image = None
+        if self.kv_img is not None:
+            k_img, v_img = self.kv_img(ops.quantize(img, self.kv_img.act_scale)).chunk(2, dim=-1)
+            image = (F.rms_norm(k_img, (c,), self.nki, self.img_eps), v_img)
+        return ops.cross_attention(q, self.nq2, k, v, self.heads, self.qk_eps, self.out2.act_scale, ctx2=image)
 
 
 def fuse_blocks(model, plan: Mapping[str, Any], counters: dict) -> list[FusedWanBlock]:
