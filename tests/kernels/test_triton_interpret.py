@@ -7,12 +7,10 @@ interpreter must be chosen before Triton is imported (its language library is de
 import), so :func:`test_kernels_under_the_interpreter` runs this file again in a fresh process with
 ``TRITON_INTERPRET=1``; there, the ``interp`` tests below run and the runner is skipped.
 
-Two fixes of the interpreter's own. It rounds fp32 -> FP8 E4M3 half-up on the truncated mantissa
+One fix of the interpreter's own. It rounds fp32 -> FP8 E4M3 half-up on the truncated mantissa
 and lets a mantissa carry spill into the exponent (31.6 becomes 16), and it truncates fp32 -> bf16,
 where the GPU's ``cvt.rn`` rounds to nearest even: the ``t`` fixture swaps those conversions for
-ml_dtypes' (round to nearest even, as the GPU and torch do), so FP8 outputs compare bit for bit. And
-it multiplies bf16 ``tl.dot`` operands as their raw 16-bit integers: the fixture converts them to
-fp32 first (the tensor cores' exact bf16 products, accumulated in fp32).
+ml_dtypes' (round to nearest even, as the GPU and torch do), so FP8 outputs compare bit for bit.
 """
 from __future__ import annotations
 
@@ -63,7 +61,7 @@ def t():
 
     from trt_sora.kernels import triton_ops
 
-    original, original_dot = interpreter._convert_float, interpreter.InterpreterBuilder.create_dot
+    original = interpreter._convert_float
     dtypes = {tl.float32: np.float32, tl.float16: np.float16, tl.bfloat16: ml_dtypes.bfloat16}
     narrow = {tl.float8e4nv: (ml_dtypes.float8_e4m3fn, np.uint8), tl.bfloat16: (ml_dtypes.bfloat16, np.uint16)}
 
@@ -74,15 +72,8 @@ def t():
             return x.astype(to).view(raw).reshape(input.shape)
         return original(input, input_dtype, output_dtype, rounding_mode)
 
-    def dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        if tl.bfloat16 in (a.dtype.scalar, b.dtype.scalar):
-            a, b = (interpreter.TensorHandle(x.data.view(ml_dtypes.bfloat16).astype(np.float32), tl.float32)
-                    if x.dtype.scalar == tl.bfloat16 else x for x in (a, b))
-        return original_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
-
     mp = pytest.MonkeyPatch()
     mp.setattr(interpreter, "_convert_float", convert)
-    mp.setattr(interpreter.InterpreterBuilder, "create_dot", dot)
     yield triton_ops
     mp.undo()
 

@@ -65,16 +65,16 @@ def heads_to_tokens(o, act_scale=None):
 def cross_attention(q, wq, k, v, heads: int, eps: float, act_scale=None, ctx2=None):
     """Queries ``q`` [B, S, C] (RMSNorm with ``wq`` applied here) over a short context's normed keys and values
     [B, L, C] (and over ``ctx2``'s, Wan I2V's image tokens, each with its own softmax; the two bf16 outputs added
-    in bf16, diffusers' order): [B, S, C] bf16, FP8 at ``act_scale``. cuDNN BF16 SDPA on [B, H, S, D] views:
-    on the 14B call at 512 text tokens it runs 0.60 ms a layer, a fused Triton kernel (RMSNorm on load, FP8
-    out) 1.17-1.43 ms (benchmarks/README.md, "Session 27")."""
+    in bf16, diffusers' order): [B, S, C] bf16, FP8 at ``act_scale``. cuDNN BF16 SDPA on [B, H, S, D] views (why
+    not a fused Triton kernel: benchmarks/README.md, "Session 27")."""
     def split(t):
         return t.unflatten(-1, (heads, -1)).transpose(1, 2)
 
     qn = split(F.rms_norm(q, (q.shape[-1],), wq, eps))
+    att = sdpa_bf16(qn, split(k), split(v))
     if ctx2 is None:
-        return heads_to_tokens(sdpa_bf16(qn, split(k), split(v)), act_scale)
-    y = heads_to_tokens(sdpa_bf16(qn, split(k), split(v))) + heads_to_tokens(sdpa_bf16(qn, *map(split, ctx2)))
+        return heads_to_tokens(att, act_scale)
+    y = heads_to_tokens(att) + heads_to_tokens(sdpa_bf16(qn, *map(split, ctx2)))
     return quantize(y, act_scale) if act_scale is not None else y
 
 
