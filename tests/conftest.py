@@ -9,6 +9,7 @@ from run_folders import (  # noqa: F401  (session fixtures
     checked_run,
     hunyuan_run,
     i2v_run,
+    once_per_run,
     pair_run,
     ti2v_run,  # for every test folder)
 )
@@ -80,13 +81,16 @@ def tiny_model(tiny_adapter):
 
 
 @pytest.fixture(scope="session")
-def tiny_export(tmp_path_factory, tiny_adapter, tiny_model):
-    """``ExportResult`` of wan-tiny (fp32, opset 20), verified at the three TINY_POINTS."""
+def tiny_export(tmp_path_factory, tiny_adapter, request):
+    """``ExportResult`` of wan-tiny (fp32, opset 20), verified at the three TINY_POINTS (once per test run)."""
     from trt_sora.config import ExportConfig
     from trt_sora.export import export_onnx
 
-    out = tmp_path_factory.mktemp("tiny_export") / "export"
-    return export_onnx(tiny_adapter, ExportConfig(verify_points=TINY_POINTS), out, model=tiny_model)
+    def build(out):
+        model = request.getfixturevalue("tiny_model")
+        return export_onnx(tiny_adapter, ExportConfig(verify_points=TINY_POINTS), out / "export", model=model)
+
+    return once_per_run(tmp_path_factory, "tiny_export", build)
 
 
 @pytest.fixture(scope="session")
@@ -96,9 +100,9 @@ def tiny_bf16_export(tmp_path_factory, tiny_adapter):
     from trt_sora.config.recipe import DType
     from trt_sora.export import export_onnx
 
-    out = tmp_path_factory.mktemp("tiny_bf16_export") / "export"
-    return export_onnx(tiny_adapter, ExportConfig(dtype=DType.BF16, external_data=ExternalData.ALWAYS, verify=False),
-                       out)
+    cfg = ExportConfig(dtype=DType.BF16, external_data=ExternalData.ALWAYS, verify=False)
+    return once_per_run(tmp_path_factory, "tiny_bf16_export",
+                        lambda out: export_onnx(tiny_adapter, cfg, out / "export"))
 
 
 @pytest.fixture(scope="session")
@@ -111,13 +115,14 @@ def engine_run(tmp_path_factory):
     pytest.importorskip("tensorrt_rtx")
     from trt_sora.pipeline import EnginePipeline
 
-    out = tmp_path_factory.mktemp("engine")
-    seen = []
-    pipe = EnginePipeline("rtx4090-fp8", "wan-tiny", out, progress=seen.append)
-    pipe.run()
-    pristine = tmp_path_factory.mktemp("engine_pristine") / "out"
-    shutil.copytree(out, pristine, symlinks=True)
-    return pipe, seen, pristine
+    def build(root):
+        out, seen = root / "engine", []
+        EnginePipeline("rtx4090-fp8", "wan-tiny", out, progress=seen.append).run()
+        shutil.copytree(out, root / "pristine", symlinks=True)
+        return out, seen, root / "pristine"
+
+    out, seen, pristine = once_per_run(tmp_path_factory, "engine_run", build)
+    return EnginePipeline("rtx4090-fp8", "wan-tiny", out), seen, pristine
 
 
 @pytest.fixture(scope="session")

@@ -12,13 +12,17 @@ refactor moves the code, the mutation reports ``stale`` (and fails the run) inst
 silently. The copy is put first on ``PYTHONPATH``, so the tests import it, not the checkout (each run
 checks that). Tests that start ``python -m trt_sora`` themselves point it at the checkout, so the
 guarding tests listed here run in-process. With ``--jobs N`` (default: the CPU count) N mutations run at once,
-each in its own copy of the package. Exit status: 0 when every mutation is caught.
+each in its own copy of the package. Each mutation's pytest is a process forked from one that imported torch,
+pytest and the other heavy third-party modules once (``multiprocessing``'s forkserver; ``trt_sora`` is never
+imported there), so a mutation pays for its tests, not for those imports. Exit status: 0 when every mutation
+is caught.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import importlib.util
+import multiprocessing
 import os
 import queue
 import shutil
@@ -622,10 +626,10 @@ def _check_import_path(src: Path) -> None:
         sys.exit(f"mutations: trt_sora imports from {got}, not from the mutated copy in {src}")
 
 
-def _pytest(tests, src: Path, *extra: str) -> subprocess.CompletedProcess:
+def _pytest(tests, src: Path, *extra: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *extra,
                            *(str(ROOT / t) for t in tests)],
-                          env=_env(src), cwd=CWD, capture_output=True, text=True, timeout=1800)
+                          env={**_env(src), **(env or {})}, cwd=CWD, capture_output=True, text=True, timeout=1800)
 
 
 def _baseline(chosen, src: Path, jobs: int = 1) -> None:
@@ -648,7 +652,68 @@ def _stale(mutations) -> list[str]:
     return out
 
 
-def run_one(m: Mutation, src: Path) -> Outcome:
+#: Imported once by the forkserver that every mutation's pytest forks from: third-party modules only (the
+#: package under test must be imported fresh, from the mutated copy, in each child).
+PRELOAD = ("numpy", "torch", "pytest", "_pytest.python", "xdist", "onnx", "onnxruntime", "safetensors.torch",
+           "yaml", "diffusers", "diffusers.models.transformers.transformer_wan")
+#: Exit status of a child whose ``trt_sora`` did not come from the mutated copy.
+WRONG_IMPORT = 97
+#: The Triton kernels' interpreter tests: Triton must be imported with TRITON_INTERPRET=1, and the forkserver
+#: has imported it already (torch and diffusers do). A mutation guarded by this file alone runs it in a fresh
+#: process with the interpreter on, stopping at the first failed test (not through the file's runner test,
+#: which starts that process itself and runs every kernel to the end).
+INTERPRETED = "tests/kernels/test_triton_interpret.py"
+
+
+def _forkserver():
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # what torch reads when the forkserver imports it (as _env)
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(list(PRELOAD))
+    return ctx
+
+
+def _pytest_child(tests, src: str, extra, log: str) -> None:
+    """In a process forked from the forkserver: pytest on ``tests`` with the copy at ``src`` first on sys.path
+    (and on PYTHONPATH, for the processes tests start), stdout and stderr into ``log``, pytest's exit status
+    into ``log + ".rc"`` (a child that died before pytest returned leaves none: its exit status 1 is no
+    failed test)."""
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    env = _env(Path(src))
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(CWD)
+    sys.path.insert(0, src)
+    import trt_sora
+
+    if not Path(trt_sora.__file__).resolve().is_relative_to(Path(src).resolve()):
+        print(f"trt_sora imports from {trt_sora.__file__}, not from the mutated copy in {src}", flush=True)
+        os._exit(WRONG_IMPORT)
+    import pytest
+
+    rc = int(pytest.main(["-q", "-p", "no:cacheprovider", *extra, *(str(ROOT / t) for t in tests)]))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    Path(log + ".rc").write_text(str(rc))
+    os._exit(rc)
+
+
+def _forked_pytest(tests, src: Path, ctx=None) -> tuple:
+    """``(pytest's exit status, its output lines)`` of ``tests`` with ``-x`` in a child of the forkserver."""
+    log, rc_file = src / "pytest.log", src / "pytest.log.rc"
+    rc_file.unlink(missing_ok=True)
+    child = (ctx or _forkserver()).Process(target=_pytest_child, args=(tests, str(src), ("-x",), str(log)))
+    child.start()
+    child.join(1800)
+    if child.exitcode is None:
+        child.kill()
+        child.join()
+    rc = int(rc_file.read_text()) if rc_file.exists() else f"none (the child died: {child.exitcode})"
+    return rc, log.read_text(errors="replace").strip().splitlines() if log.exists() else []
+
+
+def run_one(m: Mutation, src: Path, ctx=None) -> Outcome:
     path = src / "trt_sora" / m.file
     text = path.read_text()
     if text.count(m.old) != 1:
@@ -656,16 +721,22 @@ def run_one(m: Mutation, src: Path) -> Outcome:
     path.write_text(text.replace(m.old, m.new))
     t0 = time.perf_counter()
     try:
-        res = _pytest(m.tests, src, "-x")
+        if all(t.startswith(INTERPRETED) for t in m.tests):
+            res = _pytest(m.tests, src, "-x", env={"TRITON_INTERPRET": "1"})
+            rc, out = res.returncode, (res.stdout.strip() or res.stderr.strip()).splitlines()
+            if rc < 0:  # a kernel's bad access killed the interpreter: the file's runner test fails on that
+                rc, out = 1, [f"the interpreted tests' process died of signal {-rc} (the runner test fails)"]
+        else:
+            rc, out = _forked_pytest(m.tests, src, ctx)
     finally:
         path.write_text(text)
     dt = time.perf_counter() - t0
-    last = (res.stdout.strip().splitlines() or [""])[-1]
-    if res.returncode == 1:
+    last = (out or [""])[-1]
+    if rc == 1:
         return Outcome(m, "caught", dt, last)
-    if res.returncode == 0:
+    if rc == 0:
         return Outcome(m, "SURVIVED", dt, last)
-    return Outcome(m, "ERROR", dt, f"pytest exit {res.returncode}: {last or res.stderr.strip()[-300:]}")
+    return Outcome(m, "ERROR", dt, f"pytest exit {rc}: {' / '.join(out[-3:])[-300:]}")
 
 
 def _table(outcomes: list[Outcome]) -> str:
@@ -705,11 +776,12 @@ def main(argv=None) -> int:
             _check_import_path(src)
             copies.put(src)
         _baseline(chosen, src, jobs)
+        ctx = _forkserver()
 
         def run(m: Mutation) -> Outcome:
             src = copies.get()
             try:
-                o = run_one(m, src)
+                o = run_one(m, src, ctx)
             finally:
                 copies.put(src)
             print(f"{o.verdict:8s} {m.name} ({o.seconds:.0f} s) {o.detail}", flush=True)

@@ -7,9 +7,14 @@ tests/conftest.py, for every test folder:
   HunyuanVideo 1.5 configs with :func:`ci_recipe`, as ``(EnginePipeline, outcomes)``. Tests read them;
   a test that damages one works on a copy;
 * :func:`quantized_run`: a family's export -> calibrate -> quantize, from its engine run where there is one;
-* :func:`write_preset`: a small calibration preset for the tests that calibrate."""
+* :func:`write_preset`: a small calibration preset for the tests that calibrate.
+
+The costly session fixtures (exports, engine runs) are built once per test run, not once per xdist worker:
+:func:`once_per_run`."""
 from __future__ import annotations
 
+import os
+import pickle
 import shutil
 from pathlib import Path
 
@@ -44,12 +49,44 @@ def _recipe(model: str):
     return ci_recipe(HUNYUAN_POINTS, eval_prompts=1) if model == "hunyuan-tiny" else ci_recipe()
 
 
+def once_per_run(tmp_path_factory, name: str, build):
+    """``build(folder)``'s value, built once per test run. Under pytest-xdist the first worker that asks builds
+    it in the run's temp root (the parent of every worker's basetemp) holding a lock, and pickles the value;
+    a worker that asks later waits for the lock and loads it. Without xdist, the session's basetemp. A build
+    that raised leaves no value: the next worker to ask builds again. ``folder`` is new and empty; the value
+    must pickle (paths, dataclasses, recipes) and the tests must only read what ``folder`` holds (as the
+    session fixtures always required: a test that damages a run works on a copy)."""
+    import fcntl
+
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "once"
+    root.mkdir(exist_ok=True)
+    value_file = root / f"{name}.pickle"
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if value_file.exists():
+            return pickle.loads(value_file.read_bytes())
+        folder = root / name
+        shutil.rmtree(folder, ignore_errors=True)  # a build that raised part-way
+        folder.mkdir()
+        value = build(folder)
+        tmp = value_file.with_suffix(".tmp")
+        tmp.write_bytes(pickle.dumps(value))
+        tmp.replace(value_file)
+        return value
+
+
 def _engine(tmp_path_factory, model: str):
+    """``(EnginePipeline, outcomes)`` of ``make engine`` on ``model``, once per test run."""
     pytest.importorskip("tensorrt_rtx")
     from trt_sora.pipeline import EnginePipeline
 
-    pipe = EnginePipeline(_recipe(model), model, tmp_path_factory.mktemp(model))
-    return pipe, pipe.run()
+    def build(out: Path):
+        pipe = EnginePipeline(_recipe(model), model, out)
+        return out, pipe.run()
+
+    out, outcomes = once_per_run(tmp_path_factory, f"engine-{model}", build)
+    return EnginePipeline(_recipe(model), model, out), outcomes
 
 
 @pytest.fixture(scope="session")
@@ -166,15 +203,16 @@ def make_stats(adapter, model, path: Path) -> None:
 
 
 def _shared(tmp_path_factory, name: str, build) -> Path:
-    """Build ``name`` under the base temp folder; the marker file says the build finished (a folder
-    without it is a crashed build and is rebuilt)."""
-    root = tmp_path_factory.getbasetemp() / "shared" / name
-    done = root.parent / f"{name}.done"
-    if not done.exists():
-        shutil.rmtree(root, ignore_errors=True)
-        build(root)
-        done.write_text("ok")
-    return root
+    """A run folder ``build(folder)`` fills, once per test run (:func:`once_per_run`); every such folder is
+    ``<run's temp root>/once/runs/<name>`` (``trt-sora ls`` of their parent lists them all)."""
+
+    def made(folder: Path) -> Path:
+        run = folder.parent / "runs" / name
+        shutil.rmtree(run, ignore_errors=True)  # a build that raised part-way
+        build(run)
+        return run
+
+    return once_per_run(tmp_path_factory, name, made)
 
 
 @pytest.fixture(scope="session")
