@@ -699,11 +699,12 @@ def _pytest_child(tests, src: str, extra, log: str) -> None:
     os._exit(rc)
 
 
-def _forked_pytest(tests, src: Path, ctx=None) -> tuple:
-    """``(pytest's exit status, its output lines)`` of ``tests`` with ``-x`` in a child of the forkserver."""
+def _forked_pytest(tests, src: Path, ctx) -> tuple:
+    """``(pytest's exit status, its output lines)`` of ``tests`` with ``-x`` in a child of ``ctx``'s forkserver
+    (:func:`_forkserver`)."""
     log, rc_file = src / "pytest.log", src / "pytest.log.rc"
     rc_file.unlink(missing_ok=True)
-    child = (ctx or _forkserver()).Process(target=_pytest_child, args=(tests, str(src), ("-x",), str(log)))
+    child = ctx.Process(target=_pytest_child, args=(tests, str(src), ("-x",), str(log)))
     child.start()
     child.join(1800)
     if child.exitcode is None:
@@ -713,7 +714,7 @@ def _forked_pytest(tests, src: Path, ctx=None) -> tuple:
     return rc, log.read_text(errors="replace").strip().splitlines() if log.exists() else []
 
 
-def run_one(m: Mutation, src: Path, ctx=None) -> Outcome:
+def run_one(m: Mutation, src: Path, ctx) -> Outcome:
     path = src / "trt_sora" / m.file
     text = path.read_text()
     if text.count(m.old) != 1:
