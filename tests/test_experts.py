@@ -175,3 +175,22 @@ def test_check_caches_the_pair_across_its_switch_and_the_runtime_serves_it(pair_
     assert sorted(calls) == sorted((s, "high" if s < 4 else "low", b) for s in range(6) for b in ("cond", "uncond")
                                    if s not in reused[b])
     assert clip.metadata["caching"]["applied"] and clip.metadata["experts"]["steps"]["low"][0] == 4
+
+
+def test_the_pair_is_traced_once_and_each_expert_gets_its_own_bytes(pair_run, tmp_path):
+    """The export stage traces the experts' one graph once: the high-noise expert's export traced it, the
+    low-noise expert's copied it, and the low expert's files from that copy are byte for byte its export traced
+    on its own (the first export's weights and optimization never reach the copy)."""
+    from trt_sora.export import export_onnx
+
+    pipe, _ = pair_run
+    graph = {e: json.loads((pipe.folder("export", e) / "manifest.json").read_text())["results"]["graph"]
+             for e in pipe.experts}
+    assert graph == {"high": "traced", "low": "copied from an earlier trace of the same graph"}
+    alone = export_onnx(pipe.sides["low"], pipe.recipe.export, tmp_path / "low")
+    assert alone.manifest["results"]["graph"] == "traced"
+    files = sorted(p.name for p in (tmp_path / "low").iterdir() if p.name.startswith("model.onnx"))
+    assert files and files == sorted(p.name for p in pipe.folder("export", "low").iterdir()
+                                     if p.name.startswith("model.onnx"))
+    for name in files:
+        assert (tmp_path / "low" / name).read_bytes() == (pipe.folder("export", "low") / name).read_bytes(), name

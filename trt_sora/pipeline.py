@@ -268,10 +268,12 @@ class EnginePipeline:
     def export(self) -> StageOutcome:
         from trt_sora.export import export_onnx
 
+        traces: dict = {}  # the experts of a pair share one graph: traced once, copied for the second
+
         def go():
             def one(e, a):
                 # weightless: traced without weights, streamed from the checkpoint (same bytes as with them in memory)
-                res = export_onnx(a, self.recipe.export, self.folder("export", e))
+                res = export_onnx(a, self.recipe.export, self.folder("export", e), traces=traces)
                 worst = min(p["cosine"] for p in res.parity) if res.parity else float("nan")
                 return f"{self._tag(e)}ORT parity at {len(res.parity)} shapes, worst cosine {worst:.7f}"
 

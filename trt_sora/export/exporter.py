@@ -201,7 +201,7 @@ def plan_export(adapter, config: ExportConfig, model, *, weightless: bool,
 
 
 def export_onnx(model_ref, config: ExportConfig, out_dir: str | Path, *, model=None,
-                segmented: bool | None = None) -> ExportResult:
+                segmented: bool | None = None, traces: dict | None = None) -> ExportResult:
     """Export ``model_ref`` (name, checkpoint folder or adapter) to ``out_dir/model.onnx``.
 
     Without ``model`` the export is *weightless*: the graph is traced from the family's empty model
@@ -214,7 +214,9 @@ def export_onnx(model_ref, config: ExportConfig, out_dir: str | Path, *, model=N
     segment by segment (:mod:`~trt_sora.export.segments`).
 
     Writes ``model.onnx`` (+ ``model.onnx.data`` when external), ``manifest.json`` with the ONNX
-    Runtime parity numbers. Two exports of one model are byte-identical. Raises
+    Runtime parity numbers. Two exports of one model are byte-identical. ``traces``: a dict that the
+    weightless exports of models with one graph share (the pipeline's, for the experts of a pair): the graph is
+    traced once and copied (:func:`trt_sora.export.trace.trace`), the bytes are the same. Raises
     :class:`ExportError` (and leaves ``out_dir`` untouched) when the export fails or parity misses
     the config's bar.
     """
@@ -245,7 +247,7 @@ def export_onnx(model_ref, config: ExportConfig, out_dir: str | Path, *, model=N
         refs = pool.submit(_streamed_reference, adapter, source, list(plan.verify_points), config.dtype.value)
         pool.shutdown(wait=False)
     with staged_dir(out_dir) as tmp:
-        _write_graph(adapter, model, source, plan, config, tmp / ONNX_NAME, seconds, peak_mb)
+        copied = _write_graph(adapter, model, source, plan, config, tmp / ONNX_NAME, seconds, peak_mb, traces)
         parity = _verify(adapter, model, plan, config, tmp / ONNX_NAME, refs, seconds, peak_mb)
         dead = dead_linears(tmp / ONNX_NAME, model)
         if dead:
@@ -253,7 +255,7 @@ def export_onnx(model_ref, config: ExportConfig, out_dir: str | Path, *, model=N
                      adapter.name, len(dead), ", ".join(dead[:6]) + (" ..." if len(dead) > 6 else ""))
         seconds["total"] = round(time.perf_counter() - t0, 2)
         manifest = _write_manifest(tmp, adapter, config, plan, source, parity=parity, dead=dead,
-                                   seconds=seconds, peak_mb=peak_mb)
+                                   seconds=seconds, peak_mb=peak_mb, copied=copied)
     out = Path(out_dir)
     manifest["outputs"]["onnx_entry"] = recorded_file_entry(out / ONNX_NAME, manifest)
     log.info("export of %s: %s", adapter.name, seconds)
@@ -261,14 +263,15 @@ def export_onnx(model_ref, config: ExportConfig, out_dir: str | Path, *, model=N
 
 
 def _write_graph(adapter, model, source, plan: ExportPlan, config: ExportConfig, onnx_path: Path,
-                 seconds: dict, peak_mb: dict) -> None:
-    """Trace at the plan's point, bind the weights, optimize, save, name the dims and run onnx.checker."""
+                 seconds: dict, peak_mb: dict, traces: dict | None = None) -> bool:
+    """Trace at the plan's point (or copy the trace in ``traces``: returns whether it did), bind the weights,
+    optimize, save, name the dims and run onnx.checker."""
     from trt_sora.export import optimize as opt
     from trt_sora.export import trace as tr
 
     t1 = time.perf_counter()
     program = tr.trace(adapter, model, plan.point, config, _dynamic_shapes(adapter, plan.ranges),
-                       weightless=plan.weightless)
+                       weightless=plan.weightless, traces=traces)
     seconds["trace"] = round(time.perf_counter() - t1, 2)
     peak_mb["trace"] = _peak_rss_mb()
     t1 = time.perf_counter()
@@ -279,6 +282,7 @@ def _write_graph(adapter, model, source, plan: ExportPlan, config: ExportConfig,
     peak_mb["optimize"] = _peak_rss_mb()
     t1 = time.perf_counter()
     _save(program.model, onnx_path, plan.external)
+    copied = program.copied
     del program
     _rename_dims(onnx_path, adapter)
     seconds["write"] = round(time.perf_counter() - t1, 2)
@@ -289,6 +293,7 @@ def _write_graph(adapter, model, source, plan: ExportPlan, config: ExportConfig,
         onnx.checker.check_model(str(onnx_path))
     except onnx.checker.ValidationError as exc:
         raise ExportError(f"onnx.checker rejected the export: {exc}") from None
+    return copied
 
 
 def _verify(adapter, model, plan: ExportPlan, config: ExportConfig, onnx_path: Path, refs, seconds: dict,
@@ -315,7 +320,7 @@ def _verify(adapter, model, plan: ExportPlan, config: ExportConfig, onnx_path: P
 
 
 def _write_manifest(tmp: Path, adapter, config: ExportConfig, plan: ExportPlan, source, *, parity: list[dict],
-                    dead: list[str], seconds: dict, peak_mb: dict) -> dict:
+                    dead: list[str], seconds: dict, peak_mb: dict, copied: bool = False) -> dict:
     outputs = {"onnx": ONNX_NAME}
     if (tmp / (ONNX_NAME + ".data")).exists():
         outputs["external_data"] = ONNX_NAME + ".data"
@@ -332,6 +337,7 @@ def _write_manifest(tmp: Path, adapter, config: ExportConfig, plan: ExportPlan, 
         "param_bytes": plan.param_bytes,
         "weights": source.describe() if plan.weightless else "in memory",
         "verify_mode": plan.verify_mode,
+        "graph": "copied from an earlier trace of the same graph" if copied else "traced",
         "seconds": seconds,
         "peak_rss_mb": peak_mb,
         "parity": parity,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator, Mapping
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -55,9 +56,56 @@ def fake_weights(model) -> Iterator[Any]:
             store[k] = v
 
 
-def trace(adapter, model, point: Mapping[str, int], config, dynamic_shapes, *, weightless: bool):
+def trace(adapter, model, point: Mapping[str, int], config, dynamic_shapes, *, weightless: bool,
+          traces: dict | None = None):
     """``torch.onnx.export(..., dynamo=True, optimize=False)`` of ``adapter.export_module(model)`` at ``point``;
-    returns the ``ONNXProgram``. ``weightless``: ``model`` is an empty model (meta parameters)."""
+    returns an object whose ``model`` is the graph (``onnx_ir.Model``, the caller's to change) and ``copied``
+    whether it is a copy of an earlier trace.
+    ``weightless``: ``model`` is an empty model (meta parameters). ``traces``: a dict the exports of models with
+    one graph share (the experts of a pair): a weightless graph is traced once per :func:`trace_key` and each
+    export gets its own copy of it (a weightless graph holds no weight, so the copy is the trace)."""
+    key = trace_key(adapter, model, point, config, dynamic_shapes) if weightless and traces is not None else None
+    if key is not None and key in traces:
+        return SimpleNamespace(model=_copy_model(traces[key]), copied=True)
+    program = _trace(adapter, model, point, config, dynamic_shapes, weightless=weightless)
+    if key is not None:
+        traces[key] = _copy_model(program.model)  # before the caller binds weights and optimizes in place
+    return SimpleNamespace(model=program.model, copied=False)
+
+
+def trace_key(adapter, model, point: Mapping[str, int], config, dynamic_shapes) -> str:
+    """What a weightless trace depends on, hashed: the family, the export wrapper and the model's modules, config,
+    parameter and buffer names, shapes and dtypes, the example inputs' shapes and dtypes, the dynamic shapes, the
+    opset and the input and output names (not the weights: a weightless trace has none)."""
+    import hashlib
+
+    wrapper = adapter.export_module(model)
+    example = adapter.example_inputs(point, dtype=config.dtype.value)
+    config_items = sorted(getattr(model, "config", {}).items())
+    parts = [type(adapter).__qualname__, adapter.name, repr(wrapper), repr(config_items),
+             [(n, tuple(t.shape), str(t.dtype)) for n, t in (*model.named_parameters(), *model.named_buffers())],
+             [(n, tuple(example[n].shape), str(example[n].dtype)) for n in adapter.input_names],
+             list(adapter.output_names), repr(dynamic_shapes), config.opset, config.dtype.value]
+    return hashlib.sha256(repr(parts).encode()).hexdigest()
+
+
+def _copy_model(model):
+    """A copy of ``model`` (``onnx_ir.Model``) whose nodes and values are new objects (tensors shared: the
+    exporter replaces an initializer's tensor, never changes one). The copy's graph names the nodes and values
+    that optimizing adds from the original's counters, so both give the same bytes (a clone's start at 0)."""
+    import copy
+
+    import onnx_ir as ir
+
+    graph = model.graph.clone()
+    graph._name_authority = copy.deepcopy(model.graph._name_authority)  # counters and the names taken
+    return ir.Model(graph, ir_version=model.ir_version, producer_name=model.producer_name,
+                    producer_version=model.producer_version, domain=model.domain, model_version=model.model_version,
+                    doc_string=model.doc_string, functions=[f.clone() for f in model.functions.values()],
+                    metadata_props=dict(model.metadata_props))
+
+
+def _trace(adapter, model, point: Mapping[str, int], config, dynamic_shapes, *, weightless: bool):
     import torch
 
     example = adapter.example_inputs(point, dtype=config.dtype.value)
