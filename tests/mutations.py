@@ -47,6 +47,9 @@ class Mutation:
     fast: bool = False  # the tests need no run folder (export, calibration, check)
 
 
+#: The interpreted kernel tests' file, as a prefix of their node ids (:data:`INTERPRETED`).
+_INTERP = "tests/kernels/test_triton_interpret.py::"
+
 MUTATIONS = (
     # -- observers ---------------------------------------------------------------------------------------------
     Mutation("observer-minmax-forgets", "MinMax keeps the running max over batches", "calibrate/observers.py",
@@ -71,19 +74,19 @@ MUTATIONS = (
     Mutation("kernel-layernorm", "the fused LayerNorm kernel normalizes by C", "kernels/triton_ops.py",
              "    rstd = tl.rsqrt(sq / C + eps)\n",
              "    rstd = tl.rsqrt(sq / (C + 1) + eps)\n",
-             ("tests/kernels/test_triton_interpret.py",), fast=True),
+             (_INTERP + "test_residual_norm_quant",), fast=True),
     Mutation("kernel-rms-chunk-mask", "the RMS pass reads Q's (K's) channels alone past a partial chunk",
              "kernels/triton_ops.py", "m = rm[:, None] & (c0 + cols < C)[None, :]", "m = rm[:, None]",
-             ("tests/kernels/test_triton_interpret.py",), fast=True),
+             (_INTERP + "test_qkv_epilogue_on_widths_not_a_multiple_of_the_rms_chunk",), fast=True),
     Mutation("kernel-norm-segment-mask", "the LayerNorm kernel's second segment stops at the row's end",
              "kernels/triton_ops.py", "        mb = cb < C\n", "        mb = cb < SEG_A + SEG_B\n",
-             ("tests/kernels/test_triton_interpret.py",), fast=True),
+             (_INTERP + "test_residual_norm_quant",), fast=True),
     Mutation("kernel-norm-second-segment-stats", "the LayerNorm statistics take the row's second segment",
              "kernels/triton_ops.py", "        sq += tl.sum(db * db)\n", "        sq += 0.0\n",
-             ("tests/kernels/test_triton_interpret.py",), fast=True),
+             (_INTERP + "test_residual_norm_quant",), fast=True),
     Mutation("kernel-per-token-modulation", "the fused kernels read each token's own AdaLN vectors",
              "kernels/triton_ops.py", "    vrow = b * VB + t * VS  #", "    vrow = b * VB  #",
-             ("tests/kernels/test_triton_interpret.py",), fast=True),
+             (_INTERP + "test_per_token_modulation_reads_each_rows_own_vectors",), fast=True),
     Mutation("sdpa-fp8-k-smoothing", "cuDNN's FP8 operands take K minus its per-channel mean", "kernels/reference.py",
              "    k = k.float() - k.float().mean(dim=2, keepdim=True)\n    scales", "    k = k.float()\n    scales",
              ("tests/kernels/test_cudnn_attention.py::test_operands_are_per_tensor_fp8_of_smoothed_k",), fast=True),
@@ -210,6 +213,12 @@ MUTATIONS = (
              "    from trt_sora.calibrate.run import ALL_METHODS  # noqa\n    return gaussian_noise((shape.batch,",
              ("tests/test_import_direction.py::test_no_import_cycles",), fast=True),
     # -- need run folders (export + calibration + quantize [+ check]) ------------------------------------------
+    Mutation("trace-shared-pristine", "the pair's shared trace is copied before the first export changes it",
+             "export/trace.py", "traces[key] = _copy_model(program.model)", "traces[key] = program.model",
+             ("tests/test_experts.py::test_the_pair_is_traced_once_and_each_expert_gets_its_own_bytes",)),
+    Mutation("trace-copy-names", "a copied trace names the nodes it gains as the traced graph does",
+             "export/trace.py", "    graph._name_authority = copy.deepcopy(model.graph._name_authority)", "    pass",
+             ("tests/test_experts.py::test_the_pair_is_traced_once_and_each_expert_gets_its_own_bytes",)),
     Mutation("torch-fp8-gelu-scale", "GELU output quantized at the FFN-down input's scale", "models/wan_fp8.py",
              "        h = ops.gelu_quant(self.ff1(y), self.ff2.act_scale)",
              "        h = ops.gelu_quant(self.ff1(y), self.ff1.act_scale)",
@@ -267,22 +276,22 @@ MUTATIONS = (
              fast=True),
     Mutation("kernel-key-len-ragged", "the 8-bit kernel masks the keys past the length in its last tile",
              "kernels/triton_ops.py", "nm = (n_full * BLOCK_N + offs_n) < kl", "nm = (n_full * BLOCK_N + offs_n) < S",
-             ("tests/kernels/test_triton_interpret.py",), fast=True),
+             (_INTERP + "test_attention_with_key_lengths_attends_the_valid_keys_only",), fast=True),
     Mutation("kernel-wide-tile-scales", "a 256-key tile scales each 128-key group by its own K scale",
              "kernels/triton_ops.py", "tl.minimum(t * (BLOCK_N // _SB) + tl.arange(0, BLOCK_N // _SB), nblk - 1)",
              "tl.minimum(t * (BLOCK_N // _SB) + 0 * tl.arange(0, BLOCK_N // _SB), nblk - 1)",
-             ("tests/kernels/test_triton_interpret.py",), fast=True),
+             (_INTERP + "test_wide_key_tiles_track_fp32_attention",), fast=True),
     Mutation("kernel-i8-scale", "the epilogue's Q and K blocks take max / 127 as their INT8 scale",
              "kernels/triton_ops.py", "    s = tl.max(tl.max(a, 1), 0) / 127.0",
              "    s = tl.max(tl.max(a, 1), 0) / 120.0",
-             ("tests/kernels/test_triton_interpret.py",), fast=True),
+             (_INTERP + "test_qkv_epilogue_bf16_and_8bit",), fast=True),
     Mutation("kernel-int8-rounding", "the epilogue rounds INT8 half away from zero", "kernels/triton_ops.py",
              "    y = y + tl.where(y >= 0, 0.5, -0.5)", "    y = y + 0.5",
-             ("tests/kernels/test_triton_interpret.py",), fast=True),
+             (_INTERP + "test_qkv_epilogue_rounds_int8_half_away_from_zero",), fast=True),
     Mutation("kernel-key-len-k-mean", "the epilogue's K sums leave out the padded keys", "kernels/triton_ops.py",
              "tl.store(KSUM + part, tl.sum(tl.where(km, k, 0.0), 0))",
              "tl.store(KSUM + part, tl.sum(tl.where(rm[:, None], k, 0.0), 0))",
-             ("tests/kernels/test_triton_interpret.py",), fast=True),
+             (_INTERP + "test_attention_with_key_lengths_attends_the_valid_keys_only",), fast=True),
     Mutation("hunyuan-image-keys", "HunyuanVideo's image tokens are masked keys without an image", "models/hunyuan.py",
              "        return has_image and all(", "        return all(",
              ("tests/models/test_hunyuan_fp8.py::test_keys_are_all_valid_only_without_any_mask",), fast=True),
@@ -538,10 +547,10 @@ MUTATIONS = (
              ("tests/calibrate/test_run.py::test_attention_mass_is_measured_over_the_calibration_trajectories",)),
     Mutation("sparse-kernel-list", "the sparse kernel loads the listed key tiles", "kernels/triton_ops.py",
              "j = tl.load(KIDX + qb * KSTRIDE + jj)", "j = jj",
-             ("tests/kernels/test_triton_interpret.py",), fast=True),
+             (_INTERP + "test_block_sparse_attention_skips_exactly_the_masked_key_tiles",), fast=True),
     Mutation("sparse-kernel-ragged", "a ragged key tile outside the pattern adds nothing", "kernels/triton_ops.py",
              "nm = nm & (tl.load(KRAG + (pid_m * BLOCK_M) // BLOCK_N) != 0)", "nm = nm",
-             ("tests/kernels/test_triton_interpret.py",), fast=True),
+             (_INTERP + "test_block_sparse_attention_skips_exactly_the_masked_key_tiles",), fast=True),
     Mutation("sparse-fp8-rope-order", "the fused block's RoPE rows follow its tile order", "kernels/ops.py",
              "_rows(qkv, sparse.perm), cos[sparse.perm], sin[sparse.perm]", "_rows(qkv, sparse.perm), cos, sin",
              ("tests/test_sparse.py::test_fused_attention_in_tile_order_is_the_raster_masked_attention",), fast=True),
@@ -635,10 +644,17 @@ def _pytest(tests, src: Path, *extra: str, env: dict | None = None) -> subproces
 def _baseline(chosen, src: Path, jobs: int = 1) -> None:
     """Every guarding test passes on the unmutated copy (else a failure would prove nothing)."""
     tests = sorted({t for m in chosen for t in m.tests})
-    res = _pytest(tests, src, *_xdist(jobs))
-    if res.returncode != 0:
-        sys.exit(f"mutations: the guarding tests fail without any mutation:\n{res.stdout[-3000:]}")
-    print(f"baseline: {(res.stdout.strip().splitlines() or [''])[-1]}", flush=True)
+    plain = [t for t in tests if not t.startswith(INTERPRETED)]
+    interpreted = [t for t in tests if t.startswith(INTERPRETED)]
+    # the interpreted tests skip themselves unless Triton's interpreter is on: run them with it
+    by_test = ("-n", str(jobs), "--dist", "load") if _xdist(jobs) else ()  # one file: spread its tests
+    for ids, env, xdist in ((plain, None, _xdist(jobs)), (interpreted, {"TRITON_INTERPRET": "1"}, by_test)):
+        if not ids:
+            continue
+        res = _pytest(ids, src, *xdist, env=env)
+        if res.returncode != 0 or " passed" not in res.stdout:
+            sys.exit(f"mutations: the guarding tests fail without any mutation:\n{res.stdout[-3000:]}")
+        print(f"baseline: {(res.stdout.strip().splitlines() or [''])[-1]}", flush=True)
 
 
 def _stale(mutations) -> list[str]:
@@ -659,9 +675,10 @@ PRELOAD = ("numpy", "torch", "pytest", "_pytest.python", "xdist", "onnx", "onnxr
 #: Exit status of a child whose ``trt_sora`` did not come from the mutated copy.
 WRONG_IMPORT = 97
 #: The Triton kernels' interpreter tests: Triton must be imported with TRITON_INTERPRET=1, and the forkserver
-#: has imported it already (torch and diffusers do). A mutation guarded by this file alone runs it in a fresh
-#: process with the interpreter on, stopping at the first failed test (not through the file's runner test,
-#: which starts that process itself and runs every kernel to the end).
+#: has imported it already (torch and diffusers do). A mutation guarded by tests of this file alone (node ids:
+#: the tests that exercise the mutated kernel) runs them in a fresh process with the interpreter on, stopping at
+#: the first failed test (not through the file's runner test, which starts that process itself and runs every
+#: kernel to the end); the baseline runs them the same way (without the interpreter they skip themselves).
 INTERPRETED = "tests/kernels/test_triton_interpret.py"
 
 
