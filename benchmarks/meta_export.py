@@ -9,7 +9,9 @@ Gemm nodes, the linears that own one (by the nodes' module scopes: a linear whos
 none), scaled-dot-product attentions (Softmax nodes), the exported dims, trace seconds and peak RSS. The full
 export (``trt-sora export``) adds the
 optimizer pass and streams the weights into ``model.onnx.data``; this measures that the real-size graph
-traces, without the hours of random-weight generation and tens of GB of disk.
+traces, without the hours of random-weight generation and tens of GB of disk. The experts of a pair share one
+``traces`` dict, as the export stage's do: the second expert's row is the copy of the first's trace
+(``copied``), its seconds what the pair's export pays for its graph.
 """
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ def _adapters(name: str):
     return [(f"{name}/{e}", a.expert(e)) for e in a.experts] if a.experts else [(name, a)]
 
 
-def trace_one(label: str, adapter) -> dict:
+def trace_one(label: str, adapter, traces: dict | None = None) -> dict:
     import torch
 
     from trt_sora.config import DType, ExportConfig
@@ -47,7 +49,8 @@ def trace_one(label: str, adapter) -> dict:
     linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
     ranges = ex.export_ranges(adapter, config)
     point = ex.export_point(adapter, ranges)
-    program = tr.trace(adapter, model, point, config, ex._dynamic_shapes(adapter, ranges), weightless=True)
+    program = tr.trace(adapter, model, point, config, ex._dynamic_shapes(adapter, ranges), weightless=True,
+                       traces=traces)
     seconds = time.perf_counter() - t0
     graph = program.model.graph
     ops = collections.Counter(n.op_type for n in graph)
@@ -59,7 +62,7 @@ def trace_one(label: str, adapter) -> dict:
             "matmul_gemm": ops.get("MatMul", 0) + ops.get("Gemm", 0), "linears_in_graph": len(graph_linears),
             "softmax": ops.get("Softmax", 0), "initializers": len(graph.initializers),
             "inputs": [v.name for v in graph.inputs], "dynamic_dims": dims, "trace_point": point,
-            "seconds": round(seconds, 1),
+            "seconds": round(seconds, 1), "copied": program.copied,
             "peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20, 2)}
 
 
@@ -72,10 +75,11 @@ def main() -> None:
     rows = json.loads(out.read_text())["results"] if out.exists() else []
     done = {r["model"] for r in rows}
     for name in args.models.split(","):
+        traces: dict = {}  # the experts of one pair share it (the export stage's)
         for label, adapter in _adapters(name):
             if label in done:
                 continue
-            row = trace_one(label, adapter)
+            row = trace_one(label, adapter, traces)
             print(json.dumps(row), flush=True)
             rows.append(row)
             out.parent.mkdir(parents=True, exist_ok=True)
