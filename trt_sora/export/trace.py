@@ -6,7 +6,8 @@ parameters) turned into fake tensors: torch.export then traces shapes only and
 the graph is identical node for node to the one traced with real weights (tested
 on wan-tiny). :func:`bind_weights` gives the weightless graph's initializers lazy
 values read from a :class:`~trt_sora.weights.sources.WeightSource` when the file
-is written.
+is written. Exports that share a ``traces`` dict (the experts of a pair) trace one weightless graph once
+and copy it (:func:`trace`).
 """
 from __future__ import annotations
 
