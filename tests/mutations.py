@@ -212,6 +212,10 @@ MUTATIONS = (
              "    return gaussian_noise((shape.batch,",
              "    from trt_sora.calibrate.run import ALL_METHODS  # noqa\n    return gaussian_noise((shape.batch,",
              ("tests/test_import_direction.py::test_no_import_cycles",), fast=True),
+    Mutation("trace-key-names-only", "the shared trace's key holds what the graph depends on", "export/trace.py",
+             "return hashlib.sha256(repr(parts).encode()).hexdigest()",
+             "return hashlib.sha256(repr(parts[:2]).encode()).hexdigest()",
+             ("tests/export/test_weightless.py::test_the_shared_trace_key_tells_graphs_apart",), fast=True),
     # -- need run folders (export + calibration + quantize [+ check]) ------------------------------------------
     Mutation("trace-shared-pristine", "the pair's shared trace is copied before the first export changes it",
              "export/trace.py", "traces[key] = _copy_model(program.model)", "traces[key] = program.model",

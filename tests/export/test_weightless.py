@@ -105,3 +105,32 @@ def test_canonical_range_constraints():
 
     assert _sorted_mapping("{s9: VR[1, 8], 2*s2: VR[2, 256], s1: VR[2, 128]}") == \
         "{2*s2: VR[2, 256], s1: VR[2, 128], s9: VR[1, 8]}"
+
+
+def test_the_shared_trace_key_tells_graphs_apart():
+    """The key under which a pair's experts share one weightless trace (:func:`trace.trace_key`): equal for the two
+    experts of a pair (one architecture, two weight files), different wherever the graph could differ: another
+    family variant (image tokens, per-frame timesteps), one more block, another dtype, opset or trace point."""
+    import copy
+
+    from trt_sora.config.recipe import DType
+    from trt_sora.export import exporter as ex
+    from trt_sora.export import trace as tr
+    from trt_sora.models import get_adapter
+
+    def key(adapter, cfg=None, model=None, point=None):
+        cfg = cfg or ExportConfig()
+        model = model if model is not None else adapter.load_empty(cfg.dtype.value)
+        plan = ex.plan_export(adapter, cfg, model, weightless=True)
+        return tr.trace_key(adapter, model, point or plan.point, cfg, ex._dynamic_shapes(adapter, plan.ranges))
+
+    pair = get_adapter("wan-a14b-tiny")
+    assert len({key(pair.expert(e)) for e in pair.experts}) == 1
+    tiny = get_adapter("wan-tiny")
+    deeper = tiny.load_empty("fp32")
+    deeper.blocks.append(copy.deepcopy(deeper.blocks[0]))
+    point = dict(ex.export_point(tiny, ex.export_ranges(tiny, ExportConfig())), latent_frames=4)
+    keys = [key(tiny), key(get_adapter("wan-i2v-tiny")), key(get_adapter("wan-ti2v-tiny")), key(tiny, model=deeper),
+            key(tiny, ExportConfig(dtype=DType.FP16)), key(tiny, ExportConfig(opset=21)), key(tiny, point=point)]
+    assert len(set(keys)) == len(keys)
+    assert key(tiny) == keys[0]  # and the same model, loaded again, keeps its key
