@@ -47,8 +47,14 @@ class Mutation:
     fast: bool = False  # the tests need no run folder (export, calibration, check)
 
 
-#: The interpreted kernel tests' file, as a prefix of their node ids (:data:`INTERPRETED`).
-_INTERP = "tests/kernels/test_triton_interpret.py::"
+#: The Triton kernels' interpreter tests: Triton must be imported with TRITON_INTERPRET=1, and the forkserver
+#: has imported it already (torch and diffusers do). A mutation guarded by tests of this file alone (node ids:
+#: the tests that exercise the mutated kernel) runs them in a fresh process with the interpreter on, stopping at
+#: the first failed test (not through the file's runner test, which starts that process itself and runs every
+#: kernel to the end); the baseline runs them the same way (without the interpreter they skip themselves).
+INTERPRETED = "tests/kernels/test_triton_interpret.py"
+#: The prefix of their node ids.
+_INTERP = INTERPRETED + "::"
 
 MUTATIONS = (
     # -- observers ---------------------------------------------------------------------------------------------
@@ -678,12 +684,6 @@ PRELOAD = ("numpy", "torch", "pytest", "_pytest.python", "xdist", "onnx", "onnxr
            "yaml", "diffusers", "diffusers.models.transformers.transformer_wan")
 #: Exit status of a child whose ``trt_sora`` did not come from the mutated copy.
 WRONG_IMPORT = 97
-#: The Triton kernels' interpreter tests: Triton must be imported with TRITON_INTERPRET=1, and the forkserver
-#: has imported it already (torch and diffusers do). A mutation guarded by tests of this file alone (node ids:
-#: the tests that exercise the mutated kernel) runs them in a fresh process with the interpreter on, stopping at
-#: the first failed test (not through the file's runner test, which starts that process itself and runs every
-#: kernel to the end); the baseline runs them the same way (without the interpreter they skip themselves).
-INTERPRETED = "tests/kernels/test_triton_interpret.py"
 
 
 def _forkserver():

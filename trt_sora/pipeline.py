@@ -268,7 +268,8 @@ class EnginePipeline:
     def export(self) -> StageOutcome:
         from trt_sora.export import export_onnx
 
-        traces: dict = {}  # the experts of a pair share one graph: traced once, copied for the second
+        # the experts of a pair share one graph: traced once, copied for the second (one model: nothing to share)
+        traces: dict | None = {} if self.experts else None
 
         def go():
             def one(e, a):
