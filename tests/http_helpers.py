@@ -14,6 +14,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import prefork
+
 #: How long a helper waits before calling the test hung. It never decides an outcome.
 HANG = 240.0
 
@@ -28,7 +30,7 @@ def trt_sora_cli(*args: str) -> tuple[list[str], dict]:
 def kill_batch_after_clips(cmd: list[str], env: dict, clips: int = 2) -> None:
     """Run ``trt-sora -v batch ...`` and SIGKILL it once it has logged its ``clips``-th finished clip
     (each ``INFO ... done (`` line follows the clip's commit), reading the log as it is written."""
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = prefork.popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     seen, lines = 0, []
     for line in proc.stderr:
         lines.append(line)

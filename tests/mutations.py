@@ -33,6 +33,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import prefork  # tests/, this script's folder
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -680,8 +682,7 @@ def _stale(mutations) -> list[str]:
 
 #: Imported once by the forkserver that every mutation's pytest forks from: third-party modules only (the
 #: package under test must be imported fresh, from the mutated copy, in each child).
-PRELOAD = ("numpy", "torch", "pytest", "_pytest.python", "xdist", "onnx", "onnxruntime", "safetensors.torch",
-           "yaml", "diffusers", "diffusers.models.transformers.transformer_wan")
+PRELOAD = (*prefork.PRELOAD, "pytest", "_pytest.python", "xdist")
 #: Exit status of a child whose ``trt_sora`` did not come from the mutated copy.
 WRONG_IMPORT = 97
 

@@ -45,6 +45,11 @@ from typing import Any
 
 import numpy as np
 
+_TESTS = str(Path(__file__).resolve().parents[1])  # tests/, for prefork when this file runs as a script
+if _TESTS not in sys.path:
+    sys.path.insert(0, _TESTS)
+import prefork  # noqa: E402
+
 RECIPE = "rtx4090-fp8"
 MODEL = "wan-tiny"
 STAGES = ("export", "calibrate", "quantize", "build", "check")
@@ -724,20 +729,15 @@ def threads_bit_identical(env: Env, threads: int = 8, calls: int = 100) -> Outco
 
 
 # -- 7. leftovers: kill -9, SIGTERM, SIGINT, a crashed check, two runs at once -----------------------------------
-def _interruptible() -> None:
-    """In the child before exec: SIGINT at its default, as for a command a user runs in a terminal.
-    A test run started in the background (``make test &``) inherits SIGINT ignored, and Python keeps
-    an ignored SIGINT ignored: Ctrl-C would never reach the stage under test."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+def _spawn(argv: list[str], cwd: Path | None = None):
+    """``python -m trt_sora ARGV`` in its own session, forked from tests/prefork.py's preloaded server: SIGINT
+    raises KeyboardInterrupt there, as in a command a user runs in a terminal (a test run started in the
+    background, ``make test &``, inherits SIGINT ignored, and a fresh Python would keep it ignored)."""
+    return prefork.popen([sys.executable, "-m", "trt_sora", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, cwd=cwd, start_new_session=True)
 
 
-def _spawn(argv: list[str], cwd: Path | None = None) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "trt_sora", *argv], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, cwd=cwd, start_new_session=True,
-                            preexec_fn=_interruptible)
-
-
-def _wait_for(pred: Callable[[], bool], proc: subprocess.Popen, timeout: float = 240.0) -> bool:
+def _wait_for(pred: Callable[[], bool], proc, timeout: float = 240.0) -> bool:
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
         if pred():

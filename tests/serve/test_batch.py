@@ -6,6 +6,7 @@ import subprocess
 from pathlib import Path
 
 import numpy as np
+import prefork
 import pytest
 from http_helpers import kill_batch_after_clips, trt_sora_cli
 
@@ -410,7 +411,7 @@ def test_resume_after_kill_9(checked_run, tiny_runner, tmp_path):
     todo = sorted(f"j{i}" for i in range(n) if f"j{i}" not in finished)
     (out / "clips" / f"{todo[0]}.npy").write_bytes(b"partial")          # a clip cut off mid-write
     (out / "clips" / f".{todo[-1]}.tmp999.png").write_bytes(b"partial")  # a temp file of a killed writer
-    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    res = prefork.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-1500:]
     summary = json.loads((out / "summary.json").read_text())
     assert (summary["skipped"], summary["generated"], summary["finished"]) == (len(finished), n - len(finished), n)

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import prefork
 import pytest
 from http_helpers import HANG, Http, Lines
 
@@ -36,7 +37,7 @@ class Server:
         args = ["serve", "--run", str(run), "--backend", "ort", "--port", "0", "--threads", "1",
                 "--max-wait-ms", "0", "--drain-grace", "0", "--state-dir", str(tmp / state),
                 "--api-keys-file", str(tmp / "keys"), *extra]
-        self.proc = subprocess.Popen([sys.executable, str(HERE / "gated_serve.py"), str(tmp / "arm"),
+        self.proc = prefork.popen([sys.executable, str(HERE / "gated_serve.py"), str(tmp / "arm"),
                                       str(tmp / "fifo"), *args], env=env, stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, text=True)
         self.out, self.err = Lines(self.proc.stdout), Lines(self.proc.stderr)

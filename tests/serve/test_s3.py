@@ -14,6 +14,7 @@ import urllib.request
 from pathlib import Path
 
 import numpy as np
+import prefork
 import pytest
 from http_helpers import kill_batch_after_clips, trt_sora_cli
 
@@ -316,7 +317,7 @@ def test_cli_kill_9_then_rerun_skips_finished_uploads(checked_run, s3, tmp_path)
     finished = {k[6:8] for k, v in _keys(client).items() if re.fullmatch(r"clips/c\d\.json", k)}
     assert 2 <= len(finished) < n and "run1/.batch.lock" in [o["Key"] for o in client.list_objects_v2(
         Bucket="clips", Prefix="run1/").get("Contents", [])]
-    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    res = prefork.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-1500:]
     assert "which is gone; taking it over" in res.stderr
     summary = json.loads(_keys(client)["summary.json"])

@@ -18,6 +18,7 @@ import threading
 from pathlib import Path
 
 import numpy as np
+import prefork
 import pytest
 from http_helpers import HANG, Gated, Http, Lines, http_server
 
@@ -32,7 +33,7 @@ def server(checked_run, tmp_path_factory):
     arm, fifo = results.parent / f"{results.name}.arm", results.parent / f"{results.name}.fifo"
     os.mkfifo(fifo)
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("gated_serve.py")), str(arm), str(fifo),
+    proc = prefork.popen([sys.executable, str(Path(__file__).with_name("gated_serve.py")), str(arm), str(fifo),
                              "serve", "--run", str(checked_run), "--backend", "ort",
                              "--port", "0", "--threads", "1", "--max-queue", "8", "--max-wait-ms", "1000",
                              "--results", str(results), "--drain-grace", "3"],
