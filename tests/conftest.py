@@ -81,14 +81,23 @@ def tiny_model(tiny_adapter):
 
 
 @pytest.fixture(scope="session")
-def tiny_export(tmp_path_factory, tiny_adapter, request):
+def tiny_traces():
+    """One ``traces`` dict for the wan-tiny exports of this process whose subject is not the trace itself
+    (``export_onnx(traces=...)``: the fp32 weightless graph traced once, each export gets a copy, byte for byte
+    the export traced alone: tests/test_experts.py)."""
+    return {}
+
+
+@pytest.fixture(scope="session")
+def tiny_export(tmp_path_factory, tiny_adapter, tiny_traces, request):
     """``ExportResult`` of wan-tiny (fp32, opset 20), verified at the three TINY_POINTS (once per test run)."""
     from trt_sora.config import ExportConfig
     from trt_sora.export import export_onnx
 
     def build(out):
         model = request.getfixturevalue("tiny_model")
-        return export_onnx(tiny_adapter, ExportConfig(verify_points=TINY_POINTS), out / "export", model=model)
+        return export_onnx(tiny_adapter, ExportConfig(verify_points=TINY_POINTS), out / "export", model=model,
+                           traces=tiny_traces)
 
     return once_per_run(tmp_path_factory, "tiny_export", build)
 

@@ -56,9 +56,9 @@ def test_independent_rerun_at_new_shape(tiny_export, tiny_adapter, tiny_model):
     assert compare(inputs["hidden_states"].numpy(), got)["cosine"] < 0.9
 
 
-def test_external_data_always(tmp_path, tiny_adapter, tiny_model, tiny_points):
+def test_external_data_always(tmp_path, tiny_adapter, tiny_model, tiny_points, tiny_traces):
     cfg = ExportConfig(external_data=ExternalData.ALWAYS, verify_points=tiny_points[:2])
-    res = export_onnx(tiny_adapter, cfg, tmp_path / "ext", model=tiny_model)
+    res = export_onnx(tiny_adapter, cfg, tmp_path / "ext", model=tiny_model, traces=tiny_traces)
     data = tmp_path / "ext" / "model.onnx.data"
     assert data.is_file() and data.stat().st_size > 0.9 * res.manifest["results"]["param_bytes"]
     assert res.onnx_path.stat().st_size < data.stat().st_size
@@ -72,11 +72,12 @@ def test_export_point_avoids_size_one(tiny_adapter):
     assert point["latent_height"] % 2 == 0 and point["latent_width"] % 2 == 0
 
 
-def test_failed_parity_leaves_nothing(tmp_path, tiny_adapter, tiny_model, tiny_points):
+def test_failed_parity_leaves_nothing(tmp_path, tiny_adapter, tiny_model, tiny_points, tiny_traces):
     out = tmp_path / "bad"
     with pytest.raises(ExportError, match="ONNX Runtime disagrees"):
         # a bar only a bit-exact export meets (fp32 ORT vs PyTorch differ by ~1e-6): the stage fails, writes nothing
-        export_onnx(tiny_adapter, ExportConfig(max_abs=0.0, verify_points=tiny_points[:2]), out, model=tiny_model)
+        export_onnx(tiny_adapter, ExportConfig(max_abs=0.0, verify_points=tiny_points[:2]), out, model=tiny_model,
+                    traces=tiny_traces)
     assert not out.exists()
     assert not [p for p in tmp_path.iterdir()], "half-written staging folder left behind"
 
