@@ -16,7 +16,9 @@ What differs from a fresh interpreter, so what the tests that use it must not de
 modules are in ``sys.modules`` before the command starts (tests of what an import pulls in start
 ``subprocess`` processes), stdin is ``/dev/null``, SIGINT raises KeyboardInterrupt even where the caller
 ignores it (as ``tests/reliability`` asks of its processes), and torch's thread count is set from the
-command's ``OMP_NUM_THREADS`` after the fact. Any other command line goes to :mod:`subprocess` unchanged.
+command's ``OMP_NUM_THREADS`` after the fact (without the pool thread a fresh torch starts at import with more
+than one). The caller's own main module must be safe to import (``if __name__ == "__main__"``): multiprocessing
+imports a script's in each child, as it does for ``spawn``. Any other command line goes to :mod:`subprocess`.
 """
 from __future__ import annotations
 
