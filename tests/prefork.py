@@ -134,7 +134,7 @@ def _child(kind: str, what: str, argv: list[str], env: dict, cwd: str | None, ou
     sys.path[:] = [first, *(p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p), *base_path]
     if env.get("OMP_NUM_THREADS", "").isdigit():
         _torch_threads(min(int(env["OMP_NUM_THREADS"]), os.cpu_count() or 1))
-    sys.argv = [{"-m": "-m", "-c": "-c", "script": what}[kind], *argv]
+    sys.argv = [what if kind == "script" else kind, *argv]
     code = 0
     try:
         if kind == "-m":

@@ -38,8 +38,8 @@ class Server:
                 "--max-wait-ms", "0", "--drain-grace", "0", "--state-dir", str(tmp / state),
                 "--api-keys-file", str(tmp / "keys"), *extra]
         self.proc = prefork.popen([sys.executable, str(HERE / "gated_serve.py"), str(tmp / "arm"),
-                                      str(tmp / "fifo"), *args], env=env, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True)
+                                   str(tmp / "fifo"), *args], env=env, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True)
         self.out, self.err = Lines(self.proc.stdout), Lines(self.proc.stderr)
         try:
             self.http = Http(int(self.out.wait_for(r"on http://127\.0\.0\.1:(\d+) ").group(1)))

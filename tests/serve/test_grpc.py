@@ -445,7 +445,7 @@ def test_tls_streams_to_a_client_that_trusts_the_certificate(stack, tmp_path):
 def test_cli_refuses_tls_flags_that_do_not_go_together(tmp_path, flags, said):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     res = prefork.run([sys.executable, "-m", "trt_sora", "serve", "--run", str(tmp_path), *flags], env=env,
-                         capture_output=True, text=True, timeout=HANG)
+                      capture_output=True, text=True, timeout=HANG)
     assert res.returncode == 2 and said in res.stderr, res.stderr
 
 
@@ -513,9 +513,9 @@ def test_cli_serves_grpc_beside_http(checked_run, tmp_path):
     (tmp_path / "keys.txt").write_text(f"{KEY}\n")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     proc = prefork.popen([sys.executable, "-m", "trt_sora", "serve", "--run", str(checked_run), "--backend", "ort",
-                             "--port", "0", "--grpc-port", "0", "--threads", "1", "--max-wait-ms", "0",
-                             "--api-keys-file", str(tmp_path / "keys.txt"), "--drain-grace", "0"],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                          "--port", "0", "--grpc-port", "0", "--threads", "1", "--max-wait-ms", "0",
+                          "--api-keys-file", str(tmp_path / "keys.txt"), "--drain-grace", "0"],
+                         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     out, err = Lines(proc.stdout), Lines(proc.stderr)
     try:
         out.wait_for(r"on http://127\.0\.0\.1:\d+ ")

@@ -34,10 +34,10 @@ def server(checked_run, tmp_path_factory):
     os.mkfifo(fifo)
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "OMP_NUM_THREADS": "1"}
     proc = prefork.popen([sys.executable, str(Path(__file__).with_name("gated_serve.py")), str(arm), str(fifo),
-                             "serve", "--run", str(checked_run), "--backend", "ort",
-                             "--port", "0", "--threads", "1", "--max-queue", "8", "--max-wait-ms", "1000",
-                             "--results", str(results), "--drain-grace", "3"],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                          "serve", "--run", str(checked_run), "--backend", "ort",
+                          "--port", "0", "--threads", "1", "--max-queue", "8", "--max-wait-ms", "1000",
+                          "--results", str(results), "--drain-grace", "3"],
+                         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     out, err = Lines(proc.stdout), Lines(proc.stderr)
     try:
         port = int(out.wait_for(r"on http://127\.0\.0\.1:(\d+) ").group(1))
