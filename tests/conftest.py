@@ -83,8 +83,8 @@ def tiny_model(tiny_adapter):
 @pytest.fixture(scope="session")
 def tiny_traces():
     """One ``traces`` dict for the wan-tiny exports of this process whose subject is not the trace itself
-    (``export_onnx(traces=...)``: the fp32 weightless graph traced once, each export gets a copy, byte for byte
-    the export traced alone: tests/test_experts.py)."""
+    (``export_onnx(traces=...)``: the fp32 graph of ``tiny_model`` traced once, each export gets a copy, byte for
+    byte the export traced alone: tests/test_experts.py)."""
     return {}
 
 
@@ -148,10 +148,11 @@ def wide_adapter():
 
 @pytest.fixture(scope="session")
 def wide_export(tmp_path_factory, wide_adapter, tiny_points):
-    """Weightless export of ``wide_adapter`` (external data, ORT parity segment by segment at two points)."""
+    """Weightless export of ``wide_adapter`` (external data, ORT parity segment by segment at two points), once
+    per test run."""
     from trt_sora.config import ExportConfig, ExternalData
     from trt_sora.export import export_onnx
 
-    out = tmp_path_factory.mktemp("wide_export") / "export"
     cfg = ExportConfig(external_data=ExternalData.ALWAYS, verify_points=tiny_points[:2])
-    return export_onnx(wide_adapter, cfg, out, segmented=True)
+    return once_per_run(tmp_path_factory, "wide_export",
+                        lambda out: export_onnx(wide_adapter, cfg, out / "export", segmented=True))

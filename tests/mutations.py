@@ -224,6 +224,10 @@ MUTATIONS = (
              "return hashlib.sha256(repr(parts).encode()).hexdigest()",
              "return hashlib.sha256(repr(parts[:2]).encode()).hexdigest()",
              ("tests/export/test_weightless.py::test_the_shared_trace_key_tells_graphs_apart",), fast=True),
+    Mutation("trace-key-weights", "a loaded model's shared trace is reused only for the same weights",
+             "export/trace.py", "    if weights:\n        h = hashlib.sha256()",
+             "    if False:\n        h = hashlib.sha256()",
+             ("tests/export/test_export.py::test_a_loaded_models_trace_key_hashes_its_weights",), fast=True),
     # -- need run folders (export + calibration + quantize [+ check]) ------------------------------------------
     Mutation("trace-shared-pristine", "the pair's shared trace is copied before the first export changes it",
              "export/trace.py", "traces[key] = _copy_model(program.model)", "traces[key] = program.model",

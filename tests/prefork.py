@@ -40,7 +40,9 @@ PRELOAD = ("numpy", "torch", "onnx", "onnxruntime", "safetensors.torch", "yaml",
 
 
 @functools.cache
-def _context():
+def context():
+    """The ``multiprocessing`` forkserver context whose server imports :data:`PRELOAD` (when it starts: at its
+    first use in this process, by :func:`popen` or by anyone forking through this context)."""
     import multiprocessing
 
     ctx = multiprocessing.get_context("forkserver")
@@ -254,7 +256,7 @@ def popen(args, *, env=None, cwd=None, stdout=None, stderr=None, text=False, sta
     if cmd is None or kw or os.environ.get("TRT_SORA_TESTS_NO_PREFORK"):
         return subprocess.Popen(args, env=env, cwd=cwd, stdout=stdout, stderr=stderr, text=text,
                                 start_new_session=start_new_session, **kw)
-    ctx = _context()
+    ctx = context()
     (out_w, out), (err_w, err) = _pipe(stdout, 1, ctx, text), _pipe(stderr, 2, ctx, text)
     proc = ctx.Process(target=_child, daemon=True,
                        args=(*cmd, dict(os.environ if env is None else env), None if cwd is None else str(cwd),

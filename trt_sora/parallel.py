@@ -247,9 +247,12 @@ def _spawned(rank: int, world: int, init_file: str, fn: Callable, args: Sequence
         dist.destroy_process_group()
 
 
-def spawn(fn: Callable, world: int, *args, init_file: str) -> None:
+def spawn(fn: Callable, world: int, *args, init_file: str, start_method: str = "spawn") -> None:
     """Run ``fn(rank, *args)`` in ``world`` CPU processes joined by gloo (tests, CPU-only boxes).
-    ``init_file``: a path that does not exist yet (the rendezvous)."""
+    ``init_file``: a path that does not exist yet (the rendezvous). ``start_method``: ``multiprocessing``'s;
+    ``"forkserver"`` forks the workers from its server process, so what that server imported (its
+    ``set_forkserver_preload`` list: torch, diffusers) each worker need not import again."""
     import torch.multiprocessing as mp
 
-    mp.spawn(_spawned, args=(world, init_file, fn, args), nprocs=world, join=True)
+    mp.start_processes(_spawned, args=(world, init_file, fn, args), nprocs=world, join=True,
+                       start_method=start_method)

@@ -66,6 +66,25 @@ def test_external_data_always(tmp_path, tiny_adapter, tiny_model, tiny_points, t
     assert all(p["cosine"] >= 0.99999 for p in res.parity)
 
 
+def test_a_loaded_models_trace_key_hashes_its_weights(tiny_adapter, tiny_model, tiny_points):
+    """Exports sharing ``traces`` copy a loaded model's graph only for the same weights (they are in the graph);
+    a weightless trace has none, so its key ignores them."""
+    import copy
+
+    import torch
+
+    from trt_sora.export.trace import trace_key
+
+    def key(model, weights):
+        return trace_key(tiny_adapter, model, tiny_points[0], ExportConfig(), None, weights=weights)
+
+    other = copy.deepcopy(tiny_model)
+    with torch.no_grad():
+        list(other.parameters())[-1].view(-1)[0] += 1.0
+    assert key(copy.deepcopy(tiny_model), True) == key(tiny_model, True) != key(other, True)
+    assert key(other, False) == key(tiny_model, False)
+
+
 def test_export_point_avoids_size_one(tiny_adapter):
     point = export_point(tiny_adapter, ExportConfig().dynamic)
     assert all(v >= 2 for v in point.values())

@@ -8,6 +8,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import parallel_workers  # noqa: E402  (this folder; spawned children import it too)
+import prefork  # noqa: E402  (tests/)
 
 from trt_sora.errors import ConfigError  # noqa: E402
 from trt_sora.parallel import ParallelConfig, spawn  # noqa: E402
@@ -32,6 +33,7 @@ def results(tmp_path_factory, base_run, checked_run):
     """Every case, one spawn per world size; ``{name: npz}`` plus the feeds."""
     from trt_sora.models import get_adapter
 
+    prefork.context()  # the workers fork from the server that imported torch and diffusers once per xdist worker
     root = tmp_path_factory.mktemp("parallel")
     f = get_adapter("wan-tiny").example_inputs(POINT, seed=11)
     f["timestep"] = torch.tensor([700.0, 700.0])  # one CFG pair: same step, two conditionings
@@ -40,7 +42,7 @@ def results(tmp_path_factory, base_run, checked_run):
     for world in sorted({c[0] for c in CASES.values()}):
         cases = [(n, c, u, k) for n, (w, c, u, k) in CASES.items() if w == world]
         spawn(parallel_workers.run_cases, world, cases, str(base_run), str(checked_run), str(feeds), str(root),
-              init_file=str(root / f"rdv{world}"))
+              init_file=str(root / f"rdv{world}"), start_method="forkserver")
     return {n: dict(np.load(root / f"{n}.npz")) for n in CASES} | {"feeds": dict(np.load(feeds))}
 
 

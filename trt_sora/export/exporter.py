@@ -215,9 +215,9 @@ def export_onnx(model_ref, config: ExportConfig, out_dir: str | Path, *, model=N
 
     Writes ``model.onnx`` (+ ``model.onnx.data`` when external), ``manifest.json`` with the ONNX
     Runtime parity numbers. Two exports of one model are byte-identical. ``traces``: a dict that the
-    weightless exports of models with one graph share (the pipeline's, for the experts of a pair): the graph is
-    traced once and copied (:func:`trt_sora.export.trace.trace`), the bytes are the same. Raises
-    :class:`ExportError` (and leaves ``out_dir`` untouched) when the export fails or parity misses
+    exports of models with one graph share (the pipeline's, for the experts of a pair; with ``model``, the same
+    weights too): the graph is traced once and copied (:func:`trt_sora.export.trace.trace`), the bytes are the
+    same. Raises :class:`ExportError` (and leaves ``out_dir`` untouched) when the export fails or parity misses
     the config's bar.
     """
     require("torch", extra="export")

@@ -6,8 +6,8 @@ parameters) turned into fake tensors: torch.export then traces shapes only and
 the graph is identical node for node to the one traced with real weights (tested
 on wan-tiny). :func:`bind_weights` gives the weightless graph's initializers lazy
 values read from a :class:`~trt_sora.weights.sources.WeightSource` when the file
-is written. Exports that share a ``traces`` dict (the experts of a pair) trace one weightless graph once
-and copy it (:func:`trace`).
+is written. Exports that share a ``traces`` dict (the experts of a pair) trace one graph once and copy it
+(:func:`trace`).
 """
 from __future__ import annotations
 
@@ -63,9 +63,11 @@ def trace(adapter, model, point: Mapping[str, int], config, dynamic_shapes, *, w
     returns an object whose ``model`` is the graph (``onnx_ir.Model``, the caller's to change) and ``copied``
     whether it is a copy of an earlier trace.
     ``weightless``: ``model`` is an empty model (meta parameters). ``traces``: a dict the exports of models with
-    one graph share (the experts of a pair): a weightless graph is traced once per :func:`trace_key` and each
-    export gets its own copy of it (a weightless graph holds no weight, so the copy is the trace)."""
-    key = trace_key(adapter, model, point, config, dynamic_shapes) if weightless and traces is not None else None
+    one graph share (the experts of a pair): a graph is traced once per :func:`trace_key` and each export gets
+    its own copy of it (the copy shares the trace's tensors, which no later step changes). A loaded model's key
+    hashes its weights too (they are in its graph): for models small enough to hash, such as the tests'."""
+    key = trace_key(adapter, model, point, config, dynamic_shapes, weights=not weightless) \
+        if traces is not None else None
     if key is not None and key in traces:
         return SimpleNamespace(model=_copy_model(traces[key]), copied=True)
     program = _trace(adapter, model, point, config, dynamic_shapes, weightless=weightless)
@@ -74,10 +76,11 @@ def trace(adapter, model, point: Mapping[str, int], config, dynamic_shapes, *, w
     return SimpleNamespace(model=program.model, copied=False)
 
 
-def trace_key(adapter, model, point: Mapping[str, int], config, dynamic_shapes) -> str:
-    """What a weightless trace depends on, hashed: the family, the export wrapper and the model's modules, config,
+def trace_key(adapter, model, point: Mapping[str, int], config, dynamic_shapes, *, weights: bool = False) -> str:
+    """What a trace depends on, hashed: the family, the export wrapper and the model's modules, config,
     parameter and buffer names, shapes and dtypes, the example inputs' shapes and dtypes, the dynamic shapes, the
-    opset and the input and output names (not the weights: a weightless trace has none)."""
+    opset and the input and output names; with ``weights`` (a loaded model, whose graph holds them) the bytes of
+    every parameter and buffer (a weightless trace has none)."""
     import hashlib
 
     wrapper = adapter.export_module(model)
@@ -87,6 +90,11 @@ def trace_key(adapter, model, point: Mapping[str, int], config, dynamic_shapes) 
              [(n, tuple(t.shape), str(t.dtype)) for n, t in (*model.named_parameters(), *model.named_buffers())],
              [(n, tuple(example[n].shape), str(example[n].dtype)) for n in adapter.input_names],
              list(adapter.output_names), repr(dynamic_shapes), config.opset, config.dtype.value]
+    if weights:
+        h = hashlib.sha256()
+        for _, t in (*model.named_parameters(), *model.named_buffers()):
+            h.update(to_numpy(t.detach().cpu()).reshape(-1).view(np.uint8).data)
+        parts.append(h.hexdigest())
     return hashlib.sha256(repr(parts).encode()).hexdigest()
 
 
