@@ -12,8 +12,8 @@ refactor moves the code, the mutation reports ``stale`` (and fails the run) inst
 silently. The copy is put first on ``PYTHONPATH``, so the tests import it, not the checkout (each run
 checks that). Tests that start ``python -m trt_sora`` themselves point it at the checkout, so the
 guarding tests listed here run in-process. With ``--jobs N`` (default: the CPU count) N mutations run at once,
-each in its own copy of the package. Each mutation's pytest is a process forked from one that imported torch,
-pytest and the other heavy third-party modules once (``multiprocessing``'s forkserver; ``trt_sora`` is never
+each in its own copy of the package. Each mutation's pytest is a ``python -c`` forked by ``tests/prefork.py`` from
+a server that imported torch, pytest and the other heavy third-party modules once (``trt_sora`` is never
 imported there), so a mutation pays for its tests, not for those imports. Exit status: 0 when every mutation
 is caught.
 """
@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
-import multiprocessing
 import os
 import queue
 import shutil
@@ -651,10 +650,39 @@ def _check_import_path(src: Path) -> None:
         sys.exit(f"mutations: trt_sora imports from {got}, not from the mutated copy in {src}")
 
 
-def _pytest(tests, src: Path, *extra: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *extra,
-                           *(str(ROOT / t) for t in tests)],
-                          env={**_env(src), **(env or {})}, cwd=CWD, capture_output=True, text=True, timeout=1800)
+#: What each pytest process runs (``python -c``; argv: the copy's folder, then pytest's arguments): ``trt_sora``
+#: from the copy, or exit 1 naming where it came from; then pytest, whose exit status is its last line on stdout
+#: (a process that dies before pytest returns prints none: its exit status 1 is no failed test).
+_PYTEST = """
+import sys
+from pathlib import Path
+
+import trt_sora
+
+if not Path(trt_sora.__file__).resolve().is_relative_to(Path(sys.argv[1]).resolve()):
+    sys.exit(f"trt_sora imports from {trt_sora.__file__}, not from the mutated copy in {sys.argv[1]}")
+import pytest
+
+rc = int(pytest.main(sys.argv[2:]))
+print(f"pytest exit status {rc}", flush=True)
+sys.exit(rc)
+"""
+_STATUS = "pytest exit status "
+
+
+def _pytest(tests, src: Path, *extra: str, env: dict | None = None, fresh: bool = False) -> tuple:
+    """``(pytest's exit status or None when the process died before pytest returned, the process's exit status,
+    the output's lines)`` of ``tests`` against the copy at ``src``: in a process forked from the server that
+    preloaded :data:`PRELOAD` (``tests/prefork.py``), or in a fresh interpreter (``fresh``: Triton's interpreter
+    must be on before Triton is imported, and the server imported it)."""
+    cmd = [sys.executable, "-c", _PYTEST, str(src), "-q", "-p", "no:cacheprovider", *extra,
+           *(str(ROOT / t) for t in tests)]
+    res = (subprocess.run if fresh else prefork.run)(cmd, env={**_env(src), **(env or {})}, cwd=CWD,
+                                                     capture_output=True, text=True, timeout=1800)
+    status = [int(ln[len(_STATUS):]) for ln in res.stdout.splitlines() if ln.startswith(_STATUS)]
+    lines = [ln for ln in f"{res.stdout.strip()}\n{res.stderr.strip()}".strip().splitlines()
+             if not ln.startswith(_STATUS)]
+    return (status[-1] if status else None), res.returncode, lines
 
 
 def _baseline(chosen, src: Path, jobs: int = 1) -> None:
@@ -667,10 +695,11 @@ def _baseline(chosen, src: Path, jobs: int = 1) -> None:
     for ids, env, xdist in ((plain, None, _xdist(jobs)), (interpreted, {"TRITON_INTERPRET": "1"}, by_test)):
         if not ids:
             continue
-        res = _pytest(ids, src, *xdist, env=env)
-        if res.returncode != 0 or " passed" not in res.stdout:
-            sys.exit(f"mutations: the guarding tests fail without any mutation:\n{res.stdout[-3000:]}")
-        print(f"baseline: {(res.stdout.strip().splitlines() or [''])[-1]}", flush=True)
+        rc, _, out = _pytest(ids, src, *xdist, env=env, fresh=env is not None)
+        summary = next((ln for ln in reversed(out) if " passed" in ln), "")
+        if rc != 0 or not summary:
+            sys.exit("mutations: the guarding tests fail without any mutation:\n" + "\n".join(out)[-3000:])
+        print(f"baseline: {summary}", flush=True)
 
 
 def _stale(mutations) -> list[str]:
@@ -687,60 +716,15 @@ def _stale(mutations) -> list[str]:
 #: Imported once by the forkserver that every mutation's pytest forks from: third-party modules only (the
 #: package under test must be imported fresh, from the mutated copy, in each child).
 PRELOAD = (*prefork.PRELOAD, "pytest", "_pytest.python", "xdist")
-#: Exit status of a child whose ``trt_sora`` did not come from the mutated copy.
-WRONG_IMPORT = 97
 
 
-def _forkserver():
-    os.environ.setdefault("OMP_NUM_THREADS", "1")  # what torch reads when the forkserver imports it (as _env)
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(list(PRELOAD))
-    return ctx
+def _forkserver() -> None:
+    """Before the server starts: what it imports, and torch's thread count when it does (as :func:`_env`)."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    prefork.context().set_forkserver_preload(list(PRELOAD))
 
 
-def _pytest_child(tests, src: str, extra, log: str) -> None:
-    """In a process forked from the forkserver: pytest on ``tests`` with the copy at ``src`` first on sys.path
-    (and on PYTHONPATH, for the processes tests start), stdout and stderr into ``log``, pytest's exit status
-    into ``log + ".rc"`` (a child that died before pytest returned leaves none: its exit status 1 is no
-    failed test)."""
-    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    env = _env(Path(src))
-    os.environ.clear()
-    os.environ.update(env)
-    os.chdir(CWD)
-    sys.path.insert(0, src)
-    import trt_sora
-
-    if not Path(trt_sora.__file__).resolve().is_relative_to(Path(src).resolve()):
-        print(f"trt_sora imports from {trt_sora.__file__}, not from the mutated copy in {src}", flush=True)
-        os._exit(WRONG_IMPORT)
-    import pytest
-
-    rc = int(pytest.main(["-q", "-p", "no:cacheprovider", *extra, *(str(ROOT / t) for t in tests)]))
-    sys.stdout.flush()
-    sys.stderr.flush()
-    Path(log + ".rc").write_text(str(rc))
-    os._exit(rc)
-
-
-def _forked_pytest(tests, src: Path, ctx) -> tuple:
-    """``(pytest's exit status, its output lines)`` of ``tests`` with ``-x`` in a child of ``ctx``'s forkserver
-    (:func:`_forkserver`)."""
-    log, rc_file = src / "pytest.log", src / "pytest.log.rc"
-    rc_file.unlink(missing_ok=True)
-    child = ctx.Process(target=_pytest_child, args=(tests, str(src), ("-x",), str(log)))
-    child.start()
-    child.join(1800)
-    if child.exitcode is None:
-        child.kill()
-        child.join()
-    rc = int(rc_file.read_text()) if rc_file.exists() else f"none (the child died: {child.exitcode})"
-    return rc, log.read_text(errors="replace").strip().splitlines() if log.exists() else []
-
-
-def run_one(m: Mutation, src: Path, ctx) -> Outcome:
+def run_one(m: Mutation, src: Path) -> Outcome:
     path = src / "trt_sora" / m.file
     text = path.read_text()
     if text.count(m.old) != 1:
@@ -748,13 +732,13 @@ def run_one(m: Mutation, src: Path, ctx) -> Outcome:
     path.write_text(text.replace(m.old, m.new))
     t0 = time.perf_counter()
     try:
-        if all(t.startswith(INTERPRETED) for t in m.tests):
-            res = _pytest(m.tests, src, "-x", env={"TRITON_INTERPRET": "1"})
-            rc, out = res.returncode, (res.stdout.strip() or res.stderr.strip()).splitlines()
-            if rc < 0:  # a kernel's bad access killed the interpreter: the file's runner test fails on that
-                rc, out = 1, [f"the interpreted tests' process died of signal {-rc} (the runner test fails)"]
-        else:
-            rc, out = _forked_pytest(m.tests, src, ctx)
+        interpreted = all(t.startswith(INTERPRETED) for t in m.tests)
+        rc, died, out = _pytest(m.tests, src, "-x", env={"TRITON_INTERPRET": "1"} if interpreted else None,
+                                fresh=interpreted)
+        if rc is None and interpreted and died < 0:  # a kernel's bad access killed the interpreter: the file's
+            rc, out = 1, [f"the interpreted tests' process died of signal {-died} (the runner test fails)"]
+        elif rc is None:
+            rc = f"none (the process died: {died})"
     finally:
         path.write_text(text)
     dt = time.perf_counter() - t0
@@ -802,13 +786,13 @@ def main(argv=None) -> int:
             src = _copy_package(Path(tmp) / f"job{i}")
             _check_import_path(src)
             copies.put(src)
+        _forkserver()
         _baseline(chosen, src, jobs)
-        ctx = _forkserver()
 
         def run(m: Mutation) -> Outcome:
             src = copies.get()
             try:
-                o = run_one(m, src, ctx)
+                o = run_one(m, src)
             finally:
                 copies.put(src)
             print(f"{o.verdict:8s} {m.name} ({o.seconds:.0f} s) {o.detail}", flush=True)
