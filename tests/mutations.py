@@ -650,24 +650,25 @@ def _check_import_path(src: Path) -> None:
         sys.exit(f"mutations: trt_sora imports from {got}, not from the mutated copy in {src}")
 
 
+#: The line that ends a pytest process's stdout, before pytest's exit status.
+_STATUS = "pytest exit status "
 #: What each pytest process runs (``python -c``; argv: the copy's folder, then pytest's arguments): ``trt_sora``
 #: from the copy, or exit 1 naming where it came from; then pytest, whose exit status is its last line on stdout
 #: (a process that dies before pytest returns prints none: its exit status 1 is no failed test).
-_PYTEST = """
+_PYTEST = f"""
 import sys
 from pathlib import Path
 
 import trt_sora
 
 if not Path(trt_sora.__file__).resolve().is_relative_to(Path(sys.argv[1]).resolve()):
-    sys.exit(f"trt_sora imports from {trt_sora.__file__}, not from the mutated copy in {sys.argv[1]}")
+    sys.exit(f"trt_sora imports from {{trt_sora.__file__}}, not from the mutated copy in {{sys.argv[1]}}")
 import pytest
 
 rc = int(pytest.main(sys.argv[2:]))
-print(f"pytest exit status {rc}", flush=True)
+print({_STATUS!r} + str(rc), flush=True)
 sys.exit(rc)
 """
-_STATUS = "pytest exit status "
 
 
 def _pytest(tests, src: Path, *extra: str, env: dict | None = None, fresh: bool = False) -> tuple:
