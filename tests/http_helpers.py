@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -108,6 +109,14 @@ class Http:
             if v["status"] in ("done", "failed"):
                 return v
         raise AssertionError(f"job {job_id} not done after {HANG} s: {v}")
+
+    def wait_metric(self, name: str, value: float, **labels) -> float:
+        """The metric once it reads ``value`` (a server counts some requests after its answer, or with no
+        answer at all: a client that hung up); what it reads after HANG if it never does."""
+        deadline = time.monotonic() + HANG
+        while (got := self.metric(name, **labels)) != value and time.monotonic() < deadline:
+            pass
+        return got
 
     def metric(self, name: str, **labels) -> float:
         text = self("GET", "/metrics")[1].decode()
