@@ -579,6 +579,10 @@ MUTATIONS = (
     Mutation("serve-body-timeout", "a stalled body gets 408", "serve/server.py",
              "            with anyio.fail_after(body_timeout_s):", "            with anyio.fail_after(None):",
              ("tests/serve/test_hostile.py::test_a_stalled_body_gets_408_and_holds_nothing",)),
+    Mutation("serve-client-gone", "a client that hangs up mid-body is counted as client_gone", "serve/server.py",
+             'ClientGone: ("client_gone", 499)', 'ClientGone: ("body_timeout", 499)',
+             ("tests/serve/test_hostile.py::test_a_client_that_hangs_up_mid_body_is_counted_not_crashed",),
+             fast=True),
     # -- object storage (batch --out s3://) ------------------------------------------------------------------
     Mutation("s3-temp-key", "a clip object reaches its final key only through a checked temporary key",
              "serve/objstore.py",
