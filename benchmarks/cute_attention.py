@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 #: every Attention8 option off; each variant names all of them, so a change of SCHEDULE's defaults changes none
 OFF = {"stages": 2, "overlap": False, "pingpong": False, "lookahead": False, "lazy_rescale": False,
-       "early_pack": False, "split_sum": False, "int_max": False, "multicast": False}
+       "early_pack": False, "split_sum": False, "int_max": False}
 
 
 def _v(**on) -> dict:
@@ -55,8 +55,6 @@ VARIANTS = {
     "overlap_lazy_epss": _v(overlap=True, lazy_rescale=True, early_pack=True, split_sum=True),
     "overlap_lazy_im": _v(overlap=True, lazy_rescale=True, int_max=True),
     "overlap_lazy_epssim": _v(overlap=True, lazy_rescale=True, early_pack=True, split_sum=True, int_max=True),
-    "overlap_lazy_epssim_mc": _v(overlap=True, lazy_rescale=True, early_pack=True, split_sum=True, int_max=True,
-                                 multicast=True),
 }
 SHAPES = ((1, 100, 2), (1, 128, 2), (1, 129, 2), (2, 1000, 2), (1, 4133, 2), (1, 32760, 3))
 

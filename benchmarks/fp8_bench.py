@@ -36,7 +36,6 @@ Parts (``--parts``):
   warp-specialized Gluon one on SM 9.x; ``fp8_fused_attn8_cudnn`` / ``fp8_fused_attn8_graph_cudnn``: with
   cuDNN's FP8 SDPA, eager with its profiler split, and graphed; a failure there is recorded, not fatal;
   ``fp8_fused_attn8_cute`` / ``fp8_fused_attn8_graph_cute``: the same with our CuTe DSL kernel (SM 9.0);
-  a CuTe rung + ``_mc``: the kernel's ``multicast`` schedule (K and V^T loaded once per cluster of two CTAs);
   any rung + ``_prev``: that rung with benchmarks/_prev_triton_ops.py's Triton kernels
   (:func:`prev_kernels`), for an A/B in one process;
   ``fp8_fused_attn8_graph_sparse``: the full rung with block-sparse self-attention, once per window of
@@ -702,11 +701,9 @@ def model_part(name: str, size: str, batch: int, iters: int, rungs: list[str], s
     # the same rungs with every Triton kernel of benchmarks/_prev_triton_ops.py (another commit's; see
     # epilogue_bench)
     ladder |= {f"{k}_prev": v for k, v in list(ladder.items())}
-    # the CuTe rungs with K and V^T loaded once per cluster of two CTAs (the kernel's multicast option)
-    ladder |= {f"{k}_mc": v for k, v in list(ladder.items()) if k.endswith("_cute")}
-    from trt_sora.kernels import cute_attention, ops, triton_ops
+    from trt_sora.kernels import ops, triton_ops
 
-    shipped_ws, shipped_tri, shipped_cute = triton_ops.ATTN_WS, ops._tri, cute_attention.SCHEDULE
+    shipped_ws, shipped_tri = triton_ops.ATTN_WS, ops._tri
     plans = {rung: None for rung in ladder if rung in rungs} | dict(sparse or {})
     if plans and str(device).startswith("cuda"):
         # each rung rewrites its own copy of the model: the bf16 reference waits on the host, so a 14B rung
@@ -719,7 +716,6 @@ def model_part(name: str, size: str, batch: int, iters: int, rungs: list[str], s
             kw = ladder["fp8_fused_attn8_graph"] if sparse_plan is not None else ladder[rung]
             triton_ops.ATTN_WS = shipped_ws != rung.endswith("_otherkernel")
             ops._tri = prev_kernels(shipped_tri) if rung.endswith("_prev") else shipped_tri
-            cute_attention.SCHEDULE = shipped_cute | ({"multicast": True} if rung.endswith("_mc") else {})
             held = _gpu_gib()
             r = None
             try:
@@ -729,9 +725,9 @@ def model_part(name: str, size: str, batch: int, iters: int, rungs: list[str], s
                 call = lambda: r.infer(feeds_r)["sample"]  # noqa: E731
                 y, t, ts = timed_calls(call, iters)
             except Exception as exc:  # noqa: BLE001 - an optional kernel (cuDNN FP8, CuTe) must not end the other rungs
-                if not rung.removesuffix("_mc").removesuffix("_prev").endswith(("_cudnn", "_cute")):
+                if not rung.removesuffix("_prev").endswith(("_cudnn", "_cute")):
                     raise
-                from trt_sora.kernels import cudnn_attention
+                from trt_sora.kernels import cudnn_attention, cute_attention
 
                 res["rungs"][rung] = {"error": f"{type(exc).__name__}: {exc}", "cudnn": cudnn_attention.versions(),
                                       "cutlass_dsl": cute_attention.version()}
@@ -761,7 +757,7 @@ def model_part(name: str, size: str, batch: int, iters: int, rungs: list[str], s
             _release_gpu()
             save(res)
     finally:
-        triton_ops.ATTN_WS, ops._tri, cute_attention.SCHEDULE = shipped_ws, shipped_tri, shipped_cute
+        triton_ops.ATTN_WS, ops._tri = shipped_ws, shipped_tri
     del fwd
     torch.cuda.empty_cache()
     base = res["rungs"]["eager_bf16"]["s"]

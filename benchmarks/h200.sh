@@ -42,8 +42,7 @@
 # profiler split, and graphed; the DSL as for cute; M14CUTE_SCHEDULE, e.g. overlap=0,lookahead=1: the kernel's
 # schedule; KERNEL_SETTINGS: a JSON of the Triton kernels' launch settings, e.g. the epi part's output, its best
 # ones; M14CUTE_RUNGS: other rungs, e.g. ..._graph_cute,..._graph_cute_prev (benchmarks/_prev_triton_ops.py's
-# Triton kernels; ..._graph_cute_mc: the CuTe kernel's multicast schedule, K and V^T once per 2-CTA cluster); needs
-# diffusers' wheel), cute_tests (the CuTe kernel's GPU tests, the DSL on the path; pytest from the
+# Triton kernels); needs diffusers' wheel), cute_tests (the CuTe kernel's GPU tests, the DSL on the path; pytest from the
 # WHL carry: build/pyt holds pytest, pluggy, iniconfig and diffusers, 6.5 MB beside the DSL's 40 MB piece),
 # epi (the memory-bound kernels of the 14B call at its size: residual_norm_quant and the fused-QKV epilogue by
 # warps, gelu_quant, each kernel's time and its outputs vs the shipped setting's;

@@ -169,12 +169,11 @@ def _kernel_class():
         def __init__(self, stages: int = 2, overlap: bool = False, pingpong: bool = False,
                      out_fp8: bool = False, lookahead: bool = False, lazy_rescale: bool = False,
                      early_pack: bool = False, split_sum: bool = False, int_max: bool = False,
-                     multicast: bool = False, trace: bool = False, ablate: tuple = (),
+                     trace: bool = False, ablate: tuple = (),
                      mma_regs: int = 240, load_regs: int = 24):
             self.stages, self.overlap, self.pingpong, self.out_fp8 = stages, overlap, pingpong, out_fp8
             self.lookahead, self.lazy_rescale = lookahead, lazy_rescale
             self.trace, self.early_pack, self.split_sum, self.int_max = trace, early_pack, split_sum, int_max
-            self.multicast = multicast
             self.ablate = ablate
             self.mma_regs, self.load_regs = mma_regs, load_regs
 
@@ -195,13 +194,10 @@ def _kernel_class():
             sV_layout = smem_layout(cutlass.Float8E4M3FN, self.stages)
             tma_q, tq = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), q3, sQ_layout,
                                                    (TILE, TILE))
-            # multicast: the two CTAs of a cluster (neighbouring query blocks of one head) each load half of
-            # every K and V^T tile into both
-            kv_op = cpasync.CopyBulkTensorTileG2SMulticastOp() if self.multicast else cpasync.CopyBulkTensorTileG2SOp()
-            tma_k, tk = cpasync.make_tiled_tma_atom(kv_op, k3, cute.select(sK_layout, mode=[0, 1]), (TILE, TILE),
-                                                   self.cluster())
-            tma_v, tv = cpasync.make_tiled_tma_atom(kv_op, v3, cute.select(sV_layout, mode=[0, 1]), (TILE, TILE),
-                                                   self.cluster())
+            tma_k, tk = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), k3,
+                                                   cute.select(sK_layout, mode=[0, 1]), (TILE, TILE))
+            tma_v, tv = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), v3,
+                                                   cute.select(sV_layout, mode=[0, 1]), (TILE, TILE))
             mma_qk = sm90.make_trivial_tiled_mma(cutlass.Int8, cutlass.Int8, K_MAJOR, K_MAJOR, Int32,
                                                  (2, 1, 1), (64, TILE))
             mma_pv = sm90.make_trivial_tiled_mma(cutlass.Float8E4M3FN, cutlass.Float8E4M3FN, K_MAJOR, K_MAJOR,
@@ -219,30 +215,11 @@ def _kernel_class():
                 sV: cute.struct.Align[cute.struct.MemRange[cutlass.Float8E4M3FN, cute.cosize(sV_layout)], 1024]
 
             seqlen = mQ.shape[1]
-            cl = self.cluster()
-            grid = (cute.ceil_div(seqlen, TILE * cl) * cl, mQ.shape[0], 1)  # whole clusters: a CTA past the
-            # last query block loads its share of K and V^T for its neighbour and stores nothing
+            grid = (cute.ceil_div(seqlen, TILE), mQ.shape[0], 1)
             self.kernel(tq, tk, tv, tma_q, tma_k, tma_v, mQS, mKS, mVS, mO, qk_scale, mOSC, mTrace, sQ_layout,
                         sK_layout,
-                        sV_layout, mma_qk, mma_pv, Storage).launch(grid=grid, block=[384, 1, 1], cluster=[cl, 1, 1],
-                                                                   stream=stream, min_blocks_per_mp=1)
-
-        def cluster(self) -> int:
-            """CTAs a cluster: 2 with ``multicast``, else 1."""
-            return 2 if self.multicast else 1
-
-        def kv_pipeline(self, storage, group):
-            """The K or V^T ring's mbarriers. ``multicast``: a stage is free once the consumers of both CTAs
-            released it (each consumer warp arrives at both CTAs' empty barrier)."""
-            if const_expr(self.multicast):
-                return pipeline.PipelineTmaAsync.create(barrier_storage=storage, num_stages=self.stages,
-                                                        producer_group=group(1), consumer_group=group(256),
-                                                        tx_count=TILE * TILE, defer_sync=True,
-                                                        cta_layout_vmnk=cute.make_layout((1, 2, 1, 1)),
-                                                        mcast_mode_mn=(0, 1), enable_multicast_signaling=True)
-            return pipeline.PipelineTmaAsync.create(barrier_storage=storage, num_stages=self.stages,
-                                                    producer_group=group(1), consumer_group=group(8),
-                                                    tx_count=TILE * TILE, defer_sync=True)
+                        sV_layout, mma_qk, mma_pv, Storage).launch(grid=grid, block=[384, 1, 1], stream=stream,
+                                                                   min_blocks_per_mp=1)
 
         @cute.kernel
         def kernel(self, tq: cute.Tensor, tk: cute.Tensor, tv: cute.Tensor, tma_q: cute.CopyAtom,
@@ -262,15 +239,19 @@ def _kernel_class():
             pipe_q = pipeline.PipelineTmaAsync.create(barrier_storage=storage.bar_q.data_ptr(), num_stages=1,
                                                       producer_group=group(1), consumer_group=group(8),
                                                       tx_count=q_bytes, defer_sync=True)
-            pipe_k = self.kv_pipeline(storage.bar_k.data_ptr(), group)
-            pipe_v = self.kv_pipeline(storage.bar_v.data_ptr(), group)
-            pipeline.pipeline_init_arrive(cluster_shape_mn=(self.cluster(), 1), is_relaxed=True)
+            pipe_k = pipeline.PipelineTmaAsync.create(barrier_storage=storage.bar_k.data_ptr(),
+                                                      num_stages=self.stages, producer_group=group(1),
+                                                      consumer_group=group(8), tx_count=q_bytes, defer_sync=True)
+            pipe_v = pipeline.PipelineTmaAsync.create(barrier_storage=storage.bar_v.data_ptr(),
+                                                      num_stages=self.stages, producer_group=group(1),
+                                                      consumer_group=group(8), tx_count=q_bytes, defer_sync=True)
+            pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
             sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
             sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
             sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
             seqlen = tq.shape[0]
             n_tiles = cute.ceil_div(seqlen, TILE)
-            pipeline.pipeline_init_wait(cluster_shape_mn=(self.cluster(), 1))
+            pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
             if warp < 4:
                 cute.arch.setmaxregister_decrease(self.load_regs)
                 if warp == 0:
@@ -290,34 +271,27 @@ def _kernel_class():
             gV = cute.local_tile(tv[None, None, bh], (TILE, TILE), (0, None))
             sq, gq = cpasync.tma_partition(tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2),
                                            cute.group_modes(gQ, 0, 2))
-            cl = self.cluster()
-            rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster()) if const_expr(cl > 1) else 0
-            sk, gk = cpasync.tma_partition(tma_k, rank, cute.make_layout(cl), cute.group_modes(sK, 0, 2),
+            sk, gk = cpasync.tma_partition(tma_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2),
                                            cute.group_modes(gK, 0, 2))
-            sv, gv = cpasync.tma_partition(tma_v, rank, cute.make_layout(cl), cute.group_modes(sV, 0, 2),
+            sv, gv = cpasync.tma_partition(tma_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2),
                                            cute.group_modes(gV, 0, 2))
-            mask = cutlass.Int16((1 << cl) - 1) if const_expr(cl > 1) else None
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
             q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
             pipe_k.producer_acquire(state)
-            cute.copy(tma_k, gk[None, 0], sk[None, state.index], tma_bar_ptr=pipe_k.producer_get_barrier(state),
-                      mcast_mask=mask)
+            cute.copy(tma_k, gk[None, 0], sk[None, state.index], tma_bar_ptr=pipe_k.producer_get_barrier(state))
             pipe_q.producer_acquire(q_state)
             cute.copy(tma_q, gq, sq, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
             pipe_v.producer_acquire(state)
-            cute.copy(tma_v, gv[None, 0], sv[None, state.index], tma_bar_ptr=pipe_v.producer_get_barrier(state),
-                      mcast_mask=mask)
+            cute.copy(tma_v, gv[None, 0], sv[None, state.index], tma_bar_ptr=pipe_v.producer_get_barrier(state))
             state.advance()
             for j in cutlass.range(1, n_tiles, unroll=1):
                 pipe_k.producer_acquire(state)
                 cute.copy(tma_k, gk[None, j], sk[None, state.index],
-                          tma_bar_ptr=pipe_k.producer_get_barrier(state), mcast_mask=mask)
+                          tma_bar_ptr=pipe_k.producer_get_barrier(state))
                 pipe_v.producer_acquire(state)
                 cute.copy(tma_v, gv[None, j], sv[None, state.index],
-                          tma_bar_ptr=pipe_v.producer_get_barrier(state), mcast_mask=mask)
+                          tma_bar_ptr=pipe_v.producer_get_barrier(state))
                 state.advance()
-            if const_expr(self.multicast):  # the other CTA's releases of the last K tiles land here before exit
-                pipe_k.producer_tail(state.clone())
             pipe_v.producer_tail(state)
 
         @cute.jit
@@ -332,8 +306,6 @@ def _kernel_class():
             thr_qk = mma_qk.get_slice(tidx)
             thr_pv = mma_pv.get_slice(tidx)
             tOrP = wg_pv.make_fragment_A(wg_pv.partition_shape_A((TILE, TILE)))
-            # a multicast CTA past the last query block reads the last block's Q scale (its rows are not stored)
-            q_block = cutlass.min(m_block, mQS.shape[1] - 1) if self.multicast else m_block
             # V^T [D, keys] is P V's B operand (N = D, K = keys), K-major
             f = SimpleNamespace(
                 wg=wg, pipe_k=pipe_k, pipe_v=pipe_v, mma_qk=mma_qk, mma_pv=mma_pv,
@@ -345,7 +317,7 @@ def _kernel_class():
                 p_f=cute.make_rmem_tensor_like(tOrP, Float32),
                 cS=thr_qk.partition_C(cute.make_identity_tensor((TILE, TILE))),
                 row_max=cute.make_rmem_tensor((2,), Float32), row_sum=cute.make_rmem_tensor((2,), Float32),
-                alpha=cute.make_rmem_tensor((2,), Float32), qsc=mQS[bh, q_block] * qk_scale, mKS=mKS, bh=bh,
+                alpha=cute.make_rmem_tensor((2,), Float32), qsc=mQS[bh, m_block] * qk_scale, mKS=mKS, bh=bh,
                 seqlen=seqlen, n_tiles=n_tiles,
                 tr=(mTrace, (bh == 0) & (m_block < TRACE_CTAS) & (tidx % 32 == 0), m_block, tidx // 32))
             f.row_max.fill(-1.0e30)
@@ -679,7 +651,7 @@ _COMPILED: dict = {}
 #: The schedule :func:`attention_fp8` runs where its caller names none (``int8-cute`` inside a model call):
 #: the fastest measured (benchmarks/README.md). A benchmark may set it to time another in a model.
 SCHEDULE = {"stages": 2, "overlap": True, "pingpong": False, "lookahead": False, "lazy_rescale": True,
-            "early_pack": True, "split_sum": True, "int_max": True, "multicast": False}
+            "early_pack": True, "split_sum": True, "int_max": True}
 
 
 def _dl(t, dynamic_dim: int):
